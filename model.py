@@ -1,0 +1,348 @@
+"""A GPT decoder with ALiBi attention, in Flax NNX.
+
+    tokens (B, T) -> embedding [+ learned positions] [-> LayerNorm] -> N x Block -> LayerNorm
+                  -> logits (B, T, V_padded) through the transposed token embedding (tied weights)
+    Block: x + Attention(LayerNorm(x)), then x + MLP(LayerNorm(x))   (pre-LayerNorm, GPT-2 layout)
+
+Written against Flax NNX, Flax's current API. The model holds parameters only: dropout draws
+from an explicit key passed to `__call__` (folded per layer and site), so the training step stays
+a pure function of (params, batch, key) and no RNG state lives in the module.
+
+ALiBi (Press, Smith & Lewis, "Train Short, Test Long", ICLR 2022) adds `-slope_h * (i - j)` to
+the scaled attention score of query i and key j <= i, with one fixed slope per head and no
+position embedding. The bias is built for whatever length is fed, so a model trained at context
+T runs at 2T, 4T, 8T. With `alibi_attn: false` the model uses GPT-2's learned absolute
+positions instead and refuses inputs longer than `block_size`.
+
+Every parameter carries logical axis names in its `axes` metadata (`vocab`, `embed`, `heads`,
+`kv`, `mlp`, or None for a replicated dimension) and the main activations are constrained by
+name through `logical_constraint`. `sharding.py` maps these names to mesh axes; the model never
+sees a mesh. (The names live in our own metadata key rather than NNX's `out_sharding`, which NNX
+applies eagerly and which then requires a mesh even on one CPU.)
+
+Precision: parameters are float32; matrix products run in the compute `dtype`; attention scores,
+the softmax, the logits and the loss are float32 whatever the compute dtype.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+REMAT_POLICIES = {
+    "none": None,  # keep every activation: fastest, most memory
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only block inputs, recompute the rest
+    # keep the outputs of weight matmuls, recompute attention scores and elementwise ops
+    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+ATTENTION_IMPLS = ("xla", "dot_product")
+VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding and logits matmuls tile well
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 50257  # tokenizer vocabulary; the embedding is padded to a multiple of 128
+    block_size: int = 1024  # training context; the limit for learned positions only
+    embedding_dim: int = 768  # d, the residual stream width
+    num_head: int = 12  # attention heads; head size = embedding_dim / num_head
+    N: int = 12  # number of blocks
+    dropout: float = 0.0  # on embeddings, attention probabilities and residual branches
+    alibi_attn: bool = True  # ALiBi biases (True) or GPT-2 learned absolute positions (False)
+    bias: bool = True  # biases in linear layers and LayerNorms
+    embed_norm: bool = False  # LayerNorm right after the embedding (BLOOM's layout)
+    gelu_approximate: bool = True  # tanh approximation of GELU (GPT-2, BLOOM) or exact erf
+    layer_norm_epsilon: float = 1e-5
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16
+    remat: str = "none"  # rematerialisation per block: none | full | save_matmuls
+    attention: str = "xla"  # xla (reference) | dot_product (jax.nn.dot_product_attention, cuDNN on GPU)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "embedding_dim", "num_head", "N"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
+        if self.embedding_dim % self.num_head:
+            raise ValueError(
+                f"model.embedding_dim ({self.embedding_dim}) must be divisible by model.num_head ({self.num_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
+        if self.attention == "dot_product" and self.dropout > 0:
+            raise ValueError(
+                "model.attention=dot_product cannot drop attention probabilities; use attention=xla or dropout=0"
+            )
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+    @property
+    def head_dim(self) -> int:
+        return self.embedding_dim // self.num_head
+
+
+# ----------------------------------------------------------------------------------------------
+# Logical axis names for activations. sharding.py installs a function from a tuple of names to a
+# sharding; without one (a single device, or plain data parallelism) the constraint is a no-op.
+
+_activation_sharding: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "activation_sharding", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_sharding(names_to_sharding: Callable):
+    """Within this context, traced model code constrains activations with `names_to_sharding(axes)`."""
+    token = _activation_sharding.set(names_to_sharding)
+    try:
+        yield
+    finally:
+        _activation_sharding.reset(token)
+
+
+def logical_constraint(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    to_sharding = _activation_sharding.get()
+    return x if to_sharding is None else jax.lax.with_sharding_constraint(x, to_sharding(axes))
+
+
+def param_axes(state):
+    """The logical axis names of every parameter, as a pytree shaped like `state`."""
+    return jax.tree.map(
+        lambda v: v.get_metadata("axes"), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# ALiBi
+
+
+def alibi_slopes(n_head: int) -> np.ndarray:
+    """Per-head ALiBi slopes, float32 (n_head,).
+
+    For a power of two n: the geometric sequence 2^(-8/n), 2^(-16/n), ..., 2^(-8). Otherwise the
+    paper's rule: the n' = 2^floor(log2 n) slopes of the closest lower power of two, followed by
+    every other slope of the sequence for 2n' (its 1st, 3rd, 5th, ...) until n slopes are taken.
+    """
+
+    def geometric(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    closest = 2 ** int(math.floor(math.log2(n_head)))
+    slopes = geometric(closest) + geometric(2 * closest)[0::2][: n_head - closest]
+    return np.asarray(slopes, dtype=np.float32)
+
+
+def alibi_bias(n_head: int, q_len: int, k_len: int) -> jax.Array:
+    """-slope * (i - j) for query i, key j, float32 (n_head, q_len, k_len); queries are the last q_len keys."""
+    i = jnp.arange(k_len - q_len, k_len)[:, None]  # (Tq, 1) absolute query positions
+    j = jnp.arange(k_len)[None, :]  # (1, Tk)
+    distance = (i - j).astype(jnp.float32)  # (Tq, Tk); negative above the diagonal, masked anyway
+    return -jnp.asarray(alibi_slopes(n_head))[:, None, None] * distance  # (H, Tq, Tk)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+
+
+def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def _fold(key: jax.Array | None, i: int) -> jax.Array | None:
+    return None if key is None else jax.random.fold_in(key, i)
+
+
+class Dense(nnx.Module):
+    """A weight of any shape applied by an einsum, plus an optional bias over its output dims.
+
+    The first `n_in` kernel dimensions are contracted with the input's last dimensions.
+    """
+
+    def __init__(self, shape, axes, n_in: int, *, std: float, bias: bool, dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
+        self.bias = nnx.Param(jnp.zeros(shape[n_in:], jnp.float32), axes=axes[n_in:]) if bias else None
+        self.dtype = dtype
+
+    def __call__(self, spec: str, x: jax.Array) -> jax.Array:
+        y = jnp.einsum(spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+
+
+def _layer_norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    # Flax computes the mean and variance in float32 even when `dtype` is bfloat16.
+    return nnx.LayerNorm(
+        cfg.embedding_dim,
+        epsilon=cfg.layer_norm_epsilon,
+        use_bias=cfg.bias,
+        dtype=DTYPES[cfg.dtype],
+        param_dtype=jnp.float32,
+        scale_metadata={"axes": ("embed",)},
+        bias_metadata={"axes": ("embed",)},
+        rngs=rngs,
+    )
+
+
+def attention(q, k, v, cfg: GPTConfig, dropout_key=None) -> jax.Array:
+    """Causal attention of q, k, v (B, T, H, D) -> (B, T, H, D), with the ALiBi bias when configured."""
+    B, T, H, D = q.shape
+    bias = alibi_bias(H, T, T)[None] if cfg.alibi_attn else None  # (1, H, T, T) float32
+    if cfg.attention == "dot_product":
+        if bias is not None:
+            bias = bias.astype(q.dtype)
+        return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True)
+
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)  # (B, H, T, T)
+    scores = scores * (1.0 / math.sqrt(D))
+    if bias is not None:
+        scores = scores + bias
+    causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)  # float32, always: a bf16 softmax destabilises training
+    probs = _dropout(probs, cfg.dropout, dropout_key).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)  # (B, T, H, D)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        d, H, D, dtype = cfg.embedding_dim, cfg.num_head, cfg.head_dim, DTYPES[cfg.dtype]
+        # q, k and v in one weight: (d, 3, H, D)
+        self.c_attn = Dense((d, 3, H, D), ("embed", None, "heads", "kv"), 1, std=0.02, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        # residual projection, scaled down by depth as in GPT-2: (H, D, d)
+        proj_std = 0.02 / math.sqrt(2 * cfg.N)
+        self.c_proj = Dense((H, D, d), ("heads", "kv", "embed"), 2, std=proj_std, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        self.cfg = cfg
+
+    def __call__(self, x: jax.Array, dropout_key=None) -> jax.Array:
+        qkv = self.c_attn("btd,dshc->btshc", x)  # (B, T, 3, H, D)
+        qkv = logical_constraint(qkv, ("batch", "length", None, "heads", "kv"))
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (B, T, H, D)
+        y = attention(q, k, v, self.cfg, dropout_key)  # (B, T, H, D)
+        y = logical_constraint(y, ("batch", "length", "heads", "kv"))
+        return self.c_proj("bthc,hcd->btd", y)  # (B, T, d)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        d, dtype = cfg.embedding_dim, DTYPES[cfg.dtype]
+        self.c_fc = Dense((d, 4 * d), ("embed", "mlp"), 1, std=0.02, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        proj_std = 0.02 / math.sqrt(2 * cfg.N)
+        self.c_proj = Dense((4 * d, d), ("mlp", "embed"), 1, std=proj_std, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        self.approximate = cfg.gelu_approximate
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.nn.gelu(self.c_fc("btd,df->btf", x), approximate=self.approximate)  # (B, T, 4d)
+        h = logical_constraint(h, ("batch", "length", "mlp"))
+        return self.c_proj("btf,fd->btd", h)  # (B, T, d)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        self.ln_1 = _layer_norm(cfg, rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.ln_2 = _layer_norm(cfg, rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+        self.dropout = cfg.dropout
+
+    def __call__(self, x: jax.Array, dropout_key=None) -> jax.Array:
+        x = x + _dropout(self.attn(self.ln_1(x), _fold(dropout_key, 0)), self.dropout, _fold(dropout_key, 1))
+        x = x + _dropout(self.mlp(self.ln_2(x)), self.dropout, _fold(dropout_key, 2))
+        return logical_constraint(x, ("batch", "length", "embed"))
+
+
+def _block_forward(block: Block, x: jax.Array, dropout_key):
+    return block(x, dropout_key)
+
+
+class GPT(nnx.Module):
+    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+        cfg = self.config = config
+        d = cfg.embedding_dim
+        init = lambda shape: 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)  # noqa: E731
+        self.wte = nnx.Param(init((cfg.padded_vocab_size, d)), axes=("vocab", "embed"))
+        self.wpe = None if cfg.alibi_attn else nnx.Param(init((cfg.block_size, d)), axes=(None, "embed"))
+        self.embed_norm = _layer_norm(cfg, rngs) if cfg.embed_norm else None
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.N)])
+        self.ln_f = _layer_norm(cfg, rngs)
+        policy = REMAT_POLICIES[cfg.remat]
+        self._block_forward = _block_forward if cfg.remat == "none" else nnx.remat(_block_forward, policy=policy)
+
+    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Logits, float32 (B, T, padded_vocab_size), for int tokens (B, T). Dropout iff a key is given."""
+        cfg, dtype = self.config, DTYPES[self.config.dtype]
+        B, T = tokens.shape
+        x = jnp.take(self.wte[...], tokens, axis=0)  # (B, T, d)
+        if self.wpe is not None:
+            if T > cfg.block_size:
+                raise ValueError(
+                    f"input of {T} tokens is longer than block_size {cfg.block_size} of a learned-position "
+                    f"model; only ALiBi models (alibi_attn: true) run beyond their training context"
+                )
+            x = x + self.wpe[:T]  # (T, d) broadcast over the batch
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        x = _dropout(x.astype(dtype), cfg.dropout, _fold(dropout_key, cfg.N))
+        x = logical_constraint(x, ("batch", "length", "embed"))
+        for i, block in enumerate(self.blocks):
+            x = self._block_forward(block, x, _fold(dropout_key, i))
+        x = self.ln_f(x)
+        # tied output projection; float32 accumulation and result, since the loss needs it
+        logits = jnp.einsum("btd,vd->btv", x, self.wte[...].astype(dtype), preferred_element_type=jnp.float32)
+        return logical_constraint(logits, ("batch", "length", "vocab"))  # (B, T, V_padded)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss and counting
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None):
+    """Mean next-token cross-entropy in float32 over counted tokens, and the count.
+
+    logits (B, T, V), targets (B, T) int; weights (B, T) optional, e.g. 1 on completion tokens and
+    0 on the prompt. Returns (loss, n) where n = sum of weights (B * T without weights).
+    """
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)  # (B, T)
+    if weights is None:
+        weights = jnp.ones_like(losses)
+    weights = weights.astype(jnp.float32)
+    n = weights.sum()
+    return (losses * weights).sum() / jnp.maximum(n, 1.0), n
+
+
+def param_count(cfg: GPTConfig) -> int:
+    """Exact number of parameters, the padded embedding rows included.
+
+    Per block: 12 d^2 weights (qkv 3d^2, attention projection d^2, MLP 8d^2) and 2d LayerNorm
+    scales, plus 11d biases when `bias` (qkv 3d, projection d, MLP 4d + d, LayerNorm 2d).
+    """
+    d = cfg.embedding_dim
+    per_block = 12 * d * d + 2 * d + (11 * d if cfg.bias else 0)
+    norm = d + (d if cfg.bias else 0)
+    embeddings = cfg.padded_vocab_size * d + (0 if cfg.alibi_attn else cfg.block_size * d)
+    return embeddings + cfg.N * per_block + norm * (2 if cfg.embed_norm else 1)
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token, forward and backward: 6 N + 6 L d T.
+
+    6 N for the parameter matmuls (2 forward, 4 backward per weight; N = param_count, as llm.c
+    counts it) plus the attention scores and their weighted sum, 12 L d T, halved for the causal
+    mask. Used for MFU in the training log and the benchmark.
+    """
+    return 6.0 * param_count(cfg) + 6.0 * cfg.N * cfg.embedding_dim * seq_len

@@ -1,0 +1,281 @@
+"""Tests of model.py, each against an expectation computed independently of the model code."""
+import dataclasses
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import yaml
+from flax import nnx
+
+import model as M
+
+TINY = M.GPTConfig(vocab_size=200, block_size=16, embedding_dim=32, num_head=4, N=2)
+
+
+def build(cfg, seed=0):
+    return M.GPT(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def tokens(shape, vocab=200, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, shape), dtype=jnp.int32)
+
+
+def loss_fn(graphdef, params, batch, key=None):
+    logits = nnx.merge(graphdef, params)(batch[:, :-1], dropout_key=key)
+    return M.cross_entropy(logits, batch[:, 1:])[0]
+
+
+@pytest.mark.parametrize("alibi", [True, False])
+def test_causal(alibi):
+    cfg = dataclasses.replace(TINY, alibi_attn=alibi, embed_norm=alibi)
+    model = build(cfg)
+    x = tokens((2, 16))
+    t = 6
+    y = x.at[:, t + 1 :].set((x[:, t + 1 :] + 7) % 200)  # change every token after position t
+    a, b = model(x), model(y)
+    np.testing.assert_array_equal(np.asarray(a[:, : t + 1]), np.asarray(b[:, : t + 1]))
+    assert not np.allclose(np.asarray(a[:, t + 1 :]), np.asarray(b[:, t + 1 :]))
+
+
+@pytest.mark.parametrize("n", [8, 12, 16, 20, 24, 32])
+def test_alibi_slopes_follow_the_paper(n):
+    # Press et al.: for n = 2^k heads, slope_i = 2^(-8 i / n), i = 1..n. Otherwise take the c = 2^floor(log2 n)
+    # slopes for c heads, then slopes 2^(-8 j / (2c)) for odd j = 1, 3, 5, ... until there are n.
+    c = 1
+    while c * 2 <= n:
+        c *= 2
+    expected = [2 ** (-8 * i / c) for i in range(1, c + 1)]
+    expected += [2 ** (-8 * j / (2 * c)) for j in range(1, 4 * c, 2)][: n - c]
+    np.testing.assert_allclose(M.alibi_slopes(n), expected, rtol=1e-6)
+    if n == 8:  # the paper's example: 1/2, 1/4, ..., 1/256
+        np.testing.assert_allclose(M.alibi_slopes(8), [1 / 2 ** i for i in range(1, 9)], rtol=1e-6)
+
+
+def naive_attention(q, k, v, slopes):
+    """Loops over batch, head and query, in float64."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    B, T, H, D = q.shape
+    out = np.zeros_like(q)
+    for b in range(B):
+        for h in range(H):
+            for i in range(T):
+                s = np.array([q[b, i, h] @ k[b, j, h] / math.sqrt(D) - slopes[h] * (i - j) for j in range(i + 1)])
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                out[b, i, h] = sum(p[j] * v[b, j, h] for j in range(i + 1))
+    return out
+
+
+@pytest.mark.parametrize("impl", ["xla", "dot_product"])
+def test_attention_adds_alibi_bias_under_causal_mask(impl):
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 7, 4, 8)), jnp.float32) for _ in range(3))
+    cfg = dataclasses.replace(TINY, attention=impl)
+    got = M.attention(q, k, v, cfg)
+    slopes = [2 ** (-8 * i / 4) for i in range(1, 5)]
+    np.testing.assert_allclose(np.asarray(got), naive_attention(q, k, v, slopes), atol=1e-5)
+    no_alibi = M.attention(q, k, v, dataclasses.replace(cfg, alibi_attn=False))
+    np.testing.assert_allclose(np.asarray(no_alibi), naive_attention(q, k, v, [0.0] * 4), atol=1e-5)
+
+
+def test_alibi_runs_longer_than_trained_and_learned_positions_refuse():
+    alibi = build(TINY)
+    logits = alibi(tokens((1, 4 * TINY.block_size)))
+    assert logits.shape == (1, 64, TINY.padded_vocab_size)
+    assert np.isfinite(np.asarray(logits)).all()
+    learned = build(dataclasses.replace(TINY, alibi_attn=False))
+    learned(tokens((1, TINY.block_size)))  # exactly block_size is fine
+    with pytest.raises(ValueError, match="longer than block_size 16"):
+        learned(tokens((1, TINY.block_size + 1)))
+
+
+def expected_param_count(d, n_layer, vocab, block, bias, embed_norm, alibi):
+    padded = math.ceil(vocab / 128) * 128
+    attn = d * 3 * d + d * d + (3 * d + d if bias else 0)
+    mlp = d * 4 * d + 4 * d * d + (4 * d + d if bias else 0)
+    ln = d + (d if bias else 0)
+    return padded * d + (0 if alibi else block * d) + n_layer * (attn + mlp + 2 * ln) + ln * (2 if embed_norm else 1)
+
+
+@pytest.mark.parametrize(
+    "d,n_layer,vocab,bias,embed_norm,alibi",
+    [(32, 2, 200, True, False, True), (48, 3, 300, False, True, False), (64, 1, 129, True, True, False)],
+)
+def test_param_count(d, n_layer, vocab, bias, embed_norm, alibi):
+    cfg = M.GPTConfig(vocab_size=vocab, block_size=24, embedding_dim=d, num_head=4, N=n_layer,
+                      bias=bias, embed_norm=embed_norm, alibi_attn=alibi)
+    expected = expected_param_count(d, n_layer, vocab, 24, bias, embed_norm, alibi)
+    assert M.param_count(cfg) == expected
+    abstract = nnx.eval_shape(lambda: build(cfg))  # shapes only
+    assert sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract))) == expected
+
+
+def test_named_sizes_have_the_sizes_they_are_named_after():
+    sizes = yaml.safe_load((Path(__file__).parent / "conf" / "model_config.yaml").read_text())
+    for name, millions in [("124m", 124), ("417m", 417), ("760m", 760), ("1_3b", 1300)]:
+        cfg = M.GPTConfig(**sizes[name])
+        abstract = nnx.eval_shape(lambda: build(cfg))
+        n = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract)))
+        assert n == M.param_count(cfg)
+        assert abs(n / 1e6 - millions) / millions < 0.01, (name, n)
+    small = M.GPTConfig(**sizes["small"])
+    # the default job's model must be expressible in BLOOM's layout
+    assert small.alibi_attn and small.embed_norm and small.bias and small.gelu_approximate
+    assert small.layer_norm_epsilon == 1e-5
+
+
+def test_flops_per_token_formula():
+    cfg = M.GPTConfig(vocab_size=256, block_size=64, embedding_dim=64, num_head=4, N=3)
+    n = expected_param_count(64, 3, 256, 64, True, False, True)
+    assert M.flops_per_token(cfg, 64) == 6 * n + 6 * 3 * 64 * 64
+
+
+@pytest.mark.parametrize("policy", ["full", "save_matmuls"])
+def test_remat_gives_the_same_loss_and_gradients(policy):
+    x = tokens((2, 17))
+    key = jax.random.key(3)
+    results = []
+    for remat in ("none", policy):
+        cfg = dataclasses.replace(TINY, remat=remat, dropout=0.1)  # dropout too: same keys, same masks
+        graphdef, params = nnx.split(build(cfg))
+        results.append(jax.jit(jax.value_and_grad(lambda p: loss_fn(graphdef, p, x, key)))(params))
+    (l0, g0), (l1, g1) = results
+    np.testing.assert_allclose(float(l0), float(l1), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+
+
+def test_bfloat16_compute_and_attention_implementations_agree():
+    x = tokens((4, 17))
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        for impl in ("xla", "dot_product"):
+            cfg = dataclasses.replace(TINY, dtype=dtype, attention=impl)
+            graphdef, params = nnx.split(build(cfg))  # same seed: same float32 parameters
+            losses[dtype, impl] = float(jax.jit(lambda p: loss_fn(graphdef, p, x))(params))
+    ref = losses["float32", "xla"]
+    assert abs(losses["float32", "dot_product"] - ref) < 1e-5 * ref
+    assert abs(losses["bfloat16", "xla"] - ref) < 1e-2 * ref
+    assert abs(losses["bfloat16", "dot_product"] - ref) < 1e-2 * ref
+    assert abs(losses["bfloat16", "dot_product"] - losses["bfloat16", "xla"]) < 1e-2 * ref
+
+
+def test_logits_are_float32_in_every_compute_dtype():
+    for dtype in ("float32", "bfloat16"):
+        assert build(dataclasses.replace(TINY, dtype=dtype))(tokens((1, 8))).dtype == jnp.float32
+
+
+def test_cross_entropy_with_weights():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 11)).astype(np.float32)
+    targets = rng.integers(0, 11, (2, 5))
+    weights = (rng.random((2, 5)) > 0.4).astype(np.float32)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    loss, n = M.cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
+    assert float(n) == weights.sum()
+    np.testing.assert_allclose(float(loss), (nll * weights).sum() / weights.sum(), rtol=1e-5)
+    loss, n = M.cross_entropy(jnp.asarray(logits), jnp.asarray(targets))
+    assert float(n) == 10
+    np.testing.assert_allclose(float(loss), nll.mean(), rtol=1e-5)
+
+
+def test_dropout_is_a_function_of_the_key():
+    model = build(dataclasses.replace(TINY, dropout=0.2))
+    x = tokens((2, 16))
+    k1, k2 = jax.random.key(1), jax.random.key(2)
+    np.testing.assert_array_equal(np.asarray(model(x, dropout_key=k1)), np.asarray(model(x, dropout_key=k1)))
+    assert not np.allclose(np.asarray(model(x, dropout_key=k1)), np.asarray(model(x, dropout_key=k2)))
+    assert not np.allclose(np.asarray(model(x, dropout_key=k1)), np.asarray(model(x)))
+
+
+def test_initial_weights_have_gpt2_standard_deviations():
+    n_layer = 4
+    cfg = M.GPTConfig(vocab_size=1000, block_size=64, embedding_dim=128, num_head=4, N=n_layer, alibi_attn=False,
+                      embed_norm=True)
+    model = build(cfg)
+    residual = 0.02 / math.sqrt(2 * n_layer)
+
+    def check(w, std):
+        w = np.asarray(w).ravel()
+        se = std * math.sqrt(2 / w.size)  # standard error of a sample standard deviation
+        assert abs(w.std() - std) < 5 * se, (w.std(), std)
+        assert abs(w.mean()) < 5 * std / math.sqrt(w.size)
+
+    check(model.wte[...], 0.02)
+    check(model.wpe[...], 0.02)
+    for block in model.blocks:
+        check(block.attn.c_attn.kernel[...], 0.02)
+        check(block.mlp.c_fc.kernel[...], 0.02)
+        check(block.attn.c_proj.kernel[...], residual)
+        check(block.mlp.c_proj.kernel[...], residual)
+        for ln in (block.ln_1, block.ln_2):
+            np.testing.assert_array_equal(np.asarray(ln.scale[...]), 1.0)
+            np.testing.assert_array_equal(np.asarray(ln.bias[...]), 0.0)
+        np.testing.assert_array_equal(np.asarray(block.mlp.c_fc.bias[...]), 0.0)
+
+
+def test_every_parameter_has_logical_axis_names():
+    cfg = dataclasses.replace(TINY, alibi_attn=False, embed_norm=True)
+    state = nnx.state(build(cfg))
+    names = {"batch", "length", "embed", "heads", "kv", "mlp", "vocab", None}
+    leaves = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    assert len(leaves) == len(jax.tree.leaves(state))
+    for var in leaves:
+        axes = var.get_metadata("axes")
+        assert len(axes) == var[...].ndim
+        assert set(axes) <= names
+
+
+def test_activation_sharding_hook_sees_the_named_activations():
+    seen = []
+
+    def to_sharding(axes):
+        seen.append(axes)
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    graphdef, params = nnx.split(build(TINY))
+    with M.activation_sharding(to_sharding):
+        jax.jit(lambda p: nnx.merge(graphdef, p)(tokens((1, 8))))(params)
+    assert ("batch", "length", "embed") in seen
+    assert ("batch", "length", "heads", "kv") in seen
+    assert ("batch", "length", "mlp") in seen
+    assert ("batch", "length", "vocab") in seen
+
+
+def test_the_model_can_learn_a_fixed_batch():
+    cfg = M.GPTConfig(vocab_size=128, block_size=32, embedding_dim=64, num_head=4, N=2)
+    graphdef, params = nnx.split(build(cfg))
+    batch = tokens((4, 33), vocab=128, seed=5)
+    opt = optax.adam(3e-3)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(graphdef, p, batch))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    first = None
+    for _ in range(300):
+        params, opt_state, loss = step(params, opt_state)
+        first = float(loss) if first is None else first
+    assert first > 4.0  # about ln(128) at the start
+    assert float(loss) < 0.1
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="divisible"):
+        M.GPTConfig(embedding_dim=30, num_head=4)
+    with pytest.raises(ValueError, match="dtype"):
+        M.GPTConfig(dtype="float8")
+    with pytest.raises(ValueError, match="remat"):
+        M.GPTConfig(remat="some")
+    with pytest.raises(ValueError, match="dot_product"):
+        M.GPTConfig(attention="dot_product", dropout=0.1)
+    assert M.GPTConfig(vocab_size=4096).padded_vocab_size == 4096
+    assert M.GPTConfig(vocab_size=50257).padded_vocab_size == 50304
