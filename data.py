@@ -1,0 +1,811 @@
+"""Corpus preparation (CLI) and the memory-mapped batch loader (library).
+
+    python data.py                                  # the default corpus: this Python's stdlib sources
+    python data.py --input 'web/*.jsonl.zst' --out data/web --vocab-size 32768 --workers 16
+
+On-disk format of a data directory DIR (FORMAT_VERSION 1):
+
+    DIR/tokenizer.json        the `tokenizers` tokenizer that produced the ids (a copy, so DIR describes itself)
+    DIR/train_00000.bin ...   raw little-endian uint16 token ids (uint32 if the vocabulary needs it), no header
+    DIR/val_00000.bin ...
+    DIR/index.json            written last: format_version, tokenizer, tokenizer_sha256, vocab_size, eot_id,
+                              dtype, tokens, documents, bytes_per_token, unigram_entropy (nats per token of
+                              the train split), skipped inputs, the inputs, and per split its tokens,
+                              documents, bytes, unigram_entropy and shards [{file, tokens, documents}]
+
+Every document is followed by the end-of-text id. A split is one logical token stream: its shards
+concatenated in order. Training window i covers stream[i*T : i*T + T + 1] (inputs and targets overlap
+by one token, so every token after the first is a target exactly once per epoch); windows cross
+document and shard boundaries, as in GPT-2 style pre-training.
+
+Inputs: plain text (one document per file), JSON Lines (.jsonl/.ndjson, optionally .gz or .zst; one
+document per record), Parquet (one per row), and hf:NAME[/CONFIG]:SPLIT through `datasets`. A document
+is held out for validation when a hash of its name (its path relative to the pattern's fixed leading
+directories, plus ":<record>" for records) falls below --val-fraction, so the split is stable. Text
+that spells the end-of-text token itself is encoded as that token, as the `tokenizers` library does.
+
+A directory is built in the sibling DIR.tmp-<pid> and renamed into place when complete, so an
+interrupted run never leaves an index naming missing or partial shards.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import glob
+import gzip
+import hashlib
+import io
+import itertools
+import json
+import os
+import pathlib
+import queue
+import shutil
+import sys
+import sysconfig
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
+
+import numpy as np
+
+FORMAT_VERSION = 1
+DEFAULT_DATA_DIR = pathlib.Path(__file__).resolve().parent / "data" / "pystdlib"
+EOT_TOKEN = "<|endoftext|>"
+EOT_CANDIDATES = (EOT_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
+DEFAULT_VAL_FRACTION = 0.04  # of the stdlib's bytes: about 37 files, 150k tokens held out
+CHUNK_BYTES = 1 << 20  # text per encode_batch call: large enough to amortise, small enough to bound memory
+
+
+class DataError(Exception):
+    """A problem the user can fix (a path, a file, a setting); str() is one line naming it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Document sources. A source is (kind, location, name); documents are (key, text), where the key
+# decides the split by hash, so the same documents are held out on every run.
+
+def default_corpus_files(stdlib_dir: str | os.PathLike | None = None) -> list[pathlib.Path]:
+    """The default corpus: the stdlib's .py files, sorted, without tests, vendored tools or non-UTF-8 files."""
+    root = pathlib.Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
+    excluded = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        if excluded & set(path.relative_to(root).parts[:-1]) or not path.is_file():
+            continue
+        try:
+            path.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        files.append(path)
+    return files
+
+
+def _file_kind(path: str) -> str:
+    name = path.lower().removesuffix(".gz").removesuffix(".zst")
+    if name.endswith((".jsonl", ".ndjson")):
+        return "jsonl"
+    return "parquet" if name.endswith(".parquet") else "text"
+
+
+def _expand(patterns: list[str]) -> list[tuple[str, str, str]]:
+    """Glob patterns (a directory means every file under it) to sources, in order, without repeats.
+
+    A document's name is its path relative to the pattern's fixed leading directories, so moving a
+    corpus does not change which documents are held out."""
+    sources, seen = [], set()
+    for pattern in patterns:
+        if pattern.startswith("hf:"):
+            sources.append(("hf", pattern, pattern))
+            continue
+        if os.path.isdir(pattern):
+            base = pattern
+            matches = sorted(str(p) for p in pathlib.Path(pattern).rglob("*") if p.is_file())
+        else:
+            parts = pattern.split(os.sep)
+            fixed = list(itertools.takewhile(lambda part: not set("*?[") & set(part), parts))
+            base = os.sep.join(fixed[:-1] if len(fixed) == len(parts) else fixed)
+            matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+        if not matches:
+            raise DataError(f"no file matches {pattern!r}")
+        for path in matches:
+            if os.path.realpath(path) not in seen:
+                seen.add(os.path.realpath(path))
+                sources.append((_file_kind(path), path, os.path.relpath(path, base or ".")))
+    return sources
+
+
+def _open_binary(path: str) -> io.BufferedIOBase:
+    if path.lower().endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.lower().endswith(".zst"):
+        import zstandard
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True,
+                                                          closefd=True)
+    return open(path, "rb")
+
+
+def _records(kind: str, location: str, text_field: str) -> Iterator[tuple[int, object]]:
+    """(record number, text value) of one jsonl/parquet/hf source."""
+    if kind == "jsonl":
+        with io.TextIOWrapper(_open_binary(location), encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield number, e
+                    continue
+                if not isinstance(record, dict) or text_field not in record:
+                    keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+                    raise DataError(f"{location}:{number}: no field {text_field!r} (has: {keys}); "
+                                    f"choose one with --text-field")
+                yield number, record[text_field]
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+        pf = pq.ParquetFile(location)
+        if text_field not in pf.schema_arrow.names:
+            raise DataError(f"{location}: no column {text_field!r} (has: {', '.join(pf.schema_arrow.names)}); "
+                            f"choose one with --text-field")
+        number = 0
+        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+            for value in batch.column(0).to_pylist():
+                number += 1
+                yield number, value
+    else:  # hf:NAME[/CONFIG]:SPLIT, where NAME may be org/name, so a config follows a second '/'
+        try:
+            import datasets
+        except ImportError:
+            raise DataError(f"{location}: the `datasets` library is not installed (pip install datasets)")
+        spec, _, split = location[3:].rpartition(":")
+        parts = spec.split("/")
+        name, config = ("/".join(parts[:2]), "/".join(parts[2:]) or None) if len(parts) > 2 else (spec, None)
+        if not name or not split:
+            raise DataError(f"{location}: expected hf:NAME[/CONFIG]:SPLIT")
+        try:
+            rows = datasets.load_dataset(name, config, split=split, streaming=True)
+            for number, row in enumerate(rows, 1):
+                if text_field not in row:
+                    raise DataError(f"{location}: no field {text_field!r} (has: {', '.join(row)})")
+                yield number, row[text_field]
+        except DataError:
+            raise
+        except Exception as e:  # the hub's errors are many; the first line names the problem
+            raise DataError(f"{location}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+def _read_errors() -> tuple[type[Exception], ...]:
+    """What an unreadable, undecodable or corrupt file raises (gzip's and pyarrow's derive from these)."""
+    errors: tuple[type[Exception], ...] = (OSError, EOFError, UnicodeDecodeError, ValueError)
+    try:
+        import zstandard
+        return errors + (zstandard.ZstdError,)
+    except ImportError:
+        return errors
+
+
+class _Reader:
+    """Streams documents from sources, counting files done and what was skipped."""
+
+    def __init__(self, sources: list[tuple[str, str, str]], text_field: str, strict: bool):
+        self.sources, self.text_field, self.strict = sources, text_field, strict
+        self.files = self.skipped_files = self.skipped_records = 0
+
+    def _skip(self, where: str, reason: str, record: bool = False) -> None:
+        if self.strict:
+            raise DataError(f"{where}: {reason} (drop --strict to skip it)")
+        if record:
+            self.skipped_records += 1
+        else:
+            self.skipped_files += 1
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        for kind, location, name in self.sources:
+            try:
+                if kind == "text":
+                    with _open_binary(location) as f:
+                        text = f.read().decode("utf-8")
+                    if text:
+                        yield name, text
+                else:
+                    for number, value in _records(kind, location, self.text_field):
+                        if isinstance(value, str) and _encodable(value):
+                            if value:
+                                yield f"{name}:{number}", value
+                        elif value is not None:
+                            self._skip(f"{location}:{number}", f"not a text record ({value!r:.80})", record=True)
+            except DataError:
+                raise
+            except _read_errors() as e:
+                self._skip(location, f"cannot read: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            self.files += 1
+
+
+def _encodable(text: str) -> bool:
+    """False for text with lone surrogates (JSON can escape them), which no tokenizer accepts."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _in_val(key: str, fraction: float) -> bool:
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer: a given tokenizer.json, or a byte-level BPE trained on the train documents.
+
+def _train_tokenizer(docs: Iterator[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # exact round trip
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(docs, trainer)
+    return tokenizer
+
+
+def _load_tokenizer_file(path: str | os.PathLike):
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises a bare Exception for both missing and malformed files
+        reason = "file not found" if not os.path.exists(path) else str(e).splitlines()[0][:200]
+        raise DataError(f"cannot load tokenizer {path}: {reason}")
+
+
+def _eot_id(tokenizer) -> int | None:
+    vocab = tokenizer.get_vocab()
+    return next((vocab[t] for t in EOT_CANDIDATES if t in vocab), None)
+
+
+def _sha256(path: pathlib.Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _dtype_for(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+# ---------------------------------------------------------------------------------------------
+# Preparation
+
+class _ShardWriter:
+    """Appends tokens of one split to fixed-size shards, counting the documents that end in each."""
+
+    def __init__(self, directory: pathlib.Path, split: str, dtype: str, shard_tokens: int, vocab_size: int):
+        self.directory, self.split, self.shard_tokens = directory, split, shard_tokens
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.shards: list[dict] = []
+        self.counts = np.zeros(vocab_size, np.int64)
+        self.bytes = 0
+        self.file = None
+
+    def write(self, tokens: np.ndarray, doc_ends: np.ndarray) -> None:
+        self.counts += np.bincount(tokens, minlength=len(self.counts))
+        pos = 0
+        while pos < len(tokens):
+            if self.file is None:
+                name = f"{self.split}_{len(self.shards):05d}.bin"
+                self.file = open(self.directory / name, "wb")
+                self.shards.append({"file": name, "tokens": 0, "documents": 0})
+            shard = self.shards[-1]
+            piece = tokens[pos:pos + self.shard_tokens - shard["tokens"]]
+            self.file.write(piece.astype(self.dtype, copy=False).tobytes())
+            # documents whose end-of-text token lands in this piece: ends in (pos, pos + len(piece)]
+            shard["documents"] += int(np.searchsorted(doc_ends, pos + len(piece), "right")
+                                      - np.searchsorted(doc_ends, pos, "right"))
+            shard["tokens"] += len(piece)
+            pos += len(piece)
+            if shard["tokens"] == self.shard_tokens:
+                self.close()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def summary(self) -> dict:
+        tokens = int(self.counts.sum())
+        return {"tokens": tokens, "documents": sum(s["documents"] for s in self.shards), "bytes": self.bytes,
+                "unigram_entropy": _entropy(self.counts), "shards": self.shards}
+
+
+def _entropy(counts: np.ndarray) -> float:
+    """Unigram entropy in nats per token: H = -sum p log p over the observed token frequencies."""
+    total = counts.sum()
+    if total == 0:
+        return 0.0
+    p = counts[counts > 0] / total
+    return float(-(p * np.log(p)).sum())
+
+
+def _encode(tokenizer, texts: list[str], eot: int, vocab_size: int, dtype: str):
+    """One chunk of documents to (ids with an end-of-text after each document, document ends, bytes)."""
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets: faster
+    flat: list[int] = []
+    ends = np.empty(len(texts), np.int64)
+    for i, encoding in enumerate(encode(texts, add_special_tokens=False)):
+        flat += encoding.ids
+        flat.append(eot)
+        ends[i] = len(flat)
+    ids = np.array(flat, np.int64)
+    top = int(ids.max())
+    if top >= vocab_size or top > np.iinfo(dtype).max:
+        raise DataError(f"token id {top} does not fit: vocabulary size {vocab_size}, dtype {dtype}")
+    return ids, ends, sum(len(t.encode("utf-8")) for t in texts)
+
+
+def _empty(sources: list, reader: _Reader) -> str:
+    skipped = f", {reader.skipped_files} unreadable skipped" if reader.skipped_files else ""
+    return f"empty corpus: no text in {len(sources)} input file(s){skipped}: {sources[0][1]}" + \
+        (", ..." if len(sources) > 1 else "")
+
+
+def _clean_leftovers(out: pathlib.Path) -> None:
+    """Removes DIR.tmp-<pid> directories of earlier runs that are no longer running."""
+    for tmp in out.parent.glob(glob.escape(out.name) + ".tmp-*"):
+        pid = tmp.name[len(out.name) + len(".tmp-"):].split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+                continue  # still running: another prepare into the same DIR owns it
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_val: Callable[[str], bool],
+             workers, shard_tokens, text_field, overwrite, strict, progress) -> dict:
+    from tqdm import tqdm
+    out = pathlib.Path(out)
+    if shard_tokens < 1:
+        raise DataError(f"shard tokens must be positive, got {shard_tokens}")
+    if tokenizer is None and vocab_size < 258:  # 256 byte symbols and the end-of-text token
+        raise DataError(f"vocab size must be at least 258 for a byte-level BPE, got {vocab_size}")
+    if out.exists() and not overwrite:
+        raise DataError(f"{out} exists; pass --overwrite to replace it")
+    for kind, location, _ in sources:  # --overwrite must never delete an input
+        if kind != "hf" and out.resolve() in pathlib.Path(location).resolve().parents:
+            raise DataError(f"input {location} lies inside the output directory {out}")
+    workers = max(1, workers or os.cpu_count() or 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(out)
+    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    saved_env = {k: os.environ.get(k) for k in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS")}
+    # bars only on a terminal, and erased when done, so an error stays the one line on stderr
+    bars = dict(disable=None if progress else True, leave=False, file=sys.stderr, dynamic_ncols=True)
+    try:
+        # tokenizer: the tokenizers library's thread pool honours RAYON_NUM_THREADS until it first starts
+        os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
+        if tokenizer is not None:
+            tok = _load_tokenizer_file(tokenizer)
+            if _eot_id(tok) is None:
+                tok.add_special_tokens([EOT_TOKEN])
+                tok.save(str(tmp / "tokenizer.json"))
+            else:
+                shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        else:
+            if workers == 1:
+                os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            reader = _Reader(sources, text_field, strict)
+            seen = 0
+            with tqdm(total=len(sources), desc="training tokenizer", unit="file", **bars) as bar:
+                def train_docs() -> Iterator[str]:
+                    nonlocal seen
+                    for key, text in reader:
+                        seen += 1
+                        bar.update(reader.files - bar.n)
+                        if not is_val(key):  # held-out text stays unseen by the tokenizer too
+                            yield text
+                tok = _train_tokenizer(train_docs(), vocab_size)
+            if not seen:
+                raise DataError(_empty(sources, reader))
+            tok.save(str(tmp / "tokenizer.json"))
+        eot = _eot_id(tok)
+        real_vocab = max(tok.get_vocab().values()) + 1
+        dtype = _dtype_for(real_vocab)
+        writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens, real_vocab) for s in ("train", "val")}
+
+        # encoding: chunks of documents go to `workers` threads (encode_batch releases the GIL), each
+        # encoding single-threaded; results are written in order, at most 2 * workers chunks in flight
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        reader = _Reader(sources, text_field, strict)
+        pending: collections.deque = collections.deque()
+        done_bytes, start = 0, time.perf_counter()
+        with ThreadPoolExecutor(workers) as pool, \
+                tqdm(total=len(sources), desc="tokenizing", unit="file", **bars) as bar:
+            def drain(limit: int) -> None:
+                nonlocal done_bytes
+                while len(pending) > limit:
+                    split, future = pending.popleft()
+                    ids, ends, nbytes = future.result()
+                    writers[split].write(ids, ends)
+                    writers[split].bytes += nbytes
+                    done_bytes += nbytes
+                    tokens = sum(int(w.counts.sum()) for w in writers.values())
+                    bar.update(reader.files - bar.n)
+                    bar.set_postfix_str(f"{tokens / 1e6:.1f}M tokens, "
+                                        f"{done_bytes / 1e6 / (time.perf_counter() - start):.1f} MB/s")
+
+            chunks = {"train": ([], 0), "val": ([], 0)}
+            try:
+                for key, text in reader:
+                    split = "val" if is_val(key) else "train"
+                    texts, size = chunks[split]
+                    texts.append(text)
+                    chunks[split] = (texts, size + len(text))
+                    if size + len(text) >= CHUNK_BYTES:
+                        pending.append((split, pool.submit(_encode, tok, texts, eot, real_vocab, dtype)))
+                        chunks[split] = ([], 0)
+                        drain(2 * workers)
+                for split, (texts, _) in chunks.items():
+                    if texts:
+                        pending.append((split, pool.submit(_encode, tok, texts, eot, real_vocab, dtype)))
+                drain(0)
+            except BaseException:  # stop at once: chunks not yet started are dropped
+                for _, future in pending:
+                    future.cancel()
+                raise
+        for writer in writers.values():
+            writer.close()
+        splits = {s: w.summary() for s, w in writers.items()}
+        tokens = sum(s["tokens"] for s in splits.values())
+        if tokens == 0:
+            raise DataError(_empty(sources, reader))
+        index = {
+            "format_version": FORMAT_VERSION,
+            "tokenizer": "tokenizer.json",
+            "tokenizer_sha256": _sha256(tmp / "tokenizer.json"),
+            "vocab_size": real_vocab, "eot_id": eot, "dtype": dtype,
+            "tokens": tokens,
+            "documents": sum(s["documents"] for s in splits.values()),
+            "bytes_per_token": sum(s["bytes"] for s in splits.values()) / tokens,  # end-of-text included
+            "unigram_entropy": splits["train"]["unigram_entropy"],
+            "skipped_files": reader.skipped_files, "skipped_records": reader.skipped_records,
+            "inputs": description, "splits": splits,
+        }
+        (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+        # swap into place; with --overwrite the old directory goes only once the new one is complete
+        if out.exists():
+            old = out.parent / f"{out.name}.tmp-{os.getpid()}-old"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+        return index
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        for k, v in saved_env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def prepare(inputs: list[str], out, *, tokenizer: str | None = None, vocab_size: int = 8192,
+            val_fraction: float = 0.005, workers: int | None = None, shard_tokens: int = 2**27,
+            text_field: str = "text", overwrite: bool = False, strict: bool = False,
+            progress: bool = True) -> dict:
+    """Tokenizes the files matching `inputs` (or hf:NAME[/CONFIG]:SPLIT) into DIR `out`; returns its index."""
+    inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else [str(i) for i in inputs]
+    if not inputs:
+        raise DataError("no input given")
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"val fraction must be in [0, 1), got {val_fraction}")
+    return _prepare(_expand(inputs), out, description=inputs, tokenizer=tokenizer, vocab_size=vocab_size,
+                    is_val=lambda key: _in_val(key, val_fraction), workers=workers,
+                    shard_tokens=shard_tokens, text_field=text_field, overwrite=overwrite, strict=strict,
+                    progress=progress)
+
+
+def prepare_default(out=DEFAULT_DATA_DIR, *, vocab_size: int = 4096, overwrite: bool = False,
+                    progress: bool = True, tokenizer: str | None = None, workers: int | None = None,
+                    stdlib_dir: str | os.PathLike | None = None) -> dict:
+    """Prepares the embedded default corpus: the running interpreter's stdlib sources."""
+    root = pathlib.Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
+    files = default_corpus_files(root)
+    if not files:
+        raise DataError(f"empty corpus: no .py files under {root}")
+    # documents are named relative to the stdlib; validation takes files in the order of their
+    # names' hashes until it holds DEFAULT_VAL_FRACTION of the bytes: the same files on every run,
+    # and a validation split of predictable size although file sizes vary a hundredfold
+    names = {p.relative_to(root).as_posix(): p.stat().st_size for p in files}
+    held, held_bytes, target = set(), 0, DEFAULT_VAL_FRACTION * sum(names.values())
+    for name in sorted(names, key=lambda n: hashlib.blake2b(n.encode(), digest_size=8).digest()):
+        if held_bytes >= target:
+            break
+        held.add(name)
+        held_bytes += names[name]
+    sources = [("text", str(p), p.relative_to(root).as_posix()) for p in files]
+    description = [f"Python {sys.version.split()[0]} standard library: {root}/**/*.py"]
+    return _prepare(sources, out, description=description, tokenizer=tokenizer, vocab_size=vocab_size,
+                    is_val=held.__contains__, workers=workers, shard_tokens=2**27, text_field="text",
+                    overwrite=overwrite, strict=False, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------------
+# Index
+
+def load_index(data_dir) -> dict:
+    """The validated index of a data directory: shard files exist with the recorded sizes."""
+    data_dir = pathlib.Path(data_dir)
+    path = data_dir / "index.json"
+    if not path.is_file():
+        raise DataError(f"{path} not found; prepare the data with `python data.py`")
+    try:
+        index = json.loads(path.read_text())
+        version = index["format_version"]
+        if version != FORMAT_VERSION:
+            raise DataError(f"{path}: format version {version}, this data.py reads {FORMAT_VERSION}")
+        dtype, vocab = index["dtype"], int(index["vocab_size"])
+        if dtype not in ("uint16", "uint32") or vocab > np.iinfo(dtype).max + 1:
+            raise DataError(f"{path}: dtype {dtype!r} cannot hold vocabulary size {vocab}")
+        tokenizer = data_dir / index["tokenizer"]
+        if not tokenizer.is_file():
+            raise DataError(f"{path}: tokenizer {tokenizer} is missing")
+        if _sha256(tokenizer) != index["tokenizer_sha256"]:
+            raise DataError(f"{path}: {tokenizer} does not match the recorded sha256; re-run data.py")
+        itemsize = np.dtype(dtype).itemsize
+        for name, split in index["splits"].items():
+            if sum(int(s["tokens"]) for s in split["shards"]) != int(split["tokens"]):
+                raise DataError(f"{path}: split {name!r} shard token counts do not add up to {split['tokens']}")
+            for shard in split["shards"]:
+                file = data_dir / shard["file"]
+                size = file.stat().st_size if file.is_file() else None
+                if size != int(shard["tokens"]) * itemsize:
+                    found = "missing" if size is None else f"{size} bytes"
+                    raise DataError(f"{file}: expected {int(shard['tokens']) * itemsize} bytes "
+                                    f"({shard['tokens']} {dtype} tokens), found {found}")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise DataError(f"{path} is corrupt ({type(e).__name__}: {e}); re-run data.py with --overwrite")
+    return index
+
+
+def load_tokenizer(data_dir):
+    """The tokenizer of a prepared data directory (for decoding samples)."""
+    return _load_tokenizer_file(pathlib.Path(data_dir) / load_index(data_dir)["tokenizer"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Window permutation: a keyed Feistel network on [0, 2^bits) made a bijection on [0, n) by cycle
+# walking. It maps index by index in O(1) memory, vectorised over a batch.
+
+_U = np.uint64
+FEISTEL_ROUNDS = 6
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fast 64-bit hash (uint64 arithmetic wraps)."""
+    x = (x ^ (x >> _U(30))) * _U(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> _U(27))) * _U(0x94D049BB133111EB)
+    return x ^ (x >> _U(31))
+
+
+def permute(indices: np.ndarray, n: int, seed: int, epoch) -> np.ndarray:
+    """Position -> window under the permutation of [0, n) chosen by (seed, epoch); epoch may vary per element."""
+    x = np.asarray(indices, np.uint64).copy()
+    epoch = np.broadcast_to(np.asarray(epoch, np.uint64), x.shape)
+    key = _mix64(_mix64(np.full(x.shape, seed & (2**64 - 1), np.uint64)) ^ epoch)
+    bits = max(1, (n - 1).bit_length())
+    lo_bits = bits // 2
+    lo_mask, hi_mask = _U((1 << lo_bits) - 1), _U((1 << (bits - lo_bits)) - 1)
+
+    def rounds(v: np.ndarray, k: np.ndarray) -> np.ndarray:
+        hi, lo = v >> _U(lo_bits), v & lo_mask
+        for r in range(FEISTEL_ROUNDS):  # each round xors one half with a keyed hash of the other: invertible
+            round_key = _mix64(k + _U(r + 1) * _U(0x9E3779B97F4A7C15))
+            if r % 2 == 0:
+                hi = hi ^ (_mix64(lo ^ round_key) & hi_mask)
+            else:
+                lo = lo ^ (_mix64(hi ^ round_key) & lo_mask)
+        return (hi << _U(lo_bits)) | lo
+
+    with np.errstate(over="ignore"):
+        x = rounds(x, key)
+        outside = x >= _U(n)
+        while outside.any():  # 2^bits < 2n, so on average fewer than two walks
+            x[outside] = rounds(x[outside], key[outside])
+            outside = x >= _U(n)
+    return x.astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+class _Stream:
+    """One split's shards as a single logical token stream, read through numpy.memmap."""
+
+    def __init__(self, data_dir, split: str):
+        self.index = load_index(data_dir)
+        splits = self.index["splits"]
+        if split not in splits:
+            raise DataError(f"{data_dir}: no split {split!r} (has: {', '.join(splits)})")
+        dtype, directory = np.dtype(self.index["dtype"]).newbyteorder("<"), pathlib.Path(data_dir)
+        self.shards = []
+        for shard in splits[split]["shards"]:
+            if int(shard["tokens"]):
+                mapped = np.memmap(directory / shard["file"], dtype, "r", shape=(int(shard["tokens"]),))
+                self.shards.append(np.asarray(mapped))  # a plain ndarray view: cheaper to slice than a memmap
+        self.starts = [0]
+        for shard in self.shards:
+            self.starts.append(self.starts[-1] + len(shard))
+        self.tokens = self.starts[-1]
+
+    def windows(self, seq_len: int, what: str) -> int:
+        n = (self.tokens - 1) // seq_len if self.tokens else 0
+        if n < 1:
+            raise DataError(f"{what}: a window of {seq_len + 1} tokens is longer than the split "
+                            f"({self.tokens} tokens)")
+        return n
+
+    def read(self, start: int, out: np.ndarray) -> None:
+        """out[:] = stream[start : start + len(out)], across shard boundaries."""
+        i = bisect.bisect_right(self.starts, start) - 1
+        pos, n = start - self.starts[i], len(out)
+        done = 0
+        while done < n:
+            piece = self.shards[i][pos:pos + n - done]
+            out[done:done + len(piece)] = piece
+            done += len(piece)
+            i, pos = i + 1, 0
+
+
+class Loader:
+    """Batches of training windows; the batch at a step is a pure function of (seed, step, shape, process).
+
+    Global sample g = step * batch_size + row falls in epoch g // num_windows, where it is window
+    permute(g % num_windows, seed, epoch). Process p computes only rows [p*B/P, (p+1)*B/P).
+    """
+
+    def __init__(self, data_dir, split: str, seq_len: int, batch_size: int, *, seed: int = 0,
+                 process_index: int = 0, process_count: int = 1):
+        if seq_len < 1 or batch_size < 1:
+            raise DataError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise DataError(f"process index {process_index} is outside process count {process_count}")
+        if batch_size % process_count:
+            raise DataError(f"global batch size {batch_size} does not divide by {process_count} processes")
+        self.stream = _Stream(data_dir, split)
+        self.index = self.stream.index
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.local_batch_size = batch_size // process_count
+        self.num_windows = self.stream.windows(seq_len, f"{data_dir} split {split!r}")
+        self.rows = np.arange(process_index * self.local_batch_size,
+                              (process_index + 1) * self.local_batch_size, dtype=np.int64)
+
+    def get_batch(self, step: int) -> np.ndarray:
+        """int32 [local_batch_size, seq_len + 1]: this process's rows of the global batch at `step`."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        g = step * self.batch_size + self.rows
+        windows = permute(g % self.num_windows, self.num_windows, self.seed, g // self.num_windows)
+        batch = np.empty((self.local_batch_size, self.seq_len + 1), np.int32)
+        for row, window in zip(batch, windows.tolist()):
+            self.stream.read(window * self.seq_len, row)
+        return batch
+
+    def iterate(self, start_step: int = 0, prefetch: int = 2) -> Iterator[np.ndarray]:
+        """get_batch(start_step), get_batch(start_step + 1), ...; prefetch > 0 fills a queue from a thread."""
+        return self._prefetched(start_step, prefetch) if prefetch > 0 else self._plain(start_step)
+
+    def _plain(self, step: int) -> Iterator[np.ndarray]:
+        while True:
+            yield self.get_batch(step)
+            step += 1
+
+    def _prefetched(self, step: int, depth: int) -> Iterator[np.ndarray]:
+        batches: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+
+        def produce(step: int) -> None:
+            while not stop.is_set():
+                try:
+                    item: object = self.get_batch(step)
+                except BaseException as e:  # handed to the consumer, which re-raises it
+                    item = e
+                while not stop.is_set():  # a timed put, so a stopped consumer never leaves it blocked
+                    try:
+                        batches.put(item, timeout=0.05)
+                        break
+                    except queue.Full:
+                        pass
+                if isinstance(item, BaseException):
+                    return
+                step += 1
+
+        thread = threading.Thread(target=produce, args=(step,), name="data-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = batches.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:  # generator closed or collected: stop the producer and wait for it
+            stop.set()
+            thread.join()
+
+
+def eval_batches(data_dir, split: str, seq_len: int, batch_size: int, *,
+                 max_windows: int | None = None) -> Iterator[np.ndarray]:
+    """Every non-overlapping window stream[i*T : i*T + T + 1] of the split once, in order, in batches."""
+    if seq_len < 1 or batch_size < 1:
+        raise DataError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
+    stream = _Stream(data_dir, split)
+    n = stream.windows(seq_len, f"{data_dir} split {split!r}")
+    n = n if max_windows is None else min(n, max_windows)
+    for first in range(0, n, batch_size):
+        batch = np.empty((min(batch_size, n - first), seq_len + 1), np.int32)
+        for row, window in enumerate(range(first, first + len(batch))):
+            stream.read(window * seq_len, batch[row])
+        yield batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Tokenize a corpus into memory-mapped shards "
+                                                 "(no --input: this Python's stdlib sources).")
+    parser.add_argument("--input", action="append", default=[], metavar="PATTERN",
+                        help="glob, directory, or hf:NAME[/CONFIG]:SPLIT; repeatable")
+    parser.add_argument("--out", help=f"data directory (default with no --input: {DEFAULT_DATA_DIR})")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--tokenizer", help="a tokenizers tokenizer.json to use instead of training a BPE")
+    group.add_argument("--vocab-size", type=int, help="vocabulary of the BPE trained on the inputs "
+                                                      "(default 8192, 4096 for the default corpus)")
+    parser.add_argument("--val-fraction", type=float, default=0.005, help="share of documents held out")
+    parser.add_argument("--workers", type=int, help="tokenizer threads (default: all cores)")
+    parser.add_argument("--shard-tokens", type=int, default=2**27, help="tokens per shard file")
+    parser.add_argument("--text-field", default="text", help="JSON field / Parquet column holding the text")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    parser.add_argument("--strict", action="store_true", help="fail on unreadable input instead of skipping")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    try:
+        if args.input:
+            if not args.out:
+                raise DataError("--out is required with --input")
+            out = pathlib.Path(args.out)
+            index = prepare(args.input, out, tokenizer=args.tokenizer, vocab_size=args.vocab_size or 8192,
+                            val_fraction=args.val_fraction, workers=args.workers,
+                            shard_tokens=args.shard_tokens, text_field=args.text_field,
+                            overwrite=args.overwrite, strict=args.strict)
+        else:
+            out = pathlib.Path(args.out or DEFAULT_DATA_DIR)
+            index = prepare_default(out, vocab_size=args.vocab_size or 4096, overwrite=args.overwrite,
+                                    tokenizer=args.tokenizer, workers=args.workers)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    splits = index["splits"]
+    skipped = index["skipped_files"] + index["skipped_records"]
+    print(f"{index['documents']:,} documents, {index['tokens']:,} tokens "
+          f"(train {splits['train']['tokens']:,}, val {splits['val']['tokens']:,}), "
+          f"{index['bytes_per_token']:.2f} bytes/token, unigram entropy {index['unigram_entropy']:.3f} "
+          f"nats/token, vocab {index['vocab_size']}, {index['dtype']}"
+          + (f", {skipped} unreadable inputs skipped" if skipped else "")
+          + f", {time.perf_counter() - start:.1f}s -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

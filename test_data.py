@@ -1,0 +1,461 @@
+"""Tests of data.py: preparation round trip, every input format, the loader's determinism and resume,
+process slices, evaluation windows, and each kind of bad input. Each test writes its own corpus."""
+import gc
+import gzip
+import itertools
+import json
+import pathlib
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import data
+
+DATA_PY = pathlib.Path(__file__).resolve().parent / "data.py"
+WORDS = ["the", "data", "loader", "token", "shard", "résumé", "naïve", "über", "日本語", "✓", "def", "return",
+         "\n", "    ", "x = 1", "(", ")", ":", "π ≈ 3.14159", "\t", "{}", "emoji 🐍"]
+
+
+def make_docs(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [f"doc {i}: " + " ".join(rng.choice(WORDS, size=rng.integers(5, 120))) for i in range(n)]
+
+
+def write_text_files(directory: pathlib.Path, docs: list[str]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for i, doc in enumerate(docs):
+        (directory / f"{i:04d}.txt").write_text(doc, encoding="utf-8")
+
+
+def split_stream(directory: pathlib.Path, split: str) -> np.ndarray:
+    """A split's tokens read with plain numpy: its shard files concatenated in index order."""
+    index = json.loads((directory / "index.json").read_text())
+    dtype = np.dtype(index["dtype"]).newbyteorder("<")
+    parts = [np.fromfile(directory / s["file"], dtype=dtype) for s in index["splits"][split]["shards"]]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def decode_documents(directory: pathlib.Path, split: str) -> list[str]:
+    """Cuts the stream after each end-of-text token and decodes each piece."""
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    stream = split_stream(directory, split)
+    assert len(stream) == 0 or stream[-1] == eot  # every document, the last included, ends with end-of-text
+    ends = np.flatnonzero(stream == eot)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [tokenizer.decode(stream[a:b].tolist(), skip_special_tokens=False) for a, b in zip(starts, ends)]
+
+
+def prep(inputs, out, **kw):
+    kw = {"vocab_size": 300, "val_fraction": 0.25, "workers": 2, "progress": False, **kw}
+    return data.prepare([str(i) for i in inputs], out, **kw)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A small directory with many shards, so windows cross shard boundaries."""
+    root = tmp_path_factory.mktemp("prepared")
+    docs = make_docs(60)
+    write_text_files(root / "corpus", docs)
+    prep([root / "corpus" / "*.txt"], root / "out", shard_tokens=257)
+    return root / "out", docs
+
+
+def run_cli(*args, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(DATA_PY), *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for word in words:
+        assert word in lines[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Preparation
+
+def test_round_trip_and_index(prepared):
+    out, docs = prepared
+    train, val = decode_documents(out, "train"), decode_documents(out, "val")
+    # together exactly the documents, each split keeping the corpus order
+    assert sorted(train + val) == sorted(docs)
+    assert train == [d for d in docs if d in set(train)] and val == [d for d in docs if d in set(val)]
+    assert 0 < len(val) < len(docs) // 2
+
+    index = data.load_index(out)
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert index["eot_id"] == tokenizer.token_to_id("<|endoftext|>")
+    assert index["vocab_size"] == tokenizer.get_vocab_size() <= 300
+    assert index["dtype"] == "uint16"
+    for split, decoded in (("train", train), ("val", val)):
+        info, stream = index["splits"][split], split_stream(out, split)
+        assert info["tokens"] == len(stream) == sum(s["tokens"] for s in info["shards"])
+        assert info["documents"] == len(decoded) == sum(s["documents"] for s in info["shards"])
+        assert all(s["tokens"] <= 257 for s in info["shards"])
+    assert len(index["splits"]["train"]["shards"]) > 3
+    # corpus statistics, recomputed from the shards
+    counts = np.unique(split_stream(out, "train"), return_counts=True)[1]
+    p = counts / counts.sum()
+    assert index["unigram_entropy"] == pytest.approx(-(p * np.log(p)).sum(), rel=1e-9)
+    total_bytes = sum(len(d.encode()) for d in docs)
+    assert index["bytes_per_token"] == pytest.approx(total_bytes / (len(split_stream(out, "train"))
+                                                                    + len(split_stream(out, "val"))))
+
+
+def test_split_is_deterministic_and_given_tokenizer_is_kept(prepared, tmp_path):
+    out, docs = prepared
+    write_text_files(tmp_path / "corpus", docs)
+    again = prep([tmp_path / "corpus" / "*.txt"], tmp_path / "again", tokenizer=str(out / "tokenizer.json"))
+    assert (tmp_path / "again" / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+    assert again["splits"]["val"]["documents"] == data.load_index(out)["splits"]["val"]["documents"]
+    for split in ("train", "val"):  # same tokenizer, same documents held out: the same streams
+        np.testing.assert_array_equal(split_stream(tmp_path / "again", split), split_stream(out, split))
+
+
+def _write_format(fmt: str, path: pathlib.Path, docs: list[str]) -> str:
+    records = [{"id": i, "body": d} for i, d in enumerate(docs)]
+    if fmt in ("jsonl", "jsonl.gz", "jsonl.zst"):
+        payload = "".join(json.dumps(r) + "\n" for r in records).encode()
+        file = path / f"part.{fmt}"
+        if fmt == "jsonl.gz":
+            payload = gzip.compress(payload)
+        elif fmt == "jsonl.zst":
+            payload = pytest.importorskip("zstandard").ZstdCompressor().compress(payload)
+        file.write_bytes(payload)
+        return str(file)
+    if fmt == "parquet":
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+        pq.write_table(pa.table({"id": [r["id"] for r in records], "body": docs}), path / "part.parquet",
+                       row_group_size=7)
+        return str(path / "part.parquet")
+    raise AssertionError(fmt)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.gz", "jsonl.zst", "parquet"])
+def test_record_formats_round_trip(tmp_path, fmt):
+    docs = make_docs(30, seed=1)
+    pattern = _write_format(fmt, tmp_path, docs)
+    index = prep([pattern], tmp_path / "out", text_field="body", val_fraction=0.0)
+    assert index["splits"]["val"]["tokens"] == 0
+    assert decode_documents(tmp_path / "out", "train") == docs
+
+
+def test_huggingface_source_through_datasets(tmp_path, monkeypatch):
+    """hf:NAME/CONFIG:SPLIT goes to datasets.load_dataset (replaced here by a stand-in: tests are offline)."""
+    import types
+    docs, calls = make_docs(12, seed=2), []
+
+    def load_dataset(name, config, split, streaming):
+        calls.append((name, config, split, streaming))
+        return iter([{"text": d} for d in docs])
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    prep(["hf:org/corpus/cfg:train"], tmp_path / "out", val_fraction=0.0)
+    assert calls == [("org/corpus", "cfg", "train", True)] * 2  # tokenizer training, then encoding
+    assert decode_documents(tmp_path / "out", "train") == docs
+    prep(["hf:corpus:validation"], tmp_path / "plain", val_fraction=0.0)  # a name without org or config
+    assert calls[-1] == ("corpus", None, "validation", True)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed: one clear error
+    with pytest.raises(data.DataError, match="datasets"):
+        prep(["hf:corpus:train"], tmp_path / "other")
+
+
+def test_default_corpus_selection_on_a_fake_stdlib(tmp_path):
+    root = tmp_path / "lib"
+    keep = ["a.py", "email/b.py", "pkg/sub/c.py"]
+    drop = ["test/t.py", "pkg/tests/u.py", "idlelib/i.py", "lib2to3/l.py", "site-packages/s.py", "notes.txt"]
+    for name in keep + drop + ["latin1.py"]:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(f"# {name}\nx = 1\n")
+    (root / "latin1.py").write_bytes("s = 'caf\u00e9'\n".encode("latin-1"))
+    assert data.default_corpus_files(root) == [root / k for k in keep]
+
+    for i in range(40):  # enough files for a validation split
+        (root / f"mod{i:02d}.py").write_text("\n".join(make_docs(3, seed=i)))
+    index = data.prepare_default(tmp_path / "out", vocab_size=300, stdlib_dir=root, progress=False)
+    val = decode_documents(tmp_path / "out", "val")
+    assert index["documents"] == 43 and 1 <= len(val) < 10
+    data.prepare_default(tmp_path / "again", vocab_size=300, stdlib_dir=root, progress=False)
+    assert decode_documents(tmp_path / "again", "val") == val  # the same files held out
+
+
+def test_cli_prepares_and_summarises(tmp_path):
+    write_text_files(tmp_path / "corpus", make_docs(20, seed=3))
+    result = run_cli("--input", "corpus/*.txt", "--out", "out", "--vocab-size", "300", "--workers", "1",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "20 documents" in result.stdout and "unigram entropy" in result.stdout
+    assert data.load_index(tmp_path / "out")["documents"] == 20
+
+
+# ------------------------------------------------------------------------------------------------
+# The window permutation and the loader
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 1000, 4097])
+def test_permutation_is_a_bijection_that_changes_with_the_epoch(n):
+    first = data.permute(np.arange(n), n, seed=7, epoch=0)
+    assert sorted(first.tolist()) == list(range(n))
+    assert sorted(data.permute(np.arange(n), n, seed=7, epoch=1).tolist()) == list(range(n))
+    if n >= 64:
+        assert not np.array_equal(first, data.permute(np.arange(n), n, seed=7, epoch=1))
+        assert not np.array_equal(first, data.permute(np.arange(n), n, seed=8, epoch=0))
+        assert not np.array_equal(first, np.arange(n))
+
+
+def test_an_epoch_visits_every_window_once(prepared):
+    out, _ = prepared
+    seq_len, batch = 16, 6
+    stream = split_stream(out, "train")
+    n = (len(stream) - 1) // seq_len
+    expected = sorted(stream[i * seq_len:i * seq_len + seq_len + 1].tobytes() for i in range(n))
+    loader = data.Loader(out, "train", seq_len, batch, seed=3)
+    assert loader.num_windows == n and loader.local_batch_size == batch
+    steps = -(-2 * n // batch)  # two epochs
+    rows = np.concatenate([loader.get_batch(s) for s in range(steps)]).astype(np.int64)
+    assert rows.shape[1] == seq_len + 1
+    assert sorted(r.tobytes() for r in rows[:n]) == expected
+    assert sorted(r.tobytes() for r in rows[n:2 * n]) == expected
+    assert not np.array_equal(rows[:n], rows[n:2 * n])  # reshuffled each epoch
+
+
+def test_fresh_loaders_agree_and_seeds_differ(prepared):
+    out, _ = prepared
+    a, b = data.Loader(out, "train", 32, 4, seed=1), data.Loader(out, "train", 32, 4, seed=1)
+    for step in (0, 1, 17, 10_000):
+        batch = a.get_batch(step)
+        assert batch.dtype == np.int32 and batch.shape == (4, 33)
+        np.testing.assert_array_equal(batch, b.get_batch(step))
+    assert not np.array_equal(a.get_batch(0), data.Loader(out, "train", 32, 4, seed=2).get_batch(0))
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_resume_at_step_s_equals_uninterrupted_iteration(prepared, prefetch):
+    out, _ = prepared
+    straight = list(itertools.islice(data.Loader(out, "train", 16, 4, seed=5).iterate(0, prefetch), 12))
+    for s in (0, 5, 11):
+        resumed = data.Loader(out, "train", 16, 4, seed=5).iterate(start_step=s, prefetch=prefetch)
+        np.testing.assert_array_equal(next(resumed), straight[s])
+        np.testing.assert_array_equal(next(resumed), straight[s + 1]) if s + 1 < 12 else None
+        resumed.close()
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_process_slices_concatenate_to_the_global_batch(prepared, processes):
+    out, _ = prepared
+    whole = data.Loader(out, "train", 8, 8, seed=9)
+    parts = [data.Loader(out, "train", 8, 8, seed=9, process_index=p, process_count=processes)
+             for p in range(processes)]
+    assert all(p.local_batch_size == 8 // processes for p in parts)
+    for step in (0, 3, 250):
+        np.testing.assert_array_equal(np.concatenate([p.get_batch(step) for p in parts]), whole.get_batch(step))
+
+
+def test_prefetch_thread_stops_when_the_consumer_stops(prepared):
+    out, _ = prepared
+    loader = data.Loader(out, "train", 16, 4)
+
+    def prefetchers():
+        return [t for t in threading.enumerate() if t.name == "data-prefetch" and t.is_alive()]
+    batches = loader.iterate(prefetch=3)
+    next(batches)
+    assert len(prefetchers()) == 1
+    batches.close()
+    assert prefetchers() == []
+    batches = loader.iterate(prefetch=3)
+    next(batches)
+    del batches
+    gc.collect()
+    assert prefetchers() == []
+
+
+@pytest.mark.parametrize("seq_len", [7, 64])
+def test_eval_batches_cover_the_split_in_order(prepared, seq_len):
+    out, _ = prepared
+    stream = split_stream(out, "val")
+    n = (len(stream) - 1) // seq_len
+    expected = np.stack([stream[i * seq_len:i * seq_len + seq_len + 1] for i in range(n)])
+    batches = list(data.eval_batches(out, "val", seq_len, 5))
+    assert all(b.dtype == np.int32 and len(b) == 5 for b in batches[:-1]) and 1 <= len(batches[-1]) <= 5
+    np.testing.assert_array_equal(np.concatenate(batches), expected)
+    limited = np.concatenate(list(data.eval_batches(out, "val", seq_len, 5, max_windows=3)))
+    np.testing.assert_array_equal(limited, expected[:3])
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: a DataError naming the problem, and from the CLI one `error:` line and exit status 2
+
+def test_no_matching_file(tmp_path):
+    with pytest.raises(data.DataError, match="no file matches"):
+        prep([tmp_path / "nothing*.txt"], tmp_path / "out")
+    assert_one_line_error(run_cli("--input", "nothing*.txt", "--out", "out", cwd=tmp_path), "nothing*.txt")
+    assert not (tmp_path / "out").exists()
+
+
+def test_empty_corpus(tmp_path):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.txt").write_text("")
+    with pytest.raises(data.DataError, match="empty corpus"):
+        prep([tmp_path / "c"], tmp_path / "out")
+    assert_one_line_error(run_cli("--input", "c", "--out", "out", cwd=tmp_path), "empty corpus")
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == [tmp_path / "c"]
+
+
+def test_undecodable_file_is_skipped_or_fatal_with_strict(tmp_path):
+    write_text_files(tmp_path / "c", make_docs(10, seed=4))
+    (tmp_path / "c" / "bad.txt").write_bytes(b"caf\xe9 latin-1")
+    (tmp_path / "c" / "broken.jsonl.gz").write_bytes(b"not gzip at all")
+    (tmp_path / "c" / "broken.jsonl.zst").write_bytes(b"not zstd at all")
+    # a good record, then broken JSON, a number, and a lone surrogate (valid JSON, but no tokenizer takes it)
+    (tmp_path / "c" / "lines.jsonl").write_text('{"text": "a good record"}\n{"text": tru\n{"text": 5}\n'
+                                                '{"text": "x \\ud800 y"}\n')
+    index = prep([tmp_path / "c"], tmp_path / "out", val_fraction=0.0)
+    assert index["skipped_files"] == 3 and index["skipped_records"] == 3 and index["documents"] == 11
+    with pytest.raises(data.DataError, match="bad.txt"):
+        prep([tmp_path / "c"], tmp_path / "strict", strict=True)
+    assert_one_line_error(run_cli("--input", "c", "--out", "strict", "--strict", "--vocab-size", "300",
+                                  cwd=tmp_path), "bad.txt")
+    assert not (tmp_path / "strict").exists()
+
+
+def test_missing_text_field(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"content": "hello"}\n')
+    with pytest.raises(data.DataError, match="no field 'text'.*content"):
+        prep([tmp_path / "a.jsonl"], tmp_path / "out")
+
+
+def test_token_id_that_does_not_fit_the_dtype(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "<|endoftext|>": 1, "big": 70_000}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tok.json"))
+    (tmp_path / "a.txt").write_text("big big small")
+    monkeypatch.setattr(data, "_dtype_for", lambda vocab_size: "uint16")  # as if the dtype were chosen wrongly
+    with pytest.raises(data.DataError, match="token id 70000 does not fit.*uint16"):
+        prep([tmp_path / "a.txt"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"))
+    assert not (tmp_path / "out").exists()
+    monkeypatch.undo()  # with the right choice the id fits: a uint32 directory
+    assert prep([tmp_path / "a.txt"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"),
+                val_fraction=0.0)["dtype"] == "uint32"
+    assert split_stream(tmp_path / "out", "train").tolist() == [70_000, 70_000, 0, 1]
+
+
+def test_bad_tokenizer_file(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    (tmp_path / "tok.json").write_text("{not json")
+    for path in (tmp_path / "tok.json", tmp_path / "missing.json"):
+        with pytest.raises(data.DataError, match=f"cannot load tokenizer {path}"):
+            prep([tmp_path / "a.txt"], tmp_path / "out", tokenizer=str(path))
+
+
+def test_missing_corrupt_or_mismatched_index(prepared, tmp_path):
+    import shutil
+    out = tmp_path / "d"
+    shutil.copytree(prepared[0], out)
+    with pytest.raises(data.DataError, match="not found"):
+        data.load_index(tmp_path)
+    shard = out / json.loads((out / "index.json").read_text())["splits"]["train"]["shards"][1]["file"]
+    shard.write_bytes(shard.read_bytes()[:-2])  # one token short
+    with pytest.raises(data.DataError, match=f"{shard.name}: expected 514 bytes .*found 512 bytes"):
+        data.Loader(out, "train", 8, 2)
+    shard.unlink()
+    with pytest.raises(data.DataError, match=f"{shard.name}.*missing"):
+        data.load_index(out)
+    shutil.rmtree(out)
+    shutil.copytree(prepared[0], out)
+    with open(out / "tokenizer.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(data.DataError, match="sha256"):
+        data.load_index(out)
+    (out / "index.json").write_text('{"format_version": 1, "dtype": ')
+    with pytest.raises(data.DataError, match="corrupt"):
+        data.eval_batches(out, "val", 8, 2).__next__()
+    with pytest.raises(data.DataError, match="no split 'test'"):
+        data.Loader(prepared[0], "test", 8, 2)
+
+
+def test_window_longer_than_the_split_and_bad_batch_shapes(prepared):
+    out, _ = prepared
+    tokens = data.load_index(out)["splits"]["val"]["tokens"]
+    with pytest.raises(data.DataError, match=f"window of {tokens + 1} tokens is longer than the split"):
+        data.Loader(out, "val", tokens, 2)
+    with pytest.raises(data.DataError, match="longer than the split"):
+        next(data.eval_batches(out, "val", tokens, 2))
+    data.Loader(out, "val", tokens - 1, 2)  # exactly one window
+    with pytest.raises(data.DataError, match="batch size 6 does not divide by 4"):
+        data.Loader(out, "train", 8, 6, process_index=0, process_count=4)
+
+
+def test_existing_directory_needs_overwrite_and_inputs_are_never_touched(tmp_path):
+    write_text_files(tmp_path / "c", make_docs(8, seed=5))
+    before = {p: p.read_bytes() for p in (tmp_path / "c").iterdir()}
+    prep([tmp_path / "c"], tmp_path / "out")
+    with pytest.raises(data.DataError, match="exists; pass --overwrite"):
+        prep([tmp_path / "c"], tmp_path / "out")
+    (tmp_path / "c" / "more.txt").write_text("one more document")
+    assert prep([tmp_path / "c"], tmp_path / "out", overwrite=True)["documents"] == 9
+    with pytest.raises(data.DataError, match="lies inside the output directory"):
+        prep([tmp_path / "out" / "tokenizer.json"], tmp_path / "out", overwrite=True)
+    assert all(p.read_bytes() == b for p, b in before.items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "out"]
+
+
+def test_interrupted_prepare_leaves_nothing_and_a_rerun_completes(tmp_path, monkeypatch):
+    write_text_files(tmp_path / "c", make_docs(30, seed=6))
+    real_write, calls = data._ShardWriter.write, []
+
+    def failing_write(self, tokens, ends):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as if the user pressed Ctrl-C midway
+        real_write(self, tokens, ends)
+    monkeypatch.setattr(data._ShardWriter, "write", failing_write)
+    monkeypatch.setattr(data, "CHUNK_BYTES", 500)  # many chunks, so the failure lands midway
+    with pytest.raises(KeyboardInterrupt):
+        prep([tmp_path / "c"], tmp_path / "out", shard_tokens=100)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+    # a run killed outright leaves its temporary directory, with a partial index; the rerun removes it
+    monkeypatch.undo()
+    leftover = tmp_path / "out.tmp-999999999"
+    leftover.mkdir()
+    (leftover / "index.json").write_text('{"format_version": 1, "splits": {"train": {"shards": [{"file"')
+    prep([tmp_path / "c"], tmp_path / "out", shard_tokens=100)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "out"]
+    assert data.load_index(tmp_path / "out")["documents"] == 30
+    assert sorted(decode_documents(tmp_path / "out", "train") + decode_documents(tmp_path / "out", "val")) \
+        == sorted(make_docs(30, seed=6))
+
+
+def test_killed_prepare_is_cleaned_up_by_the_next_run(tmp_path):
+    """A real process, killed outright (no clean-up possible) while it writes, then run again."""
+    import os
+    import signal
+    import time
+    rng = np.random.default_rng(7)
+    (tmp_path / "c").mkdir()
+    for i in range(16):  # about 1.5 MB: tokenizing it on one thread takes a good fraction of a second
+        (tmp_path / "c" / f"{i}.txt").write_text(" ".join(rng.choice(WORDS, 30_000)))
+    args = [sys.executable, str(DATA_PY), "--input", "c", "--out", "out", "--vocab-size", "300", "--workers", "1"]
+    process = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tmp = tmp_path / f"out.tmp-{process.pid}"
+    deadline = time.monotonic() + 60
+    while not (tmp / "tokenizer.json").exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)  # the tokenizer is saved before the shards are written
+    if process.poll() is not None:
+        pytest.skip("the prepare finished before it could be killed")
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert tmp.is_dir() and not (tmp_path / "out").exists()
+    result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "out"]
+    assert data.load_index(tmp_path / "out")["documents"] == 16
