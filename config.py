@@ -1,0 +1,350 @@
+"""Typed configuration: YAML in conf/, dotted overrides, validation, and the config of a run.
+
+    conf/config.yaml ──yaml.safe_load──> nested dict ──key=value overrides──> Config (dataclasses)
+    Config ──save_run_config──> RUN_DIR/config.yaml (model fully resolved) ──load_run_config──> Config
+
+`model` in a config file is either a named size from conf/model_config.yaml (`model: small`) or a
+mapping `{name: small, <GPTConfig field>: value, ...}` whose fields override the named size. A
+mapping whose name is not a known size must give the architecture itself (vocab_size,
+block_size, embedding_dim, num_head, N), so a typo in a name never falls back to some default.
+The effective config written into a run directory holds every GPTConfig field, so eval, sample
+and convert need nothing but that directory.
+
+Every user mistake (unknown key, wrong type, unknown model size, a missing file) raises
+`ConfigError` with one line that names the problem and the valid choices.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import types
+import typing
+
+import yaml
+
+from model import GPTConfig
+
+CONF_DIR = pathlib.Path(__file__).resolve().parent / "conf"
+DEFAULT_CONFIG = CONF_DIR / "config.yaml"
+MODEL_SIZES = CONF_DIR / "model_config.yaml"
+RUN_CONFIG_NAME = "config.yaml"  # the effective config inside a run directory
+ARCHITECTURE_FIELDS = ("vocab_size", "block_size", "embedding_dim", "num_head", "N")
+
+
+class ConfigError(Exception):
+    """A user-caused configuration problem; str(e) is one line."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+    dir: typing.Optional[str] = None  # prepared data directory; None = the built-in default corpus
+
+
+@dataclasses.dataclass
+class TrainingConfig:
+    steps: int = 3000
+    batch_size: int = 32  # global, in sequences
+    micro_batches: int = 1  # gradient accumulation: batch_size is split into this many pieces
+    seq_len: typing.Optional[int] = None  # None = model.block_size
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: typing.Optional[float] = 1.0  # None = no clipping
+    log_every: int = 10
+    eval_every: int = 250
+    eval_windows: int = 256
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every: int = 500
+    keep: int = 3
+    async_save: bool = True
+
+
+@dataclasses.dataclass
+class WandbConfig:
+    mode: str = "disabled"  # disabled | offline | online
+    project: str = "gpt-jax"
+    entity: typing.Optional[str] = None
+    name: typing.Optional[str] = None
+
+
+@dataclasses.dataclass
+class Config:
+    run_dir: str = "runs/default"
+    seed: int = 0
+    model_name: str = "small"  # the named size (or label) the model came from
+    model: GPTConfig = dataclasses.field(default_factory=GPTConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+
+    @property
+    def seq_len(self) -> int:
+        return self.training.seq_len or self.model.block_size
+
+
+SECTIONS = {"data": DataConfig, "training": TrainingConfig, "checkpoint": CheckpointConfig, "wandb": WandbConfig}
+TOP_LEVEL_KEYS = ("run_dir", "seed", "model", *SECTIONS)
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+# ----------------------------------------------------------------------------------------------
+# Typed values
+
+
+def _fields(cls) -> dict[str, typing.Any]:
+    """Field name -> resolved type annotation (the modules use `from __future__ import annotations`)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _type_name(tp) -> str:
+    args = typing.get_args(tp)
+    if type(None) in args:
+        return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_value(key: str, value, tp):
+    """`value` converted to the field type `tp`, or a ConfigError naming the key and the type."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _check_value(key, value, inner[0]) if value is not None else _bad(key, value, tp)
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        return value
+    _bad(key, value, tp)
+
+
+def _bad(key, value, tp):
+    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _build(cls, raw, prefix: str):
+    """A dataclass `cls` from the mapping `raw`; unknown keys and wrong types are ConfigErrors."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix} must be a mapping of {', '.join(_fields(cls))}, got {raw!r}")
+    fields = _fields(cls)
+    unknown = [k for k in raw if k not in fields]
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}.{unknown[0]}; valid keys of {prefix}: {', '.join(fields)}")
+    return cls(**{k: _check_value(f"{prefix}.{k}", v, fields[k]) for k, v in raw.items()})
+
+
+# ----------------------------------------------------------------------------------------------
+# Model sizes
+
+
+def load_model_sizes(path=MODEL_SIZES) -> dict[str, dict]:
+    """The named sizes of conf/model_config.yaml: name -> {GPTConfig field: value}."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"model size table {path} not found")
+    sizes = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(sizes, dict):
+        raise ConfigError(f"{path} must map size names to GPTConfig fields")
+    return {str(k): v for k, v in sizes.items()}
+
+
+def resolve_model(spec, sizes: dict[str, dict]) -> tuple[str, GPTConfig]:
+    """(name, GPTConfig) from `model: NAME` or `model: {name: NAME, field: value, ...}`."""
+    if isinstance(spec, str):
+        spec = {"name": spec}
+    if not isinstance(spec, dict):
+        raise ConfigError(f"model must be a size name ({', '.join(sizes)}) or a mapping, got {spec!r}")
+    spec = dict(spec)
+    name = spec.pop("name", None)
+    if name is not None and not isinstance(name, str):
+        name = str(name)  # e.g. `model: {name: 760m}` is a string already; `name: 125` is not
+    if name in sizes:
+        base = dict(sizes[name])
+    elif all(k in spec for k in ARCHITECTURE_FIELDS):
+        base, name = {}, name or "custom"
+    else:
+        raise ConfigError(
+            f"unknown model size {name!r}; valid sizes: {', '.join(sizes)} "
+            f"(or a mapping that sets {', '.join(ARCHITECTURE_FIELDS)})"
+        )
+    try:
+        model = _build(GPTConfig, {**base, **spec}, "model")
+    except ValueError as e:  # GPTConfig.__post_init__ checks ranges and choices
+        raise ConfigError(str(e)) from None
+    return name, model
+
+
+# ----------------------------------------------------------------------------------------------
+# Overrides: key=value on the command line
+
+
+def parse_override(text: str) -> tuple[list[str], typing.Any]:
+    """`training.lr=3e-4` -> (['training', 'lr'], 3e-4); the value is read as YAML."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. training.batch_size=64)")
+    try:
+        parsed = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.split("."), parsed
+
+
+def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
+    """A copy of the raw config dict with the dotted overrides applied (checked later by from_dict)."""
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for text in overrides:
+        path, value = parse_override(text)
+        top = path[0]
+        if top not in TOP_LEVEL_KEYS:
+            raise ConfigError(f"unknown key {top!r} in override {text!r}; valid keys: {', '.join(TOP_LEVEL_KEYS)}")
+        if top == "model":
+            if len(path) == 1:
+                if isinstance(value, dict):
+                    raw["model"] = value
+                elif isinstance(raw.get("model"), dict):  # replace the name, keep the field overrides
+                    raw["model"] = {**raw["model"], "name": value}
+                else:
+                    raw["model"] = value
+            elif len(path) == 2:
+                model = raw.get("model")
+                model = dict(model) if isinstance(model, dict) else {"name": model}
+                model[path[1]] = value
+                raw["model"] = model
+            else:
+                raise ConfigError(f"override {text!r}: model takes one level (model.FIELD=VALUE)")
+        elif top in SECTIONS:
+            if len(path) != 2:
+                valid = ", ".join(f"{top}.{k}" for k in _fields(SECTIONS[top]))
+                raise ConfigError(f"override {text!r} must name one key of {top}; valid keys: {valid}")
+            section = raw.get(top)
+            raw[top] = {**(section if isinstance(section, dict) else {}), path[1]: value}
+        else:
+            if len(path) != 1:
+                raise ConfigError(f"override {text!r}: {top} has no sub-keys")
+            raw[top] = value
+    return raw
+
+
+# ----------------------------------------------------------------------------------------------
+# Config from a dict, a file, or a run directory
+
+
+def from_dict(raw: dict, *, sizes: dict[str, dict] | None = None) -> Config:
+    """A validated Config from a raw nested dict (as read from YAML)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config must be a mapping with keys {', '.join(TOP_LEVEL_KEYS)}")
+    unknown = [k for k in raw if k not in TOP_LEVEL_KEYS]
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]!r}; valid keys: {', '.join(TOP_LEVEL_KEYS)}")
+    top = _fields(Config)
+    cfg = Config(
+        run_dir=_check_value("run_dir", raw.get("run_dir", Config.run_dir), top["run_dir"]),
+        seed=_check_value("seed", raw.get("seed", Config.seed), top["seed"]),
+        **{name: _build(cls, raw.get(name), name) for name, cls in SECTIONS.items()},
+    )
+    cfg.model_name, cfg.model = resolve_model(raw.get("model", "small"), load_model_sizes() if sizes is None else sizes)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that a single type check cannot make."""
+    t, c = cfg.training, cfg.checkpoint
+    for key in ("steps", "batch_size", "micro_batches", "log_every", "eval_every", "eval_windows"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"training.{key} must be >= 1, got {getattr(t, key)}")
+    for key in ("every", "keep"):
+        if getattr(c, key) < 1:
+            raise ConfigError(f"checkpoint.{key} must be >= 1, got {getattr(c, key)}")
+    if t.warmup_steps < 0:
+        raise ConfigError(f"training.warmup_steps must be >= 0, got {t.warmup_steps}")
+    if t.batch_size % t.micro_batches:
+        raise ConfigError(
+            f"training.batch_size ({t.batch_size}) must be divisible by training.micro_batches ({t.micro_batches})"
+        )
+    if t.seq_len is not None and not 1 <= t.seq_len <= cfg.model.block_size:
+        raise ConfigError(f"training.seq_len must be in 1..model.block_size ({cfg.model.block_size}), got {t.seq_len}")
+    if not 0.0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"training.min_lr ({t.min_lr}) must be in [0, training.lr ({t.lr})]")
+    if cfg.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"wandb.mode must be one of {', '.join(WANDB_MODES)}, got {cfg.wandb.mode!r}")
+
+
+def read_yaml(path) -> dict:
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping with keys {', '.join(TOP_LEVEL_KEYS)}")
+    return raw
+
+
+def load_config(path=DEFAULT_CONFIG, overrides: typing.Sequence[str] = ()) -> Config:
+    """The Config of a YAML file with `key=value` overrides applied."""
+    return from_dict(apply_overrides(read_yaml(path), overrides))
+
+
+def to_dict(cfg: Config) -> dict:
+    """The effective config as plain YAML-able data, the model fully resolved."""
+    return {
+        "run_dir": cfg.run_dir,
+        "seed": cfg.seed,
+        "model": {"name": cfg.model_name, **dataclasses.asdict(cfg.model)},
+        **{name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS},
+    }
+
+
+def save_run_config(cfg: Config, run_dir) -> pathlib.Path:
+    path = pathlib.Path(run_dir) / RUN_CONFIG_NAME
+    header = "# The effective config of this run (written by train.py); `python train.py --resume` reads it.\n"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(header + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(path)  # atomic: a crash never leaves half a config
+    return path
+
+
+def load_run_config(run_dir, overrides: typing.Sequence[str] = ()) -> Config:
+    """The effective config of a run directory (optionally with overrides), for eval/sample/convert/resume."""
+    path = pathlib.Path(run_dir) / RUN_CONFIG_NAME
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} is not a run directory: {RUN_CONFIG_NAME} not found in it")
+    raw = apply_overrides(read_yaml(path), overrides)
+    sizes = load_model_sizes() if MODEL_SIZES.is_file() else {}  # the resolved model needs no table
+    return from_dict(raw, sizes=sizes)

@@ -1,0 +1,300 @@
+"""Tests of the training entry point: the job end to end, exact resume, config errors, NaN, SIGTERM.
+
+Runs go through `train.main` / `train.cli` in-process (what `python train.py` calls) on a tiny
+model and a tiny corpus; the command-line exit paths and SIGTERM run `python train.py` itself.
+"""
+import json
+import math
+import os
+import pathlib
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import config
+import data
+import train
+
+REPO = pathlib.Path(__file__).resolve().parent
+WORDS = ("the cat dog sat on a mat and ran to big small red green house tree river over under with "
+         "from into quickly slowly happy sad bird fish jumped swam flew saw heard").split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A tiny prepared corpus: 40 text files of word salad with some structure, vocabulary 300."""
+    root = tmp_path_factory.mktemp("corpus")
+    src = root / "src"
+    src.mkdir()
+    for i in range(40):
+        rng = random.Random(i)
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 12))) + "." for _ in range(40)]
+        (src / f"doc{i:02d}.txt").write_text("\n".join(lines) + "\n")
+    index = data.prepare([str(src)], root / "data", vocab_size=300, val_fraction=0.3, progress=False)
+    assert index["splits"]["val"]["tokens"] > 2000  # enough for a validation sample
+    return root / "data"
+
+
+def tiny(run_dir, corpus, *extra):
+    """Arguments for a few-second run of the `test` model size."""
+    return [
+        f"run_dir={run_dir}", f"data.dir={corpus}", "model=test",
+        "training.steps=8", "training.batch_size=8", "training.seq_len=32", "training.warmup_steps=2",
+        "training.lr=1e-2", "training.min_lr=1e-3", "training.log_every=1", "training.eval_every=4",
+        "training.eval_windows=16", "checkpoint.every=4", "checkpoint.keep=5", *extra,
+    ]
+
+
+def rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(row: dict) -> dict:
+    """A metrics row without its timings (which differ between runs)."""
+    return {k: v for k, v in row.items() if k not in ("tokens_per_s", "mfu", "time_s")}
+
+
+def restore(run_dir, step):
+    """The raw checkpointed state at `step`, read with orbax directly (no train.py code)."""
+    with ocp.CheckpointManager(pathlib.Path(run_dir).resolve() / "checkpoints") as mngr:
+        return mngr.restore(step, args=ocp.args.StandardRestore())
+
+
+@pytest.fixture(scope="module")
+def finished_run(corpus, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "straight"
+    assert train.main(tiny(run_dir, corpus, "model.dropout=0.1", "training.micro_batches=2")) == 0
+    return run_dir
+
+
+def test_end_to_end_run(finished_run, corpus):
+    run_dir = finished_run
+    index = data.load_index(corpus)
+    # metrics: one row per step, tokens counted, validation on evaluation steps
+    r = rows(run_dir)
+    assert [row["step"] for row in r] == list(range(1, 9))
+    assert [row["tokens"] for row in r] == [s * 8 * 32 for s in range(1, 9)]
+    assert [s for s, row in enumerate(r, 1) if "val_loss" in row] == [4, 8]
+    for row in r:
+        assert {"loss", "lr", "grad_norm"} <= row.keys() and math.isfinite(row["loss"])
+    # at initialisation the prediction is close to uniform over the (padded) vocabulary
+    assert math.log(300) - 0.2 < r[0]["loss"] < math.log(384) + 0.2
+    assert r[-1]["loss"] < r[0]["loss"] - 0.3  # it learns
+    # warm-up 2 steps to 1e-2, then cosine to 1e-3 at step 8 (the schedule written out)
+    expected_lr = [1e-2 * s / 2 if s <= 2 else 1e-3 + 0.5 * 9e-3 * (1 + math.cos(math.pi * (s - 2) / 6))
+                   for s in range(1, 9)]
+    np.testing.assert_allclose([row["lr"] for row in r], expected_lr, rtol=1e-5)
+    # the summary
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["tokens"] == 8 * 8 * 32
+    assert summary["val_loss"] == r[-1]["val_loss"]
+    assert summary["unigram_entropy"] == index["unigram_entropy"]
+    assert summary["checkpoint"] == str((run_dir / "checkpoints" / "8").resolve())
+    # the run directory is self-contained: config (vocabulary from the data), data reference, tokenizer
+    cfg = config.load_run_config(run_dir)
+    assert cfg.model.vocab_size == index["vocab_size"] == 300
+    assert (cfg.model_name, cfg.model.N, cfg.model.embedding_dim, cfg.model.dropout) == ("test", 2, 32, 0.1)
+    assert cfg.training.micro_batches == 2 and pathlib.Path(cfg.data.dir) == corpus.resolve()
+    assert json.loads((run_dir / "data.json").read_text())["tokenizer_sha256"] == index["tokenizer_sha256"]
+    assert (run_dir / "tokenizer.json").read_bytes() == (corpus / index["tokenizer"]).read_bytes()
+    # checkpoints at 4 and 8 hold step, rng, params and optimizer state
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [4, 8]
+    state = restore(run_dir, 8)
+    assert int(state["step"]) == 8 and state["rng"].shape == (2,)
+    assert state["params"]["wte"].shape == (384, 32)
+
+
+def test_resume_is_exact(finished_run, corpus, tmp_path):
+    """Crash after the checkpoint at step 4, resume: steps 5..8 equal those of the straight run."""
+    crashed = tmp_path / "crashed"
+    shutil.copytree(finished_run, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "8")  # the crash came before the step-8 checkpoint
+    (crashed / "summary.json").unlink()
+    # metrics.jsonl still has the crashed run's lines 5..8: resume must drop them, not duplicate
+    assert train.main(["--resume", f"run_dir={crashed}"]) == 0
+    straight, resumed = rows(finished_run), rows(crashed)
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert [deterministic(r) for r in resumed] == [deterministic(r) for r in straight]
+    a, b = restore(finished_run, 8), restore(crashed, 8)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_gradient_accumulation_matches_one_big_batch(corpus, tmp_path):
+    """Without dropout, 4 micro-batches of 2 sequences train like one batch of 8 (up to rounding)."""
+    losses = {}
+    for m in (1, 4):
+        run_dir = tmp_path / f"m{m}"
+        assert train.main(tiny(run_dir, corpus, "training.steps=4", f"training.micro_batches={m}")) == 0
+        losses[m] = [(r["loss"], r["grad_norm"]) for r in rows(run_dir)]
+    np.testing.assert_allclose(losses[4], losses[1], rtol=2e-4)
+    assert losses[4] != losses[1]  # genuinely a different computation
+
+
+def test_existing_run_dir_is_protected(finished_run, corpus):
+    before = {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()}
+    with pytest.raises(train.RunError, match="already exists.*--resume"):
+        train.main(tiny(finished_run, corpus))
+    assert {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()} == before
+
+
+def test_resume_errors(corpus, tmp_path, capsys):
+    # no run directory at all
+    assert train.cli(["--resume", f"run_dir={tmp_path / 'nothing'}"]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    # a run directory without a checkpoint: the run died before its first save
+    run_dir = tmp_path / "early"
+    with pytest.raises(train.Diverged):
+        train.main(tiny(run_dir, corpus, "training.lr=1e30", "checkpoint.every=100"))
+    assert train.cli(["--resume", f"run_dir={run_dir}"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_bad_checkpoint_is_one_error_line(finished_run, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(finished_run, broken)
+    for f in (broken / "checkpoints" / "8").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0 and "METADATA" not in f.name:
+            f.write_bytes(b"\0" * 7)  # truncated files
+    p = subprocess.run([sys.executable, "train.py", "--resume", f"run_dir={broken}", "training.steps=9"],
+                       cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
+    assert p.returncode == 2
+    err = p.stderr.strip()
+    assert err.startswith("error: checkpoint 8 in") and "cannot be restored" in err and "\n" not in err
+    assert sorted(p.name for p in (broken / "checkpoints").iterdir()) == ["4", "8"]  # nothing removed
+
+
+def test_nan_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, capsys):
+    """A learning rate of 1e30 blows the weights up after warm-up; training stops with the step."""
+    run_dir = tmp_path / "nan"
+    args = tiny(run_dir, corpus, "training.lr=1e30", "training.warmup_steps=3", "checkpoint.every=1")
+    assert train.cli(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()  # the progress bar, then the error
+    msg = err[-1]
+    assert msg.startswith("error: ") and not any(line.startswith("error") for line in err[:-1])
+    step = int(msg.split(" at step ")[1].split(";")[0])
+    good = int(msg.split("last good checkpoint: ")[1].split()[0])
+    assert good == step - 1 >= 1
+    assert "loss is nan" in msg or "loss is inf" in msg or "not finite" in msg
+    # checkpoints exist up to the last good step, none after it, and the last one is finite
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-1] == good
+    state = restore(run_dir, good)
+    assert int(state["step"]) == good
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state["params"]))
+    assert all(row["step"] < step for row in rows(run_dir))
+
+
+def test_weight_decay_mask():
+    """Decay every weight matrix (kernel); never biases, LayerNorms, or (by default) embeddings."""
+    from flax import nnx
+
+    import model
+
+    cfg = config.load_config(overrides=["model=test", "model.alibi_attn=false"])
+    params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: model.GPT(cfg.model, rngs=nnx.Rngs(0)))))
+    for decay_embeddings in (False, True):
+        mask = train.decay_mask(params, decay_embeddings)
+        for path, decayed in jax.tree_util.tree_flatten_with_path(mask)[0]:
+            name = str(path[-1].key)
+            expected = name == "kernel" or (decay_embeddings and name in ("wte", "wpe"))
+            assert decayed == expected, (jax.tree_util.keystr(path), decayed)
+
+
+# ------------------------------------------------------------------------------------------------
+# Config
+
+
+def test_config_overrides_and_round_trip(tmp_path):
+    cfg = config.load_config(overrides=["training.lr=3e-4", "model=test", "model.N=3", "seed=7",
+                                        "training.grad_clip=null", "wandb.mode=offline"])
+    assert cfg.training.lr == 3e-4 and cfg.training.grad_clip is None and cfg.seed == 7
+    assert (cfg.model_name, cfg.model.N, cfg.model.embedding_dim) == ("test", 3, 32)
+    # model=NAME swaps the size and keeps field overrides made earlier
+    cfg = config.load_config(overrides=["model.N=5", "model=small"])
+    assert (cfg.model_name, cfg.model.N, cfg.model.embedding_dim) == ("small", 5, 256)
+    # the effective config reads back to the same config
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    config.save_run_config(cfg, run_dir)
+    assert config.load_run_config(run_dir) == cfg
+    # the example full-scale config: ~0.5M tokens per update, the reference schedule
+    big = config.load_config(REPO / "conf" / "760m.yaml")
+    t = big.training
+    assert 0.45e6 < t.batch_size * big.seq_len < 0.55e6 and big.seq_len == 1024
+    assert (t.lr, t.min_lr, t.warmup_steps, t.weight_decay, t.b2) == (3e-4, 3e-5, 2000, 0.1, 0.95)
+
+
+def test_default_config_has_a_comment_on_every_key():
+    for line in (REPO / "conf" / "config.yaml").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#") and not line.rstrip().endswith(":"):
+            assert "#" in line, f"uncommented key: {line!r}"
+
+
+@pytest.mark.parametrize("override, words", [
+    ("training.lrr=1", ["training.lrr", "steps", "batch_size", "warmup_steps", "micro_batches"]),
+    ("trainin.lr=1", ["trainin", "run_dir", "seed", "model", "data", "training", "checkpoint", "wandb"]),
+    ("model.layers=2", ["model.layers", "embedding_dim", "num_head", "N", "block_size"]),
+    ("model=huge", ["huge", "small", "760m"]),
+    ("training.steps=ten", ["training.steps", "int", "ten"]),
+    ("training.lr=fast", ["training.lr", "float"]),
+    ("checkpoint.async_save=maybe", ["checkpoint.async_save", "bool"]),
+    ("wandb.mode=cloud", ["wandb.mode", "disabled", "offline", "online"]),
+    ("training.batch_size=10", ["batch_size", "micro_batches"]),
+])
+def test_config_errors_name_key_and_choices(override, words):
+    extra = ["training.micro_batches=4"] if "batch_size" in override else []
+    with pytest.raises(config.ConfigError) as e:
+        config.load_config(overrides=[override, *extra])
+    for word in words:
+        assert word in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    cases = [
+        ["training.lrr=1"],
+        ["--config", str(tmp_path / "missing.yaml")],
+        ["--resume", f"run_dir={tmp_path / 'none'}"],
+        ["--frobnicate"],
+    ]
+    for args in cases:
+        p = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True)
+        assert p.returncode == 2, (args, p.stderr)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (args, p.stderr)
+        assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_and_exits_cleanly(sig, corpus, tmp_path):
+    run_dir = tmp_path / "term"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    args = tiny(run_dir, corpus, "training.steps=100000", "checkpoint.every=100000", "training.eval_every=100000")
+    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "--resume" in out and sig.name in out
+    last = rows(run_dir)[-1]["step"]
+    steps = [int(d.name) for d in (run_dir / "checkpoints").iterdir() if d.name.isdigit()]
+    assert steps == [last] and int(restore(run_dir, last)["step"]) == last
+    # --resume continues after the saved step (two more steps)
+    assert train.main(["--resume", f"run_dir={run_dir}", f"training.steps={last + 2}"]) == 0
+    assert [r["step"] for r in rows(run_dir)] == list(range(1, last + 3))

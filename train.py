@@ -1,0 +1,518 @@
+"""Train a GPT: the flat training loop.
+
+    python train.py                                   # the default job (conf/config.yaml)
+    python train.py --config conf/760m.yaml data.dir=data/my_corpus training.lr=2e-4
+    python train.py --resume                          # continue the configured run from its last checkpoint
+
+Sections of main(): config, run directory, data, model and optimizer, placement, step,
+checkpoint, logging, loop, summary. The state is one pytree {params, opt_state, step, rng}; the
+batch at step s is a pure function of (seed, s), so resuming from a checkpoint at step s replays
+steps s+1.. exactly (bit for bit on the CPU).
+
+The run directory holds config.yaml (the effective config), data.json and tokenizer.json (the
+data it trained on), metrics.jsonl (one JSON object per logged step), summary.json, and
+checkpoints/ (orbax, one directory per step).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import shutil
+import signal
+import sys
+import threading
+import time
+import uuid
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+import config as config_lib
+import data
+import model as model_lib
+
+# Peak dense bf16 FLOP/s per device, for MFU; matched against jax.devices()[0].device_kind.
+# Devices not listed (the CPU) show no MFU.
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,  # SXM; the PCIe part is lower (756e12)
+    "A100": 312e12,
+    "L4": 121e12,
+    "TPU v5p": 459e12,
+    "TPU v5 lite": 197e12,  # v5e
+    "TPU v5e": 197e12,
+    "TPU v6 lite": 918e12,  # Trillium
+    "TPU v4": 275e12,
+    "TPU v3": 123e12,
+    "TPU v2": 45e12,
+}
+
+
+class RunError(Exception):
+    """A user-caused problem with the run (its directory, its checkpoints); str(e) is one line."""
+
+
+class Diverged(Exception):
+    """The loss or the parameters stopped being finite."""
+
+
+def peak_flops(device_kind: str) -> float | None:
+    for name, flops in PEAK_FLOPS.items():
+        if name.lower() in device_kind.lower():
+            return flops
+    return None
+
+
+def lr_schedule(t: config_lib.TrainingConfig):
+    """Linear warm-up to t.lr over warmup_steps, then cosine decay to t.min_lr at t.steps.
+
+    Takes optax's count (updates done before this one), so update 1 uses lr/warmup_steps and
+    never a wasted learning rate of 0.
+    """
+
+    def schedule(count):
+        step = count + 1
+        warm = t.lr * step / max(t.warmup_steps, 1)
+        progress = jnp.clip((step - t.warmup_steps) / max(t.steps - t.warmup_steps, 1), 0.0, 1.0)
+        cosine = t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + jnp.cos(jnp.pi * progress))
+        return jnp.where(step <= t.warmup_steps, warm, cosine)
+
+    return schedule
+
+
+def decay_mask(params, decay_embeddings: bool):
+    """True where weight decay applies: weight matrices; embeddings (wte, wpe) only if asked.
+
+    Never LayerNorm parameters (`scale`, `bias`) nor any `bias`, whatever its shape (the fused
+    qkv bias is 2-D).
+    """
+
+    def decide(path, x):
+        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if {"wte", "wpe"} & set(names):
+            return decay_embeddings
+        return x.ndim >= 2 and names[-1] not in ("bias", "scale")
+
+    return jax.tree_util.tree_map_with_path(decide, params)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description="Train a GPT. Without --resume, run_dir must not exist yet (or be empty); with --resume, "
+        "the run continues from its last checkpoint with its own config.yaml, plus any key=value given.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in run_dir from its last checkpoint")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. training.lr=1e-3")
+
+    def error(message):  # one line, no usage block
+        raise config_lib.ConfigError(f"{message} (usage: python train.py [--config FILE] [key=value ...] [--resume])")
+
+    parser.error = error
+    return parser.parse_args(argv)
+
+
+def drop_closed_loop_errors(unraisable) -> None:
+    """A sys.unraisablehook for restoring a checkpoint: when one read fails, tensorstore finishes the
+    other parallel reads on orbax's already closed asyncio loop, and each would print an 'Event
+    loop is closed' traceback that buries the one-line error. Drop exactly those."""
+    if not (unraisable.exc_type is RuntimeError and "Event loop is closed" in str(unraisable.exc_value)):
+        sys.__unraisablehook__(unraisable)
+
+
+def read_metrics(path: pathlib.Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def main(argv=None) -> int:
+    t_start = time.perf_counter()
+    is_main = jax.process_index() == 0  # only process 0 writes files and logs
+
+    # ------------------------------------------------------------------------------------------
+    # Config
+    args = parse_args(argv)
+    cfg = config_lib.load_config(args.config, args.overrides)
+    run_dir = pathlib.Path(cfg.run_dir)
+    if args.resume:
+        # The run's own effective config; command-line overrides still apply (e.g. training.steps).
+        if not (run_dir / config_lib.RUN_CONFIG_NAME).is_file():
+            raise RunError(f"nothing to resume: {run_dir} is not a run directory (no {config_lib.RUN_CONFIG_NAME})")
+        cfg = config_lib.load_run_config(run_dir, args.overrides)
+    elif run_dir.exists() and any(run_dir.iterdir()):
+        raise RunError(
+            f"run directory {run_dir} already exists; continue it with --resume, "
+            f"or start a new run elsewhere with run_dir=PATH"
+        )
+    t, ck = cfg.training, cfg.checkpoint
+
+    # ------------------------------------------------------------------------------------------
+    # Data: the prepared corpus (the default one is prepared on first use), its tokenizer's vocabulary
+    data_dir = pathlib.Path(cfg.data.dir) if cfg.data.dir else data.DEFAULT_DATA_DIR
+    if cfg.data.dir is None and not (data_dir / "index.json").is_file():
+        print(f"preparing the default corpus in {data_dir} (once)", flush=True)
+        data.prepare_default(data_dir, progress=is_main)
+    index = data.load_index(data_dir)
+    cfg.data.dir = str(data_dir.resolve())
+    if cfg.model.vocab_size != index["vocab_size"]:
+        print(f"model.vocab_size {cfg.model.vocab_size} -> {index['vocab_size']}, the vocabulary of {data_dir}")
+        cfg.model = dataclasses.replace(cfg.model, vocab_size=index["vocab_size"])
+    seq_len = cfg.seq_len
+    loader = data.Loader(
+        data_dir, "train", seq_len, t.batch_size,
+        seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count(),
+    )
+    # a fixed validation sample, padded to whole batches so evaluation compiles once
+    eval_bs = t.batch_size // t.micro_batches
+    val_sample = []
+    for tokens in data.eval_batches(data_dir, "val", seq_len, eval_bs, max_windows=t.eval_windows):
+        weights = np.zeros((eval_bs, seq_len), np.float32)
+        weights[: len(tokens)] = 1.0
+        padded = np.zeros((eval_bs, seq_len + 1), np.int32)
+        padded[: len(tokens)] = tokens
+        val_sample.append((padded, weights))
+
+    # ------------------------------------------------------------------------------------------
+    # Run directory: the effective config and a reference to the data, before any training
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_lib.save_run_config(cfg, run_dir)
+        tokenizer = data_dir / index["tokenizer"]
+        data_ref = {
+            "dir": cfg.data.dir,
+            "index": str((data_dir / "index.json").resolve()),
+            "tokenizer": str(tokenizer.resolve()),
+            "tokenizer_sha256": index.get("tokenizer_sha256"),
+            "vocab_size": index["vocab_size"],
+        }
+        (run_dir / "data.json").write_text(json.dumps(data_ref, indent=2) + "\n")
+        shutil.copyfile(tokenizer, run_dir / "tokenizer.json")  # the run decodes without the corpus
+
+    # ------------------------------------------------------------------------------------------
+    # Model and optimizer: shapes first (no memory), then a jitted init
+    mcfg = cfg.model
+    abstract_model = nnx.eval_shape(lambda: model_lib.GPT(mcfg, rngs=nnx.Rngs(0)))
+    graphdef, abstract_vars = nnx.split(abstract_model)  # nnx.State of abstract Variables (with axis names)
+
+    def apply(params, tokens, dropout_key=None):
+        """Logits (B, T, V_padded) from a pure dict of params; traced inside jit."""
+        variables = jax.tree.map(lambda v: v, abstract_vars)  # fresh Variables to fill
+        nnx.replace_by_pure_dict(variables, params)
+        return nnx.merge(graphdef, variables)(tokens, dropout_key=dropout_key)
+
+    schedule = lr_schedule(t)
+    tx = optax.chain(
+        optax.clip_by_global_norm(t.grad_clip) if t.grad_clip else optax.identity(),
+        optax.adamw(
+            schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
+            mask=lambda p: decay_mask(p, t.decay_embeddings),
+        ),
+    )
+    init_key, train_key = jax.random.split(jax.random.key(cfg.seed))
+
+    def init_state(init_key, train_key):
+        params = nnx.to_pure_dict(nnx.state(model_lib.GPT(mcfg, rngs=nnx.Rngs(params=init_key))))
+        return {
+            "params": params,
+            "opt_state": tx.init(params),
+            "step": jnp.zeros((), jnp.int32),  # updates done; also the loader position
+            "rng": jax.random.key_data(train_key),  # raw uint32 key data: checkpoints as a plain array
+        }
+
+    # ------------------------------------------------------------------------------------------
+    # Placement: the one place where the state and the batch go onto devices. Single device for
+    # now; sharding.py replaces these shardings with a mesh and logical-axis rules.
+    device = jax.local_devices()[0]
+    abstract_state = jax.eval_shape(init_state, init_key, train_key)
+    state_sharding = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), abstract_state)
+    batch_sharding = jax.sharding.SingleDeviceSharding(device)
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, state_sharding
+    )
+
+    def place_batch(batch: np.ndarray) -> jax.Array:
+        return jax.device_put(batch, batch_sharding)
+
+    # ------------------------------------------------------------------------------------------
+    # Step: gradient accumulation over micro-batches inside one jitted, state-donating step
+    M = t.micro_batches
+
+    def train_step(state, batch):
+        params = state["params"]
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+        micro = batch.reshape(M, batch.shape[0] // M, batch.shape[1])  # (M, B/M, T+1)
+
+        def token_loss_sum(p, tokens, i):
+            logits = apply(p, tokens[:, :-1], jax.random.fold_in(key, i))  # (b, T, V_padded)
+            loss, n = model_lib.cross_entropy(logits, tokens[:, 1:])
+            return loss * n, n
+
+        def accumulate(carry, xs):
+            grads, loss_sum, n_sum = carry
+            i, tokens = xs
+            (loss, n), g = jax.value_and_grad(token_loss_sum, has_aux=True)(params, tokens, i)
+            return (jax.tree.map(jnp.add, grads, g), loss_sum + loss, n_sum + n), None
+
+        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        (grads, loss_sum, n), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(M), micro))
+        grads = jax.tree.map(lambda g: g / n, grads)  # mean over every token of the batch
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))  # before clipping
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_state = {
+            "params": optax.apply_updates(params, updates),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+            "rng": state["rng"],
+        }
+        return new_state, {"loss": loss_sum / n, "grad_norm": grad_norm}
+
+    train_step = jax.jit(train_step, donate_argnums=0, out_shardings=(state_sharding, None))
+
+    @jax.jit
+    def eval_step(params, tokens, weights):
+        loss, n = model_lib.cross_entropy(apply(params, tokens[:, :-1]), tokens[:, 1:], weights)
+        return loss * n, n
+
+    @jax.jit
+    def all_finite(tree):
+        return jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+    def evaluate(params) -> dict:
+        sums = [eval_step(params, place_batch(tokens), place_batch(w)) for tokens, w in val_sample]
+        loss_sum, n = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)
+        loss = float(loss_sum / n)
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoint: orbax, asynchronous; a step directory appears only once it is complete
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    ckpt_dir = (run_dir / "checkpoints").resolve()
+    mngr = ocp.CheckpointManager(
+        ckpt_dir,
+        options=ocp.CheckpointManagerOptions(max_to_keep=ck.keep, enable_async_checkpointing=ck.async_save),
+    )
+    last_ckpt = mngr.latest_step()
+    if args.resume:
+        if last_ckpt is None:
+            raise RunError(
+                f"nothing to resume: no checkpoint in {ckpt_dir} (the run stopped before its first save); "
+                f"remove {run_dir} to start it again, or start a new run with run_dir=PATH"
+            )
+        default_hook, sys.unraisablehook = sys.unraisablehook, drop_closed_loop_errors
+        try:
+            state = mngr.restore(last_ckpt, args=ocp.args.StandardRestore(abstract_state))
+            sys.unraisablehook = default_hook
+        except Exception as e:  # a damaged or incompatible checkpoint (the hook stays: we exit)
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
+            mngr.close()
+            reason = (str(e).splitlines() or [type(e).__name__])[0].split(" [tensorstore_spec")[0][:300]
+            raise RunError(f"checkpoint {last_ckpt} in {ckpt_dir} cannot be restored: {reason}") from e
+        start_step = int(state["step"])
+        if start_step >= t.steps:
+            mngr.close()
+            print(f"{run_dir} is already trained to step {start_step}; to train further: "
+                  f"python train.py --resume run_dir={run_dir} training.steps=N")
+            return 0
+    else:
+        state = jax.jit(init_state, out_shardings=state_sharding)(init_key, train_key)
+        start_step = 0
+
+    # ------------------------------------------------------------------------------------------
+    # Logging: metrics.jsonl continues after the restored step; W&B keeps its run id in the run dir
+    metrics_path = run_dir / "metrics.jsonl"
+    if is_main:
+        kept = [row for row in read_metrics(metrics_path) if row["step"] <= start_step]
+        metrics_path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    metrics_file = open(metrics_path, "a") if is_main else None
+    wandb_run = None
+    if is_main and cfg.wandb.mode != "disabled":
+        import wandb
+
+        id_path = run_dir / "wandb_id.txt"
+        run_id = id_path.read_text().strip() if id_path.is_file() else uuid.uuid4().hex[:8]
+        id_path.write_text(run_id + "\n")
+        wandb_run = wandb.init(
+            project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name,
+            id=run_id, resume="allow", mode=cfg.wandb.mode, dir=str(run_dir), config=config_lib.to_dict(cfg),
+        )
+
+    n_params = model_lib.param_count(mcfg)
+    tokens_per_step = t.batch_size * seq_len
+    peak = peak_flops(device.device_kind)
+    flops_per_step = model_lib.flops_per_token(mcfg, seq_len) * tokens_per_step
+    print(
+        f"model {cfg.model_name}: {n_params / 1e6:.2f}M parameters, context {seq_len}; "
+        f"{t.steps} steps of {tokens_per_step} tokens; run dir {run_dir}"
+        + (f"; resuming from step {start_step}" if args.resume else ""),
+        flush=True,
+    )
+
+    # SIGTERM / SIGINT: finish the current step, save, exit cleanly
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):
+        if stop["signal"] is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        stop["signal"] = signum
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    # ------------------------------------------------------------------------------------------
+    # Loop. A step's metrics are read when the next step has been dispatched, so reading them
+    # (and the NaN check) never stalls the device; before a checkpoint everything is checked.
+    step = start_step
+    recent_losses = collections.deque(maxlen=max(t.log_every, 20))
+    mark = (step, t_start)  # (step, time) of the last logged step, for tokens/s
+    last_row, pending, val = {}, None, {}
+
+    def read_step(s, metrics) -> dict:
+        """A dispatched step's metrics as a row, after checking that they are finite."""
+        nonlocal mark
+        metrics = jax.device_get(metrics)
+        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
+            raise Diverged(f"{what} at step {s}; last good checkpoint: {last_ckpt} ({run_dir})")
+        recent_losses.append(loss)
+        now = time.perf_counter()
+        if s == start_step + 1:
+            mark = (s, now)  # leave start-up and compilation out of tokens/s
+        return {"step": s, "loss": loss, "lr": float(schedule(s - 1)), "grad_norm": grad_norm,
+                "tokens": s * tokens_per_step, "time_s": now - t_start}
+
+    def log(row):
+        """One line of metrics.jsonl (and W&B), with tokens/s and MFU since the last logged step."""
+        nonlocal mark, last_row
+        s, now = row["step"], row["time_s"] + t_start
+        if s > mark[0]:
+            row["tokens_per_s"] = (s - mark[0]) * tokens_per_step / (now - mark[1])
+            if peak:
+                row["mfu"] = row["tokens_per_s"] * flops_per_step / tokens_per_step / (peak * jax.device_count())
+        mark, last_row = (s, now), row
+        if is_main:
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+            if wandb_run is not None:
+                wandb_run.log(row, step=s)
+        postfix = {"loss": f"{row['loss']:.3f}"}
+        if "tokens_per_s" in row:
+            postfix["tok/s"] = f"{row['tokens_per_s']:.0f}"
+        if "mfu" in row:
+            postfix["mfu"] = f"{row['mfu']:.1%}"
+        bar.set_postfix(postfix)
+
+    bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step", disable=not is_main, dynamic_ncols=True)
+    batches = loader.iterate(start_step)
+    try:
+        while step < t.steps:
+            state, metrics = train_step(state, place_batch(next(batches)))
+            step += 1
+            bar.update(1)
+            if pending is not None:  # the previous step: finished, or about to be
+                row = read_step(*pending)
+                if row["step"] % t.log_every == 0:
+                    log(row)
+            pending = (step, metrics)
+            stopping = stop["signal"] is not None
+            do_eval = step % t.eval_every == 0 or step == t.steps
+            do_save = step % ck.every == 0 or step == t.steps or stopping
+            if not (do_eval or do_save):
+                continue
+            row, pending = read_step(*pending), None
+            if do_eval:
+                val = evaluate(state["params"])
+                row.update(val)
+                bar.write(f"step {step}: val loss {val['val_loss']:.4f}, val ppl {val['val_ppl']:.2f}")
+            log(row)
+            if do_save:
+                if not bool(all_finite(state["params"])):
+                    raise Diverged(f"parameters are not finite after step {step}; "
+                                   f"last good checkpoint: {last_ckpt} ({run_dir})")
+                mngr.save(step, args=ocp.args.StandardSave(state), force=True)
+                last_ckpt = step
+            mark = (step, time.perf_counter())  # leave evaluation and saving out of tokens/s
+            if stopping:
+                break
+        if pending is not None:
+            log(read_step(*pending))
+    finally:
+        bar.close()
+        batches.close()  # stops the loader's prefetch thread
+        mngr.wait_until_finished()  # the last started save completes, even on an error
+        mngr.close()
+        if metrics_file is not None:
+            metrics_file.close()
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+    # ------------------------------------------------------------------------------------------
+    # Summary
+    if stop["signal"] is not None and step < t.steps:
+        name = signal.Signals(stop["signal"]).name
+        print(f"stopped by {name} after step {step}; checkpoint saved in {ckpt_dir / str(step)}")
+        print(f"continue with: python train.py --resume run_dir={run_dir}")
+        if wandb_run is not None:
+            wandb_run.finish()
+        return 0
+    entropy = index.get("unigram_entropy")
+    train_loss = float(np.mean(recent_losses)) if recent_losses else None
+    summary = {
+        "steps": step,
+        "tokens": step * tokens_per_step,
+        "wall_time_s": time.perf_counter() - t_start,
+        "parameters": n_params,
+        "train_loss": train_loss,  # mean over the last steps
+        "train_ppl": math.exp(train_loss) if train_loss is not None else None,
+        "val_loss": val.get("val_loss", last_row.get("val_loss")),
+        "val_ppl": val.get("val_ppl", last_row.get("val_ppl")),
+        "unigram_entropy": entropy,
+        "checkpoint": str(ckpt_dir / str(last_ckpt)) if last_ckpt is not None else None,
+    }
+    if entropy is not None and summary["val_loss"] is not None:
+        summary["val_loss_below_unigram"] = entropy - summary["val_loss"]
+    if is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if wandb_run is not None:
+            wandb_run.summary.update(summary)
+            wandb_run.finish()
+    fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
+    print(
+        f"done: {summary['steps']} steps, {summary['tokens'] / 1e6:.2f}M tokens in {summary['wall_time_s']:.0f}s\n"
+        f"  train loss {fmt(train_loss, '.4f')} (ppl {fmt(summary['train_ppl'], '.2f')}), "
+        f"val loss {fmt(summary['val_loss'], '.4f')} (ppl {fmt(summary['val_ppl'], '.2f')})\n"
+        f"  unigram entropy of the corpus {fmt(entropy, '.4f')} nats/token"
+        + (f"; the val loss is {abs(gap):.3f} nats {'below' if gap >= 0 else 'above'} it"
+           if (gap := summary.get("val_loss_below_unigram")) is not None else "")
+        + f"\n  checkpoint {summary['checkpoint']}"
+    )
+    return 0
+
+
+def cli(argv=None) -> int:
+    """main() with user errors as one `error: ...` line on stderr: exit 2 for bad input, 1 for divergence."""
+    try:
+        return main(argv)
+    except (config_lib.ConfigError, data.DataError, RunError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Diverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
