@@ -18,11 +18,10 @@ concatenated in order. Training window i covers stream[i*T : i*T + T + 1] (input
 by one token, so every token after the first is a target exactly once per epoch); windows cross
 document and shard boundaries, as in GPT-2 style pre-training.
 
-Inputs: plain text (one document per file), JSON Lines (.jsonl/.ndjson, optionally .gz or .zst; one
-document per record), Parquet (one per row), and hf:NAME[/CONFIG]:SPLIT through `datasets`. A document
-is held out for validation when a hash of its name (its path relative to the pattern's fixed leading
-directories, plus ":<record>" for records) falls below --val-fraction, so the split is stable. Text
-that spells the end-of-text token itself is encoded as that token, as the `tokenizers` library does.
+Documents come from corpus.py (globs, directories, hf:NAME[/CONFIG]:SPLIT; plain text, JSON Lines,
+Parquet; unreadable inputs skipped and counted), which also names each document and decides by a
+hash of its name whether it is held out for validation. Text that spells the end-of-text token
+itself is encoded as that token, as the `tokenizers` library does.
 
 A directory is built in the sibling DIR.tmp-<pid> and renamed into place when complete, so an
 interrupted run never leaves an index naming missing or partial shards.
@@ -32,11 +31,9 @@ from __future__ import annotations
 import argparse
 import bisect
 import collections
+import functools
 import glob
-import gzip
 import hashlib
-import io
-import itertools
 import json
 import os
 import pathlib
@@ -51,193 +48,14 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+import corpus
+from corpus import DataError, default_corpus_files  # re-exported: data.DataError is corpus.DataError
+
 FORMAT_VERSION = 1
 DEFAULT_DATA_DIR = pathlib.Path(__file__).resolve().parent / "data" / "pystdlib"
 EOT_TOKEN = "<|endoftext|>"
 EOT_CANDIDATES = (EOT_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
-DEFAULT_VAL_FRACTION = 0.04  # of the stdlib's bytes: about 37 files, 150k tokens held out
 CHUNK_BYTES = 1 << 20  # text per encode_batch call: large enough to amortise, small enough to bound memory
-
-
-class DataError(Exception):
-    """A problem the user can fix (a path, a file, a setting); str() is one line naming it."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Document sources. A source is (kind, location, name); documents are (key, text), where the key
-# decides the split by hash, so the same documents are held out on every run.
-
-def default_corpus_files(stdlib_dir: str | os.PathLike | None = None) -> list[pathlib.Path]:
-    """The default corpus: the stdlib's .py files, sorted, without tests, vendored tools or non-UTF-8 files."""
-    root = pathlib.Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
-    excluded = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
-    files = []
-    for path in sorted(root.rglob("*.py")):
-        if excluded & set(path.relative_to(root).parts[:-1]) or not path.is_file():
-            continue
-        try:
-            path.read_bytes().decode("utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
-        files.append(path)
-    return files
-
-
-def _file_kind(path: str) -> str:
-    name = path.lower().removesuffix(".gz").removesuffix(".zst")
-    if name.endswith((".jsonl", ".ndjson")):
-        return "jsonl"
-    return "parquet" if name.endswith(".parquet") else "text"
-
-
-def _expand(patterns: list[str]) -> list[tuple[str, str, str]]:
-    """Glob patterns (a directory means every file under it) to sources, in order, without repeats.
-
-    A document's name is its path relative to the pattern's fixed leading directories, so moving a
-    corpus does not change which documents are held out."""
-    sources, seen = [], set()
-    for pattern in patterns:
-        if pattern.startswith("hf:"):
-            sources.append(("hf", pattern, pattern))
-            continue
-        if os.path.isdir(pattern):
-            base = pattern
-            matches = sorted(str(p) for p in pathlib.Path(pattern).rglob("*") if p.is_file())
-        else:
-            parts = pattern.split(os.sep)
-            fixed = list(itertools.takewhile(lambda part: not set("*?[") & set(part), parts))
-            base = os.sep.join(fixed[:-1] if len(fixed) == len(parts) else fixed)
-            matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-        if not matches:
-            raise DataError(f"no file matches {pattern!r}")
-        for path in matches:
-            if os.path.realpath(path) not in seen:
-                seen.add(os.path.realpath(path))
-                sources.append((_file_kind(path), path, os.path.relpath(path, base or ".")))
-    return sources
-
-
-def _open_binary(path: str) -> io.BufferedIOBase:
-    if path.lower().endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.lower().endswith(".zst"):
-        import zstandard
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True,
-                                                          closefd=True)
-    return open(path, "rb")
-
-
-def _records(kind: str, location: str, text_field: str) -> Iterator[tuple[int, object]]:
-    """(record number, text value) of one jsonl/parquet/hf source."""
-    if kind == "jsonl":
-        with io.TextIOWrapper(_open_binary(location), encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield number, e
-                    continue
-                if not isinstance(record, dict) or text_field not in record:
-                    keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                    raise DataError(f"{location}:{number}: no field {text_field!r} (has: {keys}); "
-                                    f"choose one with --text-field")
-                yield number, record[text_field]
-    elif kind == "parquet":
-        import pyarrow.parquet as pq
-        pf = pq.ParquetFile(location)
-        if text_field not in pf.schema_arrow.names:
-            raise DataError(f"{location}: no column {text_field!r} (has: {', '.join(pf.schema_arrow.names)}); "
-                            f"choose one with --text-field")
-        number = 0
-        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-            for value in batch.column(0).to_pylist():
-                number += 1
-                yield number, value
-    else:  # hf:NAME[/CONFIG]:SPLIT, where NAME may be org/name, so a config follows a second '/'
-        try:
-            import datasets
-        except ImportError:
-            raise DataError(f"{location}: the `datasets` library is not installed (pip install datasets)")
-        spec, _, split = location[3:].rpartition(":")
-        parts = spec.split("/")
-        name, config = ("/".join(parts[:2]), "/".join(parts[2:]) or None) if len(parts) > 2 else (spec, None)
-        if not name or not split:
-            raise DataError(f"{location}: expected hf:NAME[/CONFIG]:SPLIT")
-        try:
-            rows = datasets.load_dataset(name, config, split=split, streaming=True)
-            for number, row in enumerate(rows, 1):
-                if text_field not in row:
-                    raise DataError(f"{location}: no field {text_field!r} (has: {', '.join(row)})")
-                yield number, row[text_field]
-        except DataError:
-            raise
-        except Exception as e:  # the hub's errors are many; the first line names the problem
-            raise DataError(f"{location}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-
-
-def _read_errors() -> tuple[type[Exception], ...]:
-    """What an unreadable, undecodable or corrupt file raises (gzip's and pyarrow's derive from these)."""
-    errors: tuple[type[Exception], ...] = (OSError, EOFError, UnicodeDecodeError, ValueError)
-    try:
-        import zstandard
-        return errors + (zstandard.ZstdError,)
-    except ImportError:
-        return errors
-
-
-class _Reader:
-    """Streams documents from sources, counting files done and what was skipped."""
-
-    def __init__(self, sources: list[tuple[str, str, str]], text_field: str, strict: bool):
-        self.sources, self.text_field, self.strict = sources, text_field, strict
-        self.files = self.skipped_files = self.skipped_records = 0
-
-    def _skip(self, where: str, reason: str, record: bool = False) -> None:
-        if self.strict:
-            raise DataError(f"{where}: {reason} (drop --strict to skip it)")
-        if record:
-            self.skipped_records += 1
-        else:
-            self.skipped_files += 1
-
-    def __iter__(self) -> Iterator[tuple[str, str]]:
-        for kind, location, name in self.sources:
-            try:
-                if kind == "text":
-                    with _open_binary(location) as f:
-                        text = f.read().decode("utf-8")
-                    if text:
-                        yield name, text
-                else:
-                    for number, value in _records(kind, location, self.text_field):
-                        if isinstance(value, str) and _encodable(value):
-                            if value:
-                                yield f"{name}:{number}", value
-                        elif value is not None:
-                            self._skip(f"{location}:{number}", f"not a text record ({value!r:.80})", record=True)
-            except DataError:
-                raise
-            except _read_errors() as e:
-                self._skip(location, f"cannot read: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            self.files += 1
-
-
-def _encodable(text: str) -> bool:
-    """False for text with lone surrogates (JSON can escape them), which no tokenizer accepts."""
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
-
-
-def _in_val(key: str, fraction: float) -> bool:
-    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < fraction * 2**64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +164,7 @@ def _encode(tokenizer, texts: list[str], eot: int, vocab_size: int, dtype: str):
     return ids, ends, sum(len(t.encode("utf-8")) for t in texts)
 
 
-def _empty(sources: list, reader: _Reader) -> str:
+def _empty(sources: list, reader: corpus.Reader) -> str:
     skipped = f", {reader.skipped_files} unreadable skipped" if reader.skipped_files else ""
     return f"empty corpus: no text in {len(sources)} input file(s){skipped}: {sources[0][1]}" + \
         (", ..." if len(sources) > 1 else "")
@@ -402,7 +220,7 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
         else:
             if workers == 1:
                 os.environ["TOKENIZERS_PARALLELISM"] = "false"
-            reader = _Reader(sources, text_field, strict)
+            reader = corpus.Reader(sources, text_field, strict)
             seen = 0
             with tqdm(total=len(sources), desc="training tokenizer", unit="file", **bars) as bar:
                 def train_docs() -> Iterator[str]:
@@ -424,7 +242,7 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
         # encoding: chunks of documents go to `workers` threads (encode_batch releases the GIL), each
         # encoding single-threaded; results are written in order, at most 2 * workers chunks in flight
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        reader = _Reader(sources, text_field, strict)
+        reader = corpus.Reader(sources, text_field, strict)
         pending: collections.deque = collections.deque()
         done_bytes, start = 0, time.perf_counter()
         with ThreadPoolExecutor(workers) as pool, \
@@ -507,8 +325,8 @@ def prepare(inputs: list[str], out, *, tokenizer: str | None = None, vocab_size:
         raise DataError("no input given")
     if not 0 <= val_fraction < 1:
         raise DataError(f"val fraction must be in [0, 1), got {val_fraction}")
-    return _prepare(_expand(inputs), out, description=inputs, tokenizer=tokenizer, vocab_size=vocab_size,
-                    is_val=lambda key: _in_val(key, val_fraction), workers=workers,
+    return _prepare(corpus.expand(inputs), out, description=inputs, tokenizer=tokenizer, vocab_size=vocab_size,
+                    is_val=lambda key: corpus.in_val(key, val_fraction), workers=workers,
                     shard_tokens=shard_tokens, text_field=text_field, overwrite=overwrite, strict=strict,
                     progress=progress)
 
@@ -521,16 +339,8 @@ def prepare_default(out=DEFAULT_DATA_DIR, *, vocab_size: int = 4096, overwrite: 
     files = default_corpus_files(root)
     if not files:
         raise DataError(f"empty corpus: no .py files under {root}")
-    # documents are named relative to the stdlib; validation takes files in the order of their
-    # names' hashes until it holds DEFAULT_VAL_FRACTION of the bytes: the same files on every run,
-    # and a validation split of predictable size although file sizes vary a hundredfold
-    names = {p.relative_to(root).as_posix(): p.stat().st_size for p in files}
-    held, held_bytes, target = set(), 0, DEFAULT_VAL_FRACTION * sum(names.values())
-    for name in sorted(names, key=lambda n: hashlib.blake2b(n.encode(), digest_size=8).digest()):
-        if held_bytes >= target:
-            break
-        held.add(name)
-        held_bytes += names[name]
+    # documents are named relative to the stdlib; a byte-balanced set of them is held out
+    held = corpus.default_held_out(root, files)
     sources = [("text", str(p), p.relative_to(root).as_posix()) for p in files]
     description = [f"Python {sys.version.split()[0]} standard library: {root}/**/*.py"]
     return _prepare(sources, out, description=description, tokenizer=tokenizer, vocab_size=vocab_size,
@@ -585,42 +395,75 @@ def load_tokenizer(data_dir):
 # Window permutation: a keyed Feistel network on [0, 2^bits) made a bijection on [0, n) by cycle
 # walking. It maps index by index in O(1) memory, vectorised over a batch.
 
-_U = np.uint64
 FEISTEL_ROUNDS = 6
+_MASK64 = 2**64 - 1
+_MIX1, _MIX2, _GOLDEN = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15
+
+
+def _u64(value: int) -> np.ndarray:
+    """A 0-d uint64 array: numpy applies it to a small array about twice as fast as a np.uint64 scalar,
+    which matters here, where a batch of 32 windows costs a few hundred tiny array operations."""
+    return np.array(value & _MASK64, np.uint64)
+
+
+_SHIFT30, _SHIFT27, _SHIFT31, _MUL1, _MUL2 = _u64(30), _u64(27), _u64(31), _u64(_MIX1), _u64(_MIX2)
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser: a fast 64-bit hash (uint64 arithmetic wraps)."""
-    x = (x ^ (x >> _U(30))) * _U(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> _U(27))) * _U(0x94D049BB133111EB)
-    return x ^ (x >> _U(31))
+    x = (x ^ (x >> _SHIFT30)) * _MUL1
+    x = (x ^ (x >> _SHIFT27)) * _MUL2
+    return x ^ (x >> _SHIFT31)
+
+
+def _mix64_int(x: int) -> int:
+    """_mix64 on one Python int."""
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
+    return x ^ (x >> 31)
+
+
+@functools.lru_cache(maxsize=256)
+def _round_keys(seed: int, epoch: int) -> tuple[np.ndarray, ...]:
+    """The Feistel round keys of the permutation chosen by (seed, epoch), computed once per epoch."""
+    key = _mix64_int(_mix64_int(seed & _MASK64) ^ epoch)
+    return tuple(_u64(_mix64_int((key + (r + 1) * _GOLDEN) & _MASK64)) for r in range(FEISTEL_ROUNDS))
 
 
 def permute(indices: np.ndarray, n: int, seed: int, epoch) -> np.ndarray:
     """Position -> window under the permutation of [0, n) chosen by (seed, epoch); epoch may vary per element."""
     x = np.asarray(indices, np.uint64).copy()
     epoch = np.broadcast_to(np.asarray(epoch, np.uint64), x.shape)
-    key = _mix64(_mix64(np.full(x.shape, seed & (2**64 - 1), np.uint64)) ^ epoch)
     bits = max(1, (n - 1).bit_length())
     lo_bits = bits // 2
-    lo_mask, hi_mask = _U((1 << lo_bits) - 1), _U((1 << (bits - lo_bits)) - 1)
+    shift, lo_mask, hi_mask = _u64(lo_bits), _u64((1 << lo_bits) - 1), _u64((1 << (bits - lo_bits)) - 1)
+    limit = _u64(n)
 
-    def rounds(v: np.ndarray, k: np.ndarray) -> np.ndarray:
-        hi, lo = v >> _U(lo_bits), v & lo_mask
-        for r in range(FEISTEL_ROUNDS):  # each round xors one half with a keyed hash of the other: invertible
-            round_key = _mix64(k + _U(r + 1) * _U(0x9E3779B97F4A7C15))
+    def rounds(v: np.ndarray, keys: tuple[np.ndarray, ...]) -> np.ndarray:
+        hi, lo = v >> shift, v & lo_mask
+        for r, round_key in enumerate(keys):  # each round xors one half with a keyed hash of the other: invertible
             if r % 2 == 0:
                 hi = hi ^ (_mix64(lo ^ round_key) & hi_mask)
             else:
                 lo = lo ^ (_mix64(hi ^ round_key) & lo_mask)
-        return (hi << _U(lo_bits)) | lo
+        return (hi << shift) | lo
 
-    with np.errstate(over="ignore"):
-        x = rounds(x, key)
-        outside = x >= _U(n)
+    # a batch spans one epoch, or two at an epoch's end: one pass per epoch, with that epoch's keys
+    first = int(epoch.flat[0]) if x.size else 0
+    groups = [(first, None)] if (epoch == first).all() else \
+        [(int(e), epoch == e) for e in np.unique(epoch)]
+    for e, where in groups:
+        keys = _round_keys(int(seed), e)
+        y = x if where is None else x[where]
+        y = rounds(y, keys)
+        outside = y >= limit
         while outside.any():  # 2^bits < 2n, so on average fewer than two walks
-            x[outside] = rounds(x[outside], key[outside])
-            outside = x >= _U(n)
+            y[outside] = rounds(y[outside], keys)
+            outside = y >= limit
+        if where is None:
+            x = y
+        else:
+            x[where] = y
     return x.astype(np.int64)
 
 

@@ -1,0 +1,233 @@
+"""Where documents come from: input patterns to sources, sources to (name, text) documents.
+
+    sources = expand(["web/*.jsonl.zst", "books/", "hf:Salesforce/wikitext/wikitext-103-raw-v1:train"])
+    reader = Reader(sources, text_field="text", strict=False)
+    for name, text in reader: ...          # then reader.skipped_files, reader.skipped_records
+
+Inputs: plain text (one document per file), JSON Lines (.jsonl/.ndjson, optionally .gz or .zst; one
+document per record), Parquet (one per row), and hf:NAME[/CONFIG]:SPLIT through `datasets`. A
+document's name is its path relative to the pattern's fixed leading directories, plus ":<record>" for
+records; it decides whether the document is held out for validation (`in_val`, a hash of the name
+below the validation fraction), so the split is stable and does not change when a corpus moves.
+
+An unreadable or undecodable file, and a record that is not text, is skipped and counted, or with
+strict=True stops preparation. The default corpus is this Python's standard-library sources
+(`default_corpus_files`), with its own byte-balanced held-out set (`default_held_out`).
+
+This module imports nothing of the project; data.py tokenizes what it yields.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import io
+import itertools
+import json
+import os
+import pathlib
+import sysconfig
+from typing import Iterator
+
+DEFAULT_VAL_FRACTION = 0.04  # of the stdlib's bytes: about 37 files, 150k tokens held out
+
+
+class DataError(Exception):
+    """A problem the user can fix (a path, a file, a setting); str() is one line naming it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The default corpus: the running interpreter's standard library
+
+def default_corpus_files(stdlib_dir: str | os.PathLike | None = None) -> list[pathlib.Path]:
+    """The default corpus: the stdlib's .py files, sorted, without tests, vendored tools or non-UTF-8 files."""
+    root = pathlib.Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
+    excluded = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        if excluded & set(path.relative_to(root).parts[:-1]) or not path.is_file():
+            continue
+        try:
+            path.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        files.append(path)
+    return files
+
+
+def default_held_out(root: pathlib.Path, files: list[pathlib.Path]) -> set[str]:
+    """Names (relative to root, '/'-separated) of the default corpus's validation files.
+
+    Files are taken in the order of their names' hashes until they hold DEFAULT_VAL_FRACTION of the
+    bytes: the same files on every run, and a validation split of predictable size although file
+    sizes vary a hundredfold (a per-document hash test would make it swing with a few large files)."""
+    names = {p.relative_to(root).as_posix(): p.stat().st_size for p in files}
+    held, held_bytes, target = set(), 0, DEFAULT_VAL_FRACTION * sum(names.values())
+    for name in sorted(names, key=lambda n: hashlib.blake2b(n.encode(), digest_size=8).digest()):
+        if held_bytes >= target:
+            break
+        held.add(name)
+        held_bytes += names[name]
+    return held
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources. A source is (kind, location, name): kind is text, jsonl, parquet or hf.
+
+def _file_kind(path: str) -> str:
+    name = path.lower().removesuffix(".gz").removesuffix(".zst")
+    if name.endswith((".jsonl", ".ndjson")):
+        return "jsonl"
+    return "parquet" if name.endswith(".parquet") else "text"
+
+
+def expand(patterns: list[str]) -> list[tuple[str, str, str]]:
+    """Glob patterns (a directory means every file under it) to sources, in order, without repeats.
+
+    A document's name is its path relative to the pattern's fixed leading directories, so moving a
+    corpus does not change which documents are held out."""
+    sources, seen = [], set()
+    for pattern in patterns:
+        if pattern.startswith("hf:"):
+            sources.append(("hf", pattern, pattern))
+            continue
+        if os.path.isdir(pattern):
+            base = pattern
+            matches = sorted(str(p) for p in pathlib.Path(pattern).rglob("*") if p.is_file())
+        else:
+            parts = pattern.split(os.sep)
+            fixed = list(itertools.takewhile(lambda part: not set("*?[") & set(part), parts))
+            base = os.sep.join(fixed[:-1] if len(fixed) == len(parts) else fixed)
+            matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+        if not matches:
+            raise DataError(f"no file matches {pattern!r}")
+        for path in matches:
+            if os.path.realpath(path) not in seen:
+                seen.add(os.path.realpath(path))
+                sources.append((_file_kind(path), path, os.path.relpath(path, base or ".")))
+    return sources
+
+
+def open_binary(path: str) -> io.BufferedIOBase:
+    """A file opened for reading bytes, decompressed if it ends in .gz or .zst."""
+    if path.lower().endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.lower().endswith(".zst"):
+        import zstandard
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True,
+                                                          closefd=True)
+    return open(path, "rb")
+
+
+def _records(kind: str, location: str, text_field: str) -> Iterator[tuple[int, object]]:
+    """(record number, text value) of one jsonl/parquet/hf source."""
+    if kind == "jsonl":
+        with io.TextIOWrapper(open_binary(location), encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield number, e
+                    continue
+                if not isinstance(record, dict) or text_field not in record:
+                    keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+                    raise DataError(f"{location}:{number}: no field {text_field!r} (has: {keys}); "
+                                    f"choose one with --text-field")
+                yield number, record[text_field]
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+        pf = pq.ParquetFile(location)
+        if text_field not in pf.schema_arrow.names:
+            raise DataError(f"{location}: no column {text_field!r} (has: {', '.join(pf.schema_arrow.names)}); "
+                            f"choose one with --text-field")
+        number = 0
+        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+            for value in batch.column(0).to_pylist():
+                number += 1
+                yield number, value
+    else:  # hf:NAME[/CONFIG]:SPLIT, where NAME may be org/name, so a config follows a second '/'
+        try:
+            import datasets
+        except ImportError:
+            raise DataError(f"{location}: the `datasets` library is not installed (pip install datasets)")
+        spec, _, split = location[3:].rpartition(":")
+        parts = spec.split("/")
+        name, config = ("/".join(parts[:2]), "/".join(parts[2:]) or None) if len(parts) > 2 else (spec, None)
+        if not name or not split:
+            raise DataError(f"{location}: expected hf:NAME[/CONFIG]:SPLIT")
+        try:
+            rows = datasets.load_dataset(name, config, split=split, streaming=True)
+            for number, row in enumerate(rows, 1):
+                if text_field not in row:
+                    raise DataError(f"{location}: no field {text_field!r} (has: {', '.join(row)})")
+                yield number, row[text_field]
+        except DataError:
+            raise
+        except Exception as e:  # the hub's errors are many; the first line names the problem
+            raise DataError(f"{location}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+
+def _read_errors() -> tuple[type[Exception], ...]:
+    """What an unreadable, undecodable or corrupt file raises (gzip's and pyarrow's derive from these)."""
+    errors: tuple[type[Exception], ...] = (OSError, EOFError, UnicodeDecodeError, ValueError)
+    try:
+        import zstandard
+        return errors + (zstandard.ZstdError,)
+    except ImportError:
+        return errors
+
+
+def _encodable(text: str) -> bool:
+    """False for text with lone surrogates (JSON can escape them), which no tokenizer accepts."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+class Reader:
+    """Streams (name, text) documents from sources, counting files done and what was skipped."""
+
+    def __init__(self, sources: list[tuple[str, str, str]], text_field: str, strict: bool):
+        self.sources, self.text_field, self.strict = sources, text_field, strict
+        self.files = self.skipped_files = self.skipped_records = 0
+
+    def _skip(self, where: str, reason: str, record: bool = False) -> None:
+        if self.strict:
+            raise DataError(f"{where}: {reason} (drop --strict to skip it)")
+        if record:
+            self.skipped_records += 1
+        else:
+            self.skipped_files += 1
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        for kind, location, name in self.sources:
+            try:
+                if kind == "text":
+                    with open_binary(location) as f:
+                        text = f.read().decode("utf-8")
+                    if text:
+                        yield name, text
+                else:
+                    for number, value in _records(kind, location, self.text_field):
+                        if isinstance(value, str) and _encodable(value):
+                            if value:
+                                yield f"{name}:{number}", value
+                        elif value is not None:
+                            self._skip(f"{location}:{number}", f"not a text record ({value!r:.80})", record=True)
+            except DataError:
+                raise
+            except _read_errors() as e:
+                self._skip(location, f"cannot read: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            self.files += 1
+
+
+def in_val(name: str, fraction: float) -> bool:
+    """Whether a document is held out: a 64-bit hash of its name falls below fraction * 2^64."""
+    digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64

@@ -1,0 +1,85 @@
+"""Tests of corpus.py on its own: document names (which decide the split), record numbering, the
+held-out decision, and the default corpus's held-out set. Round trips of every input format through
+preparation, and skipping of unreadable inputs, are tested in test_data.py."""
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+
+import pytest
+
+import corpus
+
+
+def test_names_are_relative_to_the_patterns_fixed_directories_and_survive_a_move(tmp_path):
+    for name in ("a.txt", "sub/b.jsonl.gz", "sub/c.NDJSON", "sub/deep/d.parquet", "e.jsonl.zst"):
+        (tmp_path / "one" / "corpus" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "one" / "corpus" / name).write_text("x")
+    sources = corpus.expand([str(tmp_path / "one" / "corpus" / "**" / "*")])
+    expected = [("text", "a.txt"), ("jsonl", "e.jsonl.zst"), ("jsonl", "sub/b.jsonl.gz"),
+                ("jsonl", "sub/c.NDJSON"), ("parquet", "sub/deep/d.parquet")]
+    assert [(kind, pathlib.Path(name).as_posix()) for kind, _, name in sources] == expected
+    assert all(os.path.isfile(location) for _, location, _ in sources)
+
+    # the same corpus elsewhere, named by a directory instead of a glob: the same names
+    shutil.move(tmp_path / "one" / "corpus", tmp_path / "moved")
+    moved = corpus.expand([str(tmp_path / "moved")])
+    assert [name for *_, name in moved] == [name for *_, name in sources]
+    # a file named twice (directly and through its directory) is read once; hf: passes through
+    again = corpus.expand([str(tmp_path / "moved" / "a.txt"), str(tmp_path / "moved"), "hf:org/x:train"])
+    assert [name for *_, name in again] == ["a.txt"] + [n for *_, n in moved if n != "a.txt"] + ["hf:org/x:train"]
+    with pytest.raises(corpus.DataError, match="no file matches"):
+        corpus.expand([str(tmp_path / "moved" / "*.csv")])
+
+
+def test_reader_names_records_by_line_and_counts_what_it_skips(tmp_path):
+    lines = ['{"text": "first"}', "", '{"text": null}', '{"text": "fourth"}', "{broken", '{"text": 7}',
+             '{"text": ""}', '{"text": "eighth"}']
+    (tmp_path / "r.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "t.txt").write_text("a whole file")
+    (tmp_path / "u.txt").write_bytes(b"\xff\xfe not utf-8")
+    reader = corpus.Reader(corpus.expand([str(tmp_path)]), "text", strict=False)
+    # line numbers count blank lines; null and empty records yield nothing and are not counted as skipped
+    assert list(reader) == [("r.jsonl:1", "first"), ("r.jsonl:4", "fourth"), ("r.jsonl:8", "eighth"),
+                            ("t.txt", "a whole file")]
+    assert (reader.files, reader.skipped_files, reader.skipped_records) == (3, 1, 2)
+    with pytest.raises(corpus.DataError, match=r"r\.jsonl:5: .*drop --strict"):
+        list(corpus.Reader(corpus.expand([str(tmp_path)]), "text", strict=True))
+
+
+def test_held_out_decision_has_the_requested_share_and_is_nested():
+    names = [f"dir/file_{i}.txt:{i % 97}" for i in range(20_000)]
+    for fraction in (0.0, 0.01, 0.25):
+        share = sum(corpus.in_val(n, fraction) for n in names) / len(names)
+        sigma = (fraction * (1 - fraction) / len(names)) ** 0.5
+        assert abs(share - fraction) <= 5 * sigma  # a fair hash: a binomial share
+    # a larger fraction holds out a superset, so raising it never moves a document into train
+    assert all(corpus.in_val(n, 0.2) for n in names if corpus.in_val(n, 0.1))
+    # the decision is the name's blake2b-64 (little-endian) against fraction * 2^64; a float fraction
+    # near 1 resolves 2^-53, i.e. 2^11 hash values, hence the margin
+    for n in names[:50]:
+        h = int.from_bytes(hashlib.blake2b(n.encode(), digest_size=8).digest(), "little")
+        assert corpus.in_val(n, (h + 2**12) / 2**64) and not corpus.in_val(n, (h - 2**12) / 2**64)
+
+
+def test_default_held_out_is_the_shortest_hash_ordered_prefix_reaching_the_byte_share(tmp_path):
+    sizes = {f"pkg{i % 5}/m{i:02d}.py": 100 + 37 * i * i for i in range(60)}  # sizes vary a hundredfold
+    for name, size in sizes.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"#" * size)
+    files = sorted(tmp_path / name for name in sizes)
+    held = corpus.default_held_out(tmp_path, files)
+    order = sorted(sizes, key=lambda n: hashlib.blake2b(n.encode(), digest_size=8).digest())
+    target = corpus.DEFAULT_VAL_FRACTION * sum(sizes.values())
+    k = next(i for i in range(1, len(order) + 1) if sum(sizes[n] for n in order[:i]) >= target)
+    assert held == set(order[:k])
+    assert corpus.default_held_out(tmp_path, files[::-1]) == held  # independent of the listing order
+
+
+def test_data_reexports_the_one_user_error_class():
+    import data
+    assert data.DataError is corpus.DataError
+    assert data.default_corpus_files is corpus.default_corpus_files
+    with pytest.raises(data.DataError):
+        corpus.expand([json.dumps("no such file")])
