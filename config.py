@@ -68,6 +68,14 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
+class ShardingConfig:
+    data: int = -1  # data-parallel mesh axis size; -1 = the devices the other axes leave
+    fsdp: int = 1  # second data-parallel axis, nearer devices (stage-3 gathers); -1 allowed
+    tensor: int = 1  # tensor-parallel axis: heads, MLP width and vocabulary split; -1 allowed
+    zero_stage: int = 0  # 0 replicated | 1 optimizer state | 2 + gradients | 3 + parameters sharded
+
+
+@dataclasses.dataclass
 class WandbConfig:
     mode: str = "disabled"  # disabled | offline | online
     project: str = "gpt-jax"
@@ -84,6 +92,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
 
     @property
@@ -91,7 +100,8 @@ class Config:
         return self.training.seq_len or self.model.block_size
 
 
-SECTIONS = {"data": DataConfig, "training": TrainingConfig, "checkpoint": CheckpointConfig, "wandb": WandbConfig}
+SECTIONS = {"data": DataConfig, "training": TrainingConfig, "checkpoint": CheckpointConfig,
+            "sharding": ShardingConfig, "wandb": WandbConfig}
 TOP_LEVEL_KEYS = ("run_dir", "seed", "model", *SECTIONS)
 WANDB_MODES = ("disabled", "offline", "online")
 
@@ -297,6 +307,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"training.seq_len must be in 1..model.block_size ({cfg.model.block_size}), got {t.seq_len}")
     if not 0.0 <= t.min_lr <= t.lr:
         raise ConfigError(f"training.min_lr ({t.min_lr}) must be in [0, training.lr ({t.lr})]")
+    sizes = {k: getattr(cfg.sharding, k) for k in ("data", "fsdp", "tensor")}
+    if any(v < 1 and v != -1 for v in sizes.values()) or list(sizes.values()).count(-1) > 1:
+        raise ConfigError(f"sharding.data, sharding.fsdp and sharding.tensor must be positive, at most one of them "
+                          f"-1 (the rest of the devices); got {', '.join(f'{k}={v}' for k, v in sizes.items())}")
+    if cfg.sharding.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"sharding.zero_stage must be 0, 1, 2 or 3, got {cfg.sharding.zero_stage}")
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode must be one of {', '.join(WANDB_MODES)}, got {cfg.wandb.mode!r}")
 

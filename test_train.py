@@ -71,7 +71,9 @@ def restore(run_dir, step):
 @pytest.fixture(scope="module")
 def finished_run(corpus, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "straight"
-    assert train.main(tiny(run_dir, corpus, "model.dropout=0.1", "training.micro_batches=2")) == 0
+    # micro-batches of 4 sequences: split over 4 data-parallel devices, the other factor 2 tensor-parallel
+    assert train.main(tiny(run_dir, corpus, "model.dropout=0.1", "training.micro_batches=2",
+                           "sharding.data=4", "sharding.tensor=2")) == 0
     return run_dir
 
 
@@ -133,7 +135,8 @@ def test_gradient_accumulation_matches_one_big_batch(corpus, tmp_path):
     losses = {}
     for m in (1, 4):
         run_dir = tmp_path / f"m{m}"
-        assert train.main(tiny(run_dir, corpus, "training.steps=4", f"training.micro_batches={m}")) == 0
+        assert train.main(tiny(run_dir, corpus, "training.steps=4", f"training.micro_batches={m}",
+                               "sharding.data=2", "sharding.tensor=4")) == 0  # micro-batches of 2 over 2 devices
         losses[m] = [(r["loss"], r["grad_norm"]) for r in rows(run_dir)]
     np.testing.assert_allclose(losses[4], losses[1], rtol=2e-4)
     assert losses[4] != losses[1]  # genuinely a different computation

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -40,6 +41,7 @@ from tqdm import tqdm
 import config as config_lib
 import data
 import model as model_lib
+import sharding as sharding_lib
 
 # Peak dense bf16 FLOP/s per device, for MFU; matched against jax.devices()[0].device_kind.
 # Devices not listed (the CPU) show no MFU.
@@ -139,7 +141,9 @@ def read_metrics(path: pathlib.Path) -> list[dict]:
 
 def main(argv=None) -> int:
     t_start = time.perf_counter()
+    sharding_lib.initialize_distributed()  # before any other JAX call; a no-op for a single process
     is_main = jax.process_index() == 0  # only process 0 writes files and logs
+    say = print if is_main else (lambda *args, **kwargs: None)
 
     # ------------------------------------------------------------------------------------------
     # Config
@@ -156,7 +160,17 @@ def main(argv=None) -> int:
             f"run directory {run_dir} already exists; continue it with --resume, "
             f"or start a new run elsewhere with run_dir=PATH"
         )
-    t, ck = cfg.training, cfg.checkpoint
+    t, ck, sh = cfg.training, cfg.checkpoint, cfg.sharding
+    if jax.process_count() > 1:  # every process has checked run_dir before process 0 writes into it
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("run_dir checked")
+
+    # ------------------------------------------------------------------------------------------
+    # Mesh: every device of every process; the batch and the model must split evenly over it
+    mesh = sharding_lib.make_mesh(sh.data, sh.fsdp, sh.tensor)
+    sharding_lib.check_batch(mesh, t.batch_size, t.micro_batches)
+    rows_index, rows_count = sharding_lib.process_rows(mesh, t.batch_size)
 
     # ------------------------------------------------------------------------------------------
     # Data: the prepared corpus (the default one is prepared on first use), its tokenizer's vocabulary
@@ -167,12 +181,12 @@ def main(argv=None) -> int:
     index = data.load_index(data_dir)
     cfg.data.dir = str(data_dir.resolve())
     if cfg.model.vocab_size != index["vocab_size"]:
-        print(f"model.vocab_size {cfg.model.vocab_size} -> {index['vocab_size']}, the vocabulary of {data_dir}")
+        say(f"model.vocab_size {cfg.model.vocab_size} -> {index['vocab_size']}, the vocabulary of {data_dir}")
         cfg.model = dataclasses.replace(cfg.model, vocab_size=index["vocab_size"])
     seq_len = cfg.seq_len
     loader = data.Loader(
         data_dir, "train", seq_len, t.batch_size,
-        seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count(),
+        seed=cfg.seed, process_index=rows_index, process_count=rows_count,
     )
     # a fixed validation sample, padded to whole batches so evaluation compiles once
     eval_bs = t.batch_size // t.micro_batches
@@ -183,6 +197,9 @@ def main(argv=None) -> int:
         padded = np.zeros((eval_bs, seq_len + 1), np.int32)
         padded[: len(tokens)] = tokens
         val_sample.append((padded, weights))
+
+    sharding_lib.check_model(mesh, num_head=cfg.model.num_head, mlp_dim=4 * cfg.model.embedding_dim,
+                             vocab=cfg.model.padded_vocab_size)  # tensor parallelism splits these evenly
 
     # ------------------------------------------------------------------------------------------
     # Run directory: the effective config and a reference to the data, before any training
@@ -232,27 +249,44 @@ def main(argv=None) -> int:
         }
 
     # ------------------------------------------------------------------------------------------
-    # Placement: the one place where the state and the batch go onto devices. Single device for
-    # now; sharding.py replaces these shardings with a mesh and logical-axis rules.
+    # Placement: the one place where the state and the batch go onto devices (sharding.py's rules
+    # for the ZeRO stage; the gradients' shardings are those stage 2 and 3 reduce-scatter into)
     device = jax.local_devices()[0]
     abstract_state = jax.eval_shape(init_state, init_key, train_key)
-    state_sharding = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), abstract_state)
-    batch_sharding = jax.sharding.SingleDeviceSharding(device)
-    abstract_state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, state_sharding
-    )
+    axes = nnx.to_pure_dict(model_lib.param_axes(abstract_vars))
+    state_sharding, grad_sharding, fallbacks = sharding_lib.state_shardings(abstract_state, axes, mesh, sh.zero_stage)
+    abstract_state = sharding_lib.with_shardings(abstract_state, state_sharding)
+    batch_sharding = sharding_lib.batch_sharding(mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    activations = sharding_lib.activation_rules(mesh)
+    if is_main:
+        print(sharding_lib.describe(abstract_state, state_sharding, mesh, sh.zero_stage, fallbacks), flush=True)
 
-    def place_batch(batch: np.ndarray) -> jax.Array:
-        return jax.device_put(batch, batch_sharding)
+    def place_batch(local_rows: np.ndarray) -> jax.Array:
+        return sharding_lib.place_batch(local_rows, mesh, local_rows.shape[0] * rows_count)
+
+    def process_slice(global_rows: np.ndarray) -> np.ndarray:
+        """This process's rows of a batch every process holds whole (the validation sample)."""
+        n = global_rows.shape[0] // rows_count
+        return global_rows[rows_index * n:(rows_index + 1) * n]
 
     # ------------------------------------------------------------------------------------------
     # Step: gradient accumulation over micro-batches inside one jitted, state-donating step
     M = t.micro_batches
 
+    def constrain_grads(grads):  # stage 2 and 3: the data-parallel reduction becomes a reduce-scatter
+        return jax.lax.with_sharding_constraint(grads, grad_sharding)
+
     def train_step(state, batch):
+        with model_lib.activation_sharding(activations):
+            return _train_step(state, batch)
+
+    def _train_step(state, batch):
         params = state["params"]
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-        micro = batch.reshape(M, batch.shape[0] // M, batch.shape[1])  # (M, B/M, T+1)
+        # micro-batch i takes rows i, i+M, i+2M, ...: every device's contiguous block of rows
+        # splits into M pieces in place, so each micro-batch spans all data-parallel devices
+        micro = batch.reshape(batch.shape[0] // M, M, batch.shape[1]).swapaxes(0, 1)  # (M, B/M, T+1)
 
         def token_loss_sum(p, tokens, i):
             logits = apply(p, tokens[:, :-1], jax.random.fold_in(key, i))  # (b, T, V_padded)
@@ -263,9 +297,11 @@ def main(argv=None) -> int:
             grads, loss_sum, n_sum = carry
             i, tokens = xs
             (loss, n), g = jax.value_and_grad(token_loss_sum, has_aux=True)(params, tokens, i)
-            return (jax.tree.map(jnp.add, grads, g), loss_sum + loss, n_sum + n), None
+            grads = constrain_grads(jax.tree.map(jnp.add, grads, constrain_grads(g)))
+            return (grads, loss_sum + loss, n_sum + n), None
 
-        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+        zeros = (constrain_grads(jax.tree.map(jnp.zeros_like, params)), jnp.zeros((), jnp.float32),
+                 jnp.zeros((), jnp.float32))
         (grads, loss_sum, n), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(M), micro))
         grads = jax.tree.map(lambda g: g / n, grads)  # mean over every token of the batch
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))  # before clipping
@@ -278,19 +314,23 @@ def main(argv=None) -> int:
         }
         return new_state, {"loss": loss_sum / n, "grad_norm": grad_norm}
 
-    train_step = jax.jit(train_step, donate_argnums=0, out_shardings=(state_sharding, None))
+    train_step = jax.jit(train_step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding),
+                         out_shardings=(state_sharding, replicated))
 
-    @jax.jit
+    @functools.partial(jax.jit, in_shardings=(state_sharding["params"], batch_sharding, batch_sharding),
+                       out_shardings=replicated)
     def eval_step(params, tokens, weights):
-        loss, n = model_lib.cross_entropy(apply(params, tokens[:, :-1]), tokens[:, 1:], weights)
+        with model_lib.activation_sharding(activations):
+            loss, n = model_lib.cross_entropy(apply(params, tokens[:, :-1]), tokens[:, 1:], weights)
         return loss * n, n
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=replicated)
     def all_finite(tree):
         return jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
 
     def evaluate(params) -> dict:
-        sums = [eval_step(params, place_batch(tokens), place_batch(w)) for tokens, w in val_sample]
+        sums = [eval_step(params, place_batch(process_slice(tokens)), place_batch(process_slice(w)))
+                for tokens, w in val_sample]
         loss_sum, n = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)
         loss = float(loss_sum / n)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
@@ -322,8 +362,8 @@ def main(argv=None) -> int:
         start_step = int(state["step"])
         if start_step >= t.steps:
             mngr.close()
-            print(f"{run_dir} is already trained to step {start_step}; to train further: "
-                  f"python train.py --resume run_dir={run_dir} training.steps=N")
+            say(f"{run_dir} is already trained to step {start_step}; to train further: "
+                f"python train.py --resume run_dir={run_dir} training.steps=N")
             return 0
     else:
         state = jax.jit(init_state, out_shardings=state_sharding)(init_key, train_key)
@@ -352,7 +392,7 @@ def main(argv=None) -> int:
     tokens_per_step = t.batch_size * seq_len
     peak = peak_flops(device.device_kind)
     flops_per_step = model_lib.flops_per_token(mcfg, seq_len) * tokens_per_step
-    print(
+    say(
         f"model {cfg.model_name}: {n_params / 1e6:.2f}M parameters, context {seq_len}; "
         f"{t.steps} steps of {tokens_per_step} tokens; run dir {run_dir}"
         + (f"; resuming from step {start_step}" if args.resume else ""),
@@ -463,8 +503,8 @@ def main(argv=None) -> int:
     # Summary
     if stop["signal"] is not None and step < t.steps:
         name = signal.Signals(stop["signal"]).name
-        print(f"stopped by {name} after step {step}; checkpoint saved in {ckpt_dir / str(step)}")
-        print(f"continue with: python train.py --resume run_dir={run_dir}")
+        say(f"stopped by {name} after step {step}; checkpoint saved in {ckpt_dir / str(step)}")
+        say(f"continue with: python train.py --resume run_dir={run_dir}")
         if wandb_run is not None:
             wandb_run.finish()
         return 0
@@ -490,7 +530,7 @@ def main(argv=None) -> int:
             wandb_run.summary.update(summary)
             wandb_run.finish()
     fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
-    print(
+    say(
         f"done: {summary['steps']} steps, {summary['tokens'] / 1e6:.2f}M tokens in {summary['wall_time_s']:.0f}s\n"
         f"  train loss {fmt(train_loss, '.4f')} (ppl {fmt(summary['train_ppl'], '.2f')}), "
         f"val loss {fmt(summary['val_loss'], '.4f')} (ppl {fmt(summary['val_ppl'], '.2f')})\n"
@@ -506,7 +546,7 @@ def cli(argv=None) -> int:
     """main() with user errors as one `error: ...` line on stderr: exit 2 for bad input, 1 for divergence."""
     try:
         return main(argv)
-    except (config_lib.ConfigError, data.DataError, RunError) as e:
+    except (config_lib.ConfigError, data.DataError, RunError, sharding_lib.ShardingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Diverged as e:

@@ -1,0 +1,317 @@
+"""Device mesh, the one logical-axis rules table, ZeRO stages 0-3, batch placement, multi-host start-up.
+
+    devices ──make_mesh──> Mesh (data, fsdp, tensor)
+    model.param_axes (logical names per weight dim) ──RULES for the ZeRO stage──> PartitionSpec per weight
+    state {params, opt_state, step, rng} ──state_shardings──> NamedSharding per leaf (jit in/out shardings)
+    this process's loader rows ──place_batch──> one global jax.Array split over (data, fsdp)
+
+Mesh axes. `data` and `fsdp` are both data-parallel: the batch is split over their product, and
+ZeRO shards state over that same product. They differ only in where they sit in the mesh:
+`fsdp` is the inner of the two, so `jax.make_mesh` puts it on nearer devices, which is where the
+per-layer parameter gathers of stage 3 belong (e.g. `data` across hosts or slices, `fsdp` within
+one). `tensor` splits attention heads and the MLP's hidden units Megatron-style (and the
+vocabulary), combined with any ZeRO stage.
+
+ZeRO stages (Rajbhandari et al. 2019) change the table, never the model:
+    0  everything replicated over (data, fsdp): plain data parallelism
+    1  optimizer state (AdamW mu, nu) sharded over (data, fsdp)
+    2  also the gradients: constrained to the optimizer state's sharding as soon as they are
+       computed, so the data-parallel reduction is a reduce-scatter, not an all-reduce
+    3  also the parameters (FSDP): XLA gathers each weight where a layer uses it
+
+The table is ordered (EasyLM style): for each weight, rules are tried in order; a rule gives a
+dimension with that logical name its mesh axes unless the dimension is taken, the mesh axes are
+already used by another dimension of the same weight, or the dimension does not divide by their
+size. Rules whose mesh axes have size 1 are skipped (sharding over one device is replication).
+A ZeRO rule that cannot apply for divisibility falls through to the next rule, and `describe`
+names every such weight: ZeRO then shards that weight along another dimension or leaves it
+replicated, never silently. A dimension with a logical name no rule covers is an error.
+Tensor-parallel divisibility (heads, MLP width, vocabulary) is checked up front by `check_model`.
+
+Only `model.py`'s axis names matter here; nothing else of the project is imported.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the batch is split over both data-parallel axes
+ZERO_AXES = ("data", "fsdp")  # ZeRO shards state over the same devices
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv", "mlp")  # the names model.py puts on weights
+
+# The rules table: (logical axis name, mesh axes or None). Tensor parallelism comes first, then
+# (only for the parts of the state the ZeRO stage shards) the ZeRO rules, largest dimensions
+# first, then an explicit "replicated" for every known name.
+TENSOR_RULES = (("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"))
+ZERO_RULES = (("embed", ZERO_AXES), ("mlp", ZERO_AXES), ("vocab", ZERO_AXES), ("kv", ZERO_AXES),
+              ("heads", ZERO_AXES))
+REPLICATED_RULES = tuple((name, None) for name in LOGICAL_AXES)
+
+# Activations (model.logical_constraint names): batch over the data-parallel axes, the
+# tensor-parallel dimensions over `tensor`, everything else replicated.
+ACTIVATION_RULES = {"batch": BATCH_AXES, "heads": "tensor", "mlp": "tensor", "vocab": "tensor",
+                    "length": None, "embed": None, "kv": None}
+
+
+class ShardingError(Exception):
+    """A mesh or sharding the configuration asks for cannot be built; str(e) is one line."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-host start-up
+
+
+def initialize_distributed() -> bool:
+    """Start jax.distributed when this process is one of several; True if it is. Call before any other JAX call.
+
+    GPU clusters (or any launcher): JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES, JAX_PROCESS_ID.
+    TPU pods, SLURM and Open MPI: detected by JAX itself. A single process: nothing happens.
+    """
+    if jax.distributed.is_initialized():
+        return True
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        try:
+            count, index = int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"])
+        except (KeyError, ValueError):
+            raise ShardingError("JAX_COORDINATOR_ADDRESS is set: JAX_NUM_PROCESSES and JAX_PROCESS_ID must be "
+                                "set to integers too") from None
+        jax.distributed.initialize(env["JAX_COORDINATOR_ADDRESS"], num_processes=count, process_id=index)
+        return True
+    tpu_hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+    launched = [env.get("SLURM_NTASKS"), env.get("OMPI_COMM_WORLD_SIZE")]
+    if len(tpu_hosts) > 1 or any(n and n.isdigit() and int(n) > 1 for n in launched):
+        jax.distributed.initialize()  # JAX reads the cluster's own environment
+        return True
+    return False
+
+
+# ----------------------------------------------------------------------------------------------
+# Mesh
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> jax.sharding.Mesh:
+    """A (data, fsdp, tensor) mesh over all devices (of every process); one size may be -1 for the rest."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    desc = " x ".join(f"{k}={v}" for k, v in sizes.items())
+    free = [k for k, v in sizes.items() if v == -1]
+    if len(free) > 1 or any(v < 1 and v != -1 for v in sizes.values()):
+        raise ShardingError(f"sharding mesh {desc}: sizes must be positive, with at most one -1")
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if free:
+        if n % fixed:
+            raise ShardingError(f"sharding mesh {desc}: {fixed} does not divide the {n} devices")
+        sizes[free[0]] = n // fixed
+    elif fixed != n:
+        raise ShardingError(f"sharding mesh {desc} needs {fixed} devices, but there are {n}; "
+                            f"set one size to -1 to use the rest")
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # shardings come from jit and constraints
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=auto, devices=devices)
+
+
+def axis_size(mesh, axes) -> int:
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _mesh_entry(mesh, axes):
+    """The PartitionSpec entry for mesh axes, leaving out axes of size 1; None if nothing is left."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    axes = tuple(a for a in axes if mesh.shape[a] > 1)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def check_model(mesh, *, num_head: int, mlp_dim: int, vocab: int) -> None:
+    """Tensor parallelism must split heads, the MLP width and the padded vocabulary evenly."""
+    t = mesh.shape["tensor"]
+    for what, size in (("model.num_head", num_head), ("the MLP width (4 x embedding_dim)", mlp_dim),
+                       ("the padded vocabulary", vocab)):
+        if size % t:
+            raise ShardingError(f"{what} ({size}) is not divisible by the tensor axis (sharding.tensor={t})")
+
+
+def check_batch(mesh, batch_size: int, micro_batches: int) -> None:
+    """Every micro-batch must split evenly over the data-parallel devices."""
+    dp = axis_size(mesh, BATCH_AXES)
+    micro = batch_size // micro_batches
+    if micro % dp:
+        raise ShardingError(
+            f"a micro-batch of {micro} sequences (training.batch_size={batch_size} / training.micro_batches="
+            f"{micro_batches}) does not divide over the {dp} data-parallel devices (data x fsdp)")
+
+
+# ----------------------------------------------------------------------------------------------
+# The rules table and parameter specs
+
+
+def rules_for(zero_stage: int) -> dict[str, tuple]:
+    """The ordered rules for each part of the state at a ZeRO stage: {'params', 'grads', 'opt_state'}."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ShardingError(f"sharding.zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    zero = {"params": zero_stage >= 3, "grads": zero_stage >= 2, "opt_state": zero_stage >= 1}
+    return {part: TENSOR_RULES + (ZERO_RULES if z else ()) + REPLICATED_RULES for part, z in zero.items()}
+
+
+def spec_for(path: str, shape, names, rules, mesh, fallbacks: list | None = None) -> P:
+    """The PartitionSpec the ordered `rules` give a weight of `shape` with logical axis `names`."""
+    if names is None or len(names) != len(shape):
+        raise ShardingError(f"parameter {path} {tuple(shape)} has no logical axis names for each dimension "
+                            f"(got {names!r}); every parameter needs them in its `axes` metadata")
+    spec = [None] * len(shape)
+    done = [n is None for n in names]  # an unnamed dimension is replicated
+    used: set[str] = set()
+    for name, axes in rules:
+        for i, n in enumerate(names):
+            if done[i] or n != name:
+                continue
+            if axes is None:
+                done[i] = True
+                continue
+            entry = _mesh_entry(mesh, axes)
+            if entry is None:  # mesh axes of size 1: nothing to shard over
+                continue
+            entry_axes = {entry} if isinstance(entry, str) else set(entry)
+            if entry_axes & used:
+                continue
+            if shape[i] % axis_size(mesh, entry):
+                if fallbacks is not None:
+                    fallbacks.append(f"{path} dim {i} ({n}={shape[i]}) over {entry}")
+                continue
+            spec[i], done[i] = entry, True
+            used |= entry_axes
+    missing = [n for n, d in zip(names, done) if not d]
+    if missing:
+        raise ShardingError(f"no sharding rule covers logical axis {missing[0]!r} of parameter {path}; "
+                            f"known axes: {', '.join(LOGICAL_AXES)}")
+    return P(*spec)
+
+
+def param_specs(params, axes, rules, mesh, fallbacks: list | None = None):
+    """A PartitionSpec for each leaf of `params` (arrays or ShapeDtypeStructs) from its logical `axes`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p, names: spec_for(jax.tree_util.keystr(path), p.shape, names, rules, mesh, fallbacks),
+        params, axes,
+    )
+
+
+def _map_param_trees(fn, tree, params_def, other):
+    """fn(subtree) for every subtree of `tree` shaped like the params (e.g. AdamW mu, nu), other(leaf) elsewhere."""
+    is_params = lambda x: jax.tree.structure(x) == params_def  # noqa: E731
+    return jax.tree.map(lambda x: fn(x) if is_params(x) else other(x), tree, is_leaf=is_params)
+
+
+def state_shardings(abstract_state, axes, mesh, zero_stage: int):
+    """NamedShardings for the train state {params, opt_state, step, rng}, and those of its gradients.
+
+    Returns (state_shardings, grad_shardings, fallbacks): optimizer-state subtrees shaped like the
+    params get the opt_state rules, other optimizer leaves (counts) and step and rng are replicated.
+    """
+    rules = rules_for(zero_stage)
+    fallbacks: list[str] = []
+    params = abstract_state["params"]
+    params_def = jax.tree.structure(params)
+    named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    specs = {part: param_specs(params, axes, rules[part], mesh, fallbacks if part != "grads" else None)
+             for part in rules}
+    replicated = NamedSharding(mesh, P())
+    shardings = {
+        "params": jax.tree.map(named, specs["params"]),
+        "opt_state": _map_param_trees(lambda _: jax.tree.map(named, specs["opt_state"]),
+                                      abstract_state["opt_state"], params_def, lambda _: replicated),
+        **{k: jax.tree.map(lambda _: replicated, v) for k, v in abstract_state.items()
+           if k not in ("params", "opt_state")},
+    }
+    return shardings, jax.tree.map(named, specs["grads"]), sorted(set(fallbacks))
+
+
+def with_shardings(abstract_tree, shardings):
+    """ShapeDtypeStructs carrying `shardings`: the target of a jitted init or a checkpoint restore."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_tree, shardings)
+
+
+def activation_rules(mesh):
+    """For model.activation_sharding: a tuple of activation axis names -> NamedSharding."""
+
+    def to_sharding(names):
+        unknown = [n for n in names if n is not None and n not in ACTIVATION_RULES]
+        if unknown:
+            raise ShardingError(f"no sharding rule for activation axis {unknown[0]!r}")
+        return NamedSharding(mesh, P(*(_mesh_entry(mesh, ACTIVATION_RULES[n]) if n else None for n in names)))
+
+    return to_sharding
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    """Rows of a batch over the data-parallel axes; tokens within a row stay together."""
+    return NamedSharding(mesh, P(_mesh_entry(mesh, BATCH_AXES)))
+
+
+def process_rows(mesh, global_batch: int) -> tuple[int, int]:
+    """(index, count): this process holds rows [index * B/count, (index + 1) * B/count) of a global batch B.
+
+    What the loader needs as process_index/process_count. Processes whose devices hold the same
+    rows (e.g. when the tensor axis spans processes) share an index and load the same rows.
+    """
+    blocks = {}
+    for device, idx in batch_sharding(mesh).devices_indices_map((global_batch,)).items():
+        lo, hi, _ = idx[0].indices(global_batch)
+        blocks.setdefault(device.process_index, []).append((lo, hi))
+    spans = {}
+    for proc, ranges in blocks.items():
+        ranges.sort()
+        if any(a[1] != b[0] and a != b for a, b in zip(ranges, ranges[1:])):
+            raise ShardingError(f"process {proc}'s devices hold non-contiguous batch rows {ranges}")
+        spans[proc] = (ranges[0][0], ranges[-1][1])
+    distinct = sorted(set(spans.values()))
+    size = distinct[0][1] - distinct[0][0]
+    if any(hi - lo != size for lo, hi in distinct) or size * len(distinct) != global_batch:
+        raise ShardingError(f"the batch rows do not split evenly over processes: {spans}")
+    lo, _ = spans[jax.process_index()]
+    return lo // size, len(distinct)
+
+
+def place_batch(local_rows: np.ndarray, mesh, global_batch: int) -> jax.Array:
+    """The global batch (global_batch, ...) as one array split over (data, fsdp), from this process's
+    rows (the block process_rows names)."""
+    global_shape = (global_batch, *local_rows.shape[1:])
+    return jax.make_array_from_process_local_data(batch_sharding(mesh), local_rows, global_shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# How much is sharded
+
+
+def _bytes(tree, shardings, mesh):
+    """(total bytes, bytes per device, bytes in leaves that are sharded at all)."""
+    total = per_device = sharded = 0
+    for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
+        nbytes = math.prod(a.shape) * np.dtype(a.dtype).itemsize
+        split = math.prod(axis_size(mesh, e) for e in s.spec if e is not None)
+        total, per_device = total + nbytes, per_device + nbytes / split
+        sharded += nbytes if split > 1 else 0
+    return total, per_device, sharded
+
+
+def describe(abstract_state, shardings, mesh, zero_stage: int, fallbacks=()) -> str:
+    """A few lines: the mesh, and for params and optimizer state the share sharded and the bytes per device."""
+    sizes = " x ".join(f"{a}={mesh.shape[a]}" for a in MESH_AXES)
+    lines = [f"sharding: mesh {sizes} ({mesh.size} devices, {jax.process_count()} process(es)), "
+             f"ZeRO stage {zero_stage}"]
+    for part in ("params", "opt_state"):
+        total, per_device, sharded = _bytes(abstract_state[part], shardings[part], mesh)
+        lines.append(f"  {part}: {sharded / max(total, 1):.1%} of {total / 2**20:.2f} MiB sharded; "
+                     f"{per_device / 2**20:.2f} MiB per device ({per_device / max(total, 1):.1%})")
+    if fallbacks:
+        lines.append(f"  not divisible, so sharded along another dimension or replicated: {'; '.join(fallbacks)}")
+    return "\n".join(lines)

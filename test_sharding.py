@@ -1,0 +1,299 @@
+"""Tests of sharding.py: ZeRO stages 0-3 and tensor parallelism against one device, the rules
+table, gradients that leave the reduction sharded, resharding on restore, two processes with gloo.
+
+Runs on the 8 simulated CPU devices of conftest.py; the 4-device and two-process runs are
+subprocesses of `python train.py` with their own XLA_FLAGS.
+"""
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import config
+import model
+import sharding
+import train
+from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
+
+REPO = pathlib.Path(__file__).resolve().parent
+Z = ("data", "fsdp")  # the ZeRO / data-parallel axes as a PartitionSpec entry
+
+
+def tiny_model():
+    cfg = config.load_config(overrides=["model=test", "model.vocab_size=300"]).model
+    abstract = nnx.eval_shape(lambda: model.GPT(cfg, rngs=nnx.Rngs(0)))
+    graphdef, variables = nnx.split(abstract)
+    return cfg, graphdef, variables
+
+
+def loss_fn(graphdef, variables, params, tokens):
+    fresh = jax.tree.map(lambda v: v, variables)
+    nnx.replace_by_pure_dict(fresh, params)
+    logits = nnx.merge(graphdef, fresh)(tokens[:, :-1])
+    return model.cross_entropy(logits, tokens[:, 1:])[0]
+
+
+def one_step(mesh, stage, params, opt_state, tokens):
+    """Loss, gradients and one AdamW update, placed by sharding.py for `stage` on `mesh`.
+
+    A large epsilon keeps Adam's first update smooth in the gradient (with 1e-8 it is lr * sign(g),
+    which rounding-level gradients flip between one device and eight).
+    """
+    cfg, graphdef, variables = tiny_model()
+    tx = optax.adamw(1e-2, eps=1e-3, weight_decay=0.1)
+    abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p)}, params)
+    axes = nnx.to_pure_dict(model.param_axes(variables))
+    shardings, grad_sh, _ = sharding.state_shardings(abstract, axes, mesh, stage)
+    act = sharding.activation_rules(mesh)
+
+    def step(state, tokens):
+        with model.activation_sharding(act):
+            loss, g = jax.value_and_grad(lambda p: loss_fn(graphdef, variables, p, tokens))(state["params"])
+        g = jax.lax.with_sharding_constraint(g, grad_sh)
+        updates, opt = tx.update(g, state["opt_state"], state["params"])
+        return loss, g, {"params": optax.apply_updates(state["params"], updates), "opt_state": opt}
+
+    state = jax.device_put({"params": params, "opt_state": opt_state}, shardings)
+    batch = sharding.place_batch(tokens, mesh, tokens.shape[0])
+    step = jax.jit(step, in_shardings=(shardings, sharding.batch_sharding(mesh)))  # outputs: as XLA propagates
+    return step, state, batch, grad_sh
+
+
+@pytest.fixture(scope="module")
+def init():
+    cfg, graphdef, variables = tiny_model()
+    params = nnx.to_pure_dict(nnx.state(model.GPT(cfg, rngs=nnx.Rngs(params=jax.random.key(1)))))
+    opt_state = optax.adamw(1e-2, eps=1e-3, weight_decay=0.1).init(params)
+    tokens = np.asarray(jax.random.randint(jax.random.key(2), (8, 33), 0, 300), np.int32)
+    one = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    step, state, batch, _ = one_step(one, 0, params, opt_state, tokens)
+    return params, opt_state, tokens, jax.device_get(step(state, batch))  # the single-device reference
+
+
+@pytest.mark.parametrize("mesh_sizes, stage", [
+    ((8, 1, 1), 0), ((8, 1, 1), 1), ((4, 2, 1), 2), ((2, 4, 1), 3), ((2, 1, 4), 0), ((2, 2, 2), 3),
+])
+def test_stages_and_tensor_parallel_match_one_device(init, mesh_sizes, stage):
+    params, opt_state, tokens, (ref_loss, ref_g, ref_new) = init
+    mesh = sharding.make_mesh(*mesh_sizes)
+    step, state, batch, grad_sh = one_step(mesh, stage, params, opt_state, tokens)
+    loss, g, new = step(state, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref_new), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+    # the gradients leave the step where the table puts them: split over the data-parallel
+    # devices from stage 2 on (each device holds 1/8 of the token embedding's gradient then)
+    for x, s in zip(jax.tree.leaves(g), jax.tree.leaves(grad_sh), strict=True):
+        assert x.sharding.is_equivalent_to(s, x.ndim), (x.sharding, s)
+    per_device = g["wte"].addressable_shards[0].data.size / g["wte"].size
+    data_parallel = mesh_sizes[0] * mesh_sizes[1]
+    assert per_device == (1 / mesh_sizes[2]) * (1 / data_parallel if stage >= 2 else 1)
+
+
+def expected_spec(name: str, stage: int, part: str, mesh) -> P:
+    """The table written out for the test model (d=32, 4 heads of 8, MLP 128, vocab 384), by weight name."""
+    zero = {"params": stage >= 3, "grads": stage >= 2, "opt_state": stage >= 1}[part]
+    t = "tensor" if mesh.shape["tensor"] > 1 else None
+    dp = tuple(a for a in Z if mesh.shape[a] > 1)
+    z = (dp if len(dp) > 1 else dp[0]) if zero and dp else None
+    if name == "wte":  # (vocab, embed)
+        return P(t, z)
+    if name.endswith("c_attn.kernel"):  # (embed, 3, heads, kv)
+        return P(z, None, t, None)
+    if name.endswith("c_attn.bias"):  # (3, heads, kv): ZeRO falls to kv (8 divides by up to 8)
+        return P(None, t, z)
+    if name.endswith("attn.c_proj.kernel"):  # (heads, kv, embed)
+        return P(t, None, z)
+    if name.endswith("c_fc.kernel"):  # (embed, mlp)
+        return P(z, t)
+    if name.endswith("c_fc.bias"):  # (mlp,): tensor first; ZeRO only without tensor parallelism
+        return P(t if t else z)
+    if name.endswith("mlp.c_proj.kernel"):  # (mlp, embed)
+        return P(t, z)
+    return P(z)  # (embed,): LayerNorm scales and biases, projection biases
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("mesh_sizes", [(8, 1, 1), (2, 2, 2)])
+def test_rules_table(stage, mesh_sizes):
+    mesh = sharding.make_mesh(*mesh_sizes)
+    cfg, _, variables = tiny_model()
+    params = nnx.to_pure_dict(variables)
+    axes = nnx.to_pure_dict(model.param_axes(variables))
+    tx = optax.adamw(1e-2)
+    abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)},
+                              params)
+    shardings, grad_sh, fallbacks = sharding.state_shardings(abstract, axes, mesh, stage)
+    assert fallbacks == []
+    mu = shardings["opt_state"][0].mu
+    for part, tree in (("params", shardings["params"]), ("opt_state", mu), ("grads", grad_sh)):
+        for path, s in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            name = ".".join(str(getattr(k, "key", k)) for k in path)
+            assert s.spec == expected_spec(name, stage, part, mesh), (part, name, s.spec)
+    assert shardings["step"].spec == P() and shardings["opt_state"][0].count.spec == P()
+    if stage != 3:
+        return
+    # the placed state really is laid out so (a jitted init with these output shardings)
+    state = jax.jit(lambda: {"params": nnx.to_pure_dict(nnx.state(model.GPT(cfg, rngs=nnx.Rngs(0))))},
+                    out_shardings={"params": shardings["params"]})()
+    for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings["params"]), strict=True):
+        assert x.sharding.is_equivalent_to(s, x.ndim)
+        shard = x.addressable_shards[0].data.shape
+        split = [x.shape[i] // shard[i] for i in range(x.ndim)]
+        assert np.prod(split) == np.prod([sharding.axis_size(mesh, e) for e in s.spec if e])
+
+
+def test_uncovered_parameter_is_an_error():
+    mesh = sharding.make_mesh(8, 1, 1)
+    rules = sharding.rules_for(1)["opt_state"]
+    params = {"moe": {"kernel": jax.ShapeDtypeStruct((8, 32), jnp.float32)}}
+    with pytest.raises(sharding.ShardingError, match=r"'experts' of parameter \['moe'\]\['kernel'\]"):
+        sharding.param_specs(params, {"moe": {"kernel": ("experts", "embed")}}, rules, mesh)
+    with pytest.raises(sharding.ShardingError, match=r"\['moe'\]\['kernel'\].*no logical axis names"):
+        sharding.param_specs(params, {"moe": {"kernel": None}}, rules, mesh)
+    # a ZeRO dimension that does not divide falls through to the next rule, and is reported
+    fallbacks = []
+    spec = sharding.spec_for("odd", (30, 128), ("embed", "mlp"), rules, mesh, fallbacks)
+    assert spec == P(None, "data") and fallbacks == ["odd dim 0 (embed=30) over data"]
+
+
+def test_bad_mesh_and_batch_are_one_line_errors(corpus, tmp_path, capsys):  # noqa: F811
+    cases = [
+        (["sharding.fsdp=3"], "3 does not divide the 8 devices"),
+        (["sharding.data=2", "sharding.fsdp=2"], "needs 4 devices, but there are 8"),
+        (["sharding.data=-1", "sharding.tensor=-1"], "at most one of them -1"),
+        (["sharding.zero_stage=4"], "zero_stage must be 0, 1, 2 or 3"),
+        (["training.batch_size=12"], "micro-batch of 12 sequences"),
+        (["sharding.data=1", "sharding.tensor=8"], "num_head (4) is not divisible by the tensor axis"),
+    ]
+    for i, (extra, message) in enumerate(cases):
+        assert train.cli(tiny(tmp_path / f"bad{i}", corpus, *extra)) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err and "\n" not in err, (extra, err)
+
+
+def compile_memory(stage):
+    """XLA's memory analysis of one compiled step (2 micro-batches accumulated) at a ZeRO stage."""
+    cfg = config.load_config(overrides=["model=test", "model.vocab_size=300", "model.embedding_dim=128"]).model
+    abstract = nnx.eval_shape(lambda: model.GPT(cfg, rngs=nnx.Rngs(0)))
+    graphdef, variables = nnx.split(abstract)
+    params = nnx.to_pure_dict(variables)
+    tx = optax.adamw(1e-2)
+    mesh = sharding.make_mesh(8, 1, 1)
+    state = jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p)}, params)
+    shardings, grad_sh, _ = sharding.state_shardings(state, nnx.to_pure_dict(model.param_axes(variables)), mesh, stage)
+    constrain = lambda g: jax.lax.with_sharding_constraint(g, grad_sh)  # noqa: E731
+
+    def step(state, batch):
+        def acc(grads, tokens):
+            g = jax.grad(lambda p: loss_fn(graphdef, variables, p, tokens))(state["params"])
+            return constrain(jax.tree.map(jnp.add, grads, constrain(g))), None
+
+        grads, _ = jax.lax.scan(acc, constrain(jax.tree.map(jnp.zeros_like, state["params"])), batch)
+        updates, opt = tx.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt}
+
+    batch_sh = NamedSharding(mesh, P(None, "data"))
+    lowered = jax.jit(step, in_shardings=(shardings, batch_sh), out_shardings=shardings, donate_argnums=0).lower(
+        sharding.with_shardings(state, shardings), jax.ShapeDtypeStruct((2, 8, 17), jnp.int32, sharding=batch_sh))
+    m = lowered.compile().memory_analysis()
+    return m.argument_size_in_bytes, m.temp_size_in_bytes, m.argument_size_in_bytes + m.temp_size_in_bytes
+
+
+def test_stage_2_and_3_use_less_memory_per_device():
+    one, two, three = (compile_memory(s) for s in (1, 2, 3))
+    assert two[0] == one[0]  # the same state in: replicated params, sharded optimizer state
+    assert two[1] < one[1]  # the accumulated gradients are 1/8 as large
+    assert three[0] < two[0] and three[2] < two[2]  # the parameters too
+
+
+def run_subprocess(args, devices, env_extra=None, timeout=240):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(procs, timeout=300):
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return outs
+
+
+def test_restore_onto_another_mesh_and_stage(corpus, tmp_path):  # noqa: F811
+    """Saved at stage 3 on 8 devices, resumed at stage 1 on 4 devices: the same run continues."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resharded"
+    args = ("training.steps=6", "checkpoint.every=3", "sharding.zero_stage=3", "sharding.fsdp=2")
+    assert train.main(tiny(straight, corpus, *args)) == 0
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "6")
+    (resumed / "summary.json").unlink()
+    finish([run_subprocess(["--resume", f"run_dir={resumed}", "sharding.zero_stage=1", "sharding.fsdp=1",
+                            "sharding.data=-1"], devices=4)])
+    a, b = rows(straight), rows(resumed)
+    assert [r["step"] for r in b] == list(range(1, 7))
+    np.testing.assert_allclose([r["loss"] for r in b[3:]], [r["loss"] for r in a[3:]], rtol=1e-5)
+    assert config.load_run_config(resumed).sharding.zero_stage == 1  # the effective config of the resumed run
+    x, y = (restore_params(d, 6) for d in (straight, resumed))
+    for p, q in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+        # float rounding differs between 8 and 4 devices; Adam (eps 1e-8) turns rounding-level
+        # gradients into updates of up to lr = 1e-2, so the tolerance is absolute, 1e-3 * lr
+        np.testing.assert_allclose(p, q, rtol=1e-4, atol=1e-5)
+
+
+def restore_params(run_dir, step):
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(pathlib.Path(run_dir).resolve() / "checkpoints") as mngr:
+        return mngr.restore(step, args=ocp.args.StandardRestore())["params"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one(corpus, tmp_path):  # noqa: F811
+    """2 processes x 4 CPU devices (gloo) train, save and resume with the losses of 1 process x 8 devices."""
+    args = ("training.steps=5", "checkpoint.every=5", "training.eval_every=5", "sharding.zero_stage=3",
+            "sharding.fsdp=2", "training.batch_size=16")
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    # the reference: the same save at 5 and resume to 7 (the schedule's length changes with steps)
+    assert train.main(tiny(single, corpus, *args)) == 0
+    assert train.main(["--resume", f"run_dir={single}", "training.steps=7"]) == 0
+
+    def launch(train_args):
+        port = free_port()
+        return [run_subprocess(train_args, devices=4, env_extra={
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
+            for i in range(2)]
+
+    outs = finish(launch(tiny(multi, corpus, *args)))
+    assert "2 process(es)" in outs[0][0] and "model test" not in outs[1][0]  # only process 0 reports
+    assert sorted(p.name for p in (multi / "checkpoints").iterdir()) == ["5"]
+    finish(launch(["--resume", f"run_dir={multi}", "training.steps=7"]))
+    a, b = rows(single), rows(multi)
+    assert [r["step"] for r in b] == list(range(1, 8))
+    np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-5)
+    np.testing.assert_allclose([r["val_loss"] for r in b if "val_loss" in r],
+                               [r["val_loss"] for r in a if "val_loss" in r], rtol=1e-5)
