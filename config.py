@@ -58,6 +58,7 @@ class TrainingConfig:
     log_every: int = 10
     eval_every: int = 250
     eval_windows: int = 256
+    init_from: typing.Optional[str] = None  # a run directory whose last checkpoint's params start this run
 
 
 @dataclasses.dataclass
@@ -364,3 +365,35 @@ def load_run_config(run_dir, overrides: typing.Sequence[str] = ()) -> Config:
     raw = apply_overrides(read_yaml(path), overrides)
     sizes = load_model_sizes() if MODEL_SIZES.is_file() else {}  # the resolved model needs no table
     return from_dict(raw, sizes=sizes)
+
+
+def load_run_params(run_dir, step: int | None = None) -> tuple[dict, int]:
+    """(params, step) of a run directory's checkpoint, the last one by default.
+
+    params is a pure dict of numpy arrays with integer block indices, as `nnx.to_pure_dict`
+    gives them (orbax hands dict keys back as strings). For init_from, export, eval and sampling.
+    """
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    ckpt_dir = (pathlib.Path(run_dir) / "checkpoints").resolve()
+    steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
+    if not steps:
+        raise ConfigError(f"no checkpoint in {ckpt_dir}")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ConfigError(f"no checkpoint for step {step} in {ckpt_dir}; saved steps: {', '.join(map(str, steps))}")
+    with ocp.CheckpointManager(ckpt_dir) as mngr:
+        try:
+            state = mngr.restore(step, args=ocp.args.StandardRestore())
+        except Exception as e:  # a damaged checkpoint
+            reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(f"checkpoint {step} in {ckpt_dir} cannot be read: {reason}") from None
+
+    def numpy_tree(tree):
+        if not isinstance(tree, dict):
+            return np.asarray(tree)
+        return {int(k) if isinstance(k, str) and k.isdigit() else k: numpy_tree(v) for k, v in tree.items()}
+
+    return numpy_tree(state["params"]), step

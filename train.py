@@ -108,6 +108,28 @@ def decay_mask(params, decay_embeddings: bool):
     return jax.tree_util.tree_map_with_path(decide, params)
 
 
+def load_init_params(run_dir, mcfg: model_lib.GPTConfig, shardings):
+    """training.init_from: the parameters of a run directory's last checkpoint, placed with `shardings`."""
+    src = pathlib.Path(run_dir)
+    try:
+        src_model = config_lib.load_run_config(src).model
+    except config_lib.ConfigError as e:
+        raise RunError(f"training.init_from: {e}") from None
+    # fields that change the parameters or what they compute; an ALiBi model may change its context
+    fields = ("vocab_size", "block_size", "embedding_dim", "num_head", "N", "alibi_attn", "bias", "embed_norm",
+              "gelu_approximate", "layer_norm_epsilon")
+    diffs = [f"{f} {getattr(src_model, f)} there, {getattr(mcfg, f)} here" for f in fields
+             if getattr(src_model, f) != getattr(mcfg, f) and not (f == "block_size" and mcfg.alibi_attn)]
+    if diffs:
+        raise RunError(f"training.init_from={src}: its model differs from this run's ({'; '.join(diffs)}); "
+                       f"set the same model (and prepare the data with its tokenizer)")
+    try:
+        params, _ = config_lib.load_run_params(src)
+    except config_lib.ConfigError as e:
+        raise RunError(f"training.init_from: {e}") from None
+    return jax.device_put(params, shardings)
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description="Train a GPT. Without --resume, run_dir must not exist yet (or be empty); with --resume, "
@@ -367,6 +389,9 @@ def main(argv=None) -> int:
             return 0
     else:
         state = jax.jit(init_state, out_shardings=state_sharding)(init_key, train_key)
+        if t.init_from:  # fine-tuning: the optimizer state (zero moments) and step stay fresh
+            state["params"] = load_init_params(t.init_from, mcfg, state_sharding["params"])
+            say(f"parameters from {t.init_from}")
         start_step = 0
 
     # ------------------------------------------------------------------------------------------
