@@ -14,6 +14,10 @@ position embedding. The bias is built for whatever length is fed, so a model tra
 T runs at 2T, 4T, 8T. With `alibi_attn: false` the model uses GPT-2's learned absolute
 positions instead and refuses inputs longer than `block_size`.
 
+Generation uses a separate path: `GPT.decode(tokens, cache, pos)` runs the same layers on new
+tokens at positions pos.. against a preallocated KV cache (`init_cache`), for sample.py; the
+training path `__call__` does not touch it.
+
 Every parameter carries logical axis names in its `axes` metadata (`vocab`, `embed`, `heads`,
 `kv`, `mlp`, or None for a replicated dimension) and the main activations are constrained by
 name through `logical_constraint`. `sharding.py` maps these names to mesh axes; the model never
@@ -148,8 +152,16 @@ def alibi_slopes(n_head: int) -> np.ndarray:
 
 def alibi_bias(n_head: int, q_len: int, k_len: int) -> jax.Array:
     """-slope * (i - j) for query i, key j, float32 (n_head, q_len, k_len); queries are the last q_len keys."""
-    i = jnp.arange(k_len - q_len, k_len)[:, None]  # (Tq, 1) absolute query positions
-    j = jnp.arange(k_len)[None, :]  # (1, Tk)
+    return alibi_bias_at(n_head, jnp.arange(k_len - q_len, k_len), jnp.arange(k_len))
+
+
+def alibi_bias_at(n_head: int, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """-slope * (i - j) for query positions i (Tq,) and key positions j (Tk,), float32 (n_head, Tq, Tk).
+
+    The positions may be traced, e.g. a decode step's queries at pos..pos+Tq-1 against a whole cache.
+    """
+    i = q_pos[:, None]  # (Tq, 1) absolute query positions
+    j = k_pos[None, :]  # (1, Tk)
     distance = (i - j).astype(jnp.float32)  # (Tq, Tk); negative above the diagonal, masked anyway
     return -jnp.asarray(alibi_slopes(n_head))[:, None, None] * distance  # (H, Tq, Tk)
 
@@ -219,6 +231,27 @@ def attention(q, k, v, cfg: GPTConfig, dropout_key=None) -> jax.Array:
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)  # (B, T, H, D)
 
 
+def cached_attention(q, k_cache, v_cache, pos, cfg: GPTConfig) -> jax.Array:
+    """Attention of queries q (B, T, H, D) at positions pos..pos+T-1 over caches (B, L, H, D) -> (B, T, H, D).
+
+    Key j is seen by query i iff j <= i, so cache slots at and beyond pos + T (still empty) never
+    count; with ALiBi the bias is -slope * (i - j), as in `attention`. The same float32 scores and
+    softmax as the `xla` implementation, whatever `cfg.attention` says.
+    """
+    B, T, H, D = q.shape
+    L = k_cache.shape[1]
+    q_pos = pos + jnp.arange(T)  # (T,) absolute positions of the queries
+    k_pos = jnp.arange(L)  # (L,)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_cache.astype(q.dtype), preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(D))  # (B, H, T, L)
+    if cfg.alibi_attn:
+        scores = scores + alibi_bias_at(H, q_pos, k_pos)[None]  # (1, H, T, L)
+    visible = k_pos[None, :] <= q_pos[:, None]  # (T, L)
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v_cache).astype(q.dtype)  # (B, T, H, D)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         d, H, D, dtype = cfg.embedding_dim, cfg.num_head, cfg.head_dim, DTYPES[cfg.dtype]
@@ -229,13 +262,31 @@ class Attention(nnx.Module):
         self.c_proj = Dense((H, D, d), ("heads", "kv", "embed"), 2, std=proj_std, bias=cfg.bias, dtype=dtype, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, dropout_key=None) -> jax.Array:
+    def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The query, key and value projections of x (B, T, d), each (B, T, H, D) in the compute dtype."""
         qkv = self.c_attn("btd,dshc->btshc", x)  # (B, T, 3, H, D)
         qkv = logical_constraint(qkv, ("batch", "length", None, "heads", "kv"))
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (B, T, H, D)
-        y = attention(q, k, v, self.cfg, dropout_key)  # (B, T, H, D)
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (B, T, H, D)
+
+    def out(self, y: jax.Array) -> jax.Array:
+        """The output projection of the attended values y (B, T, H, D) -> (B, T, d)."""
         y = logical_constraint(y, ("batch", "length", "heads", "kv"))
         return self.c_proj("bthc,hcd->btd", y)  # (B, T, d)
+
+    def __call__(self, x: jax.Array, dropout_key=None) -> jax.Array:
+        q, k, v = self.qkv(x)
+        return self.out(attention(q, k, v, self.cfg, dropout_key))  # (B, T, d)
+
+    def decode(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array):
+        """Attention of x (B, T, d) at positions pos..pos+T-1 over a cache (B, L, H, D) of earlier keys.
+
+        Writes this input's keys and values into the caches at pos and returns (y (B, T, d), k_cache, v_cache).
+        """
+        q, k, v = self.qkv(x)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, pos, 0, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, pos, 0, 0))
+        y = cached_attention(q, k_cache, v_cache, pos, self.cfg)  # (B, T, H, D)
+        return self.out(y), k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -264,6 +315,13 @@ class Block(nnx.Module):
         x = x + _dropout(self.attn(self.ln_1(x), _fold(dropout_key, 0)), self.dropout, _fold(dropout_key, 1))
         x = x + _dropout(self.mlp(self.ln_2(x)), self.dropout, _fold(dropout_key, 2))
         return logical_constraint(x, ("batch", "length", "embed"))
+
+    def decode(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array):
+        """The block at positions pos..pos+T-1 with a KV cache (no dropout): (x, k_cache, v_cache)."""
+        y, k_cache, v_cache = self.attn.decode(self.ln_1(x), k_cache, v_cache, pos)
+        x = x + y
+        x = x + self.mlp(self.ln_2(x))
+        return x, k_cache, v_cache
 
 
 def _block_forward(block: Block, x: jax.Array, dropout_key):
@@ -301,10 +359,52 @@ class GPT(nnx.Module):
         x = logical_constraint(x, ("batch", "length", "embed"))
         for i, block in enumerate(self.blocks):
             x = self._block_forward(block, x, _fold(dropout_key, i))
+        return self._logits(x)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        """Final LayerNorm and the tied output projection: (B, T, d) -> float32 (B, T, V_padded)."""
         x = self.ln_f(x)
         # tied output projection; float32 accumulation and result, since the loss needs it
+        dtype = DTYPES[self.config.dtype]
         logits = jnp.einsum("btd,vd->btv", x, self.wte[...].astype(dtype), preferred_element_type=jnp.float32)
         return logical_constraint(logits, ("batch", "length", "vocab"))  # (B, T, V_padded)
+
+    def decode(self, tokens: jax.Array, cache: dict, pos) -> tuple[jax.Array, dict]:
+        """Logits for tokens (B, T) at positions pos..pos+T-1, given a KV cache of the pos tokens before.
+
+        `cache` is `init_cache(...)` or a previous decode's: {"k", "v"}: (N, B, L, H, D). Returns
+        (float32 logits (B, T, V_padded), the cache with these tokens' keys and values at pos..pos+T-1).
+        The caller keeps pos + T <= L (nothing is checked on traced positions). Prefill a prompt with
+        one call at pos 0, then feed one token per call: the logits equal `__call__`'s on the whole
+        sequence at those positions. No dropout.
+        """
+        cfg, dtype = self.config, DTYPES[self.config.dtype]
+        B, T = tokens.shape
+        L = cache["k"].shape[2]
+        pos = jnp.asarray(pos, jnp.int32)
+        x = jnp.take(self.wte[...], tokens, axis=0)  # (B, T, d)
+        if self.wpe is not None:
+            if L > cfg.block_size:
+                raise ValueError(
+                    f"a cache of {L} positions is longer than block_size {cfg.block_size} of a learned-position "
+                    f"model; only ALiBi models (alibi_attn: true) run beyond their training context"
+                )
+            x = x + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, T)  # (T, d)
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        x = x.astype(dtype)
+        k_all, v_all = cache["k"], cache["v"]  # (N, B, L, H, D)
+        for i, block in enumerate(self.blocks):
+            x, k, v = block.decode(x, k_all[i], v_all[i], pos)
+            k_all, v_all = k_all.at[i].set(k), v_all.at[i].set(v)
+        return self._logits(x), {"k": k_all, "v": v_all}
+
+
+def init_cache(config: GPTConfig, batch: int, max_len: int) -> dict:
+    """An empty KV cache for `GPT.decode`: {"k", "v"}: zeros (N, batch, max_len, H, D) in the compute dtype."""
+    shape = (config.N, batch, max_len, config.num_head, config.head_dim)
+    dtype = DTYPES[config.dtype]
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
 # ----------------------------------------------------------------------------------------------

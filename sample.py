@@ -1,0 +1,247 @@
+"""Text generation from a run directory, with a KV cache in one jitted, fixed-shape loop.
+
+    python sample.py --checkpoint RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
+                     [--top-k K] [--top-p P] [--seed S] [--num-samples M] [--step STEP]
+
+The run directory gives everything: the model (`config.yaml`), the weights (the last checkpoint,
+or `--step`) and `tokenizer.json`. The prompt is encoded once and repeated M times into one
+batch; one `jax.jit` call prefills the cache with the whole prompt (`GPT.decode` at position 0),
+then a `lax.while_loop` feeds one token per step until N new tokens or until every sample has
+produced the end-of-text token. A sample ends at its end-of-text token.
+
+Sampling: logits over the padded vocabulary rows (ids >= vocab_size) are -inf; temperature 0 is
+greedy (argmax), otherwise the logits are divided by T, cut to the K largest (`--top-k`, 0 = off)
+and then to the smallest set of tokens whose probability reaches P (`--top-p`, nucleus; 1 = off),
+and a token is drawn with `jax.random` from a key folded with the step. The same seed gives the
+same samples. An ALiBi model generates beyond its training context; a learned-position model
+refuses a prompt plus new tokens longer than its `block_size`.
+
+User errors (a missing run directory or checkpoint, an empty prompt, a bad number, a too-long
+learned-position request) end in one `error: ...` line on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import config as config_lib
+import data
+from model import GPT, GPTConfig, init_cache
+
+
+class SampleError(Exception):
+    """A user-caused problem with a sampling request; str(e) is one line."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Picking the next token
+
+
+def sample_logits(logits: jax.Array, key: jax.Array, *, vocab_size: int, temperature: float = 1.0,
+                  top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """The next token (B,) int32 from logits (B, V_padded): greedy at temperature 0, else top-k/top-p sampling.
+
+    Ids >= vocab_size (the embedding's padding rows) are never chosen.
+    """
+    logits = logits.astype(jnp.float32)
+    ids = jnp.arange(logits.shape[-1])
+    logits = jnp.where(ids < vocab_size, logits, -jnp.inf)  # (B, V_padded)
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if 0 < top_k < vocab_size:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # (B, 1) the k-th largest logit
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ordered = -jnp.sort(-logits, axis=-1)  # (B, V) descending
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above each
+        keep = before < top_p  # the most likely token always stays
+        threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)  # (B, 1)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# The generation loop
+
+
+def make_generate(graphdef, cfg: GPTConfig, max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0, eot_id: int | None = None) -> Callable:
+    """A jitted fn(state, prompt (B, T0) int32, key) -> (new tokens (B, max_new_tokens) int32, steps run).
+
+    `state` is the model's `nnx.split` state. A row that produced `eot_id` holds `eot_id` from
+    there on; the loop stops early once every row has. The cache holds T0 + max_new_tokens - 1
+    positions (the last token is never fed back).
+    """
+    if max_new_tokens < 1:
+        raise SampleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    pick = lambda logits, key: sample_logits(  # noqa: E731
+        logits, key, vocab_size=cfg.vocab_size, temperature=temperature, top_k=top_k, top_p=top_p)
+    fill = -1 if eot_id is None else eot_id
+
+    def generate(state, prompt, key):
+        model = nnx.merge(graphdef, state)
+        B, T0 = prompt.shape
+        cache = init_cache(cfg, B, T0 + max_new_tokens - 1)  # {k, v}: (N, B, L, H, D)
+        logits, cache = model.decode(prompt, cache, 0)  # prefill: (B, T0, V_padded)
+        token = pick(logits[:, -1], jax.random.fold_in(key, 0))  # (B,)
+        out = jnp.full((B, max_new_tokens), fill, jnp.int32).at[:, 0].set(token)
+        done = token == fill
+
+        def cond(carry):
+            i, _, _, _, done = carry
+            return (i < max_new_tokens) & ~jnp.all(done)
+
+        def body(carry):
+            i, token, cache, out, done = carry
+            logits, cache = model.decode(token[:, None], cache, T0 + i - 1)  # (B, 1, V_padded)
+            token = jnp.where(done, fill, pick(logits[:, 0], jax.random.fold_in(key, i)))
+            out = jax.lax.dynamic_update_slice(out, token[:, None], (0, i))
+            return i + 1, token, cache, out, done | (token == fill)
+
+        steps, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), token, cache, out, done))
+        return out, steps
+
+    return jax.jit(generate)
+
+
+def generate(model: GPT, prompt, max_new_tokens: int, *, seed: int = 0, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, eot_id: int | None = None) -> np.ndarray:
+    """New tokens (B, max_new_tokens) after each row of prompt (B, T0); rows padded with eot_id after it."""
+    graphdef, state = nnx.split(model)
+    fn = make_generate(graphdef, model.config, max_new_tokens, temperature=temperature, top_k=top_k,
+                       top_p=top_p, eot_id=eot_id)
+    out, _ = fn(state, jnp.asarray(prompt, jnp.int32), jax.random.key(seed))
+    return np.asarray(out)
+
+
+def truncate(tokens: np.ndarray, eot_id: int | None) -> list[int]:
+    """A row of new tokens up to (not including) its first end-of-text token."""
+    tokens = [int(t) for t in tokens]
+    return tokens[: tokens.index(eot_id)] if eot_id is not None and eot_id in tokens else tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def load_model(run_dir, step: int | None = None) -> tuple[GPT, int]:
+    """(the run's model with the checkpoint's parameters, the checkpoint step)."""
+    cfg = config_lib.load_run_config(run_dir).model
+    params, step = config_lib.load_run_params(run_dir, step)
+    abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(params=0)))  # shapes only, nothing computed
+    graphdef, state = nnx.split(abstract)
+    try:
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+    except (KeyError, ValueError) as e:
+        raise SampleError(f"checkpoint {step} of {run_dir} does not fit its config.yaml: {e}") from None
+    return nnx.merge(graphdef, state), step
+
+
+def load_tokenizer(run_dir):
+    from tokenizers import Tokenizer
+
+    path = pathlib.Path(run_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise SampleError(f"{run_dir} has no tokenizer.json")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # a damaged file
+        raise SampleError(f"cannot load {path}: {(str(e).splitlines() or [type(e).__name__])[0][:200]}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        raise SampleError(f"{message} (see python sample.py --help)")
+
+
+def parse_args(argv):
+    p = _Parser(description="Generate text from a trained run.")
+    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="run directory (config, checkpoints, tokenizer)")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate per sample")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens; 0 = all")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set with probability P; 1 = all")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-samples", type=int, default=1, help="samples, generated in one batch")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step; default the last")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise SampleError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise SampleError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        raise SampleError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise SampleError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.num_samples < 1:
+        raise SampleError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.prompt == "":
+        raise SampleError("--prompt is empty; give some text to continue")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run_dir = args.checkpoint
+    if not pathlib.Path(run_dir).is_dir():
+        raise SampleError(f"run directory {run_dir} not found")
+    cfg = config_lib.load_run_config(run_dir).model
+    tokenizer = load_tokenizer(run_dir)
+    prompt_ids = tokenizer.encode(args.prompt).ids
+    if not prompt_ids:
+        raise SampleError(f"--prompt {args.prompt!r} encodes to no tokens")
+    if max(prompt_ids) >= cfg.vocab_size:
+        raise SampleError(f"the tokenizer gives id {max(prompt_ids)}, beyond the model's vocab_size {cfg.vocab_size}")
+    total = len(prompt_ids) + args.max_new_tokens
+    if not cfg.alibi_attn and total > cfg.block_size:
+        raise SampleError(
+            f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) = {total} exceeds "
+            f"block_size {cfg.block_size} of this learned-position model")
+    eot_id = next((tokenizer.token_to_id(t) for t in data.EOT_CANDIDATES if tokenizer.token_to_id(t) is not None),
+                  None)
+    model, step = load_model(run_dir, args.step)
+
+    graphdef, state = nnx.split(model)
+    prompt = jnp.asarray(np.tile(np.asarray(prompt_ids, np.int32), (args.num_samples, 1)))  # (M, T0)
+    key = jax.random.key(args.seed)
+    fn = make_generate(graphdef, cfg, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, eot_id=eot_id)
+    t0 = time.perf_counter()
+    compiled = fn.lower(state, prompt, key).compile()
+    t1 = time.perf_counter()
+    out, steps = compiled(state, prompt, key)
+    out, steps = np.asarray(out), int(steps)  # waits for the device
+    t2 = time.perf_counter()
+
+    for i, row in enumerate(out):
+        text = tokenizer.decode(prompt_ids + truncate(row, eot_id))
+        print(f"---------- sample {i + 1}/{args.num_samples} ----------")
+        print(text)
+    new = args.num_samples * steps
+    print(f"{run_dir} step {step}: {args.num_samples} x ({len(prompt_ids)} prompt + {steps} new tokens) in "
+          f"{t2 - t1:.3f} s, {new / max(t2 - t1, 1e-9):.1f} new tokens/s (compile {t1 - t0:.1f} s)", file=sys.stderr)
+    return 0
+
+
+def cli(argv=None) -> int:
+    """main() with user errors as one `error: ...` line on stderr and exit status 2."""
+    try:
+        return main(argv)
+    except (SampleError, config_lib.ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

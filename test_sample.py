@@ -1,0 +1,289 @@
+"""Tests of the KV-cache decoding path (model.GPT.decode) and of sample.py.
+
+Every expectation comes from a second code path: the model's full forward pass on the whole
+sequence (recomputed at each step, no cache), a distribution written out in the test, or the
+tokenizer's own decoding of an independently computed greedy continuation.
+"""
+import dataclasses
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import model as M
+import sample
+import train
+from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
+
+REPO = pathlib.Path(__file__).resolve().parent
+# vocabulary 200 is padded to 256: the padding rows must never be sampled
+TINY = M.GPTConfig(vocab_size=200, block_size=16, embedding_dim=32, num_head=4, N=2)
+
+
+def sharp_model(cfg, seed=0, scale=0.3):
+    """A model with every parameter perturbed, so its next-token distributions are far from uniform."""
+    m = M.GPT(cfg, rngs=nnx.Rngs(params=seed))
+    state = nnx.state(m)
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(lambda a: np.asarray(a) + rng.normal(0, scale, a.shape).astype(np.float32),
+                          nnx.to_pure_dict(state))
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(m, state)
+    return m
+
+
+def prompts(B, T, vocab=200, seed=1):
+    return np.random.default_rng(seed).integers(0, vocab, (B, T)).astype(np.int32)
+
+
+def greedy_by_recomputation(m, prompt, n, vocab_size, eot_id=None):
+    """n greedy tokens per row, each the argmax of a full forward pass (`GPT.__call__`, no cache) over the
+    whole sequence so far.
+
+    The sequence sits in a fixed buffer of its final length, zeros after the tokens so far, so that
+    one compiled forward pass serves every step: the model is causal (test_model.test_causal), so the
+    logits at position t - 1 are those of the sequence of its first t tokens.
+    """
+    graphdef, state = nnx.split(m)
+    forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+    B, T0 = prompt.shape
+    seq = np.zeros((B, T0 + n), np.int32)
+    seq[:, :T0] = prompt
+    for t in range(T0, T0 + n):
+        logits = np.asarray(forward(state, jnp.asarray(seq)))[:, t - 1, :vocab_size]  # (B, V) real vocabulary
+        seq[:, t] = logits.argmax(-1)
+    new = seq[:, T0:]
+    if eot_id is not None:
+        return [list(row[: list(row).index(eot_id)]) if eot_id in row else list(row) for row in new]
+    return new
+
+
+# ----------------------------------------------------------------------------------------------
+# The cache against the full forward pass
+
+
+@pytest.mark.parametrize("alibi", [True, False])
+def test_decode_logits_equal_full_forward(alibi):
+    """Prefill 6 tokens, then 3 at once, then one at a time: each position's logits equal the full pass's."""
+    cfg = dataclasses.replace(TINY, alibi_attn=alibi)
+    m = sharp_model(cfg)
+    L = 40 if alibi else 16  # ALiBi beyond block_size 16
+    toks = jnp.asarray(prompts(2, L))
+    full = np.asarray(m(toks))  # (2, L, 256)
+    step = jax.jit(lambda graphdef, state, t, c, pos: nnx.merge(graphdef, state).decode(t, c, pos),
+                   static_argnums=0)
+    graphdef, state = nnx.split(m)
+    cache = M.init_cache(cfg, 2, L)
+    assert cache["k"].shape == cache["v"].shape == (cfg.N, 2, L, cfg.num_head, cfg.head_dim)
+    got = []
+    chunks = [(0, 6), (6, 9)] + [(t, t + 1) for t in range(9, L)]
+    for a, b in chunks:
+        logits, cache = step(graphdef, state, toks[:, a:b], cache, a)
+        assert logits.dtype == jnp.float32 and logits.shape == (2, b - a, cfg.padded_vocab_size)
+        got.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(got, axis=1), full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("alibi", [True, False])
+def test_greedy_generation_equals_argmax_of_recomputation(alibi):
+    cfg = dataclasses.replace(TINY, alibi_attn=alibi, embed_norm=alibi)
+    m = sharp_model(cfg, seed=3)
+    prompt = prompts(2, 5, seed=4)
+    n = 35 if alibi else 11  # ALiBi: to 40 tokens with block_size 16; learned positions: to exactly 16
+    got = sample.generate(m, prompt, n, temperature=0.0)
+    assert got.shape == (2, n)
+    np.testing.assert_array_equal(got, greedy_by_recomputation(m, prompt, n, cfg.vocab_size))
+
+
+def test_learned_positions_refuse_a_cache_beyond_block_size():
+    m = sharp_model(dataclasses.replace(TINY, alibi_attn=False))
+    with pytest.raises(ValueError, match="block_size 16"):
+        m.decode(jnp.asarray(prompts(1, 4)), M.init_cache(m.config, 1, 17), 0)
+
+
+def test_training_forward_unchanged_by_the_refactor():
+    """__call__ still equals attention written out from the weights (one block, by hand, float64)."""
+    cfg = dataclasses.replace(TINY, N=1)
+    m = sharp_model(cfg, seed=5)
+    toks = prompts(1, 12, seed=6)
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(nnx.state(m)))
+
+    def ln(x, q):
+        mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+        return (x - mu) / np.sqrt(var + cfg.layer_norm_epsilon) * q["scale"] + q["bias"]
+
+    b = p["blocks"][0]
+    x = p["wte"][toks[0]]  # (T, d)
+    h = ln(x, b["ln_1"])
+    qkv = np.einsum("td,dshc->tshc", h, b["attn"]["c_attn"]["kernel"]) + b["attn"]["c_attn"]["bias"]
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # (T, H, D)
+    T, H, D = q.shape
+    slopes = M.alibi_slopes(H).astype(np.float64)
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(D) - slopes[:, None, None] * (i - j)
+    s = np.where(j <= i, s, -np.inf)
+    a = np.exp(s - s.max(-1, keepdims=True))
+    a /= a.sum(-1, keepdims=True)
+    y = np.einsum("hqk,khd->qhd", a, v)
+    x = x + np.einsum("thc,hcd->td", y, b["attn"]["c_proj"]["kernel"]) + b["attn"]["c_proj"]["bias"]
+    h = ln(x, b["ln_2"]) @ b["mlp"]["c_fc"]["kernel"] + b["mlp"]["c_fc"]["bias"]
+    h = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3)))
+    x = x + h @ b["mlp"]["c_proj"]["kernel"] + b["mlp"]["c_proj"]["bias"]
+    expected = ln(x, p["ln_f"]) @ p["wte"].T
+    np.testing.assert_allclose(np.asarray(m(jnp.asarray(toks)))[0], expected, atol=2e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling
+
+
+def test_padded_vocabulary_is_never_sampled():
+    # padding rows with large random embeddings: unmasked, about half of all draws would land there
+    m = sharp_model(TINY, seed=7)
+    m.wte[...] = jnp.asarray(m.wte[...]).at[TINY.vocab_size:].set(
+        5.0 * jax.random.normal(jax.random.key(0), (TINY.padded_vocab_size - TINY.vocab_size, TINY.embedding_dim)))
+    out = sample.generate(m, np.tile(prompts(1, 3), (64, 1)), 20, temperature=10.0, seed=1)
+    assert out.min() >= 0 and out.max() < TINY.vocab_size
+    assert len(np.unique(out)) > 100  # a high temperature does spread over the real vocabulary
+    # and directly: padded logits far above the rest, greedy and sampled alike
+    logits = jnp.concatenate([jnp.zeros((500, 200)), jnp.full((500, 56), 100.0)], axis=1)
+    for t in (0.0, 1.0, 50.0):
+        tok = sample.sample_logits(logits, jax.random.key(2), vocab_size=200, temperature=t)
+        assert int(tok.max()) < 200
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    # probabilities 0.5, 0.3, 0.15, 0.05 over a vocabulary of 4 (padded to 8)
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = jnp.tile(jnp.asarray(np.concatenate([np.log(p), np.zeros(4)]), jnp.float32), (20000, 1))
+    draw = lambda **kw: np.asarray(sample.sample_logits(logits, jax.random.key(0), vocab_size=4, **kw))  # noqa: E731
+    cases = [(dict(top_p=0.7), [0, 1]),  # 0.5 < 0.7, 0.5 + 0.3 reaches it
+             (dict(top_p=0.85), [0, 1, 2]),
+             (dict(top_p=0.5), [0]),  # the first token alone reaches 0.5
+             (dict(top_k=2), [0, 1]),
+             (dict(top_k=3, top_p=0.7), [0, 1]),
+             (dict(), [0, 1, 2, 3])]
+    for kw, kept in cases:
+        tokens = draw(temperature=1.0, **kw)
+        counts = np.bincount(tokens, minlength=8)
+        assert sorted(np.flatnonzero(counts)) == kept, kw
+        expected = p[kept] / p[kept].sum()  # renormalised over the kept tokens
+        np.testing.assert_allclose(counts[kept] / len(tokens), expected, atol=0.015)
+    # temperature 2 flattens: probabilities proportional to p^(1/2)
+    counts = np.bincount(draw(temperature=2.0), minlength=8)[:4]
+    np.testing.assert_allclose(counts / counts.sum(), np.sqrt(p) / np.sqrt(p).sum(), atol=0.015)
+
+
+def test_top_k_1_is_greedy_and_seeds_are_reproducible():
+    m = sharp_model(TINY, seed=8)
+    prompt = np.tile(prompts(1, 4, seed=9), (4, 1))
+    greedy = sample.generate(m, prompt, 20, temperature=0.0)
+    np.testing.assert_array_equal(sample.generate(m, prompt, 20, temperature=1.5, top_k=1, seed=3), greedy)
+    a = sample.generate(m, prompt, 20, temperature=1.0, seed=11)
+    b = sample.generate(m, prompt, 20, temperature=1.0, seed=11)
+    c = sample.generate(m, prompt, 20, temperature=1.0, seed=12)
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+    assert len({tuple(row) for row in a}) > 1  # the samples of one batch differ from each other
+
+
+def test_generation_stops_at_end_of_text():
+    m = sharp_model(TINY, seed=10)
+    prompt = prompts(3, 4, seed=11)
+    free = sample.generate(m, prompt, 12, temperature=0.0)
+    eot = int(free[0, 4])  # pretend the token greedy decoding produces 5th in row 0 is end-of-text
+    out = sample.generate(m, prompt, 12, temperature=0.0, eot_id=eot)
+    for free_row, row in zip(free, out):
+        cut = list(free_row).index(eot) if eot in free_row else len(free_row)
+        np.testing.assert_array_equal(row[:cut + 1], free_row[:cut + 1])
+        assert (row[cut:] == eot).all()
+        assert sample.truncate(row, eot) == list(free_row[:cut])
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line on trained runs
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):  # noqa: F811
+    """Two 4-step runs of the `test` size (block_size 64): ALiBi, and learned positions."""
+    root = tmp_path_factory.mktemp("sample_runs")
+    extra = ("training.steps=4", "checkpoint.every=4", "training.eval_every=4")
+    assert train.main(tiny(root / "alibi", corpus, *extra)) == 0
+    assert train.main(tiny(root / "learned", corpus, "model.alibi_attn=false", "model.embed_norm=false", *extra)) == 0
+    return root
+
+
+def run_cli(capsys, *argv):
+    rc = sample.cli([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_greedy_continues_the_prompt_past_the_context(runs, capsys):
+    from tokenizers import Tokenizer
+
+    run_dir = runs / "alibi"
+    prompt = "the cat sat on"
+    rc, out, err = run_cli(capsys, "--checkpoint", run_dir, "--prompt", prompt, "--max-new-tokens", 80,
+                           "--temperature", 0, "--num-samples", 2)
+    assert rc == 0
+    texts = [block.split("\n", 1)[1].rstrip("\n") for block in out.split("---------- sample ")[1:]]
+    assert len(texts) == 2 and all(t.startswith(prompt) for t in texts)
+    assert texts[0] == texts[1]  # greedy: both samples alike
+    assert "new tokens/s" in err
+    # the same text from the full forward pass recomputed at every step (64 + ... : beyond block_size 64)
+    m, _ = sample.load_model(run_dir)
+    tok = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
+    ids = tok.encode(prompt).ids
+    new = greedy_by_recomputation(m, np.asarray([ids], np.int32), 80, m.config.vocab_size,
+                                  eot_id=tok.token_to_id("<|endoftext|>"))[0]
+    assert len(ids) + len(new) > m.config.block_size  # no end-of-text before the context is passed
+    assert texts[0] == tok.decode(ids + [int(t) for t in new])
+
+
+def test_cli_sampling_learned_positions(runs, capsys):
+    run_dir = runs / "learned"
+    args = ["--checkpoint", run_dir, "--prompt", "a big red", "--max-new-tokens", 30, "--temperature", 1.2,
+            "--top-k", 50, "--top-p", 0.95, "--seed", 4, "--num-samples", 3]
+    rc, out, _ = run_cli(capsys, *args)
+    assert rc == 0 and out.count("---------- sample ") == 3
+    assert all(block.split("\n", 1)[1].startswith("a big red") for block in out.split("---------- sample ")[1:])
+    assert run_cli(capsys, *args)[1] == out  # same seed, same samples
+
+
+def test_cli_errors_are_one_line(runs, capsys, tmp_path):
+    alibi, learned = runs / "alibi", runs / "learned"
+    no_ckpt = tmp_path / "no_ckpt"
+    no_ckpt.mkdir()
+    shutil.copy(alibi / "config.yaml", no_ckpt / "config.yaml")
+    shutil.copy(alibi / "tokenizer.json", no_ckpt / "tokenizer.json")
+    cases = [
+        (["--checkpoint", tmp_path / "missing", "--prompt", "the"], "not found"),
+        (["--checkpoint", tmp_path, "--prompt", "the"], "not a run directory"),
+        (["--checkpoint", no_ckpt, "--prompt", "the"], "no checkpoint"),
+        (["--checkpoint", alibi, "--prompt", "the", "--step", 3], "no checkpoint for step 3"),
+        (["--checkpoint", alibi, "--prompt", ""], "empty"),
+        (["--checkpoint", learned, "--prompt", "the cat", "--max-new-tokens", 63], "block_size 64"),
+        (["--checkpoint", alibi, "--prompt", "the", "--top-p", 0], "--top-p"),
+        (["--checkpoint", alibi, "--prompt", "the", "--temperature", -1], "--temperature"),
+        (["--checkpoint", alibi, "--prompt", "the", "--num-samples", 0], "--num-samples"),
+        (["--checkpoint", alibi, "--prompt", "the", "--max-new-tokens", "ten"], "--max-new-tokens"),
+    ]
+    for argv, words in cases:
+        rc, out, err = run_cli(capsys, *argv)
+        assert rc == 2 and out == "", argv
+        assert err.count("\n") == 1 and err.startswith("error: ") and words in err, (argv, err)
+
+
+def test_cli_process_exit_status(tmp_path):
+    r = subprocess.run([sys.executable, "sample.py", "--checkpoint", str(tmp_path / "none"), "--prompt", "x"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
