@@ -214,42 +214,36 @@ def _layer_norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
 def attention(q, k, v, cfg: GPTConfig, dropout_key=None) -> jax.Array:
     """Causal attention of q, k, v (B, T, H, D) -> (B, T, H, D), with the ALiBi bias when configured."""
     B, T, H, D = q.shape
-    bias = alibi_bias(H, T, T)[None] if cfg.alibi_attn else None  # (1, H, T, T) float32
     if cfg.attention == "dot_product":
-        if bias is not None:
-            bias = bias.astype(q.dtype)
+        bias = alibi_bias(H, T, T)[None].astype(q.dtype) if cfg.alibi_attn else None  # (1, H, T, T)
         return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True)
-
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)  # (B, H, T, T)
-    scores = scores * (1.0 / math.sqrt(D))
-    if bias is not None:
-        scores = scores + bias
-    causal = jnp.tril(jnp.ones((T, T), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)  # float32, always: a bf16 softmax destabilises training
-    probs = _dropout(probs, cfg.dropout, dropout_key).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)  # (B, T, H, D)
+    return _attend(q, k, v, jnp.arange(T), jnp.arange(T), cfg, dropout_key)
 
 
 def cached_attention(q, k_cache, v_cache, pos, cfg: GPTConfig) -> jax.Array:
     """Attention of queries q (B, T, H, D) at positions pos..pos+T-1 over caches (B, L, H, D) -> (B, T, H, D).
 
-    Key j is seen by query i iff j <= i, so cache slots at and beyond pos + T (still empty) never
-    count; with ALiBi the bias is -slope * (i - j), as in `attention`. The same float32 scores and
-    softmax as the `xla` implementation, whatever `cfg.attention` says.
+    Cache slots at and beyond pos + T (still empty) are never seen. The `xla` implementation's
+    float32 scores and softmax, whatever `cfg.attention` says.
     """
-    B, T, H, D = q.shape
-    L = k_cache.shape[1]
-    q_pos = pos + jnp.arange(T)  # (T,) absolute positions of the queries
-    k_pos = jnp.arange(L)  # (L,)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k_cache.astype(q.dtype), preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(D))  # (B, H, T, L)
+    T, L = q.shape[1], k_cache.shape[1]
+    y = _attend(q, k_cache.astype(q.dtype), v_cache, pos + jnp.arange(T), jnp.arange(L), cfg)
+    return y.astype(q.dtype)
+
+
+def _attend(q, k, v, q_pos, k_pos, cfg: GPTConfig, dropout_key=None) -> jax.Array:
+    """The reference attention: queries q (B, Tq, H, D) at positions q_pos (Tq,), keys and values
+    (B, Tk, H, D) at k_pos (Tk,); query i sees key j iff j <= i, with -slope * (i - j) under ALiBi."""
+    H, D = q.shape[2], q.shape[3]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)  # (B, H, Tq, Tk)
+    scores = scores * (1.0 / math.sqrt(D))
     if cfg.alibi_attn:
-        scores = scores + alibi_bias_at(H, q_pos, k_pos)[None]  # (1, H, T, L)
-    visible = k_pos[None, :] <= q_pos[:, None]  # (T, L)
-    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v_cache).astype(q.dtype)  # (B, T, H, D)
+        scores = scores + alibi_bias_at(H, q_pos, k_pos)[None]  # (1, H, Tq, Tk)
+    causal = k_pos[None, :] <= q_pos[:, None]  # (Tq, Tk)
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)  # float32, always: a bf16 softmax destabilises training
+    probs = _dropout(probs, cfg.dropout, dropout_key).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)  # (B, Tq, H, D)
 
 
 class Attention(nnx.Module):
@@ -343,23 +337,30 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
         """Logits, float32 (B, T, padded_vocab_size), for int tokens (B, T). Dropout iff a key is given."""
-        cfg, dtype = self.config, DTYPES[self.config.dtype]
-        B, T = tokens.shape
-        x = jnp.take(self.wte[...], tokens, axis=0)  # (B, T, d)
-        if self.wpe is not None:
-            if T > cfg.block_size:
-                raise ValueError(
-                    f"input of {T} tokens is longer than block_size {cfg.block_size} of a learned-position "
-                    f"model; only ALiBi models (alibi_attn: true) run beyond their training context"
-                )
-            x = x + self.wpe[:T]  # (T, d) broadcast over the batch
-        if self.embed_norm is not None:
-            x = self.embed_norm(x)
-        x = _dropout(x.astype(dtype), cfg.dropout, _fold(dropout_key, cfg.N))
+        cfg = self.config
+        x = _dropout(self._embed(tokens, 0, tokens.shape[1]), cfg.dropout, _fold(dropout_key, cfg.N))
         x = logical_constraint(x, ("batch", "length", "embed"))
         for i, block in enumerate(self.blocks):
             x = self._block_forward(block, x, _fold(dropout_key, i))
         return self._logits(x)
+
+    def _embed(self, tokens: jax.Array, pos, length: int) -> jax.Array:
+        """Embeddings of tokens (B, T) at positions pos..pos+T-1, in the compute dtype: (B, T, d).
+
+        `length` is how far the sequence reaches; a learned-position model refuses more than block_size.
+        """
+        cfg = self.config
+        x = jnp.take(self.wte[...], tokens, axis=0)  # (B, T, d)
+        if self.wpe is not None:
+            if length > cfg.block_size:
+                raise ValueError(
+                    f"a sequence of {length} tokens is longer than block_size {cfg.block_size} of a learned-position "
+                    f"model; only ALiBi models (alibi_attn: true) run beyond their training context"
+                )
+            x = x + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens.shape[1])  # (T, d) over the batch
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        return x.astype(DTYPES[cfg.dtype])
 
     def _logits(self, x: jax.Array) -> jax.Array:
         """Final LayerNorm and the tied output projection: (B, T, d) -> float32 (B, T, V_padded)."""
@@ -378,21 +379,8 @@ class GPT(nnx.Module):
         one call at pos 0, then feed one token per call: the logits equal `__call__`'s on the whole
         sequence at those positions. No dropout.
         """
-        cfg, dtype = self.config, DTYPES[self.config.dtype]
-        B, T = tokens.shape
-        L = cache["k"].shape[2]
         pos = jnp.asarray(pos, jnp.int32)
-        x = jnp.take(self.wte[...], tokens, axis=0)  # (B, T, d)
-        if self.wpe is not None:
-            if L > cfg.block_size:
-                raise ValueError(
-                    f"a cache of {L} positions is longer than block_size {cfg.block_size} of a learned-position "
-                    f"model; only ALiBi models (alibi_attn: true) run beyond their training context"
-                )
-            x = x + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, T)  # (T, d)
-        if self.embed_norm is not None:
-            x = self.embed_norm(x)
-        x = x.astype(dtype)
+        x = self._embed(tokens, pos, cache["k"].shape[2])  # the cache's length bounds the positions
         k_all, v_all = cache["k"], cache["v"]  # (N, B, L, H, D)
         for i, block in enumerate(self.blocks):
             x, k, v = block.decode(x, k_all[i], v_all[i], pos)
