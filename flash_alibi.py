@@ -1,0 +1,247 @@
+"""Causal flash attention with the ALiBi bias computed inside the kernel, in Pallas (Triton on GPU).
+
+    flash_alibi_attention(q, k, v, slopes)     q, k, v (B, T, H, D) -> (B, T, H, D)
+
+The same function as model._attend for self-attention: query i sees key j <= i with the score
+q_i . k_j / sqrt(D) - slope_h * (i - j), softmax in float32. No (T, T) array is ever stored:
+the forward pass walks the key blocks of each query block with an online softmax and keeps only
+the output and the log-sum-exp per row (O(T) memory); the bias is rebuilt from the head's slope
+and the block positions wherever a score is formed.
+
+The backward pass is two Pallas kernels (as FlashAttention-2 splits it), both recomputing the
+probabilities from q, k and the saved log-sum-exp:
+  dk, dv   one program per key block, walking the query blocks at or after it;
+  dq       one program per query block, walking the key blocks at or before it.
+delta_i = sum_d dO_id O_id, the softmax's correction term, is a cheap elementwise pass in XLA.
+
+On a GPU the kernels compile through Triton. Elsewhere they run in Pallas interpret mode (the
+kernel body evaluated by XLA, grid step by grid step): correct but slow, for tests on the CPU.
+TPUs are refused (Pallas on TPU lowers through Mosaic, which this kernel is not written for).
+
+Shapes the kernels do not take directly are padded in the wrapper, which is exact:
+  T to a multiple of the block size: the extra keys lie after every real query, so the causal
+    mask hides them; the extra query rows are dropped, and their zero output gradient adds
+    nothing to dk and dv;
+  D to a power of two (Triton's tiles need one, e.g. 96 -> 128): zero columns add nothing to
+    q . k, and the output's extra columns are dropped. The scale stays 1/sqrt(real D).
+Dropout and masks other than the causal one are not supported here; model.py keeps those on
+the XLA reference path.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+BLOCK_FWD = 64  # query and key block of the forward kernel
+BLOCK_BWD = 32  # query and key block of the backward kernels (they hold more tiles at once)
+MIN_BLOCK = 16  # Triton's smallest dot tile
+SLOPE_LANES = 16  # the slope is read as a row of this many copies: Triton loads tiles, not scalars
+MASKED = -1e30  # score of a key above the diagonal: exp(MASKED - anything finite) is exactly 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _scores(q, k, slope, q_pos, k_pos, scale):
+    """Scaled, biased and causally masked scores of a (bq, D) query tile against a (bk, D) key tile:
+    float32 (bq, bk)."""
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # q @ k.T
+    distance = (q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)  # (bq, bk): i - j
+    s = s * scale - slope * distance
+    return jnp.where(k_pos[None, :] <= q_pos[:, None], s, MASKED)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels. Refs carry one (batch, head): q_ref (block or T, D), lse_ref (block or T,), slope_ref (16,)
+
+
+def _forward_kernel(slope_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k, scale):
+    block_q = q_ref.shape[0]
+    i = pl.program_id(2)
+    slope = jnp.max(slope_ref[...])
+    q = q_ref[...]  # (bq, D)
+    q_pos = i * block_q + jnp.arange(block_q)
+
+    def visit(j, carry):
+        m, l, acc = carry  # running max (bq,), running sum (bq,), unnormalised output (bq, D)
+        k = k_ref[pl.ds(j * block_k, block_k), :]  # (bk, D)
+        v = v_ref[pl.ds(j * block_k, block_k), :]
+        s = _scores(q, k, slope, q_pos, j * block_k + jnp.arange(block_k), scale)  # (bq, bk)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp(s - m_new[:, None])
+        correction = jnp.exp(m - m_new)  # rescales what was summed under the old maximum
+        l = l * correction + jnp.sum(p, axis=1)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return m_new, l, acc * correction[:, None] + pv
+
+    m = jnp.full((block_q,), -jnp.inf, jnp.float32)
+    l = jnp.zeros((block_q,), jnp.float32)
+    acc = jnp.zeros(q.shape, jnp.float32)
+    # key blocks up to the one holding this block's last query; the first always holds key 0, so m is finite
+    m, l, acc = jax.lax.fori_loop(0, pl.cdiv((i + 1) * block_q, block_k), visit, (m, l, acc))
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _dkv_kernel(slope_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, block_q, scale):
+    block_k = k_ref.shape[0]
+    j = pl.program_id(2)
+    slope = jnp.max(slope_ref[...])
+    k, v = k_ref[...], v_ref[...]  # (bk, D)
+    k_pos = j * block_k + jnp.arange(block_k)
+    n_q = q_ref.shape[0] // block_q
+
+    def visit(i, carry):
+        dk, dv = carry  # float32 (bk, D)
+        rows = pl.ds(i * block_q, block_q)
+        q, do = q_ref[rows, :], do_ref[rows, :]  # (bq, D)
+        lse, delta = lse_ref[rows], delta_ref[rows]  # (bq,)
+        p = jnp.exp(_scores(q, k, slope, i * block_q + jnp.arange(block_q), k_pos, scale) - lse[:, None])  # (bq, bk)
+        dv = dv + jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
+                                      preferred_element_type=jnp.float32)  # p.T @ dO
+        dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # dO @ v.T
+        ds = p * (dp - delta[:, None])  # (bq, bk): gradient of the scaled scores
+        dk = dk + jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+                                      preferred_element_type=jnp.float32)  # ds.T @ q
+        return dk, dv
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    # query blocks from the one holding this block's first key to the end
+    dk, dv = jax.lax.fori_loop((j * block_k) // block_q, n_q, visit, (zeros, zeros))
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(slope_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, block_k, scale):
+    block_q = q_ref.shape[0]
+    i = pl.program_id(2)
+    slope = jnp.max(slope_ref[...])
+    q, do = q_ref[...], do_ref[...]  # (bq, D)
+    lse, delta = lse_ref[...], delta_ref[...]  # (bq,)
+    q_pos = i * block_q + jnp.arange(block_q)
+
+    def visit(j, dq):
+        cols = pl.ds(j * block_k, block_k)
+        k, v = k_ref[cols, :], v_ref[cols, :]  # (bk, D)
+        p = jnp.exp(_scores(q, k, slope, q_pos, j * block_k + jnp.arange(block_k), scale) - lse[:, None])
+        dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        ds = p * (dp - delta[:, None])
+        return dq + jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
+                                        preferred_element_type=jnp.float32)  # ds @ k
+
+    dq = jax.lax.fori_loop(0, pl.cdiv((i + 1) * block_q, block_k), visit, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# pallas_call wrappers on padded (B, T, H, D) inputs; grid (B, H, blocks)
+
+
+def _specs(T: int, D: int):
+    """BlockSpec makers: a (block, D) tile of one (batch, head), all T rows of it, and rows of (B, H, T)."""
+    tile = lambda n: pl.BlockSpec((None, n, None, D), lambda b, h, x: (b, x, h, 0))  # noqa: E731
+    whole = pl.BlockSpec((None, T, None, D), lambda b, h, x: (b, 0, h, 0))
+    row = lambda n: pl.BlockSpec((None, None, n), lambda b, h, x: (b, h, x))  # noqa: E731
+    slope = pl.BlockSpec((None, SLOPE_LANES), lambda b, h, x: (h, 0))
+    return tile, whole, row, slope
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, opts, name):
+    params = {}
+    if not opts["interpret"]:
+        from jax.experimental.pallas import triton as plgpu
+
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+                          interpret=opts["interpret"], name=name, **params)
+
+
+def _forward(slopes, q, k, v, opts):
+    B, T, H, D = q.shape
+    bq = bk = opts["block_fwd"]
+    tile, whole, row, slope = _specs(T, D)
+    kernel = functools.partial(_forward_kernel, block_k=bk, scale=opts["scale"])
+    out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, T), jnp.float32))
+    return _call(kernel, (B, H, T // bq), [slope, tile(bq), whole, whole], (tile(bq), row(bq)), out_shape, opts,
+                 "flash_alibi_fwd")(slopes, q, k, v)  # o (B, T, H, D), lse (B, H, T)
+
+
+def _backward(slopes, q, k, v, o, lse, do, opts):
+    B, T, H, D = q.shape
+    b = opts["block_bwd"]
+    tile, whole, row, slope = _specs(T, D)
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))  # (B, H, T)
+    whole_row = pl.BlockSpec((None, None, T), lambda b_, h, x: (b_, h, 0))
+    dkv = functools.partial(_dkv_kernel, block_q=b, scale=opts["scale"])
+    dk, dv = _call(dkv, (B, H, T // b), [slope, whole, tile(b), tile(b), whole, whole_row, whole_row],
+                   (tile(b), tile(b)), (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+                   opts, "flash_alibi_dkv")(slopes, q, k, v, do, lse, delta)
+    dq_kernel = functools.partial(_dq_kernel, block_k=b, scale=opts["scale"])
+    dq = _call(dq_kernel, (B, H, T // b), [slope, tile(b), whole, whole, tile(b), row(b), row(b)],
+               tile(b), jax.ShapeDtypeStruct(q.shape, q.dtype), opts, "flash_alibi_dq")(slopes, q, k, v, do, lse, delta)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(slopes, q, k, v, opts):
+    return _forward(slopes, q, k, v, dict(opts))[0]
+
+
+def _flash_fwd(slopes, q, k, v, opts):
+    o, lse = _forward(slopes, q, k, v, dict(opts))
+    return o, (slopes, q, k, v, o, lse)
+
+
+def _flash_bwd(opts, residuals, do):
+    slopes, q, k, v, o, lse = residuals
+    dq, dk, dv = _backward(slopes, q, k, v, o, lse, do, dict(opts))
+    return jnp.zeros_like(slopes), dq, dk, dv  # the slopes are constants of the model
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+
+
+def flash_alibi_attention(q, k, v, slopes=None, *, block_fwd: int = BLOCK_FWD, block_bwd: int = BLOCK_BWD,
+                          interpret: bool | None = None) -> jax.Array:
+    """Causal self-attention of q, k, v (B, T, H, D) -> (B, T, H, D) in q's dtype, with the ALiBi
+    bias -slopes[h] * (i - j) (slopes (H,), e.g. model.alibi_slopes(H); None: no bias).
+
+    Differentiable in q, k and v. `interpret`: None runs the Triton kernels on a GPU and interpret
+    mode on the CPU. Block sizes are powers of two of at least 16; a short sequence uses smaller ones.
+    """
+    B, T, H, D = q.shape
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"flash_alibi_attention is self-attention: q, k, v must share a shape, got "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    for name, block in (("block_fwd", block_fwd), ("block_bwd", block_bwd)):
+        if block < MIN_BLOCK or block & (block - 1):
+            raise ValueError(f"{name} must be a power of two >= {MIN_BLOCK}, got {block}")
+    backend = jax.default_backend()
+    if backend == "tpu":
+        raise ValueError("the Pallas flash-attention kernel is written for NVIDIA GPUs (Triton); on a TPU "
+                         "use model.attention=xla or dot_product")
+    if interpret is None:
+        interpret = backend != "gpu"
+    slopes = np.zeros(H, np.float32) if slopes is None else slopes
+    slopes = jnp.broadcast_to(jnp.asarray(slopes, jnp.float32)[:, None], (H, SLOPE_LANES))
+
+    # blocks no longer than the (power-of-two rounded) sequence; T padded to whole blocks, D to a power of two
+    fit = max(MIN_BLOCK, _next_pow2(T))
+    block_fwd, block_bwd = min(block_fwd, fit), min(block_bwd, fit)
+    T_pad = -(-T // max(block_fwd, block_bwd)) * max(block_fwd, block_bwd)
+    D_pad = max(MIN_BLOCK, _next_pow2(D))
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, T_pad - T), (0, 0), (0, D_pad - D))) if (T_pad, D_pad) != (T, D) else x  # noqa: E731
+    opts = (("block_fwd", block_fwd), ("block_bwd", block_bwd), ("interpret", bool(interpret)),
+            ("scale", 1.0 / math.sqrt(D)))  # hashable: a static argument of the custom_vjp
+    y = _flash(slopes, pad(q), pad(k), pad(v), opts)  # (B, T_pad, H, D_pad)
+    return y[:, :T, :, :D]
