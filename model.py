@@ -48,7 +48,9 @@ REMAT_POLICIES = {
     # keep the outputs of weight matmuls, recompute attention scores and elementwise ops
     "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-ATTENTION_IMPLS = ("xla", "dot_product")
+# xla: the reference below; dot_product: jax.nn.dot_product_attention's default choice; cudnn: the
+# same forced to cuDNN's fused kernel (NVIDIA GPU only); pallas: flash_alibi.py's kernel (bias in-kernel)
+ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "pallas")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding and logits matmuls tile well
 
 
@@ -67,7 +69,7 @@ class GPTConfig:
     layer_norm_epsilon: float = 1e-5
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16
     remat: str = "none"  # rematerialisation per block: none | full | save_matmuls
-    attention: str = "xla"  # xla (reference) | dot_product (jax.nn.dot_product_attention, cuDNN on GPU)
+    attention: str = "xla"  # xla (reference) | dot_product | cudnn (GPU) | pallas (flash kernel, flash_alibi.py)
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "embedding_dim", "num_head", "N"):
@@ -85,9 +87,9 @@ class GPTConfig:
             raise ValueError(f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
-        if self.attention == "dot_product" and self.dropout > 0:
+        if self.attention != "xla" and self.dropout > 0:
             raise ValueError(
-                "model.attention=dot_product cannot drop attention probabilities; use attention=xla or dropout=0"
+                f"model.attention={self.attention} cannot drop attention probabilities; use attention=xla or dropout=0"
             )
 
     @property
@@ -214,10 +216,35 @@ def _layer_norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
 def attention(q, k, v, cfg: GPTConfig, dropout_key=None) -> jax.Array:
     """Causal attention of q, k, v (B, T, H, D) -> (B, T, H, D), with the ALiBi bias when configured."""
     B, T, H, D = q.shape
+    if cfg.attention == "pallas":  # O(T) memory: the bias is made inside the kernel from the slopes
+        import flash_alibi  # only when chosen: Pallas is not needed otherwise
+
+        return flash_alibi.flash_alibi_attention(q, k, v, alibi_slopes(H) if cfg.alibi_attn else None)
+    if cfg.attention == "cudnn":
+        check_attention_backend(cfg)
+        # cuDNN's fused kernel takes even lengths only; one extra key after every query is hidden
+        # by the causal mask, and the extra query row is dropped
+        if T % 2:
+            q, k, v = (jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0))) for x in (q, k, v))
+        n = q.shape[1]
+        bias = alibi_bias(H, n, n)[None].astype(q.dtype) if cfg.alibi_attn else None  # (1, H, n, n)
+        y = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True, implementation="cudnn")
+        return y[:, :T]
     if cfg.attention == "dot_product":
         bias = alibi_bias(H, T, T)[None].astype(q.dtype) if cfg.alibi_attn else None  # (1, H, T, T)
         return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True)
     return _attend(q, k, v, jnp.arange(T), jnp.arange(T), cfg, dropout_key)
+
+
+def check_attention_backend(cfg: GPTConfig) -> None:
+    """Raises ValueError (one line) when `cfg.attention` cannot run on the default JAX backend."""
+    backend = jax.default_backend()
+    if cfg.attention == "cudnn" and backend != "gpu":
+        raise ValueError(f"model.attention=cudnn needs an NVIDIA GPU (cuDNN); this JAX runs on {backend}: "
+                         f"use attention=xla, dot_product or pallas")
+    if cfg.attention == "pallas" and backend == "tpu":
+        raise ValueError("model.attention=pallas is a Triton kernel for NVIDIA GPUs; on a TPU use attention=xla "
+                         "or dot_product")
 
 
 def cached_attention(q, k_cache, v_cache, pos, cfg: GPTConfig) -> jax.Array:
