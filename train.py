@@ -33,7 +33,6 @@ import uuid
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
@@ -42,22 +41,8 @@ import config as config_lib
 import data
 import model as model_lib
 import sharding as sharding_lib
-
-# Peak dense bf16 FLOP/s per device, for MFU; matched against jax.devices()[0].device_kind.
-# Devices not listed (the CPU) show no MFU.
-PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM; the PCIe part is lower (756e12)
-    "A100": 312e12,
-    "L4": 121e12,
-    "TPU v5p": 459e12,
-    "TPU v5 lite": 197e12,  # v5e
-    "TPU v5e": 197e12,
-    "TPU v6 lite": 918e12,  # Trillium
-    "TPU v4": 275e12,
-    "TPU v3": 123e12,
-    "TPU v2": 45e12,
-}
+import step as step_lib
+from step import decay_mask, lr_schedule, peak_flops  # noqa: F401  (train.decay_mask etc. stay importable)
 
 
 class RunError(Exception):
@@ -66,46 +51,6 @@ class RunError(Exception):
 
 class Diverged(Exception):
     """The loss or the parameters stopped being finite."""
-
-
-def peak_flops(device_kind: str) -> float | None:
-    for name, flops in PEAK_FLOPS.items():
-        if name.lower() in device_kind.lower():
-            return flops
-    return None
-
-
-def lr_schedule(t: config_lib.TrainingConfig):
-    """Linear warm-up to t.lr over warmup_steps, then cosine decay to t.min_lr at t.steps.
-
-    Takes optax's count (updates done before this one), so update 1 uses lr/warmup_steps and
-    never a wasted learning rate of 0.
-    """
-
-    def schedule(count):
-        step = count + 1
-        warm = t.lr * step / max(t.warmup_steps, 1)
-        progress = jnp.clip((step - t.warmup_steps) / max(t.steps - t.warmup_steps, 1), 0.0, 1.0)
-        cosine = t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + jnp.cos(jnp.pi * progress))
-        return jnp.where(step <= t.warmup_steps, warm, cosine)
-
-    return schedule
-
-
-def decay_mask(params, decay_embeddings: bool):
-    """True where weight decay applies: weight matrices; embeddings (wte, wpe) only if asked.
-
-    Never LayerNorm parameters (`scale`, `bias`) nor any `bias`, whatever its shape (the fused
-    qkv bias is 2-D).
-    """
-
-    def decide(path, x):
-        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-        if {"wte", "wpe"} & set(names):
-            return decay_embeddings
-        return x.ndim >= 2 and names[-1] not in ("bias", "scale")
-
-    return jax.tree_util.tree_map_with_path(decide, params)
 
 
 def load_init_params(run_dir, mcfg: model_lib.GPTConfig, shardings):
@@ -242,33 +187,14 @@ def main(argv=None) -> int:
     # ------------------------------------------------------------------------------------------
     # Model and optimizer: shapes first (no memory), then a jitted init
     mcfg = cfg.model
-    abstract_model = nnx.eval_shape(lambda: model_lib.GPT(mcfg, rngs=nnx.Rngs(0)))
-    graphdef, abstract_vars = nnx.split(abstract_model)  # nnx.State of abstract Variables (with axis names)
-
-    def apply(params, tokens, dropout_key=None):
-        """Logits (B, T, V_padded) from a pure dict of params; traced inside jit."""
-        variables = jax.tree.map(lambda v: v, abstract_vars)  # fresh Variables to fill
-        nnx.replace_by_pure_dict(variables, params)
-        return nnx.merge(graphdef, variables)(tokens, dropout_key=dropout_key)
-
-    schedule = lr_schedule(t)
-    tx = optax.chain(
-        optax.clip_by_global_norm(t.grad_clip) if t.grad_clip else optax.identity(),
-        optax.adamw(
-            schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
-            mask=lambda p: decay_mask(p, t.decay_embeddings),
-        ),
-    )
+    try:
+        model_lib.check_attention_backend(mcfg)  # e.g. attention=cudnn without a GPU
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    apply, abstract_vars = step_lib.make_apply(mcfg)  # the model's shapes and axis names, no memory
+    tx, schedule = step_lib.make_optimizer(t)
     init_key, train_key = jax.random.split(jax.random.key(cfg.seed))
-
-    def init_state(init_key, train_key):
-        params = nnx.to_pure_dict(nnx.state(model_lib.GPT(mcfg, rngs=nnx.Rngs(params=init_key))))
-        return {
-            "params": params,
-            "opt_state": tx.init(params),
-            "step": jnp.zeros((), jnp.int32),  # updates done; also the loader position
-            "rng": jax.random.key_data(train_key),  # raw uint32 key data: checkpoints as a plain array
-        }
+    init_state = step_lib.make_init_state(mcfg, tx)
 
     # ------------------------------------------------------------------------------------------
     # Placement: the one place where the state and the batch go onto devices (sharding.py's rules
@@ -294,48 +220,8 @@ def main(argv=None) -> int:
 
     # ------------------------------------------------------------------------------------------
     # Step: gradient accumulation over micro-batches inside one jitted, state-donating step
-    M = t.micro_batches
-
-    def constrain_grads(grads):  # stage 2 and 3: the data-parallel reduction becomes a reduce-scatter
-        return jax.lax.with_sharding_constraint(grads, grad_sharding)
-
-    def train_step(state, batch):
-        with model_lib.activation_sharding(activations):
-            return _train_step(state, batch)
-
-    def _train_step(state, batch):
-        params = state["params"]
-        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-        # micro-batch i takes rows i, i+M, i+2M, ...: every device's contiguous block of rows
-        # splits into M pieces in place, so each micro-batch spans all data-parallel devices
-        micro = batch.reshape(batch.shape[0] // M, M, batch.shape[1]).swapaxes(0, 1)  # (M, B/M, T+1)
-
-        def token_loss_sum(p, tokens, i):
-            logits = apply(p, tokens[:, :-1], jax.random.fold_in(key, i))  # (b, T, V_padded)
-            loss, n = model_lib.cross_entropy(logits, tokens[:, 1:])
-            return loss * n, n
-
-        def accumulate(carry, xs):
-            grads, loss_sum, n_sum = carry
-            i, tokens = xs
-            (loss, n), g = jax.value_and_grad(token_loss_sum, has_aux=True)(params, tokens, i)
-            grads = constrain_grads(jax.tree.map(jnp.add, grads, constrain_grads(g)))
-            return (grads, loss_sum + loss, n_sum + n), None
-
-        zeros = (constrain_grads(jax.tree.map(jnp.zeros_like, params)), jnp.zeros((), jnp.float32),
-                 jnp.zeros((), jnp.float32))
-        (grads, loss_sum, n), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(M), micro))
-        grads = jax.tree.map(lambda g: g / n, grads)  # mean over every token of the batch
-        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))  # before clipping
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_state = {
-            "params": optax.apply_updates(params, updates),
-            "opt_state": opt_state,
-            "step": state["step"] + 1,
-            "rng": state["rng"],
-        }
-        return new_state, {"loss": loss_sum / n, "grad_norm": grad_norm}
-
+    # (step.py builds it, so that bench.py times exactly this function)
+    train_step = step_lib.make_train_step(apply, tx, t.micro_batches, grad_sharding, activations)
     train_step = jax.jit(train_step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding),
                          out_shardings=(state_sharding, replicated))
 
