@@ -2,6 +2,10 @@
 (machine, library versions, the command, the results) and adds a row to bench/RESULTS.md.
 
     python bench.py data [--workers K] [--batch B] [--seq T] [--repeats N] [--out bench/]
+    python bench.py train [--model 124m] [--seq T] [--batch B] [--attention IMPL] [--out bench/]
+
+`train` is in bench_train.py (tokens/s, MFU and peak memory of train.py's step; the same model in
+PyTorch, and GPT2LMHeadModel for learned positions, on the same device and batch).
 
 `data` measures, in one run on the default corpus (this Python's stdlib sources):
   preparation   data.prepare_default with K threads and an existing tokenizer (no BPE training), against
@@ -72,7 +76,8 @@ def _versions(*modules: str) -> dict:
     return found
 
 
-def _record(name: str, out: pathlib.Path, argv: list[str], results: dict, summary: str) -> pathlib.Path:
+def _record(name: str, out: pathlib.Path, argv: list[str], results: dict, summary: str,
+            libraries: tuple[str, ...] = ("numpy", "tokenizers")) -> pathlib.Path:
     """Writes OUT/<name>-<date>-<host>.json and puts a row at the top of OUT/RESULTS.md's table."""
     now = datetime.datetime.now().astimezone()
     machine = _machine()
@@ -81,7 +86,7 @@ def _record(name: str, out: pathlib.Path, argv: list[str], results: dict, summar
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}-{now:%Y%m%d-%H%M%S}-{host}.json"
     record = {"benchmark": name, "date": now.isoformat(timespec="seconds"), "command": command,
-              "machine": machine, "versions": _versions("numpy", "tokenizers"), "results": results}
+              "machine": machine, "versions": _versions(*libraries), "results": results}
     path.write_text(json.dumps(record, indent=1) + "\n")
 
     table = out / "RESULTS.md"
@@ -274,10 +279,7 @@ def bench_data(args, argv: list[str]) -> int:
                  f"median {wait['wait_ms_median']:.3f} ms, p99 {wait['wait_ms_p99']:.3f} ms, "
                  f"max {wait['wait_ms_max']:.3f} ms over {wait['steps']} steps "
                  f"({wait['wait_share']:.3%} of the loop; first batch {wait['first_wait_ms']:.2f} ms)"))
-    width = max(len(label) for label, _ in rows)
-    print()
-    for label, value in rows:
-        print(f"{label:<{width}}  {value}")
+    _print_rows(rows)
 
     summary = (f"prepare {p['prepare']['MB_per_s']:.2f} MB/s = {p['ratio_vs_encode_batch']:.2f}x tokenizers "
                f"encode_batch (K={args.workers}); loader " +
@@ -286,6 +288,32 @@ def bench_data(args, argv: list[str]) -> int:
     path = _record("data", pathlib.Path(args.out), argv, results, summary)
     print(f"\n-> {path}, {pathlib.Path(args.out) / 'RESULTS.md'}")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# python bench.py train  (bench_train.py)
+
+TRAIN_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy", "torch", "transformers")
+
+
+def bench_train(args, argv: list[str]) -> int:
+    import bench_train as train_lib
+
+    try:
+        results, rows, summary = train_lib.run(args)
+    except train_lib.TrainBenchError as e:
+        raise BenchError(str(e)) from None
+    _print_rows(rows)
+    path = _record("train", pathlib.Path(args.out), argv, results, summary, TRAIN_LIBRARIES)
+    print(f"\n-> {path}, {pathlib.Path(args.out) / 'RESULTS.md'}")
+    return 0
+
+
+def _print_rows(rows: list[tuple[str, str]]) -> None:
+    width = max(len(label) for label, _ in rows)
+    print()
+    for label, value in rows:
+        print(f"{label:<{width}}  {value}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,6 +338,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100, help="simulated training steps (default 100)")
     p.add_argument("--out", default=str(ROOT / "bench"), help="where results are recorded (default bench/)")
     p.set_defaults(run=bench_data)
+
+    p = commands.add_parser("train", help="training step: tokens/s, MFU, memory; PyTorch side by side",
+                            description="Times the jitted training step (see bench_train.py's docstring).")
+    p.add_argument("--model", default="124m", help="a size of conf/model_config.yaml (default 124m)")
+    p.add_argument("--seq", type=int, help="context length T (default: the model's block_size)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype: float32 | bfloat16 | float16 (default bfloat16)")
+    p.add_argument("--remat", default="none", help="rematerialisation: none | full | save_matmuls (default none)")
+    p.add_argument("--attention", default="xla", help="xla | dot_product | cudnn | pallas (default xla)")
+    p.add_argument("--alibi", action=argparse.BooleanOptionalAction, default=None,
+                   help="force ALiBi on or off (default: the size's setting)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps; the median is reported (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
+    p.add_argument("--peak-tflops", type=float, help="peak FLOP/s for MFU, in TFLOP/s (default: by device kind)")
+    p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the PyTorch model (and GPT2LMHeadModel for learned positions); default on")
+    p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the PyTorch models (default: on a GPU only)")
+    p.add_argument("--out", default=str(ROOT / "bench"), help="where results are recorded (default bench/)")
+    p.set_defaults(run=bench_train)
     args = parser.parse_args(argv)
     try:
         return args.run(args, argv)

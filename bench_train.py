@@ -1,0 +1,318 @@
+"""`python bench.py train`: the training step's speed, MFU and memory, and PyTorch's on the same model.
+
+    python bench.py train [--model 124m|417m|760m|1_3b|small|test] [--seq T] [--batch B]
+                          [--dtype bfloat16] [--remat POLICY] [--attention IMPL] [--steps N]
+
+What is timed, for each framework, on one device and the same batch of B x T random tokens:
+  ours    step.make_train_step, the function train.py jits, jitted the way train.py jits it
+          (state donated, shardings from sharding.py for a one-device mesh): forward, backward,
+          gradient clipping and the AdamW update;
+  torch   convert_torch.GPT, the same architecture in PyTorch (scaled_dot_product_attention with
+          the ALiBi bias as a float mask), torch.compile by default on a GPU, autocast to the
+          compute dtype, clip_grad_norm_ and torch.optim.AdamW (fused on a GPU);
+  hf      for a learned-position model, transformers' GPT2LMHeadModel of the same shape (SDPA
+          attention), as a third-party baseline, stepped the same way.
+Each runs --warmup steps (compilation included) and then --steps timed steps, each synchronised
+(block_until_ready / torch.cuda.synchronize); the median step time gives tokens/s = B*T / median.
+
+MFU = tokens/s x (6 N + 6 L d T) / peak FLOP/s (model.flops_per_token; N parameters, L blocks,
+width d, context T), with the peak from the device kind (step.PEAK_FLOPS: 989 TFLOP/s dense bf16
+for an H100 or H200 SXM) or --peak-tflops. On the CPU there is no peak and no MFU unless given.
+Peak memory: the device's peak bytes in use (JAX memory_stats; torch.cuda.max_memory_allocated),
+where the backend reports it. PyTorch runs first and frees its cache before JAX starts, since JAX
+takes 75% of GPU memory when it starts (XLA_PYTHON_CLIENT_MEM_FRACTION changes that).
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import numpy as np
+
+
+class TrainBenchError(Exception):
+    """A bad argument (model name, attention on this backend, shape); str() is one line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing, shared by both frameworks
+
+
+def time_steps(step, sync, warmup: int, steps: int) -> dict:
+    """Runs step() `warmup` times, then `steps` times, sync(result) after each. Step times in seconds."""
+    start = time.perf_counter()
+    for _ in range(warmup):
+        sync(step())
+    warmup_s = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        sync(step())
+        times.append(time.perf_counter() - start)
+    return {"warmup_steps": warmup, "warmup_s": warmup_s, "steps": steps, "step_s": times,
+            "step_s_median": statistics.median(times)}
+
+
+def _throughput(timing: dict, tokens_per_step: int, flops_per_token: float, peak: float | None) -> dict:
+    tokens_per_s = tokens_per_step / timing["step_s_median"]
+    return {**timing, "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_s,
+            "mfu": tokens_per_s * flops_per_token / peak if peak else None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Ours: the step train.py runs
+
+
+def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> dict:
+    import jax
+    from flax import nnx
+
+    import model as model_lib
+    import sharding as sharding_lib
+    import step as step_lib
+
+    device = jax.devices()[0]
+    mesh = sharding_lib.make_mesh(1, 1, 1, devices=[device])  # one device: per-device figures
+    t = args.train_config  # the default optimizer settings
+    apply, abstract_vars = step_lib.make_apply(mcfg)
+    tx, _ = step_lib.make_optimizer(t)
+    init_state = step_lib.make_init_state(mcfg, tx)
+    init_key, train_key = jax.random.split(jax.random.key(0))
+    abstract_state = jax.eval_shape(init_state, init_key, train_key)
+    axes = nnx.to_pure_dict(model_lib.param_axes(abstract_vars))
+    state_sharding, grad_sharding, _ = sharding_lib.state_shardings(abstract_state, axes, mesh, 0)
+    batch_sharding = sharding_lib.batch_sharding(mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    train_step = step_lib.make_train_step(apply, tx, 1, grad_sharding, sharding_lib.activation_rules(mesh))
+    train_step = jax.jit(train_step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding),
+                         out_shardings=(state_sharding, replicated))
+    state = jax.jit(init_state, out_shardings=state_sharding)(init_key, train_key)
+    rows = np.random.default_rng(0).integers(0, mcfg.vocab_size, (batch, seq + 1), dtype=np.int32)
+    tokens = jax.device_put(rows, batch_sharding)
+    losses = []
+
+    def one_step():
+        nonlocal state
+        state, metrics = train_step(state, tokens)
+        return state, metrics
+
+    def sync(out):
+        jax.block_until_ready(out)
+        losses.append(float(out[1]["loss"]))
+
+    timing = time_steps(one_step, sync, args.warmup, args.steps)
+    if not all(np.isfinite(losses)):
+        raise TrainBenchError(f"the JAX step's loss is not finite: {losses}")
+    peak = peak_override or step_lib.peak_flops(device.device_kind)
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    result = _throughput(timing, batch * seq, model_lib.flops_per_token(mcfg, seq), peak)
+    result.update({"device_kind": device.device_kind, "platform": device.platform, "peak_flops": peak,
+                   "peak_memory_bytes": (stats or {}).get("peak_bytes_in_use"),
+                   "loss_first": losses[0], "loss_last": losses[-1]})
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Theirs: PyTorch
+
+
+def _torch_model(mcfg, which: str):
+    """torch: convert_torch.GPT of the config; hf: GPT2LMHeadModel of its shape (learned positions). Both
+    map tokens (B, T) to logits (B, T, V_padded)."""
+    import torch
+
+    if which == "torch":
+        import convert_torch
+
+        return convert_torch.GPT(convert_torch.TorchGPTConfig.from_dict(dataclasses.asdict(mcfg)))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class LogitsOnly(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens):
+            return self.model(input_ids=tokens, use_cache=False).logits
+
+    hf = GPT2Config(vocab_size=mcfg.padded_vocab_size, n_positions=mcfg.block_size, n_embd=mcfg.embedding_dim,
+                    n_layer=mcfg.N, n_head=mcfg.num_head, activation_function="gelu_new",
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=mcfg.layer_norm_epsilon,
+                    bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    return LogitsOnly(GPT2LMHeadModel(hf))
+
+
+def bench_torch(mcfg, batch: int, seq: int, args, which: str, peak: float | None) -> dict:
+    """One framework's step on the same batch shape; which: torch (convert_torch.GPT) or hf (GPT2LMHeadModel)."""
+    import torch
+    import torch.nn.functional as F
+
+    import model as model_lib
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(0)
+    model = _torch_model(mcfg, which).to(device).train()
+    compiled = args.torch_compile if args.torch_compile is not None else cuda
+    forward = torch.compile(model) if compiled else model
+    t = args.train_config
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.b1, t.b2), eps=t.eps,
+                            weight_decay=t.weight_decay, **({"fused": True} if cuda else {}))
+    dtype = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[mcfg.dtype]
+    rows = np.random.default_rng(0).integers(0, mcfg.vocab_size, (batch, seq + 1))
+    tokens = torch.from_numpy(rows).to(device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    losses = []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+    def one_step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            logits = forward(x)  # (B, T, V_padded)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())  # float32, as ours
+        loss.backward()
+        if t.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        return loss.detach()
+
+    def sync(loss):
+        if cuda:
+            torch.cuda.synchronize()
+        losses.append(float(loss))
+
+    timing = time_steps(one_step, sync, args.warmup, args.steps)
+    result = _throughput(timing, batch * seq, model_lib.flops_per_token(mcfg, seq), peak)
+    result.update({"device": torch.cuda.get_device_name() if cuda else "cpu", "compiled": compiled,
+                   "autocast": str(dtype).replace("torch.", "") if dtype else None,
+                   "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                   "parameters": sum(p.numel() for p in model.parameters()),
+                   "loss_first": losses[0], "loss_last": losses[-1]})
+    del model, forward, opt
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def resolve(args):
+    """(name, GPTConfig, seq) from the command line; TrainBenchError for a bad choice."""
+    import config as config_lib
+    import model as model_lib
+
+    sizes = config_lib.load_model_sizes()
+    if args.model not in sizes:
+        raise TrainBenchError(f"unknown --model {args.model!r}; valid sizes: {', '.join(sizes)}")
+    overrides = {"dtype": args.dtype, "remat": args.remat, "attention": args.attention, "dropout": 0.0}
+    if args.alibi is not None:
+        overrides["alibi_attn"] = args.alibi
+    try:
+        name, mcfg = config_lib.resolve_model({"name": args.model, **overrides}, sizes)
+    except config_lib.ConfigError as e:
+        raise TrainBenchError(str(e)) from None
+    seq = args.seq or mcfg.block_size
+    if seq < 1 or args.batch < 1 or args.steps < 1 or args.warmup < 1:
+        raise TrainBenchError("--seq, --batch, --steps and --warmup must be at least 1")
+    if seq > mcfg.block_size:
+        if not mcfg.alibi_attn:
+            raise TrainBenchError(f"--seq {seq} is longer than block_size {mcfg.block_size} of the learned-position "
+                                  f"model {name}")
+        mcfg = dataclasses.replace(mcfg, block_size=seq)  # ALiBi: the context is what is fed
+    try:
+        model_lib.check_attention_backend(mcfg)  # before anything is timed
+    except ValueError as e:
+        raise TrainBenchError(str(e)) from None
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        raise TrainBenchError("--peak-tflops must be positive")
+    args.train_config = config_lib.TrainingConfig(batch_size=args.batch, seq_len=seq)
+    return name, mcfg, seq
+
+
+def targets(name: str, mcfg, seq: int, ours: dict, results: dict) -> dict:
+    """The issue's targets that this run speaks to; they count only when measured on an H100 or H200."""
+    counts = any(kind in ours["device_kind"] for kind in ("H100", "H200"))
+    out = {"counted": counts, "why_not": None if counts else f"measured on {ours['device_kind']}, not an H100/H200"}
+    mfu_min = {"760m": 0.50, "124m": 0.40}.get(name)
+    if mfu_min and mcfg.dtype == "bfloat16" and (name != "760m" or seq == 2048):
+        out["mfu_min"] = mfu_min
+        out["mfu_met"] = counts and ours["mfu"] is not None and ours["mfu"] >= mfu_min
+    if "ratio_vs_torch" in results:
+        out["ratio_vs_torch_min"] = 1.2
+        out["ratio_vs_torch_met"] = counts and results["ratio_vs_torch"] >= 1.2
+    if name == "760m" and seq >= 8192:
+        out["fits_at_8192"] = counts  # it ran to the end without running out of memory
+    return out
+
+
+def run(args) -> tuple[dict, list[tuple[str, str]], str]:
+    """(results for the JSON record, table rows, one-line summary)."""
+    import model as model_lib
+
+    name, mcfg, seq = resolve(args)
+    peak_override = args.peak_tflops * 1e12 if args.peak_tflops else None
+    others = {}
+    if args.torch:  # first: JAX takes most of a GPU's memory once it starts
+        import torch
+
+        import step as step_lib
+
+        torch_peak = peak_override
+        if torch_peak is None:
+            if torch.cuda.is_available():
+                torch_peak = step_lib.peak_flops(torch.cuda.get_device_name())
+        which = ["torch"] + ([] if mcfg.alibi_attn else ["hf"])
+        for w in which:
+            print(f"{w}: {args.warmup} warm-up + {args.steps} steps", flush=True)
+            try:
+                others[w] = bench_torch(mcfg, args.batch, seq, args, w, torch_peak)
+            except torch.cuda.OutOfMemoryError:  # recorded: theirs not fitting is a result too
+                torch.cuda.empty_cache()
+                others[w] = {"error": "out of memory"}
+    print(f"jax: {args.warmup} warm-up + {args.steps} steps", flush=True)
+    try:
+        ours = bench_jax(mcfg, args.batch, seq, args, peak_override)
+    except Exception as e:  # XLA reports running out of memory as a runtime error
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise TrainBenchError(f"the JAX step does not fit in device memory at batch {args.batch} x context {seq} "
+                              f"(try --remat full or a smaller --batch): {str(e).splitlines()[0][:200]}") from None
+
+    results = {"model": name, "config": dataclasses.asdict(mcfg), "batch": args.batch, "seq": seq,
+               "parameters": model_lib.param_count(mcfg), "flops_per_token": model_lib.flops_per_token(mcfg, seq),
+               "mfu_formula": "tokens/s * (6 N + 6 L d T) / peak FLOP/s", "jax": ours, **others}
+    ran = [w for w, r in others.items() if "error" not in r]
+    for w in ran:
+        results[f"ratio_vs_{w}"] = ours["tokens_per_s"] / others[w]["tokens_per_s"]
+    results["targets"] = targets(name, mcfg, seq, ours, results)
+
+    peak = ours["peak_flops"]
+    gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
+    mfu = lambda r: "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"  # noqa: E731
+    rows = [("model", f"{name}: {results['parameters'] / 1e6:.1f}M parameters, {mcfg.N} blocks, d={mcfg.embedding_dim}, "
+                      f"{'ALiBi' if mcfg.alibi_attn else 'learned positions'}"),
+            ("shape", f"batch {args.batch} x context {seq} = {args.batch * seq} tokens/step, {mcfg.dtype}, "
+                      f"remat {mcfg.remat}, attention {mcfg.attention}"),
+            ("device", f"{ours['device_kind']} ({ours['platform']})"),
+            ("MFU", f"tokens/s x (6N + 6LdT = {results['flops_per_token'] / 1e6:.1f} MFLOP/token) / peak "
+                    + (f"{peak / 1e12:.0f} TFLOP/s" + (" (--peak-tflops)" if peak_override else " (device kind)")
+                       if peak else "(no peak known for this device: n/a; --peak-tflops sets one)"))]
+    for w, r in {"jax (ours)": ours, **others}.items():
+        if "error" in r:
+            rows.append((w, r["error"]))
+            continue
+        extra = f", torch.compile {'on' if r.get('compiled') else 'off'}" if "compiled" in r else ""
+        rows.append((w, f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_s_median'] * 1e3:.1f} ms median of "
+                        f"{r['steps']}, MFU {mfu(r)}, peak memory {gib(r['peak_memory_bytes'])}{extra}"))
+    for w in ran:
+        rows.append((f"ours / {w}", f"{results[f'ratio_vs_{w}']:.2f}x tokens/s"))
+    summary = (f"{name} B={args.batch} T={seq} {mcfg.dtype} {mcfg.attention}: {ours['tokens_per_s']:,.0f} tok/s, "
+               f"{ours['step_s_median'] * 1e3:.1f} ms/step, MFU {mfu(ours)}, mem {gib(ours['peak_memory_bytes'])}"
+               + "".join(f"; {results[f'ratio_vs_{w}']:.2f}x {w}" for w in ran)
+               + "".join(f"; {w}: {others[w]['error']}" for w in others if w not in ran)
+               + ("" if ours["platform"] == "gpu" else " (CPU smoke test: no GPU figures)"))
+    return results, rows, summary
