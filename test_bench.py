@@ -1,0 +1,141 @@
+"""The Pallas flash-attention kernel against the XLA reference, the attention dispatch, and
+`python bench.py train` as a CPU smoke test. On the CPU the kernel runs in Pallas interpret mode;
+on a GPU the same tests run the Triton kernels and cuDNN."""
+import dataclasses
+import json
+import math
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import bench
+import flash_alibi
+import model as M
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def reference(q, k, v, alibi=True):
+    """model.py's XLA attention (the reference implementation), in float32."""
+    B, T, H, D = q.shape
+    cfg = M.GPTConfig(num_head=H, embedding_dim=H * D, alibi_attn=alibi, attention="xla")
+    return M.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), cfg)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_flash_kernel_matches_reference_forward_and_gradients(dtype, tol):
+    # T = 40 is not a multiple of the 16-row blocks (3 blocks, the last padded); H = 3 takes the
+    # slope rule for a head count that is not a power of two; D = 8 is padded to Triton's 16.
+    B, T, H, D = 2, 40, 3, 8
+    q, k, v, g = (jax.random.normal(key, (B, T, H, D), jnp.float32) for key in jax.random.split(jax.random.key(0), 4))
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    slopes = M.alibi_slopes(H)
+
+    def ours(q, k, v):
+        return flash_alibi.flash_alibi_attention(q, k, v, slopes, block_fwd=16, block_bwd=16)
+
+    y = ours(q, k, v)
+    assert y.shape == (B, T, H, D) and y.dtype == dtype
+    y_ref = reference(q, k, v)
+    scale = float(jnp.abs(y_ref).max())
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_ref), atol=tol * scale)
+
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * g)  # noqa: E731
+    grads = jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v)
+    grads_ref = jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)
+    for name, got, want in zip("qkv", grads, grads_ref):
+        assert got.dtype == dtype, name
+        scale = float(jnp.abs(want).max())
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=tol * scale,
+                                   err_msg=f"d{name}")
+
+
+def test_flash_kernel_without_bias_is_plain_causal_attention():
+    B, T, H, D = 1, 20, 2, 16
+    q, k, v = (jax.random.normal(key, (B, T, H, D)) for key in jax.random.split(jax.random.key(1), 3))
+    y = flash_alibi.flash_alibi_attention(q, k, v, None, block_fwd=16, block_bwd=16)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(reference(q, k, v, alibi=False)), atol=1e-5)
+    with pytest.raises(ValueError, match="power of two"):
+        flash_alibi.flash_alibi_attention(q, k, v, None, block_fwd=24)
+
+
+def test_pallas_model_runs_past_its_training_context():
+    """An ALiBi GPT trained at block_size 16 runs at 40 tokens with attention=pallas, as with xla."""
+    cfg = M.GPTConfig(vocab_size=64, block_size=16, embedding_dim=32, num_head=4, N=1)
+    tokens = jax.random.randint(jax.random.key(2), (2, 40), 0, 64)
+    logits = {}
+    for impl in ("xla", "pallas"):
+        model = M.GPT(dataclasses.replace(cfg, attention=impl), rngs=nnx.Rngs(0))  # the same parameters
+        logits[impl] = np.asarray(model(tokens))
+    np.testing.assert_allclose(logits["pallas"], logits["xla"], atol=1e-4)
+
+
+def test_cudnn_dispatch():
+    B, T, H, D = 1, 9, 2, 16  # odd length: cuDNN takes even lengths, so the dispatch pads one position
+    q, k, v = (jax.random.normal(key, (B, T, H, D)) for key in jax.random.split(jax.random.key(3), 3))
+    cfg = M.GPTConfig(num_head=H, embedding_dim=H * D, attention="cudnn")
+    if ON_GPU:
+        got = M.attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), cfg)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(reference(q, k, v)), atol=3e-2)
+    else:
+        with pytest.raises(ValueError, match="attention=cudnn needs an NVIDIA GPU"):
+            M.attention(q, k, v, cfg)
+    with pytest.raises(ValueError, match="cannot drop attention probabilities"):
+        M.GPTConfig(attention="pallas", dropout=0.1)
+
+
+def expected_params(c: M.GPTConfig) -> int:
+    """GPT-2 layout by hand: embeddings, 12d^2 + 13d per block (weights, biases, 2 LayerNorms), final norms."""
+    d, vocab = c.embedding_dim, -(-c.vocab_size // 128) * 128
+    norms = (2 if c.embed_norm else 1) * 2 * d
+    return vocab * d + (0 if c.alibi_attn else c.block_size * d) + c.N * (12 * d * d + 13 * d) + norms
+
+
+def test_bench_train_cpu_smoke(tmp_path, capsys):
+    out = tmp_path / "bench"
+    argv = ["train", "--model", "test", "--no-alibi", "--seq", "24", "--batch", "2", "--dtype", "float32",
+            "--steps", "3", "--warmup", "1", "--peak-tflops", "0.5", "--out", str(out)]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    [path] = out.glob("train-*.json")
+    record = json.loads(path.read_text())
+    assert record["command"] == "python bench.py " + " ".join(argv)
+    for lib in ("jax", "flax", "torch", "transformers"):
+        assert record["versions"][lib]
+    r = record["results"]
+    assert r["config"]["alibi_attn"] is False and r["batch"] == 2 and r["seq"] == 24
+    c = M.GPTConfig(**r["config"])
+    assert r["parameters"] == expected_params(c)
+    flops = 6 * expected_params(c) + 6 * c.N * c.embedding_dim * 24  # 6N + 6LdT per token
+    for name in ("jax", "torch", "hf"):
+        run = r[name]
+        assert len(run["step_s"]) == 3 and run["step_s_median"] == statistics.median(run["step_s"])
+        assert run["tokens_per_s"] == pytest.approx(2 * 24 / run["step_s_median"], rel=1e-12)
+        assert run["mfu"] == pytest.approx(run["tokens_per_s"] * flops / 0.5e12, rel=1e-9)
+        assert f"{run['tokens_per_s']:,.0f} tokens/s" in printed
+    for name in ("torch", "hf"):
+        assert r[f"ratio_vs_{name}"] == pytest.approx(r["jax"]["tokens_per_s"] / r[name]["tokens_per_s"])
+    # the JAX step trained the model it says: a fresh model's loss is about ln(padded vocabulary)
+    assert abs(r["jax"]["loss_first"] - math.log(512)) < 0.1
+    # targets count only on an H100/H200: never met on another device
+    counted = any(kind in r["jax"]["device_kind"] for kind in ("H100", "H200"))
+    assert r["targets"]["counted"] is counted
+    assert r["targets"]["ratio_vs_torch_met"] is (counted and r["ratio_vs_torch"] >= 1.2)
+    assert path.name in (out / "RESULTS.md").read_text()
+
+
+def test_bench_train_errors_are_one_line(tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert bench.main(["train", "--model", "nope", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown --model 'nope'" in err and "124m" in err
+    assert bench.main(["train", "--model", "test", "--seq", "65", "--no-alibi", "--out", str(out)]) == 2
+    assert "longer than block_size 64" in capsys.readouterr().err
+    if not ON_GPU:
+        assert bench.main(["train", "--model", "test", "--attention", "cudnn", "--out", str(out)]) == 2
+        assert "needs an NVIDIA GPU" in capsys.readouterr().err
+    assert not out.exists()  # nothing recorded for a run that did not happen
