@@ -3,9 +3,12 @@
 
     python bench.py data [--workers K] [--batch B] [--seq T] [--repeats N] [--out bench/]
     python bench.py train [--model 124m] [--seq T] [--batch B] [--attention IMPL] [--out bench/]
+    python bench.py attention [--impls xla,cudnn,pallas] [--batch B] [--seq T] [--heads H] [--head-dim D]
 
-`train` is in bench_train.py (tokens/s, MFU and peak memory of train.py's step; the same model in
-PyTorch, and GPT2LMHeadModel for learned positions, on the same device and batch).
+`train` and `attention` are in bench_train.py: tokens/s, MFU and peak memory of train.py's step,
+with the same model in PyTorch (and GPT2LMHeadModel for learned positions) on the same device and
+batch; and the attention implementations alone (error against the reference, compiled temporary
+memory, time of forward + backward), to choose the fastest correct one on a GPU.
 
 `data` measures, in one run on the default corpus (this Python's stdlib sources):
   preparation   data.prepare_default with K threads and an existing tokenizer (no BPE training), against
@@ -309,6 +312,19 @@ def bench_train(args, argv: list[str]) -> int:
     return 0
 
 
+def bench_attention(args, argv: list[str]) -> int:
+    import bench_train as train_lib
+
+    try:
+        results, rows, summary = train_lib.run_attention(args)
+    except train_lib.TrainBenchError as e:
+        raise BenchError(str(e)) from None
+    _print_rows(rows)
+    path = _record("attention", pathlib.Path(args.out), argv, results, summary, TRAIN_LIBRARIES)
+    print(f"\n-> {path}, {pathlib.Path(args.out) / 'RESULTS.md'}")
+    return 0
+
+
 def _print_rows(rows: list[tuple[str, str]]) -> None:
     width = max(len(label) for label, _ in rows)
     print()
@@ -358,6 +374,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch.compile the PyTorch models (default: on a GPU only)")
     p.add_argument("--out", default=str(ROOT / "bench"), help="where results are recorded (default bench/)")
     p.set_defaults(run=bench_train)
+
+    p = commands.add_parser("attention", help="attention implementations: error, memory, time of forward + backward",
+                            description="Causal ALiBi attention alone, each --impls against the XLA reference.")
+    p.add_argument("--impls", default="xla,dot_product,cudnn,pallas", help="comma-separated (default: all)")
+    p.add_argument("--batch", type=int, default=4, help="batch (default 4)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    p.add_argument("--heads", type=int, default=16, help="heads (default 16, as 760m)")
+    p.add_argument("--head-dim", type=int, default=96, help="head size (default 96, as 760m)")
+    p.add_argument("--dtype", default="bfloat16", help="input dtype (default bfloat16)")
+    p.add_argument("--alibi", action=argparse.BooleanOptionalAction, default=True, help="ALiBi bias (default on)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument("--out", default=str(ROOT / "bench"), help="where results are recorded (default bench/)")
+    p.set_defaults(run=bench_attention)
     args = parser.parse_args(argv)
     try:
         return args.run(args, argv)

@@ -316,3 +316,79 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
                + "".join(f"; {w}: {others[w]['error']}" for w in others if w not in ran)
                + ("" if ours["platform"] == "gpu" else " (CPU smoke test: no GPU figures)"))
     return results, rows, summary
+
+
+# ---------------------------------------------------------------------------------------------
+# python bench.py attention: the attention implementations alone, forward and backward
+
+IMPLS = ("xla", "dot_product", "cudnn", "pallas")
+
+
+def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
+    """Each implementation's forward + backward of causal ALiBi attention at (B, T, H, D): its error
+    against the XLA reference (computed in float32 from the same inputs), its compiled temporary
+    memory, and its median time. (results, table rows, summary)."""
+    import jax
+    import jax.numpy as jnp
+
+    import model as model_lib
+
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown or not impls:
+        raise TrainBenchError(f"unknown --impls {','.join(unknown) or args.impls!r}; choose from {', '.join(IMPLS)}")
+    B, T, H, D = args.batch, args.seq, args.heads, args.head_dim
+    if min(B, T, H, D, args.steps, args.warmup) < 1:
+        raise TrainBenchError("--batch, --seq, --heads, --head-dim, --steps and --warmup must be at least 1")
+    if args.dtype not in model_lib.DTYPES:
+        raise TrainBenchError(f"--dtype must be one of {', '.join(model_lib.DTYPES)}, got {args.dtype!r}")
+    dtype = model_lib.DTYPES[args.dtype]
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, g = (jax.random.normal(key, (B, T, H, D), jnp.float32) for key in keys)  # g: the output gradient
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+    def fwd_bwd(impl, to=dtype):
+        """jit of (q, k, v) -> ((sum(y * g), y), (dq, dk, dv)), attention computed in dtype `to`."""
+        cfg = model_lib.GPTConfig(num_head=H, embedding_dim=H * D, attention=impl, alibi_attn=args.alibi)
+
+        def loss(q, k, v):
+            y = model_lib.attention(q.astype(to), k.astype(to), v.astype(to), cfg)
+            return jnp.sum(y.astype(jnp.float32) * g), y
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+    (_, y_ref), grads_ref = fwd_bwd("xla", jnp.float32)(q, k, v)  # the reference
+    results = {"batch": B, "seq": T, "heads": H, "head_dim": D, "dtype": args.dtype, "alibi": args.alibi,
+               "device_kind": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+               "error": "max |ours - reference| / max |reference|, reference: XLA in float32 on the same inputs",
+               "impls": {}}
+    rows = [("shape", f"B={B} T={T} H={H} D={D} {args.dtype}, causal{' + ALiBi' if args.alibi else ''}"),
+            ("device", f"{results['device_kind']} ({results['platform']})")]
+    for impl in impls:
+        try:
+            model_lib.check_attention_backend(model_lib.GPTConfig(attention=impl))
+        except ValueError as e:
+            results["impls"][impl] = {"unavailable": str(e)}
+            rows.append((impl, f"unavailable here: {e}"))
+            continue
+        step = fwd_bwd(impl)
+        memory = step.lower(q, k, v).compile().memory_analysis()
+        (_, y), grads = step(q, k, v)
+        rel = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b).max() / jnp.abs(b).max())  # noqa: E731
+        errors = {"out": rel(y, y_ref), **{f"d{n}": rel(a, b) for n, a, b in zip("qkv", grads, grads_ref)}}
+        timing = time_steps(lambda: step(q, k, v), jax.block_until_ready, args.warmup, args.steps)
+        entry = {**timing, **{f"error_{n}": e for n, e in errors.items()},
+                 "temp_bytes": getattr(memory, "temp_size_in_bytes", None)}
+        results["impls"][impl] = entry
+        temp = "n/a" if entry["temp_bytes"] is None else f"{entry['temp_bytes'] / 2**20:.1f} MiB"
+        rows.append((impl, f"fwd+bwd {timing['step_s_median'] * 1e3:.2f} ms median of {args.steps}, temporaries "
+                           f"{temp}, max rel. error " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())))
+    timed = {i: r for i, r in results["impls"].items() if "step_s_median" in r}
+    fastest = min(timed, key=lambda i: timed[i]["step_s_median"]) if timed else None
+    results["fastest"] = fastest
+    summary = f"B={B} T={T} H={H} D={D} {args.dtype}: " + ", ".join(
+        f"{i} {r['step_s_median'] * 1e3:.2f} ms / {r['temp_bytes'] / 2**20:.0f} MiB"
+        if r.get("temp_bytes") is not None else f"{i} {r['step_s_median'] * 1e3:.2f} ms" for i, r in timed.items())
+    if results["platform"] != "gpu":
+        summary += " (CPU; pallas in interpret mode: its time means nothing, its memory does)"
+    return results, rows, summary

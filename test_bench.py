@@ -139,3 +139,20 @@ def test_bench_train_errors_are_one_line(tmp_path, capsys):
         assert bench.main(["train", "--model", "test", "--attention", "cudnn", "--out", str(out)]) == 2
         assert "needs an NVIDIA GPU" in capsys.readouterr().err
     assert not out.exists()  # nothing recorded for a run that did not happen
+
+
+def test_bench_attention_checks_each_implementation(tmp_path):
+    out = tmp_path / "bench"
+    argv = ["attention", "--impls", "xla,cudnn,pallas", "--batch", "1", "--seq", "256", "--heads", "2",
+            "--head-dim", "16", "--steps", "2", "--warmup", "1", "--out", str(out)]
+    assert bench.main(argv) == 0
+    [path] = out.glob("attention-*.json")
+    r = json.loads(path.read_text())["results"]
+    pallas, xla = r["impls"]["pallas"], r["impls"]["xla"]
+    for impl in (xla, pallas):  # bfloat16 inputs against the float32 reference
+        assert max(impl[f"error_{n}"] for n in ("out", "dq", "dk", "dv")) < 2e-2
+        assert impl["step_s_median"] == statistics.median(impl["step_s"])
+    # no (T, T) scores kept: at T = 256 the kernel's temporaries are a fraction of the reference's
+    assert pallas["temp_bytes"] < xla["temp_bytes"] / 2
+    assert ("unavailable" in r["impls"]["cudnn"]) is not ON_GPU
+    assert r["fastest"] in [i for i, e in r["impls"].items() if "step_s" in e]
