@@ -347,9 +347,12 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
     q, k, v, g = (jax.random.normal(key, (B, T, H, D), jnp.float32) for key in keys)  # g: the output gradient
     q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
+    def config(impl, to=args.dtype):
+        return model_lib.GPTConfig(num_head=H, embedding_dim=H * D, attention=impl, alibi_attn=args.alibi, dtype=to)
+
     def fwd_bwd(impl, to=dtype):
         """jit of (q, k, v) -> ((sum(y * g), y), (dq, dk, dv)), attention computed in dtype `to`."""
-        cfg = model_lib.GPTConfig(num_head=H, embedding_dim=H * D, attention=impl, alibi_attn=args.alibi)
+        cfg = config(impl, jnp.dtype(to).name)
 
         def loss(q, k, v):
             y = model_lib.attention(q.astype(to), k.astype(to), v.astype(to), cfg)
@@ -366,7 +369,7 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
             ("device", f"{results['device_kind']} ({results['platform']})")]
     for impl in impls:
         try:
-            model_lib.check_attention_backend(model_lib.GPTConfig(attention=impl))
+            model_lib.check_attention_backend(config(impl))  # and GPTConfig's own checks
         except ValueError as e:
             results["impls"][impl] = {"unavailable": str(e)}
             rows.append((impl, f"unavailable here: {e}"))

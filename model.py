@@ -87,6 +87,8 @@ class GPTConfig:
             raise ValueError(f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
+        if self.attention == "cudnn" and self.dtype == "float32":
+            raise ValueError("model.attention=cudnn needs model.dtype bfloat16 or float16 (cuDNN's fused kernel)")
         if self.attention != "xla" and self.dropout > 0:
             raise ValueError(
                 f"model.attention={self.attention} cannot drop attention probabilities; use attention=xla or dropout=0"

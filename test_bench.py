@@ -77,13 +77,15 @@ def test_pallas_model_runs_past_its_training_context():
 def test_cudnn_dispatch():
     B, T, H, D = 1, 9, 2, 16  # odd length: cuDNN takes even lengths, so the dispatch pads one position
     q, k, v = (jax.random.normal(key, (B, T, H, D)) for key in jax.random.split(jax.random.key(3), 3))
-    cfg = M.GPTConfig(num_head=H, embedding_dim=H * D, attention="cudnn")
+    cfg = M.GPTConfig(num_head=H, embedding_dim=H * D, attention="cudnn", dtype="bfloat16")
     if ON_GPU:
         got = M.attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), cfg)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(reference(q, k, v)), atol=3e-2)
     else:
         with pytest.raises(ValueError, match="attention=cudnn needs an NVIDIA GPU"):
             M.attention(q, k, v, cfg)
+    with pytest.raises(ValueError, match="cudnn needs model.dtype bfloat16 or float16"):
+        M.GPTConfig(attention="cudnn")  # float32
     with pytest.raises(ValueError, match="cannot drop attention probabilities"):
         M.GPTConfig(attention="pallas", dropout=0.1)
 
