@@ -257,7 +257,12 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     peak_override = args.peak_tflops * 1e12 if args.peak_tflops else None
     others = {}
     if args.torch:  # first: JAX takes most of a GPU's memory once it starts
-        import torch
+        try:
+            import torch
+            import transformers  # noqa: F401
+        except ImportError as e:
+            raise TrainBenchError(f"the PyTorch side needs torch and transformers ({e}); install them "
+                                  f"(pip install -r requirements-test.txt) or pass --no-torch") from None
 
         import step as step_lib
 

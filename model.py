@@ -225,7 +225,8 @@ def attention(q, k, v, cfg: GPTConfig, dropout_key=None) -> jax.Array:
     if cfg.attention == "cudnn":
         check_attention_backend(cfg)
         # cuDNN's fused kernel takes even lengths only; one extra key after every query is hidden
-        # by the causal mask, and the extra query row is dropped
+        # by the causal mask, and the extra query row is dropped. Its backward pass also computes
+        # the gradient of the constant bias, (1, H, T, T), and throws it away: O(T^2) memory again.
         if T % 2:
             q, k, v = (jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0))) for x in (q, k, v))
         n = q.shape[1]

@@ -15,6 +15,7 @@ from flax import nnx
 import bench
 import flash_alibi
 import model as M
+import train
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -140,6 +141,11 @@ def test_bench_train_errors_are_one_line(tmp_path, capsys):
     if not ON_GPU:
         assert bench.main(["train", "--model", "test", "--attention", "cudnn", "--out", str(out)]) == 2
         assert "needs an NVIDIA GPU" in capsys.readouterr().err
+        # train.py refuses it the same way, before preparing data or making the run directory
+        run_dir = tmp_path / "run"
+        assert train.cli([f"run_dir={run_dir}", "model.attention=cudnn", "model.dtype=bfloat16"]) == 2
+        assert "model.attention=cudnn needs an NVIDIA GPU" in capsys.readouterr().err
+        assert not run_dir.exists()
     assert not out.exists()  # nothing recorded for a run that did not happen
 
 

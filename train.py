@@ -128,6 +128,10 @@ def main(argv=None) -> int:
             f"or start a new run elsewhere with run_dir=PATH"
         )
     t, ck, sh = cfg.training, cfg.checkpoint, cfg.sharding
+    try:
+        model_lib.check_attention_backend(cfg.model)  # e.g. attention=cudnn without a GPU, before any work
+    except ValueError as e:
+        raise RunError(str(e)) from None
     if jax.process_count() > 1:  # every process has checked run_dir before process 0 writes into it
         from jax.experimental import multihost_utils
 
@@ -187,10 +191,6 @@ def main(argv=None) -> int:
     # ------------------------------------------------------------------------------------------
     # Model and optimizer: shapes first (no memory), then a jitted init
     mcfg = cfg.model
-    try:
-        model_lib.check_attention_backend(mcfg)  # e.g. attention=cudnn without a GPU
-    except ValueError as e:
-        raise RunError(str(e)) from None
     apply, abstract_vars = step_lib.make_apply(mcfg)  # the model's shapes and axis names, no memory
     tx, schedule = step_lib.make_optimizer(t)
     init_key, train_key = jax.random.split(jax.random.key(cfg.seed))
