@@ -298,8 +298,8 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     peak = ours["peak_flops"]
     gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
     mfu = lambda r: "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"  # noqa: E731
-    rows = [("model", f"{name}: {results['parameters'] / 1e6:.1f}M parameters, {mcfg.N} blocks, d={mcfg.embedding_dim}, "
-                      f"{'ALiBi' if mcfg.alibi_attn else 'learned positions'}"),
+    rows = [("model", f"{name}: {results['parameters'] / 1e6:.1f}M parameters, {mcfg.N} blocks, "
+                      f"d={mcfg.embedding_dim}, {'ALiBi' if mcfg.alibi_attn else 'learned positions'}"),
             ("shape", f"batch {args.batch} x context {seq} = {args.batch * seq} tokens/step, {mcfg.dtype}, "
                       f"remat {mcfg.remat}, attention {mcfg.attention}"),
             ("device", f"{ours['device_kind']} ({ours['platform']})"),

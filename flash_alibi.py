@@ -240,7 +240,8 @@ def flash_alibi_attention(q, k, v, slopes=None, *, block_fwd: int = BLOCK_FWD, b
     block_fwd, block_bwd = min(block_fwd, fit), min(block_bwd, fit)
     T_pad = -(-T // max(block_fwd, block_bwd)) * max(block_fwd, block_bwd)
     D_pad = max(MIN_BLOCK, _next_pow2(D))
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, T_pad - T), (0, 0), (0, D_pad - D))) if (T_pad, D_pad) != (T, D) else x  # noqa: E731
+    widths = ((0, 0), (0, T_pad - T), (0, 0), (0, D_pad - D))
+    pad = (lambda x: x) if (T_pad, D_pad) == (T, D) else (lambda x: jnp.pad(x, widths))
     opts = (("block_fwd", block_fwd), ("block_bwd", block_bwd), ("interpret", bool(interpret)),
             ("scale", 1.0 / math.sqrt(D)))  # hashable: a static argument of the custom_vjp
     y = _flash(slopes, pad(q), pad(k), pad(v), opts)  # (B, T_pad, H, D_pad)
