@@ -2,6 +2,7 @@
 
     python data.py                                  # the default corpus: this Python's stdlib sources
     python data.py --input 'web/*.jsonl.zst' --out data/web --vocab-size 32768 --workers 16
+    python data.py --runner beam --beam-option runner=FlinkRunner ... --input ... --out ... --tokenizer tok.json
 
 On-disk format of a data directory DIR (FORMAT_VERSION 1):
 
@@ -25,6 +26,10 @@ itself is encoded as that token, as the `tokenizers` library does.
 
 A directory is built in the sibling DIR.tmp-<pid> and renamed into place when complete, so an
 interrupted run never leaves an index naming missing or partial shards.
+
+`--runner beam` (data_beam.py, needs apache-beam) runs the tokenizing and shard writing as an Apache
+Beam pipeline, with Beam's options given as `--beam-option KEY=VALUE`; the directory it writes is the
+default runner's, byte for byte (same tokenizer, encoding, shard writer, document order).
 """
 from __future__ import annotations
 
