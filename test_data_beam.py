@@ -187,3 +187,14 @@ def test_cli_options(mixed, both, tmp_path):
     assert f"{both[3]['documents']} documents" in result.stdout
     for split in ("train", "val"):
         np.testing.assert_array_equal(split_stream(tmp_path / "out", split), split_stream(both[0], split))
+
+
+def test_without_apache_beam_the_default_runner_still_works(mixed, tmp_path, monkeypatch):
+    import sys
+    root, _ = mixed
+    monkeypatch.setitem(sys.modules, "apache_beam", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "data_beam", raising=False)
+    with pytest.raises(data.DataError, match="--runner beam needs apache-beam.*pip install apache-beam"):
+        prep([root / "c"], tmp_path / "beam", runner="beam")
+    assert prep([root / "c"], tmp_path / "local", val_fraction=0.0)["documents"] == len(mixed[1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local"]
