@@ -1,4 +1,4 @@
-"""prepareTPUVM.sh: clean under shellcheck; the dry run lists the installs and runs nothing; a run reuses its environment."""
+"""prepareTPUVM.sh: shellcheck-clean; the dry run lists the installs and runs nothing; a rerun reuses the venv."""
 import os
 import pathlib
 import shlex
