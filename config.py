@@ -376,9 +376,13 @@ def save_run_config(cfg: Config, run_dir) -> str:
 def load_run_config(run_dir, overrides: typing.Sequence[str] = ()) -> Config:
     """The effective config of a run directory (optionally with overrides), for eval/sample/convert/resume."""
     run = _run(run_dir)
-    if not run.is_file(RUN_CONFIG_NAME):
-        raise ConfigError(f"{run_dir} is not a run directory: {RUN_CONFIG_NAME} not found in it")
-    raw = apply_overrides(parse_yaml(run.read_text(RUN_CONFIG_NAME), run.show(RUN_CONFIG_NAME)), overrides)
+    try:
+        if not run.is_file(RUN_CONFIG_NAME):
+            raise ConfigError(f"{run_dir} is not a run directory: {RUN_CONFIG_NAME} not found in it")
+        text = run.read_text(RUN_CONFIG_NAME)
+    except storage.StorageError as e:
+        raise ConfigError(str(e)) from None
+    raw = apply_overrides(parse_yaml(text, run.show(RUN_CONFIG_NAME)), overrides)
     sizes = load_model_sizes() if MODEL_SIZES.is_file() else {}  # the resolved model needs no table
     return from_dict(raw, sizes=sizes)
 

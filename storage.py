@@ -40,6 +40,10 @@ class StorageError(Exception):
     """A run directory's storage cannot be reached (no filesystem package, no access); str(e) is one line."""
 
 
+def _one_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
+
+
 def is_url(location) -> bool:
     """True for `gs://bucket/dir` and other URLs; False for local paths (and file://, used as a local path)."""
     text = str(location)
@@ -57,8 +61,8 @@ def _filesystem(url: str, error=StorageError):
         return fsspec.core.url_to_fs(url)
     except ImportError as e:  # fsspec names the package: "Please install gcsfs to access Google Storage"
         raise error(f"{url}: {e}") from None
-    except (ValueError, OSError) as e:
-        raise error(f"{url}: {(str(e).splitlines() or [type(e).__name__])[0][:200]}") from None
+    except Exception as e:  # an unknown protocol, a malformed URL, missing credentials
+        raise error(f"{url}: {_one_line(e)}") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -66,7 +70,9 @@ def _filesystem(url: str, error=StorageError):
 
 
 class RunDir:
-    """The files of a run directory by name, wherever it is. Writes replace a whole file at once."""
+    """The files of a run directory by name, wherever it is. Writes replace a whole file at once.
+
+    In an object store, a failure (no access, no network) is a StorageError naming the file."""
 
     def __init__(self, location):
         self.remote = is_url(location)
@@ -87,18 +93,26 @@ class RunDir:
         """How a file of the run is named in messages: RUN/name (the path as given, or the URL)."""
         return f"{self.location}/{name}" if self.remote else str(pathlib.Path(self.location) / name)
 
+    def _do(self, name: str, action, *args):
+        try:
+            return action(*args)
+        except Exception as e:
+            if not self.remote:
+                raise
+            raise StorageError(f"{self.show(name) if name else self.location}: {_one_line(e)}") from None
+
     def is_file(self, name: str) -> bool:
-        return self.fs.isfile(self._path(name))
+        return self._do(name, self.fs.isfile, self._path(name))
 
     def is_empty(self) -> bool:
         """No directory there, or nothing in it."""
-        return not self.fs.isdir(self.root) or not self.fs.ls(self.root, detail=False)
+        return self._do("", lambda: not self.fs.isdir(self.root) or not self.fs.ls(self.root, detail=False))
 
     def mkdir(self) -> None:
-        self.fs.makedirs(self.root, exist_ok=True)  # object stores have no directories: a no-op there
+        self._do("", self.fs.makedirs, self.root, True)  # object stores have no directories: a no-op there
 
     def read_bytes(self, name: str) -> bytes:
-        return self.fs.cat_file(self._path(name))
+        return self._do(name, self.fs.cat_file, self._path(name))
 
     def read_text(self, name: str) -> str:
         return self.read_bytes(name).decode()
@@ -106,7 +120,7 @@ class RunDir:
     def write_bytes(self, name: str, content: bytes) -> None:
         """Replace RUN/name at once: an object store writes whole objects; locally a temporary file is renamed."""
         if self.remote:
-            self.fs.pipe_file(self._path(name), content)
+            self._do(name, self.fs.pipe_file, self._path(name), content)
             return
         path = pathlib.Path(self.root) / name
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
@@ -190,14 +204,17 @@ def local_data_dir(location, cache: str | os.PathLike | None = None) -> pathlib.
     except FileNotFoundError:
         raise DataError(f"{url}/index.json not found; prepare the data with `python data.py` and copy "
                         f"the directory there") from None
-    except OSError as e:
-        raise DataError(f"{url}/index.json cannot be read: {(str(e).splitlines() or [type(e).__name__])[0][:200]}")
+    except Exception as e:  # no access, no network
+        raise DataError(f"{url}/index.json cannot be read: {_one_line(e)}") from None
     try:
         index = json.loads(raw)
         itemsize = np.dtype(index["dtype"]).itemsize
         files = [(index["tokenizer"], None, index["tokenizer_sha256"])]
         files += [(s["file"], int(s["tokens"]) * itemsize, s.get("sha256"))
                   for split in index["splits"].values() for s in split["shards"]]
+        bad = [name for name, _, _ in files if not isinstance(name, str) or "/" in name or name in ("", ".", "..")]
+        if bad:
+            raise ValueError(f"file name {bad[0]!r} outside the directory")
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise DataError(f"{url}/index.json is corrupt ({type(e).__name__}: {e})") from None
     local = cache_dir_for(url, cache)
@@ -251,10 +268,9 @@ def _copy(fs, remote: str, url: str, path: pathlib.Path, size: int | None, sha: 
     except FileNotFoundError:
         tmp.unlink(missing_ok=True)
         raise DataError(f"{url} is missing (index.json lists it)") from None
-    except OSError as e:
+    except Exception as e:  # a dropped connection, a full disk
         tmp.unlink(missing_ok=True)
-        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        raise DataError(f"copying {url} failed ({reason}); run again to finish the copy") from None
+        raise DataError(f"copying {url} failed ({_one_line(e)}); run again to finish the copy") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -17,10 +17,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import safetensors.numpy
 from fsspec.implementations.memory import MemoryFileSystem
 
 import config
+import convert_torch
 import data
+import sample
 import storage
 import train
 from test_train import WORDS, deterministic, tiny
@@ -223,9 +226,32 @@ def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeyp
     jax.tree.map(np.testing.assert_array_equal, sorted(jax.tree.leaves(params), key=np.size),
                  sorted(jax.tree.leaves(direct), key=np.size))
 
+    # sample.py's tokenizer and convert_torch.py's export, from the run in the store
+    local_tok = data.load_tokenizer(prepared)
+    assert sample.load_tokenizer(run_url).encode("the cat sat").ids == local_tok.encode("the cat sat").ids
+    out = tmp_path / "export"
+    assert convert_torch.main(["--checkpoint", run_url, "--out", str(out)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
+    exported = safetensors.numpy.load_file(str(out / "model.safetensors"))
+    assert sum(v.size for v in exported.values()) == sum(np.size(x) for x in jax.tree.leaves(direct))
+
 
 def test_an_unreachable_store_is_one_line(tmp_path, capsys):
     # no fsspec implementation is registered for this scheme
     assert train.cli(["run_dir=nosuchstore://bucket/run", "model=test"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: run_dir: nosuchstore://bucket/run: ")
+
+
+def test_an_index_naming_files_outside_its_directory_is_refused(prepared, bucket, tmp_path):
+    url = f"{bucket}/corpus"
+    upload(prepared, url)
+    fs, root = fsspec.core.url_to_fs(url)
+    index = json.loads(fs.cat_file(f"{root}/index.json"))
+    index["splits"]["train"]["shards"][0]["file"] = "../../outside.bin"
+    fs.pipe_file(f"{root}/index.json", json.dumps(index).encode())
+    with pytest.raises(data.DataError) as err:
+        data.load_index(url)
+    assert str(err.value) == (f"{url}/index.json is corrupt (ValueError: file name '../../outside.bin' "
+                              f"outside the directory)")
+    assert not list((tmp_path / "cache").rglob("*.bin"))  # nothing copied anywhere
