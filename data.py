@@ -25,7 +25,7 @@ itself is encoded as that token, as the `tokenizers` library does.
 
 A directory is built in the sibling DIR.tmp-<pid> and renamed into place when complete, so an
 interrupted run never leaves an index naming missing or partial shards. The loader also reads a
-directory at a URL (gs://bucket/dir, after `gsutil cp -r DIR`): storage.py copies it to a local cache
+directory at a URL (gs://bucket/dir, after `gcloud storage cp -r DIR`): storage.py copies it to a local cache
 first and checks every shard against the index's sizes and hashes.
 """
 from __future__ import annotations

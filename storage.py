@@ -7,7 +7,8 @@
                         checked against DIR/index.json (shard sizes and sha256, the tokenizer's sha256),
                         and the loader memory-maps the local copy: local_data_dir(DIR).
 
-The cache is $GPT_DATA_CACHE (default ~/.cache/gpt-jax/data), one subdirectory per URL. A file is
+The cache is $GPT_DATA_CACHE (default ~/.cache/gpt-jax/data, or under $XDG_CACHE_HOME), one
+subdirectory per URL. A file is
 copied to NAME.part-PID and renamed to NAME only once its size and hash match, so a half-copied shard
 is never read; a later run reuses the files it verified and copies again those missing or damaged.
 gs:// needs `pip install gcsfs` (prepareTPUVM.sh installs it), s3:// `pip install s3fs`.
@@ -30,7 +31,7 @@ from tqdm import tqdm
 from corpus import DataError
 
 CACHE_ENV = "GPT_DATA_CACHE"
-DEFAULT_CACHE = "~/.cache/gpt-jax/data"
+DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "gpt-jax", "data")
 COPY_CHUNK = 1 << 24  # bytes per read while copying a remote file
 FLUSH_SECONDS = 30.0  # a remote metrics.jsonl is uploaded at least this often while training logs
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")

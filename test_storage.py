@@ -255,3 +255,31 @@ def test_an_index_naming_files_outside_its_directory_is_refused(prepared, bucket
     assert str(err.value) == (f"{url}/index.json is corrupt (ValueError: file name '../../outside.bin' "
                               f"outside the directory)")
     assert not list((tmp_path / "cache").rglob("*.bin"))  # nothing copied anywhere
+
+
+def test_metrics_log_in_the_store_matches_the_local_one(bucket, tmp_path, monkeypatch):
+    """JsonLines: the same rows, kept and appended, give the same file in the store as on disk; in the
+    store they appear at flush() (or once FLUSH_SECONDS have passed), whole."""
+    old = [{"step": s, "loss": 1.0 / s} for s in range(1, 6)]
+    new = [{"step": s, "loss": 2.0 / s} for s in range(4, 8)]
+    files = {}
+    for where in (str(tmp_path / "run"), f"{bucket}/run"):
+        run = storage.RunDir(where)
+        run.mkdir()
+        run.write_text("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in old))
+        log = storage.JsonLines(run, "metrics.jsonl", keep=lambda row: row["step"] <= 3)
+        for row in new:
+            log.append(row)
+        if run.remote:
+            assert run.read_text("metrics.jsonl").count("\n") == 3  # not uploaded yet
+            log.flush()
+        files[where] = run.read_text("metrics.jsonl")
+        log.close()
+    expected = "".join(json.dumps(r) + "\n" for r in old[:3] + new)
+    assert list(files.values()) == [expected, expected]
+
+    monkeypatch.setattr(storage, "FLUSH_SECONDS", 0.0)  # every append uploads
+    run = storage.RunDir(f"{bucket}/run2")
+    log = storage.JsonLines(run, "metrics.jsonl")
+    log.append({"step": 1})
+    assert run.read_text("metrics.jsonl") == '{"step": 1}\n'
