@@ -67,6 +67,9 @@ python_ok() {
 vpy="$venv/bin/python"
 if [[ -x $vpy ]] && python_ok "$vpy"; then
     step "reusing the virtual environment $venv"
+elif [[ -e $venv ]]; then
+    echo "error: $venv exists but holds no Python >= 3.$min_minor; remove it, or set VENV to another place" >&2
+    exit 2
 else
     python="${PYTHON:-}"
     if [[ -n $python ]] && ! python_ok "$python"; then

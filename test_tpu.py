@@ -78,3 +78,15 @@ def test_unknown_argument_is_one_line_and_exit_2():
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: unknown argument '--dryrun' (usage: bash prepareTPUVM.sh [--dry-run])"]
+
+
+def test_an_old_environment_is_left_alone(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/usr/bin/env bash\nexit 1\n")  # not a Python >= 3.11
+    (venv / "bin" / "python").chmod(0o755)
+    result = run_script(env={"VENV": str(venv)})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"error: {venv} exists but holds no Python >= 3.11; remove it, or set VENV to another place"]
+    assert sorted(p.name for p in venv.rglob("*")) == ["bin", "python"]
