@@ -196,7 +196,10 @@ def main(argv=None) -> int:
     # ------------------------------------------------------------------------------------------
     # Data: the prepared corpus (the default one is prepared on first use), its tokenizer's vocabulary
     remote_data = cfg.data.dir is not None and storage.is_url(cfg.data.dir)
-    data_dir = cfg.data.dir if remote_data else pathlib.Path(cfg.data.dir) if cfg.data.dir else data.DEFAULT_DATA_DIR
+    if remote_data:
+        data_dir = cfg.data.dir  # a URL, kept as written: pathlib would fold its "//"
+    else:
+        data_dir = pathlib.Path(cfg.data.dir) if cfg.data.dir else data.DEFAULT_DATA_DIR
     if cfg.data.dir is None and not (data_dir / "index.json").is_file():
         print(f"preparing the default corpus in {data_dir} (once)", flush=True)
         data.prepare_default(data_dir, progress=is_main)
