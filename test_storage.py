@@ -283,3 +283,25 @@ def test_metrics_log_in_the_store_matches_the_local_one(bucket, tmp_path, monkey
     log = storage.JsonLines(run, "metrics.jsonl")
     log.append({"step": 1})
     assert run.read_text("metrics.jsonl") == '{"step": 1}\n'
+
+
+def test_an_index_without_shard_hashes_is_checked_by_size(prepared, bucket):
+    """Directories prepared before shards carried a sha256: sizes are still checked, a short shard is refused."""
+    url = f"{bucket}/corpus"
+    upload(prepared, url)
+    fs, root = fsspec.core.url_to_fs(url)
+    index = json.loads(fs.cat_file(f"{root}/index.json"))
+    for split in index["splits"].values():
+        for s in split["shards"]:
+            del s["sha256"]
+    fs.pipe_file(f"{root}/index.json", json.dumps(index).encode())
+    name = index["splits"]["val"]["shards"][0]["file"]
+    size = index["splits"]["val"]["shards"][0]["tokens"] * np.dtype(index["dtype"]).itemsize
+    fs.pipe_file(f"{root}/{name}", (prepared / name).read_bytes()[:-2])  # one token short
+    with pytest.raises(data.DataError) as err:
+        data.load_index(url)
+    assert str(err.value) == (f"{url}/{name}: {size - 2} bytes, index.json records {size}; "
+                              f"the remote directory is damaged, prepare it again")
+    fs.pipe_file(f"{root}/{name}", (prepared / name).read_bytes())
+    np.testing.assert_array_equal(data.Loader(url, "val", 16, 2).get_batch(3),
+                                  data.Loader(prepared, "val", 16, 2).get_batch(3))
