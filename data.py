@@ -12,7 +12,7 @@ On-disk format of a data directory DIR (FORMAT_VERSION 1):
     DIR/index.json            written last: format_version, tokenizer, tokenizer_sha256, vocab_size, eot_id,
                               dtype, tokens, documents, bytes_per_token, unigram_entropy (nats per token of
                               the train split), skipped inputs, the inputs, and per split its tokens,
-                              documents, bytes, unigram_entropy and shards [{file, tokens, documents}]
+                              documents, bytes, unigram_entropy and shards [{file, tokens, documents, sha256}]
 
 Every document is followed by the end-of-text id. A split is one logical token stream: its shards
 concatenated in order. Training window i covers stream[i*T : i*T + T + 1] (inputs and targets overlap
@@ -30,6 +30,9 @@ interrupted run never leaves an index naming missing or partial shards.
 `--runner beam` (data_beam.py, needs apache-beam) runs the tokenizing and shard writing as an Apache
 Beam pipeline, with Beam's options given as `--beam-option KEY=VALUE`; the directory it writes is the
 default runner's, byte for byte (same tokenizer, encoding, shard writer, document order).
+
+The loader also reads a directory at a URL (gs://bucket/dir, after `gcloud storage cp -r DIR`): storage.py copies it to a local cache
+first and checks every shard against the index's sizes and hashes.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 import corpus
+import storage
 from corpus import DataError, default_corpus_files  # re-exported: data.DataError is corpus.DataError
 
 FORMAT_VERSION = 1
@@ -115,7 +119,7 @@ class _ShardWriter:
         self.shards: list[dict] = []
         self.counts = np.zeros(vocab_size, np.int64)
         self.bytes = 0
-        self.file = None
+        self.file, self.hash = None, None
 
     def write(self, tokens: np.ndarray, doc_ends: np.ndarray) -> None:
         self.counts += np.bincount(tokens, minlength=len(self.counts))
@@ -124,10 +128,13 @@ class _ShardWriter:
             if self.file is None:
                 name = f"{self.split}_{self.first_shard + len(self.shards):05d}.bin"
                 self.file = open(self.directory / name, "wb")
+                self.hash = hashlib.sha256()
                 self.shards.append({"file": name, "tokens": 0, "documents": 0})
             shard = self.shards[-1]
             piece = tokens[pos:pos + self.shard_tokens - shard["tokens"]]
-            self.file.write(piece.astype(self.dtype, copy=False).tobytes())
+            raw = piece.astype(self.dtype, copy=False).tobytes()
+            self.file.write(raw)
+            self.hash.update(raw)
             # documents whose end-of-text token lands in this piece: ends in (pos, pos + len(piece)]
             shard["documents"] += int(np.searchsorted(doc_ends, pos + len(piece), "right")
                                       - np.searchsorted(doc_ends, pos, "right"))
@@ -140,6 +147,7 @@ class _ShardWriter:
         if self.file is not None:
             self.file.close()
             self.file = None
+            self.shards[-1]["sha256"] = self.hash.hexdigest()  # checked when a remote copy is fetched
 
     def summary(self) -> dict:
         return _split_summary(self.shards, self.counts, self.bytes)
@@ -399,8 +407,10 @@ def prepare_default(out=DEFAULT_DATA_DIR, *, vocab_size: int = 4096, overwrite: 
 # Index
 
 def load_index(data_dir) -> dict:
-    """The validated index of a data directory: shard files exist with the recorded sizes."""
-    data_dir = pathlib.Path(data_dir)
+    """The validated index of a data directory: shard files exist with the recorded sizes.
+
+    A URL (gs://...) is first copied into the local cache and verified there (storage.local_data_dir)."""
+    data_dir = storage.local_data_dir(data_dir)
     path = data_dir / "index.json"
     if not path.is_file():
         raise DataError(f"{path} not found; prepare the data with `python data.py`")
@@ -435,7 +445,7 @@ def load_index(data_dir) -> dict:
 
 def load_tokenizer(data_dir):
     """The tokenizer of a prepared data directory (for decoding samples)."""
-    return _load_tokenizer_file(pathlib.Path(data_dir) / load_index(data_dir)["tokenizer"])
+    return _load_tokenizer_file(storage.local_data_dir(data_dir) / load_index(data_dir)["tokenizer"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,7 +535,7 @@ class _Stream:
         splits = self.index["splits"]
         if split not in splits:
             raise DataError(f"{data_dir}: no split {split!r} (has: {', '.join(splits)})")
-        dtype, directory = np.dtype(self.index["dtype"]).newbyteorder("<"), pathlib.Path(data_dir)
+        dtype, directory = np.dtype(self.index["dtype"]).newbyteorder("<"), storage.local_data_dir(data_dir)
         self.shards = []
         for shard in splits[split]["shards"]:
             if int(shard["tokens"]):

@@ -47,6 +47,7 @@ from tqdm import tqdm
 import config as config_lib
 import data
 import sample
+import storage
 from model import GPT
 
 DEFAULT_LENGTHS = "1x,2x,4x,8x"
@@ -148,7 +149,10 @@ def perplexity_table(scorer, data_dir, lengths: Sequence[int], train_len: int, *
     return table
 
 
-def plot_perplexity(table: list[dict], train_len: int, path: pathlib.Path, title: str) -> None:
+def plot_perplexity(table: list[dict], train_len: int, title: str) -> bytes:
+    """A PNG of perplexity against evaluation length (log2 axis), the training context marked."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -166,8 +170,10 @@ def plot_perplexity(table: list[dict], train_len: int, path: pathlib.Path, title
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
+    return png.getvalue()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,60 +410,61 @@ def parse_args(argv):
     return args
 
 
-def run_data_dir(run_dir: pathlib.Path, cfg, override: str | None) -> pathlib.Path:
+def run_data_dir(run: storage.RunDir, cfg, override: str | None) -> str:
     """The prepared data to score: --data, else the directory the run trained on, with the run's tokenizer."""
-    recorded = {}
-    if (run_dir / "data.json").is_file():
-        recorded = json.loads((run_dir / "data.json").read_text())
-    path = pathlib.Path(override or recorded.get("dir") or cfg.data.dir or data.DEFAULT_DATA_DIR)
+    recorded = json.loads(run.read_text("data.json")) if run.is_file("data.json") else {}
+    location = str(override or recorded.get("dir") or cfg.data.dir or data.DEFAULT_DATA_DIR)
     try:
-        index = data.load_index(path)
+        index = data.load_index(location)
     except data.DataError as e:
         raise EvalError(f"{e} (point --data at the run's prepared data)") from None
     if recorded.get("tokenizer_sha256") and index.get("tokenizer_sha256") != recorded["tokenizer_sha256"]:
-        raise EvalError(f"{path} was tokenized with another tokenizer than {run_dir}'s; its perplexity would "
+        raise EvalError(f"{location} was tokenized with another tokenizer than {run}'s; its perplexity would "
                         "mean nothing")
-    return path
+    return location
 
 
-def write_results(path: pathlib.Path, section: str, value) -> None:
-    """Set one section of the JSON results file, keeping the others (atomic replace)."""
-    results = json.loads(path.read_text()) if path.is_file() else {}
+def write_results(run: storage.RunDir, name: str, section: str, value) -> None:
+    """Set one section of the run's JSON results file `name`, keeping the others (replaced at once)."""
+    results = json.loads(run.read_text(name)) if run.is_file(name) else {}
     results[section] = value
     results["updated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(path)
+    run.write_text(name, json.dumps(results, indent=2) + "\n")
 
 
-def log_wandb(cfg, run_dir: pathlib.Path, step: int, table: list[dict] | None, tasks: dict | None,
-              png: pathlib.Path | None) -> None:
+def log_wandb(cfg, run: storage.RunDir, step: int, table: list[dict] | None, tasks: dict | None,
+              png: bytes | None) -> None:
     """Into the training run's wandb run (resumed by its id) when it had one, else a new `eval` run."""
-    import wandb
+    import io
 
-    id_path = run_dir / "wandb_id.txt"
-    run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, mode=cfg.wandb.mode, dir=str(run_dir),
-                     id=id_path.read_text().strip() if id_path.is_file() else None, resume="allow",
-                     name=cfg.wandb.name or run_dir.name, job_type="eval")
+    import wandb
+    from PIL import Image
+
+    wandb_run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, mode=cfg.wandb.mode,
+                           dir=None if run.remote else run.location, resume="allow", job_type="eval",
+                           id=run.read_text("wandb_id.txt").strip() if run.is_file("wandb_id.txt") else None,
+                           name=cfg.wandb.name or run.name)
     summary = {}
     if table:
         summary.update({f"eval/ppl@{r['length']}": r["ppl"] for r in table})
-        run.log({"eval/perplexity": wandb.Table(columns=["length", "multiple", "loss", "ppl"],
-                                                data=[[r["length"], r["multiple"], r["loss"], r["ppl"]] for r in table])})
+        wandb_run.log({"eval/perplexity": wandb.Table(
+            columns=["length", "multiple", "loss", "ppl"],
+            data=[[r["length"], r["multiple"], r["loss"], r["ppl"]] for r in table])})
         if png is not None:
-            run.log({"eval/perplexity_plot": wandb.Image(str(png))})
+            wandb_run.log({"eval/perplexity_plot": wandb.Image(Image.open(io.BytesIO(png)))})
     for task, metrics in (tasks or {}).items():
         summary.update({f"eval/{task}/{m}": v for m, v in metrics.items() if v is not None})
     summary["eval/step"] = step
-    run.summary.update(summary)
-    run.finish()
+    wandb_run.summary.update(summary)
+    wandb_run.finish()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    run_dir = pathlib.Path(args.checkpoint)
-    if not run_dir.is_dir():
+    run_dir = args.checkpoint
+    if not storage.is_url(run_dir) and not pathlib.Path(run_dir).is_dir():
         raise EvalError(f"run directory {run_dir} not found")
+    run = storage.RunDir(run_dir)
     cfg = config_lib.load_run_config(run_dir)
     model_cfg, train_len = cfg.model, cfg.seq_len
     tokenizer = sample.load_tokenizer(run_dir)
@@ -466,7 +473,7 @@ def main(argv=None) -> int:
 
     lengths = []
     if not args.no_perplexity:
-        data_dir = run_data_dir(run_dir, cfg, args.data)
+        data_dir = run_data_dir(run, cfg, args.data)
         lengths = parse_lengths(args.lengths or DEFAULT_LENGTHS, train_len)
         if not model_cfg.alibi_attn and lengths[-1] > model_cfg.block_size:
             if args.lengths is not None:
@@ -480,16 +487,16 @@ def main(argv=None) -> int:
     if args.tasks is not None and not task_names:
         raise EvalError("--tasks is empty")
     if task_names and eot_id is None:
-        raise EvalError(f"{run_dir}/tokenizer.json has no end-of-text token ({', '.join(data.EOT_CANDIDATES)}), "
+        raise EvalError(f"{run.show('tokenizer.json')} has no end-of-text token ({', '.join(data.EOT_CANDIDATES)}), "
                         "which lm-eval's adapter needs as its prefix token")
 
     try:
         model, step = sample.load_model(run_dir, args.step)
     except sample.SampleError as e:
         raise EvalError(str(e)) from None
-    out_dir = run_dir / "eval"
-    out_dir.mkdir(exist_ok=True)
-    results_path = out_dir / f"step{step}.json"
+    if not run.remote:
+        (pathlib.Path(run.location) / "eval").mkdir(exist_ok=True)
+    results_name = f"eval/step{step}.json"
     print(f"{run_dir} step {step}: {model_cfg.N} layers, d={model_cfg.embedding_dim}, "
           f"{'ALiBi' if model_cfg.alibi_attn else 'learned positions'}, trained at context {train_len}; "
           f"{jax.devices()[0].platform} x{jax.device_count()}", file=sys.stderr)
@@ -503,11 +510,11 @@ def main(argv=None) -> int:
         print(f"{'length':>8} {'x train':>8} {'tokens':>11} {'loss':>8} {'ppl':>10}")
         for r in table:
             print(f"{r['length']:>8} {r['multiple']:>8.2f} {r['tokens']:>11,} {r['loss']:>8.4f} {r['ppl']:>10.3f}")
-        write_results(results_path, "perplexity", {"data": str(data_dir), "split": args.split,
-                                                   "train_len": train_len, "rows": table})
-        png = out_dir / f"step{step}-perplexity.png"
-        plot_perplexity(table, train_len, png, f"{run_dir.name} step {step}")
-        print(f"-> {results_path}, {png}")
+        write_results(run, results_name, "perplexity", {"data": data_dir, "split": args.split,
+                                                        "train_len": train_len, "rows": table})
+        png = plot_perplexity(table, train_len, f"{run.name} step {step}")
+        run.write_bytes(f"eval/step{step}-perplexity.png", png)
+        print(f"-> {run.show(results_name)}, {run.show(f'eval/step{step}-perplexity.png')}")
 
     tasks = None
     if task_names:
@@ -519,11 +526,11 @@ def main(argv=None) -> int:
         print(f"\nzero-shot results ({time.perf_counter() - t0:.1f}s)")
         for column, value in task_table(tasks):
             print(f"{column:<32} {value:>10.4f}")
-        write_results(results_path, "tasks", tasks)
-        print(f"-> {results_path}")
+        write_results(run, results_name, "tasks", tasks)
+        print(f"-> {run.show(results_name)}")
 
     if cfg.wandb.mode != "disabled" and os.environ.get("WANDB_MODE") != "disabled":
-        log_wandb(cfg, run_dir, step, table, tasks, png)
+        log_wandb(cfg, run, step, table, tasks, png)
     return 0
 
 
@@ -531,7 +538,7 @@ def cli(argv=None) -> int:
     """main() with user errors as one `error: ...` line on stderr and exit status 2."""
     try:
         return main(argv)
-    except (EvalError, sample.SampleError, config_lib.ConfigError, data.DataError) as e:
+    except (EvalError, sample.SampleError, config_lib.ConfigError, data.DataError, storage.StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
