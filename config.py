@@ -8,7 +8,8 @@ mapping `{name: small, <GPTConfig field>: value, ...}` whose fields override the
 mapping whose name is not a known size must give the architecture itself (vocab_size,
 block_size, embedding_dim, num_head, N), so a typo in a name never falls back to some default.
 The effective config written into a run directory holds every GPTConfig field, so eval, sample
-and convert need nothing but that directory.
+and convert need nothing but that directory. A run directory may also be a URL (gs://bucket/runs/x):
+storage.RunDir reads and writes its files, orbax its checkpoints.
 
 Every user mistake (unknown key, wrong type, unknown model size, a missing file) raises
 `ConfigError` with one line that names the problem and the valid choices.
@@ -22,6 +23,7 @@ import typing
 
 import yaml
 
+import storage
 from model import GPTConfig
 
 CONF_DIR = pathlib.Path(__file__).resolve().parent / "conf"
@@ -322,8 +324,13 @@ def read_yaml(path) -> dict:
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} not found")
+    return parse_yaml(path.read_text(), path)
+
+
+def parse_yaml(text: str, path) -> dict:
+    """The mapping of a config file's text; `path` names it in errors."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
     if raw is None:
@@ -348,21 +355,34 @@ def to_dict(cfg: Config) -> dict:
     }
 
 
-def save_run_config(cfg: Config, run_dir) -> pathlib.Path:
-    path = pathlib.Path(run_dir) / RUN_CONFIG_NAME
+def _run(run_dir) -> storage.RunDir:
+    """A run directory, local or at a URL (gs://...); an unreachable store is a ConfigError."""
+    if isinstance(run_dir, storage.RunDir):
+        return run_dir
+    try:
+        return storage.RunDir(run_dir)
+    except storage.StorageError as e:
+        raise ConfigError(str(e)) from None
+
+
+def save_run_config(cfg: Config, run_dir) -> str:
+    """Write RUN_DIR/config.yaml at once (a crash never leaves half a config); returns its name."""
+    run = _run(run_dir)
     header = "# The effective config of this run (written by train.py); `python train.py --resume` reads it.\n"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(header + yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    tmp.replace(path)  # atomic: a crash never leaves half a config
-    return path
+    run.write_text(RUN_CONFIG_NAME, header + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return run.show(RUN_CONFIG_NAME)
 
 
 def load_run_config(run_dir, overrides: typing.Sequence[str] = ()) -> Config:
     """The effective config of a run directory (optionally with overrides), for eval/sample/convert/resume."""
-    path = pathlib.Path(run_dir) / RUN_CONFIG_NAME
-    if not path.is_file():
-        raise ConfigError(f"{run_dir} is not a run directory: {RUN_CONFIG_NAME} not found in it")
-    raw = apply_overrides(read_yaml(path), overrides)
+    run = _run(run_dir)
+    try:
+        if not run.is_file(RUN_CONFIG_NAME):
+            raise ConfigError(f"{run_dir} is not a run directory: {RUN_CONFIG_NAME} not found in it")
+        text = run.read_text(RUN_CONFIG_NAME)
+    except storage.StorageError as e:
+        raise ConfigError(str(e)) from None
+    raw = apply_overrides(parse_yaml(text, run.show(RUN_CONFIG_NAME)), overrides)
     sizes = load_model_sizes() if MODEL_SIZES.is_file() else {}  # the resolved model needs no table
     return from_dict(raw, sizes=sizes)
 
@@ -376,8 +396,11 @@ def load_run_params(run_dir, step: int | None = None) -> tuple[dict, int]:
     import numpy as np
     import orbax.checkpoint as ocp
 
-    ckpt_dir = (pathlib.Path(run_dir) / "checkpoints").resolve()
-    steps = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
+    from etils import epath  # orbax's own path layer: local, or gs:// as orbax itself reaches it
+
+    ckpt_dir = _run(run_dir).checkpoint_dir()
+    ckpt = epath.Path(ckpt_dir)
+    steps = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
     if not steps:
         raise ConfigError(f"no checkpoint in {ckpt_dir}")
     if step is None:

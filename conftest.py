@@ -4,6 +4,7 @@ Multi-device code is tested on 8 simulated CPU devices. XLA reads this flag once
 initialises its CPU backend, so it is set here, before any test module imports JAX.
 """
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -14,3 +15,5 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# lm-eval's local test tasks are built by `datasets`, whose cache goes to a throwaway directory.
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="hf-datasets-"))

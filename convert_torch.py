@@ -36,6 +36,7 @@ import os
 import pathlib
 import shutil
 import sys
+import tempfile
 
 import numpy as np
 import torch
@@ -438,8 +439,9 @@ def read_run(run_dir, step: int | None = None):
     """(Config, params pure dict of numpy arrays, step) of a run directory's checkpoint (the last by default)."""
     import config as config_lib  # brings in JAX: only the converter needs it, not `GPT.from_pretrained`
 
-    run_dir = pathlib.Path(run_dir)
-    if not run_dir.is_dir():
+    import storage
+
+    if not storage.is_url(run_dir) and not pathlib.Path(run_dir).is_dir():  # a URL: load_run_config checks
         raise ConvertError(f"run directory {run_dir} not found")
     try:
         cfg = config_lib.load_run_config(run_dir)
@@ -586,8 +588,16 @@ def main(argv=None) -> int:
               f"python train.py training.init_from={args.out} data.dir=...")
         return 0
     cfg, params, step = read_run(args.checkpoint, args.step)
-    layout = export(params, cfg.model, args.out, args.format, pathlib.Path(args.checkpoint) / TOKENIZER_NAME,
-                    args.overwrite)
+    import storage
+
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizer = pathlib.Path(args.checkpoint) / TOKENIZER_NAME
+        if storage.is_url(args.checkpoint):  # a run in an object store: its tokenizer through a local copy
+            run = storage.RunDir(args.checkpoint)
+            tokenizer = pathlib.Path(scratch) / TOKENIZER_NAME
+            if run.is_file(TOKENIZER_NAME):
+                tokenizer.write_bytes(run.read_bytes(TOKENIZER_NAME))
+        layout = export(params, cfg.model, args.out, args.format, tokenizer, args.overwrite)
     how = {"torch": "from convert_torch import GPT; GPT.from_pretrained(DIR)"}.get(
         layout, f"transformers.AutoModelForCausalLM.from_pretrained(DIR) ({layout} layout)")
     print(f"wrote step {step} of {args.checkpoint} to {args.out}; load with {how}")

@@ -2,6 +2,7 @@
 
     python data.py                                  # the default corpus: this Python's stdlib sources
     python data.py --input 'web/*.jsonl.zst' --out data/web --vocab-size 32768 --workers 16
+    python data.py --runner beam --beam-option runner=FlinkRunner ... --input ... --out ... --tokenizer tok.json
 
 On-disk format of a data directory DIR (FORMAT_VERSION 1):
 
@@ -11,7 +12,7 @@ On-disk format of a data directory DIR (FORMAT_VERSION 1):
     DIR/index.json            written last: format_version, tokenizer, tokenizer_sha256, vocab_size, eot_id,
                               dtype, tokens, documents, bytes_per_token, unigram_entropy (nats per token of
                               the train split), skipped inputs, the inputs, and per split its tokens,
-                              documents, bytes, unigram_entropy and shards [{file, tokens, documents}]
+                              documents, bytes, unigram_entropy and shards [{file, tokens, documents, sha256}]
 
 Every document is followed by the end-of-text id. A split is one logical token stream: its shards
 concatenated in order. Training window i covers stream[i*T : i*T + T + 1] (inputs and targets overlap
@@ -25,6 +26,13 @@ itself is encoded as that token, as the `tokenizers` library does.
 
 A directory is built in the sibling DIR.tmp-<pid> and renamed into place when complete, so an
 interrupted run never leaves an index naming missing or partial shards.
+
+`--runner beam` (data_beam.py, needs apache-beam) runs the tokenizing and shard writing as an Apache
+Beam pipeline, with Beam's options given as `--beam-option KEY=VALUE`; the directory it writes is the
+default runner's, byte for byte (same tokenizer, encoding, shard writer, document order).
+
+The loader also reads a directory at a URL (gs://bucket/dir, after `gcloud storage cp -r DIR`): storage.py copies it to a local cache
+first and checks every shard against the index's sizes and hashes.
 """
 from __future__ import annotations
 
@@ -49,6 +57,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 import corpus
+import storage
 from corpus import DataError, default_corpus_files  # re-exported: data.DataError is corpus.DataError
 
 FORMAT_VERSION = 1
@@ -99,27 +108,33 @@ def _dtype_for(vocab_size: int) -> str:
 # Preparation
 
 class _ShardWriter:
-    """Appends tokens of one split to fixed-size shards, counting the documents that end in each."""
+    """Appends tokens of one split to fixed-size shards, counting the documents that end in each.
 
-    def __init__(self, directory: pathlib.Path, split: str, dtype: str, shard_tokens: int, vocab_size: int):
-        self.directory, self.split, self.shard_tokens = directory, split, shard_tokens
+    Shards are numbered from `first_shard` (0 for a whole split; data_beam.py writes one shard a task)."""
+
+    def __init__(self, directory: pathlib.Path, split: str, dtype: str, shard_tokens: int, vocab_size: int,
+                 first_shard: int = 0):
+        self.directory, self.split, self.shard_tokens, self.first_shard = directory, split, shard_tokens, first_shard
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.shards: list[dict] = []
         self.counts = np.zeros(vocab_size, np.int64)
         self.bytes = 0
-        self.file = None
+        self.file, self.hash = None, None
 
     def write(self, tokens: np.ndarray, doc_ends: np.ndarray) -> None:
         self.counts += np.bincount(tokens, minlength=len(self.counts))
         pos = 0
         while pos < len(tokens):
             if self.file is None:
-                name = f"{self.split}_{len(self.shards):05d}.bin"
+                name = f"{self.split}_{self.first_shard + len(self.shards):05d}.bin"
                 self.file = open(self.directory / name, "wb")
+                self.hash = hashlib.sha256()
                 self.shards.append({"file": name, "tokens": 0, "documents": 0})
             shard = self.shards[-1]
             piece = tokens[pos:pos + self.shard_tokens - shard["tokens"]]
-            self.file.write(piece.astype(self.dtype, copy=False).tobytes())
+            raw = piece.astype(self.dtype, copy=False).tobytes()
+            self.file.write(raw)
+            self.hash.update(raw)
             # documents whose end-of-text token lands in this piece: ends in (pos, pos + len(piece)]
             shard["documents"] += int(np.searchsorted(doc_ends, pos + len(piece), "right")
                                       - np.searchsorted(doc_ends, pos, "right"))
@@ -132,11 +147,16 @@ class _ShardWriter:
         if self.file is not None:
             self.file.close()
             self.file = None
+            self.shards[-1]["sha256"] = self.hash.hexdigest()  # checked when a remote copy is fetched
 
     def summary(self) -> dict:
-        tokens = int(self.counts.sum())
-        return {"tokens": tokens, "documents": sum(s["documents"] for s in self.shards), "bytes": self.bytes,
-                "unigram_entropy": _entropy(self.counts), "shards": self.shards}
+        return _split_summary(self.shards, self.counts, self.bytes)
+
+
+def _split_summary(shards: list[dict], counts: np.ndarray, nbytes: int) -> dict:
+    """A split's entry in the index, from its shards in order and its token frequencies."""
+    return {"tokens": int(counts.sum()), "documents": sum(s["documents"] for s in shards), "bytes": nbytes,
+            "unigram_entropy": _entropy(counts), "shards": shards}
 
 
 def _entropy(counts: np.ndarray) -> float:
@@ -164,8 +184,8 @@ def _encode(tokenizer, texts: list[str], eot: int, vocab_size: int, dtype: str):
     return ids, ends, sum(len(t.encode("utf-8")) for t in texts)
 
 
-def _empty(sources: list, reader: corpus.Reader) -> str:
-    skipped = f", {reader.skipped_files} unreadable skipped" if reader.skipped_files else ""
+def _empty(sources: list, skipped_files: int) -> str:
+    skipped = f", {skipped_files} unreadable skipped" if skipped_files else ""
     return f"empty corpus: no text in {len(sources)} input file(s){skipped}: {sources[0][1]}" + \
         (", ..." if len(sources) > 1 else "")
 
@@ -186,8 +206,8 @@ def _clean_leftovers(out: pathlib.Path) -> None:
 
 
 def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_val: Callable[[str], bool],
-             workers, shard_tokens, text_field, overwrite, strict, progress) -> dict:
-    from tqdm import tqdm
+             workers, shard_tokens, text_field, overwrite, strict, progress, runner: str = "local",
+             beam_options: list[str] | None = None) -> dict:
     out = pathlib.Path(out)
     if shard_tokens < 1:
         raise DataError(f"shard tokens must be positive, got {shard_tokens}")
@@ -198,6 +218,13 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
     for kind, location, _ in sources:  # --overwrite must never delete an input
         if kind != "hf" and out.resolve() in pathlib.Path(location).resolve().parents:
             raise DataError(f"input {location} lies inside the output directory {out}")
+    if runner not in ("local", "beam"):
+        raise DataError(f"unknown runner {runner!r} (choose local or beam)")
+    if runner == "beam":
+        try:
+            import data_beam  # apache-beam is optional: imported only for this runner
+        except ImportError as e:
+            raise DataError(f"--runner beam needs apache-beam ({e}); pip install apache-beam")
     workers = max(1, workers or os.cpu_count() or 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     _clean_leftovers(out)
@@ -210,81 +237,21 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
     try:
         # tokenizer: the tokenizers library's thread pool honours RAYON_NUM_THREADS until it first starts
         os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
-        if tokenizer is not None:
-            tok = _load_tokenizer_file(tokenizer)
-            if _eot_id(tok) is None:
-                tok.add_special_tokens([EOT_TOKEN])
-                tok.save(str(tmp / "tokenizer.json"))
-            else:
-                shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-        else:
-            if workers == 1:
-                os.environ["TOKENIZERS_PARALLELISM"] = "false"
-            reader = corpus.Reader(sources, text_field, strict)
-            seen = 0
-            with tqdm(total=len(sources), desc="training tokenizer", unit="file", **bars) as bar:
-                def train_docs() -> Iterator[str]:
-                    nonlocal seen
-                    for key, text in reader:
-                        seen += 1
-                        bar.update(reader.files - bar.n)
-                        if not is_val(key):  # held-out text stays unseen by the tokenizer too
-                            yield text
-                tok = _train_tokenizer(train_docs(), vocab_size)
-            if not seen:
-                raise DataError(_empty(sources, reader))
-            tok.save(str(tmp / "tokenizer.json"))
+        tok = _obtain_tokenizer(sources, tmp, tokenizer, vocab_size, is_val, text_field, strict, workers, bars)
         eot = _eot_id(tok)
         real_vocab = max(tok.get_vocab().values()) + 1
         dtype = _dtype_for(real_vocab)
-        writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens, real_vocab) for s in ("train", "val")}
-
-        # encoding: chunks of documents go to `workers` threads (encode_batch releases the GIL), each
-        # encoding single-threaded; results are written in order, at most 2 * workers chunks in flight
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        reader = corpus.Reader(sources, text_field, strict)
-        pending: collections.deque = collections.deque()
-        done_bytes, start = 0, time.perf_counter()
-        with ThreadPoolExecutor(workers) as pool, \
-                tqdm(total=len(sources), desc="tokenizing", unit="file", **bars) as bar:
-            def drain(limit: int) -> None:
-                nonlocal done_bytes
-                while len(pending) > limit:
-                    split, future = pending.popleft()
-                    ids, ends, nbytes = future.result()
-                    writers[split].write(ids, ends)
-                    writers[split].bytes += nbytes
-                    done_bytes += nbytes
-                    tokens = sum(int(w.counts.sum()) for w in writers.values())
-                    bar.update(reader.files - bar.n)
-                    bar.set_postfix_str(f"{tokens / 1e6:.1f}M tokens, "
-                                        f"{done_bytes / 1e6 / (time.perf_counter() - start):.1f} MB/s")
-
-            chunks = {"train": ([], 0), "val": ([], 0)}
-            try:
-                for key, text in reader:
-                    split = "val" if is_val(key) else "train"
-                    texts, size = chunks[split]
-                    texts.append(text)
-                    chunks[split] = (texts, size + len(text))
-                    if size + len(text) >= CHUNK_BYTES:
-                        pending.append((split, pool.submit(_encode, tok, texts, eot, real_vocab, dtype)))
-                        chunks[split] = ([], 0)
-                        drain(2 * workers)
-                for split, (texts, _) in chunks.items():
-                    if texts:
-                        pending.append((split, pool.submit(_encode, tok, texts, eot, real_vocab, dtype)))
-                drain(0)
-            except BaseException:  # stop at once: chunks not yet started are dropped
-                for _, future in pending:
-                    future.cancel()
-                raise
-        for writer in writers.values():
-            writer.close()
-        splits = {s: w.summary() for s, w in writers.items()}
+        if runner == "beam":
+            splits, skipped_files, skipped_records = data_beam.tokenize(
+                sources, tmp, tok, eot=eot, vocab_size=real_vocab, dtype=dtype, is_val=is_val,
+                shard_tokens=shard_tokens, text_field=text_field, strict=strict, options=beam_options or [])
+        else:
+            splits, skipped_files, skipped_records = _tokenize_local(
+                sources, tmp, tok, eot=eot, vocab_size=real_vocab, dtype=dtype, is_val=is_val,
+                shard_tokens=shard_tokens, text_field=text_field, strict=strict, workers=workers, bars=bars)
         tokens = sum(s["tokens"] for s in splits.values())
         if tokens == 0:
-            raise DataError(_empty(sources, reader))
+            raise DataError(_empty(sources, skipped_files))
         index = {
             "format_version": FORMAT_VERSION,
             "tokenizer": "tokenizer.json",
@@ -294,7 +261,7 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
             "documents": sum(s["documents"] for s in splits.values()),
             "bytes_per_token": sum(s["bytes"] for s in splits.values()) / tokens,  # end-of-text included
             "unigram_entropy": splits["train"]["unigram_entropy"],
-            "skipped_files": reader.skipped_files, "skipped_records": reader.skipped_records,
+            "skipped_files": skipped_files, "skipped_records": skipped_records,
             "inputs": description, "splits": splits,
         }
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
@@ -315,11 +282,97 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
+def _obtain_tokenizer(sources, tmp: pathlib.Path, tokenizer, vocab_size, is_val, text_field, strict, workers,
+                      bars):
+    """The given tokenizer (an end-of-text token added if it lacks one), or a BPE trained on the train
+    documents; either way saved as tmp/tokenizer.json. Both runners get theirs here."""
+    from tqdm import tqdm
+    if tokenizer is not None:
+        tok = _load_tokenizer_file(tokenizer)
+        if _eot_id(tok) is None:
+            tok.add_special_tokens([EOT_TOKEN])
+            tok.save(str(tmp / "tokenizer.json"))
+        else:
+            shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        return tok
+    if workers == 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    reader = corpus.Reader(sources, text_field, strict)
+    seen = 0
+    with tqdm(total=len(sources), desc="training tokenizer", unit="file", **bars) as bar:
+        def train_docs() -> Iterator[str]:
+            nonlocal seen
+            for key, text in reader:
+                seen += 1
+                bar.update(reader.files - bar.n)
+                if not is_val(key):  # held-out text stays unseen by the tokenizer too
+                    yield text
+        tok = _train_tokenizer(train_docs(), vocab_size)
+    if not seen:
+        raise DataError(_empty(sources, reader.skipped_files))
+    tok.save(str(tmp / "tokenizer.json"))
+    return tok
+
+
+def _tokenize_local(sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, is_val, shard_tokens, text_field,
+                    strict, workers, bars) -> tuple[dict, int, int]:
+    """The in-process runner: documents in input order, encoded by a thread pool, written in order.
+    Returns ({split: summary}, skipped files, skipped records)."""
+    from tqdm import tqdm
+    writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens, vocab_size) for s in ("train", "val")}
+    # chunks of documents go to `workers` threads (encode_batch releases the GIL), each encoding
+    # single-threaded; results are written in order, at most 2 * workers chunks in flight
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    reader = corpus.Reader(sources, text_field, strict)
+    pending: collections.deque = collections.deque()
+    done_bytes, start = 0, time.perf_counter()
+    with ThreadPoolExecutor(workers) as pool, \
+            tqdm(total=len(sources), desc="tokenizing", unit="file", **bars) as bar:
+        def drain(limit: int) -> None:
+            nonlocal done_bytes
+            while len(pending) > limit:
+                split, future = pending.popleft()
+                ids, ends, nbytes = future.result()
+                writers[split].write(ids, ends)
+                writers[split].bytes += nbytes
+                done_bytes += nbytes
+                tokens = sum(int(w.counts.sum()) for w in writers.values())
+                bar.update(reader.files - bar.n)
+                bar.set_postfix_str(f"{tokens / 1e6:.1f}M tokens, "
+                                    f"{done_bytes / 1e6 / (time.perf_counter() - start):.1f} MB/s")
+
+        chunks = {"train": ([], 0), "val": ([], 0)}
+        try:
+            for key, text in reader:
+                split = "val" if is_val(key) else "train"
+                texts, size = chunks[split]
+                texts.append(text)
+                chunks[split] = (texts, size + len(text))
+                if size + len(text) >= CHUNK_BYTES:
+                    pending.append((split, pool.submit(_encode, tok, texts, eot, vocab_size, dtype)))
+                    chunks[split] = ([], 0)
+                    drain(2 * workers)
+            for split, (texts, _) in chunks.items():
+                if texts:
+                    pending.append((split, pool.submit(_encode, tok, texts, eot, vocab_size, dtype)))
+            drain(0)
+        except BaseException:  # stop at once: chunks not yet started are dropped
+            for _, future in pending:
+                future.cancel()
+            raise
+    for writer in writers.values():
+        writer.close()
+    return {s: w.summary() for s, w in writers.items()}, reader.skipped_files, reader.skipped_records
+
+
 def prepare(inputs: list[str], out, *, tokenizer: str | None = None, vocab_size: int = 8192,
             val_fraction: float = 0.005, workers: int | None = None, shard_tokens: int = 2**27,
             text_field: str = "text", overwrite: bool = False, strict: bool = False,
-            progress: bool = True) -> dict:
-    """Tokenizes the files matching `inputs` (or hf:NAME[/CONFIG]:SPLIT) into DIR `out`; returns its index."""
+            progress: bool = True, runner: str = "local", beam_options: list[str] | None = None) -> dict:
+    """Tokenizes the files matching `inputs` (or hf:NAME[/CONFIG]:SPLIT) into DIR `out`; returns its index.
+
+    runner "beam" runs the tokenizing and shard writing as an Apache Beam pipeline (data_beam.py) with
+    the pipeline options `beam_options` (["--runner=DataflowRunner", ...]); the result is the same."""
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else [str(i) for i in inputs]
     if not inputs:
         raise DataError("no input given")
@@ -328,12 +381,13 @@ def prepare(inputs: list[str], out, *, tokenizer: str | None = None, vocab_size:
     return _prepare(corpus.expand(inputs), out, description=inputs, tokenizer=tokenizer, vocab_size=vocab_size,
                     is_val=lambda key: corpus.in_val(key, val_fraction), workers=workers,
                     shard_tokens=shard_tokens, text_field=text_field, overwrite=overwrite, strict=strict,
-                    progress=progress)
+                    progress=progress, runner=runner, beam_options=beam_options)
 
 
 def prepare_default(out=DEFAULT_DATA_DIR, *, vocab_size: int = 4096, overwrite: bool = False,
                     progress: bool = True, tokenizer: str | None = None, workers: int | None = None,
-                    stdlib_dir: str | os.PathLike | None = None) -> dict:
+                    stdlib_dir: str | os.PathLike | None = None, runner: str = "local",
+                    beam_options: list[str] | None = None) -> dict:
     """Prepares the embedded default corpus: the running interpreter's stdlib sources."""
     root = pathlib.Path(stdlib_dir or sysconfig.get_paths()["stdlib"])
     files = default_corpus_files(root)
@@ -345,15 +399,18 @@ def prepare_default(out=DEFAULT_DATA_DIR, *, vocab_size: int = 4096, overwrite: 
     description = [f"Python {sys.version.split()[0]} standard library: {root}/**/*.py"]
     return _prepare(sources, out, description=description, tokenizer=tokenizer, vocab_size=vocab_size,
                     is_val=held.__contains__, workers=workers, shard_tokens=2**27, text_field="text",
-                    overwrite=overwrite, strict=False, progress=progress)
+                    overwrite=overwrite, strict=False, progress=progress, runner=runner,
+                    beam_options=beam_options)
 
 
 # ---------------------------------------------------------------------------------------------
 # Index
 
 def load_index(data_dir) -> dict:
-    """The validated index of a data directory: shard files exist with the recorded sizes."""
-    data_dir = pathlib.Path(data_dir)
+    """The validated index of a data directory: shard files exist with the recorded sizes.
+
+    A URL (gs://...) is first copied into the local cache and verified there (storage.local_data_dir)."""
+    data_dir = storage.local_data_dir(data_dir)
     path = data_dir / "index.json"
     if not path.is_file():
         raise DataError(f"{path} not found; prepare the data with `python data.py`")
@@ -388,7 +445,7 @@ def load_index(data_dir) -> dict:
 
 def load_tokenizer(data_dir):
     """The tokenizer of a prepared data directory (for decoding samples)."""
-    return _load_tokenizer_file(pathlib.Path(data_dir) / load_index(data_dir)["tokenizer"])
+    return _load_tokenizer_file(storage.local_data_dir(data_dir) / load_index(data_dir)["tokenizer"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,7 +535,7 @@ class _Stream:
         splits = self.index["splits"]
         if split not in splits:
             raise DataError(f"{data_dir}: no split {split!r} (has: {', '.join(splits)})")
-        dtype, directory = np.dtype(self.index["dtype"]).newbyteorder("<"), pathlib.Path(data_dir)
+        dtype, directory = np.dtype(self.index["dtype"]).newbyteorder("<"), storage.local_data_dir(data_dir)
         self.shards = []
         for shard in splits[split]["shards"]:
             if int(shard["tokens"]):
@@ -602,6 +659,19 @@ def eval_batches(data_dir, split: str, seq_len: int, batch_size: int, *,
 # ---------------------------------------------------------------------------------------------
 # Command line
 
+def _beam_flags(options: list[str], runner: str) -> list[str]:
+    """--beam-option KEY=VALUE ... to Beam's own flags --KEY=VALUE."""
+    if options and runner != "beam":
+        raise DataError("--beam-option needs --runner beam")
+    flags = []
+    for option in options:
+        key, eq, value = option.removeprefix("--").partition("=")
+        if not eq or not key:
+            raise DataError(f"--beam-option {option!r}: expected KEY=VALUE, e.g. runner=DataflowRunner")
+        flags.append(f"--{key}={value}")
+    return flags
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Tokenize a corpus into memory-mapped shards "
                                                  "(no --input: this Python's stdlib sources).")
@@ -618,9 +688,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-field", default="text", help="JSON field / Parquet column holding the text")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     parser.add_argument("--strict", action="store_true", help="fail on unreadable input instead of skipping")
+    parser.add_argument("--runner", choices=("local", "beam"), default="local",
+                        help="local: this process (default); beam: an Apache Beam pipeline (data_beam.py)")
+    parser.add_argument("--beam-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a Beam pipeline option, e.g. runner=DataflowRunner; repeatable")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
+        beam_options = _beam_flags(args.beam_option, args.runner)
+        runner = dict(runner=args.runner, beam_options=beam_options)
         if args.input:
             if not args.out:
                 raise DataError("--out is required with --input")
@@ -628,11 +704,11 @@ def main(argv: list[str] | None = None) -> int:
             index = prepare(args.input, out, tokenizer=args.tokenizer, vocab_size=args.vocab_size or 8192,
                             val_fraction=args.val_fraction, workers=args.workers,
                             shard_tokens=args.shard_tokens, text_field=args.text_field,
-                            overwrite=args.overwrite, strict=args.strict)
+                            overwrite=args.overwrite, strict=args.strict, **runner)
         else:
             out = pathlib.Path(args.out or DEFAULT_DATA_DIR)
             index = prepare_default(out, vocab_size=args.vocab_size or 4096, overwrite=args.overwrite,
-                                    tokenizer=args.tokenizer, workers=args.workers)
+                                    tokenizer=args.tokenizer, workers=args.workers, **runner)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -34,6 +34,7 @@ from flax import nnx
 
 import config as config_lib
 import data
+import storage
 from model import GPT, GPTConfig, init_cache
 
 
@@ -150,13 +151,14 @@ def load_model(run_dir, step: int | None = None) -> tuple[GPT, int]:
 def load_tokenizer(run_dir):
     from tokenizers import Tokenizer
 
-    path = pathlib.Path(run_dir) / "tokenizer.json"
-    if not path.is_file():
+    run = storage.RunDir(run_dir)  # a local path or a URL (gs://...)
+    if not run.is_file("tokenizer.json"):
         raise SampleError(f"{run_dir} has no tokenizer.json")
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_str(run.read_text("tokenizer.json"))
     except Exception as e:  # a damaged file
-        raise SampleError(f"cannot load {path}: {(str(e).splitlines() or [type(e).__name__])[0][:200]}") from None
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise SampleError(f"cannot load {run.show('tokenizer.json')}: {reason}") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -194,7 +196,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     run_dir = args.checkpoint
-    if not pathlib.Path(run_dir).is_dir():
+    if not storage.is_url(run_dir) and not pathlib.Path(run_dir).is_dir():
         raise SampleError(f"run directory {run_dir} not found")
     cfg = config_lib.load_run_config(run_dir).model
     tokenizer = load_tokenizer(run_dir)

@@ -11,7 +11,8 @@ steps s+1.. exactly (bit for bit on the CPU).
 
 The run directory holds config.yaml (the effective config), data.json and tokenizer.json (the
 data it trained on), metrics.jsonl (one JSON object per logged step), summary.json, and
-checkpoints/ (orbax, one directory per step).
+checkpoints/ (orbax, one directory per step). It may be a URL (run_dir=gs://bucket/runs/x): process 0
+writes those files there through storage.RunDir, orbax the checkpoints; data.dir may be a URL too.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import functools
 import json
 import logging
 import math
+import os
 import pathlib
-import shutil
 import signal
 import sys
 import threading
@@ -42,6 +43,7 @@ import data
 import model as model_lib
 import sharding as sharding_lib
 import step as step_lib
+import storage
 from step import decay_mask, lr_schedule, peak_flops  # noqa: F401  (train.decay_mask etc. stay importable)
 
 
@@ -55,7 +57,7 @@ class Diverged(Exception):
 
 def load_init_params(run_dir, mcfg: model_lib.GPTConfig, shardings):
     """training.init_from: the parameters of a run directory's last checkpoint, placed with `shardings`."""
-    src = pathlib.Path(run_dir)
+    src = str(run_dir)  # a local path or a URL
     try:
         src_model = config_lib.load_run_config(src).model
     except config_lib.ConfigError as e:
@@ -100,12 +102,6 @@ def drop_closed_loop_errors(unraisable) -> None:
         sys.__unraisablehook__(unraisable)
 
 
-def read_metrics(path: pathlib.Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def main(argv=None) -> int:
     t_start = time.perf_counter()
     sharding_lib.initialize_distributed()  # before any other JAX call; a no-op for a single process
@@ -116,13 +112,16 @@ def main(argv=None) -> int:
     # Config
     args = parse_args(argv)
     cfg = config_lib.load_config(args.config, args.overrides)
-    run_dir = pathlib.Path(cfg.run_dir)
+    try:
+        run_dir = storage.RunDir(cfg.run_dir)  # a local path or a URL (gs://...); str(run_dir) as given
+    except storage.StorageError as e:
+        raise RunError(f"run_dir: {e}") from None
     if args.resume:
         # The run's own effective config; command-line overrides still apply (e.g. training.steps).
-        if not (run_dir / config_lib.RUN_CONFIG_NAME).is_file():
+        if not run_dir.is_file(config_lib.RUN_CONFIG_NAME):
             raise RunError(f"nothing to resume: {run_dir} is not a run directory (no {config_lib.RUN_CONFIG_NAME})")
         cfg = config_lib.load_run_config(run_dir, args.overrides)
-    elif run_dir.exists() and any(run_dir.iterdir()):
+    elif not run_dir.is_empty():
         raise RunError(
             f"run directory {run_dir} already exists; continue it with --resume, "
             f"or start a new run elsewhere with run_dir=PATH"
@@ -145,12 +144,17 @@ def main(argv=None) -> int:
 
     # ------------------------------------------------------------------------------------------
     # Data: the prepared corpus (the default one is prepared on first use), its tokenizer's vocabulary
-    data_dir = pathlib.Path(cfg.data.dir) if cfg.data.dir else data.DEFAULT_DATA_DIR
+    remote_data = cfg.data.dir is not None and storage.is_url(cfg.data.dir)
+    if remote_data:
+        data_dir = cfg.data.dir  # a URL, kept as written: pathlib would fold its "//"
+    else:
+        data_dir = pathlib.Path(cfg.data.dir) if cfg.data.dir else data.DEFAULT_DATA_DIR
     if cfg.data.dir is None and not (data_dir / "index.json").is_file():
         print(f"preparing the default corpus in {data_dir} (once)", flush=True)
         data.prepare_default(data_dir, progress=is_main)
-    index = data.load_index(data_dir)
-    cfg.data.dir = str(data_dir.resolve())
+    index = data.load_index(data_dir)  # a URL: copied to the local cache and verified first
+    local_data = storage.local_data_dir(data_dir)  # what the loader memory-maps
+    cfg.data.dir = data_dir if remote_data else str(data_dir.resolve())
     if cfg.model.vocab_size != index["vocab_size"]:
         say(f"model.vocab_size {cfg.model.vocab_size} -> {index['vocab_size']}, the vocabulary of {data_dir}")
         cfg.model = dataclasses.replace(cfg.model, vocab_size=index["vocab_size"])
@@ -175,18 +179,18 @@ def main(argv=None) -> int:
     # ------------------------------------------------------------------------------------------
     # Run directory: the effective config and a reference to the data, before any training
     if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir()
         config_lib.save_run_config(cfg, run_dir)
-        tokenizer = data_dir / index["tokenizer"]
+        tokenizer = local_data / index["tokenizer"]
         data_ref = {
             "dir": cfg.data.dir,
-            "index": str((data_dir / "index.json").resolve()),
-            "tokenizer": str(tokenizer.resolve()),
+            "index": f"{data_dir}/index.json" if remote_data else str((data_dir / "index.json").resolve()),
+            "tokenizer": f"{data_dir}/{index['tokenizer']}" if remote_data else str(tokenizer.resolve()),
             "tokenizer_sha256": index.get("tokenizer_sha256"),
             "vocab_size": index["vocab_size"],
         }
-        (run_dir / "data.json").write_text(json.dumps(data_ref, indent=2) + "\n")
-        shutil.copyfile(tokenizer, run_dir / "tokenizer.json")  # the run decodes without the corpus
+        run_dir.write_text("data.json", json.dumps(data_ref, indent=2) + "\n")
+        run_dir.write_bytes("tokenizer.json", tokenizer.read_bytes())  # the run decodes without the corpus
 
     # ------------------------------------------------------------------------------------------
     # Model and optimizer: shapes first (no memory), then a jitted init
@@ -246,7 +250,7 @@ def main(argv=None) -> int:
     # ------------------------------------------------------------------------------------------
     # Checkpoint: orbax, asynchronous; a step directory appears only once it is complete
     logging.getLogger("absl").setLevel(logging.WARNING)
-    ckpt_dir = (run_dir / "checkpoints").resolve()
+    ckpt_dir = run_dir.checkpoint_dir()  # a resolved local path, or the URL (orbax writes gs:// itself)
     mngr = ocp.CheckpointManager(
         ckpt_dir,
         options=ocp.CheckpointManagerOptions(max_to_keep=ck.keep, enable_async_checkpointing=ck.async_save),
@@ -282,21 +286,20 @@ def main(argv=None) -> int:
 
     # ------------------------------------------------------------------------------------------
     # Logging: metrics.jsonl continues after the restored step; W&B keeps its run id in the run dir
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_file = None
     if is_main:
-        kept = [row for row in read_metrics(metrics_path) if row["step"] <= start_step]
-        metrics_path.write_text("".join(json.dumps(row) + "\n" for row in kept))
-    metrics_file = open(metrics_path, "a") if is_main else None
+        metrics_file = storage.JsonLines(run_dir, "metrics.jsonl", keep=lambda row: row["step"] <= start_step)
     wandb_run = None
     if is_main and cfg.wandb.mode != "disabled":
         import wandb
 
-        id_path = run_dir / "wandb_id.txt"
-        run_id = id_path.read_text().strip() if id_path.is_file() else uuid.uuid4().hex[:8]
-        id_path.write_text(run_id + "\n")
+        has_id = run_dir.is_file("wandb_id.txt")
+        run_id = run_dir.read_text("wandb_id.txt").strip() if has_id else uuid.uuid4().hex[:8]
+        run_dir.write_text("wandb_id.txt", run_id + "\n")
         wandb_run = wandb.init(
             project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name,
-            id=run_id, resume="allow", mode=cfg.wandb.mode, dir=str(run_dir), config=config_lib.to_dict(cfg),
+            id=run_id, resume="allow", mode=cfg.wandb.mode, dir=None if run_dir.remote else str(run_dir),
+            config=config_lib.to_dict(cfg),
         )
 
     n_params = model_lib.param_count(mcfg)
@@ -355,8 +358,7 @@ def main(argv=None) -> int:
                 row["mfu"] = row["tokens_per_s"] * flops_per_step / tokens_per_step / (peak * jax.device_count())
         mark, last_row = (s, now), row
         if is_main:
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
+            metrics_file.append(row)
             if wandb_run is not None:
                 wandb_run.log(row, step=s)
         postfix = {"loss": f"{row['loss']:.3f}"}
@@ -395,6 +397,8 @@ def main(argv=None) -> int:
                                    f"last good checkpoint: {last_ckpt} ({run_dir})")
                 mngr.save(step, args=ocp.args.StandardSave(state), force=True)
                 last_ckpt = step
+            if is_main:
+                metrics_file.flush()  # a remote metrics.jsonl is uploaded whole; locally a no-op
             mark = (step, time.perf_counter())  # leave evaluation and saving out of tokens/s
             if stopping:
                 break
@@ -414,7 +418,7 @@ def main(argv=None) -> int:
     # Summary
     if stop["signal"] is not None and step < t.steps:
         name = signal.Signals(stop["signal"]).name
-        say(f"stopped by {name} after step {step}; checkpoint saved in {ckpt_dir / str(step)}")
+        say(f"stopped by {name} after step {step}; checkpoint saved in {os.path.join(ckpt_dir, str(step))}")
         say(f"continue with: python train.py --resume run_dir={run_dir}")
         if wandb_run is not None:
             wandb_run.finish()
@@ -431,12 +435,12 @@ def main(argv=None) -> int:
         "val_loss": val.get("val_loss", last_row.get("val_loss")),
         "val_ppl": val.get("val_ppl", last_row.get("val_ppl")),
         "unigram_entropy": entropy,
-        "checkpoint": str(ckpt_dir / str(last_ckpt)) if last_ckpt is not None else None,
+        "checkpoint": os.path.join(ckpt_dir, str(last_ckpt)) if last_ckpt is not None else None,
     }
     if entropy is not None and summary["val_loss"] is not None:
         summary["val_loss_below_unigram"] = entropy - summary["val_loss"]
     if is_main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        run_dir.write_text("summary.json", json.dumps(summary, indent=2) + "\n")
         if wandb_run is not None:
             wandb_run.summary.update(summary)
             wandb_run.finish()
@@ -457,7 +461,8 @@ def cli(argv=None) -> int:
     """main() with user errors as one `error: ...` line on stderr: exit 2 for bad input, 1 for divergence."""
     try:
         return main(argv)
-    except (config_lib.ConfigError, data.DataError, RunError, sharding_lib.ShardingError) as e:
+    except (config_lib.ConfigError, data.DataError, RunError, sharding_lib.ShardingError,
+            storage.StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Diverged as e:

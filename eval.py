@@ -1,0 +1,547 @@
+"""Evaluation of a run: perplexity against context length, and zero-shot benchmarks through lm-eval.
+
+    python eval.py --checkpoint RUN_DIR [--step N] [--lengths 1x,2x,4x,8x] [--max-tokens N]
+                   [--tasks [LIST]] [--limit N] [--include-path DIR] [--num-fewshot K]
+                   [--max-length L] [--batch-tokens N] [--no-perplexity]
+
+Perplexity: the run's validation split is cut into non-overlapping windows of each evaluation
+length L and every token of a window is scored once, with as much context as the window gives it
+(the ALiBi paper's "nonoverlapping" evaluation). Lengths are multiples of the training context
+(`2x`) or token counts (`512`); the default is 1x, 2x, 4x and 8x. A learned-position model has
+no embedding past its block_size: the default lengths stop there (with a message), an explicit
+longer one is an error. The table is printed, written to RUN_DIR/eval/step<N>.json, drawn as
+RUN_DIR/eval/step<N>-perplexity.png, and logged to the run's wandb project when it has one.
+
+Zero-shot benchmarks: `--tasks` alone runs the reference set (LAMBADA, PIQA, Winogrande,
+HellaSwag); `--tasks a,b` runs any tasks or groups lm-evaluation-harness knows, including task
+YAML files under `--include-path` (the harness's own mechanism for local data, e.g. a
+`dataset_path: json` task whose `data_files` point at local JSON Lines). The model is wrapped in
+`JaxLM`, the harness's language-model interface: requests are tokenized with the run's
+tokenizer, sorted into a few padded length buckets and scored in fixed-shape batches, so only a
+handful of shapes are compiled. The reference columns (LAMBADA ppl and acc, PIQA acc,
+Winogrande acc, HellaSwag acc_norm) head the table; every metric goes into the JSON.
+
+User errors (a missing run, an unknown task, a length the model cannot take) end in one
+`error: ...` line on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import difflib
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from typing import Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from lm_eval.api.model import LM
+from tqdm import tqdm
+
+import config as config_lib
+import data
+import sample
+import storage
+from model import GPT
+
+DEFAULT_LENGTHS = "1x,2x,4x,8x"
+DEFAULT_TASKS = ("lambada_openai", "piqa", "winogrande", "hellaswag")
+# (task, metric, column): the reference system's result table.
+REFERENCE_COLUMNS = (("lambada_openai", "perplexity", "LAMBADA ppl"), ("lambada_openai", "acc", "LAMBADA acc"),
+                     ("piqa", "acc", "PIQA acc"), ("winogrande", "acc", "Winogrande acc"),
+                     ("hellaswag", "acc_norm", "HellaSwag acc_norm"))
+MIN_BUCKET = 16  # the shortest padded request length; buckets double from here up to max_length
+
+
+class EvalError(Exception):
+    """A user-caused problem with an evaluation request; str(e) is one line."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring tokens: one jitted function, used by perplexity and by the lm-eval adapter
+
+
+def make_scorer(model: GPT) -> Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """score(inputs (B, L), targets (B, L)) -> (log p(target | prefix) (B, L) float32, target is argmax (B, L)).
+
+    Log-probabilities are over the padded vocabulary, as in training's loss and in the exported
+    models. One compilation per (B, L) shape.
+    """
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def score(state, inputs, targets):
+        logits = nnx.merge(graphdef, state)(inputs)  # (B, L, V_padded) float32
+        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (B, L)
+        logp = picked - jax.nn.logsumexp(logits, axis=-1)
+        return logp, jnp.argmax(logits, axis=-1) == targets
+
+    def run(inputs, targets):
+        logp, greedy = score(state, jnp.asarray(inputs, jnp.int32), jnp.asarray(targets, jnp.int32))
+        return np.asarray(logp), np.asarray(greedy)
+
+    return run
+
+
+# ----------------------------------------------------------------------------------------------
+# Perplexity against evaluation length
+
+
+def parse_lengths(text: str, train_len: int) -> list[int]:
+    """'1x,2x,512' -> [train_len, 2 * train_len, 512], sorted, without repeats."""
+    lengths = set()
+    for item in text.split(","):
+        item = item.strip().lower()
+        try:
+            value = round(float(item[:-1]) * train_len) if item.endswith("x") else int(item)
+        except ValueError:
+            raise EvalError(f"--lengths item {item!r} is neither a multiple like 2x nor a token count") from None
+        if value < 1:
+            raise EvalError(f"--lengths item {item!r} gives {value} tokens; lengths must be positive")
+        lengths.add(value)
+    if not lengths:
+        raise EvalError("--lengths is empty")
+    return sorted(lengths)
+
+
+def window_loss(scorer, windows: Iterable[np.ndarray], rows: int, total: int | None = None,
+                desc: str | None = None) -> tuple[float, int]:
+    """(summed negative log-likelihood, tokens) over windows (b, L+1), each scored as inputs [:-1] -> targets [1:].
+
+    Batches are padded to `rows` rows (padding rows are not counted), so one shape is compiled.
+    """
+    nll, n = 0.0, 0
+    with tqdm(total=total, desc=desc, unit="window", disable=desc is None, leave=False) as bar:
+        for batch in windows:
+            b = len(batch)
+            if b < rows:
+                batch = np.concatenate([batch, np.zeros((rows - b, batch.shape[1]), batch.dtype)])
+            logp, _ = scorer(batch[:, :-1], batch[:, 1:])
+            nll -= float(logp[:b].astype(np.float64).sum())
+            n += b * (batch.shape[1] - 1)
+            bar.update(b)
+    return nll, n
+
+
+def perplexity_table(scorer, data_dir, lengths: Sequence[int], train_len: int, *, split: str = "val",
+                     batch_tokens: int = 16384, max_tokens: int | None = None, progress: bool = True) -> list[dict]:
+    """One row per length: {length, multiple, tokens, windows, loss, ppl}, every window of the split scored once."""
+    table = []
+    for length in lengths:
+        rows = max(1, batch_tokens // length)
+        max_windows = None if max_tokens is None else max(1, max_tokens // length)
+        try:
+            split_tokens = data.load_index(data_dir)["splits"].get(split, {}).get("tokens", 0)
+            n_windows = min((split_tokens - 1) // length, max_windows or 1 << 62)  # for the progress bar
+            batches = data.eval_batches(data_dir, split, length, rows, max_windows=max_windows)
+            nll, n = window_loss(scorer, batches, rows, total=n_windows, desc=f"ppl @ {length}" if progress else None)
+        except data.DataError as e:
+            raise EvalError(str(e)) from None
+        loss = nll / n
+        table.append({"length": length, "multiple": length / train_len, "tokens": n, "windows": n // length,
+                      "loss": loss, "ppl": math.exp(loss)})
+    return table
+
+
+def plot_perplexity(table: list[dict], train_len: int, title: str) -> bytes:
+    """A PNG of perplexity against evaluation length (log2 axis), the training context marked."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.plot([r["length"] for r in table], [r["ppl"] for r in table], marker="o")
+    ax.axvline(train_len, color="grey", linestyle="--", label=f"training context ({train_len})")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([r["length"] for r in table], labels=[str(r["length"]) for r in table])
+    ax.minorticks_off()
+    ax.set_xlabel("evaluation length (tokens)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    plt.close(fig)
+    return png.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------
+# The lm-evaluation-harness adapter
+
+class JaxLM(LM):
+    """lm-evaluation-harness's language-model interface over a GPT and its tokenizer.
+
+    Requests longer than `max_length` keep their last `max_length` tokens. Scoring is batched in
+    length buckets (16, 32, 64, ... up to max_length), each with a fixed number of rows
+    (batch_tokens // bucket), so the number of compiled shapes is the number of buckets used.
+    """
+
+    def __init__(self, model: GPT, tokenizer, *, eot_id: int, max_length: int | None = None,
+                 batch_tokens: int = 16384, max_gen_toks: int = 256, progress: bool = True):
+        super().__init__()
+        self.model, self.tokenizer, self.eot_id = model, tokenizer, eot_id
+        cfg = model.config
+        self.max_length = max_length or cfg.block_size
+        if not cfg.alibi_attn and self.max_length > cfg.block_size:
+            raise EvalError(f"--max-length {self.max_length} exceeds block_size {cfg.block_size} of this "
+                            "learned-position model")
+        self.batch_tokens, self.max_gen_toks, self.progress = batch_tokens, max_gen_toks, progress
+        self.scorer = make_scorer(model)
+        buckets, b = [], MIN_BUCKET
+        while b < self.max_length:
+            buckets.append(b)
+            b *= 2
+        self.buckets = buckets + [self.max_length]
+
+    # -- tokens ------------------------------------------------------------------------------
+
+    @property
+    def prefix_token_id(self) -> int:  # conditions the first token of a document
+        return self.eot_id
+
+    def tok_encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Token ids of (context, continuation), split where the whole string's tokens split.
+
+        Spaces at the end of the context move to the continuation, so ' word' is scored as the
+        tokenizer would see it in running text; an empty context is the end-of-text token.
+        """
+        if not context:
+            return [self.eot_id], self.tok_encode(continuation)
+        spaces = len(context) - len(context.rstrip(" "))
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole = self.tok_encode(context + continuation)
+        n_context = len(self.tok_encode(context))
+        return whole[:n_context], whole[n_context:]
+
+    # -- scoring -----------------------------------------------------------------------------
+
+    def score_tokens(self, pairs: Sequence[tuple[list[int], list[int]]], desc: str | None = None
+                     ) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation | context), continuation is the greedy one) per (context, continuation) ids."""
+        items = []  # (bucket, original index, inputs, targets, number of continuation tokens)
+        for i, (ctx, cont) in enumerate(pairs):
+            if not cont:
+                raise EvalError("lm-eval asked to score an empty continuation")
+            tokens = (list(ctx) + list(cont))[-(self.max_length + 1):]
+            n_cont = min(len(cont), len(tokens) - 1)
+            inputs, targets = tokens[:-1], tokens[1:]
+            bucket = next(b for b in self.buckets if b >= len(inputs))
+            items.append((bucket, i, inputs, targets, n_cont))
+        items.sort(key=lambda item: (item[0], -len(item[2])))
+        results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
+        bar = tqdm(total=len(items), desc=desc, unit="request", disable=not (self.progress and desc), leave=False)
+        start = 0
+        while start < len(items):
+            bucket = items[start][0]
+            rows = max(1, self.batch_tokens // bucket)
+            chunk = [it for it in items[start:start + rows] if it[0] == bucket]
+            inputs = np.zeros((rows, bucket), np.int32)  # right padding: causal attention never sees it
+            targets = np.zeros((rows, bucket), np.int32)
+            for r, (_, _, inp, tgt, _) in enumerate(chunk):
+                inputs[r, :len(inp)], targets[r, :len(tgt)] = inp, tgt
+            logp, greedy = self.scorer(inputs, targets)
+            for r, (_, i, inp, _, n_cont) in enumerate(chunk):
+                span = slice(len(inp) - n_cont, len(inp))
+                results[i] = (float(logp[r, span].astype(np.float64).sum()), bool(greedy[r, span].all()))
+            start += len(chunk)
+            bar.update(len(chunk))
+        bar.close()
+        return results
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        pairs = [self._pair(*req.args) for req in requests]
+        return self.score_tokens(pairs, desc="loglikelihood")
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        windows, owner = [], []
+        for i, req in enumerate(requests):
+            for window in get_rolling_token_windows(token_list=self.tok_encode(req.args[0]),
+                                                    prefix_token=self.prefix_token_id,
+                                                    max_seq_len=self.max_length, context_len=1):
+                windows.append(make_disjoint_window(window))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (logp, _) in zip(owner, self.score_tokens(windows, desc="loglikelihood_rolling")):
+            totals[i] += logp
+        return totals
+
+    def generate_until(self, requests) -> list[str]:
+        """Greedy (or sampled, if the task asks) continuations, cut at the first stop string.
+
+        The cached decoding loop of sample.py runs on batches of requests whose contexts have
+        the same token length and the same generation settings.
+        """
+        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+
+        eot_text = self.tokenizer.decode([self.eot_id], skip_special_tokens=False)
+        groups: dict[tuple, list[tuple[int, list[int]]]] = {}
+        settings = {}
+        for i, req in enumerate(requests):
+            context, gen_kwargs = req.args
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+            until = tuple(handle_stop_sequences(kwargs.get("until"), eos=eot_text))
+            new = int(kwargs["max_gen_toks"])
+            temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
+            ids = self.tok_encode(context) or [self.eot_id]
+            if not self.model.config.alibi_attn:  # keep room for the new tokens inside block_size
+                if new >= self.max_length:
+                    raise EvalError(f"max_gen_toks {new} leaves no room for context in max_length {self.max_length}")
+                ids = ids[-(self.max_length - new):]
+            key = (len(ids), new, temperature)
+            groups.setdefault(key, []).append((i, ids))
+            settings[i] = until
+        graphdef, state = nnx.split(self.model)
+        out: list[str] = [""] * len(requests)
+        bar = tqdm(total=len(requests), desc="generate_until", disable=not self.progress, leave=False)
+        rows = max(1, self.batch_tokens // self.max_length)
+        for (_, new, temperature), members in groups.items():
+            fn = sample.make_generate(graphdef, self.model.config, new, temperature=temperature, eot_id=self.eot_id)
+            for first in range(0, len(members), rows):
+                chunk = members[first:first + rows]
+                prompt = jnp.asarray(np.array([ids for _, ids in chunk], np.int32))  # (b, T0)
+                tokens, _ = fn(state, prompt, jax.random.key(first))
+                for (i, _), row in zip(chunk, np.asarray(tokens)):
+                    text = self.tokenizer.decode(sample.truncate(row, self.eot_id))
+                    cut = min((text.find(s) for s in settings[i] if s and s in text), default=len(text))
+                    out[i] = text[:cut]
+                bar.update(len(chunk))
+        bar.close()
+        return out
+
+
+def run_tasks(lm: JaxLM, tasks: Sequence[str], *, include_path: str | None = None, limit: float | None = None,
+              num_fewshot: int | None = None, seed: int = 0) -> dict:
+    """lm-eval's results for `tasks`: {task: {metric: value}}, with names checked before any data is loaded."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None and not pathlib.Path(include_path).is_dir():
+        raise EvalError(f"--include-path {include_path} is not a directory")
+    manager = TaskManager(include_path=include_path)
+    known = set(manager.all_tasks)
+    for name in tasks:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            raise EvalError(f"unknown task {name!r}" + (f"; did you mean {', '.join(close)}?" if close else
+                                                         "; `lm-eval ls tasks` lists them"))
+    try:
+        out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
+                                      num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=False,
+                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                      fewshot_random_seed=seed)
+    except (OSError, ConnectionError) as e:  # datasets and huggingface_hub report missing data this way
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
+        raise EvalError(f"cannot load the data of {', '.join(tasks)}: {reason} (offline? give local task files "
+                        "with --include-path)") from None
+    results = {}
+    for task, metrics in out["results"].items():
+        results[task] = {k.split(",")[0]: v for k, v in metrics.items()
+                         if "," in k and "_stderr" not in k and isinstance(v, (int, float))}
+        results[task]["samples"] = out.get("n-samples", {}).get(task, {}).get("effective")
+    return results
+
+
+def task_table(results: dict) -> list[tuple[str, float]]:
+    """(column, value) rows: the reference columns first (where their task ran), then every other metric."""
+    rows, used = [], set()
+    for task, metric, column in REFERENCE_COLUMNS:
+        if metric in results.get(task, {}):
+            rows.append((column, results[task][metric]))
+            used.add((task, metric))
+    for task in sorted(results):
+        for metric, value in results[task].items():
+            if metric != "samples" and (task, metric) not in used and value is not None:
+                rows.append((f"{task} {metric}", value))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        raise EvalError(f"{message} (see python eval.py --help)")
+
+
+def parse_args(argv):
+    p = _Parser(description="Perplexity against context length, and zero-shot benchmarks, for a trained run.")
+    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="run directory (config, checkpoints, tokenizer)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step; default the last")
+    p.add_argument("--data", default=None, help="prepared data directory; default the run's own")
+    p.add_argument("--split", default="val", help="split scored for perplexity")
+    p.add_argument("--lengths", default=None, help=f"evaluation lengths: multiples of the training context "
+                                                   f"or token counts (default {DEFAULT_LENGTHS})")
+    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens per length")
+    p.add_argument("--no-perplexity", action="store_true", help="skip the perplexity table")
+    p.add_argument("--tasks", nargs="?", const=",".join(DEFAULT_TASKS), default=None,
+                   help=f"lm-eval tasks, comma-separated; alone: {','.join(DEFAULT_TASKS)}")
+    p.add_argument("--include-path", default=None, help="directory of extra lm-eval task YAML files")
+    p.add_argument("--limit", type=float, default=None, help="examples per task (a fraction if < 1)")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    p.add_argument("--max-length", type=int, default=None, help="longest request the adapter scores "
+                                                                "(default: the training context)")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per scoring batch")
+    p.add_argument("--seed", type=int, default=0, help="seed for few-shot sampling and sampled generation")
+    args = p.parse_args(argv)
+    for name in ("max_tokens", "max_length", "batch_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise EvalError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.no_perplexity and args.tasks is None:
+        raise EvalError("--no-perplexity without --tasks leaves nothing to evaluate")
+    return args
+
+
+def run_data_dir(run: storage.RunDir, cfg, override: str | None) -> str:
+    """The prepared data to score: --data, else the directory the run trained on, with the run's tokenizer."""
+    recorded = json.loads(run.read_text("data.json")) if run.is_file("data.json") else {}
+    location = str(override or recorded.get("dir") or cfg.data.dir or data.DEFAULT_DATA_DIR)
+    try:
+        index = data.load_index(location)
+    except data.DataError as e:
+        raise EvalError(f"{e} (point --data at the run's prepared data)") from None
+    if recorded.get("tokenizer_sha256") and index.get("tokenizer_sha256") != recorded["tokenizer_sha256"]:
+        raise EvalError(f"{location} was tokenized with another tokenizer than {run}'s; its perplexity would "
+                        "mean nothing")
+    return location
+
+
+def write_results(run: storage.RunDir, name: str, section: str, value) -> None:
+    """Set one section of the run's JSON results file `name`, keeping the others (replaced at once)."""
+    results = json.loads(run.read_text(name)) if run.is_file(name) else {}
+    results[section] = value
+    results["updated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    run.write_text(name, json.dumps(results, indent=2) + "\n")
+
+
+def log_wandb(cfg, run: storage.RunDir, step: int, table: list[dict] | None, tasks: dict | None,
+              png: bytes | None) -> None:
+    """Into the training run's wandb run (resumed by its id) when it had one, else a new `eval` run."""
+    import io
+
+    import wandb
+    from PIL import Image
+
+    wandb_run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, mode=cfg.wandb.mode,
+                           dir=None if run.remote else run.location, resume="allow", job_type="eval",
+                           id=run.read_text("wandb_id.txt").strip() if run.is_file("wandb_id.txt") else None,
+                           name=cfg.wandb.name or run.name)
+    summary = {}
+    if table:
+        summary.update({f"eval/ppl@{r['length']}": r["ppl"] for r in table})
+        wandb_run.log({"eval/perplexity": wandb.Table(
+            columns=["length", "multiple", "loss", "ppl"],
+            data=[[r["length"], r["multiple"], r["loss"], r["ppl"]] for r in table])})
+        if png is not None:
+            wandb_run.log({"eval/perplexity_plot": wandb.Image(Image.open(io.BytesIO(png)))})
+    for task, metrics in (tasks or {}).items():
+        summary.update({f"eval/{task}/{m}": v for m, v in metrics.items() if v is not None})
+    summary["eval/step"] = step
+    wandb_run.summary.update(summary)
+    wandb_run.finish()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run_dir = args.checkpoint
+    if not storage.is_url(run_dir) and not pathlib.Path(run_dir).is_dir():
+        raise EvalError(f"run directory {run_dir} not found")
+    run = storage.RunDir(run_dir)
+    cfg = config_lib.load_run_config(run_dir)
+    model_cfg, train_len = cfg.model, cfg.seq_len
+    tokenizer = sample.load_tokenizer(run_dir)
+    eot_id = next((tokenizer.token_to_id(t) for t in data.EOT_CANDIDATES if tokenizer.token_to_id(t) is not None),
+                  None)
+
+    lengths = []
+    if not args.no_perplexity:
+        data_dir = run_data_dir(run, cfg, args.data)
+        lengths = parse_lengths(args.lengths or DEFAULT_LENGTHS, train_len)
+        if not model_cfg.alibi_attn and lengths[-1] > model_cfg.block_size:
+            if args.lengths is not None:
+                raise EvalError(f"length {lengths[-1]} exceeds block_size {model_cfg.block_size}: a learned-position "
+                                "model has no position embedding past it (ALiBi models extrapolate)")
+            kept = [n for n in lengths if n <= model_cfg.block_size]
+            print(f"learned positions: evaluating only up to block_size {model_cfg.block_size} "
+                  f"(skipping {', '.join(map(str, sorted(set(lengths) - set(kept))))})", file=sys.stderr)
+            lengths = kept
+    task_names = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks is not None else []
+    if args.tasks is not None and not task_names:
+        raise EvalError("--tasks is empty")
+    if task_names and eot_id is None:
+        raise EvalError(f"{run.show('tokenizer.json')} has no end-of-text token ({', '.join(data.EOT_CANDIDATES)}), "
+                        "which lm-eval's adapter needs as its prefix token")
+
+    try:
+        model, step = sample.load_model(run_dir, args.step)
+    except sample.SampleError as e:
+        raise EvalError(str(e)) from None
+    if not run.remote:
+        (pathlib.Path(run.location) / "eval").mkdir(exist_ok=True)
+    results_name = f"eval/step{step}.json"
+    print(f"{run_dir} step {step}: {model_cfg.N} layers, d={model_cfg.embedding_dim}, "
+          f"{'ALiBi' if model_cfg.alibi_attn else 'learned positions'}, trained at context {train_len}; "
+          f"{jax.devices()[0].platform} x{jax.device_count()}", file=sys.stderr)
+
+    table, png = None, None
+    if lengths:
+        t0 = time.perf_counter()
+        table = perplexity_table(make_scorer(model), data_dir, lengths, train_len, split=args.split,
+                                 batch_tokens=args.batch_tokens, max_tokens=args.max_tokens)
+        print(f"\nperplexity of {data_dir} split {args.split!r} ({time.perf_counter() - t0:.1f}s)")
+        print(f"{'length':>8} {'x train':>8} {'tokens':>11} {'loss':>8} {'ppl':>10}")
+        for r in table:
+            print(f"{r['length']:>8} {r['multiple']:>8.2f} {r['tokens']:>11,} {r['loss']:>8.4f} {r['ppl']:>10.3f}")
+        write_results(run, results_name, "perplexity", {"data": data_dir, "split": args.split,
+                                                        "train_len": train_len, "rows": table})
+        png = plot_perplexity(table, train_len, f"{run.name} step {step}")
+        run.write_bytes(f"eval/step{step}-perplexity.png", png)
+        print(f"-> {run.show(results_name)}, {run.show(f'eval/step{step}-perplexity.png')}")
+
+    tasks = None
+    if task_names:
+        lm = JaxLM(model, tokenizer, eot_id=eot_id, max_length=args.max_length or train_len,
+                   batch_tokens=args.batch_tokens)
+        t0 = time.perf_counter()
+        tasks = run_tasks(lm, task_names, include_path=args.include_path, limit=args.limit,
+                          num_fewshot=args.num_fewshot, seed=args.seed)
+        print(f"\nzero-shot results ({time.perf_counter() - t0:.1f}s)")
+        for column, value in task_table(tasks):
+            print(f"{column:<32} {value:>10.4f}")
+        write_results(run, results_name, "tasks", tasks)
+        print(f"-> {run.show(results_name)}")
+
+    if cfg.wandb.mode != "disabled" and os.environ.get("WANDB_MODE") != "disabled":
+        log_wandb(cfg, run, step, table, tasks, png)
+    return 0
+
+
+def cli(argv=None) -> int:
+    """main() with user errors as one `error: ...` line on stderr and exit status 2."""
+    try:
+        return main(argv)
+    except (EvalError, sample.SampleError, config_lib.ConfigError, data.DataError, storage.StorageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

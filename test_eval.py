@@ -1,0 +1,312 @@
+"""Tests of eval.py: perplexity against context length and the lm-evaluation-harness adapter.
+
+Expectations come from second code paths: the model's full forward pass on each unpadded
+sequence with `jax.nn.log_softmax` (no buckets, no batching), the validation tokens read straight
+from the shard files with numpy, accuracies computed in the test from those scores with the
+harness's metric definitions written out, and sample.py's generation.
+"""
+import json
+import pathlib
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from lm_eval.api.instance import Instance
+
+import data
+import eval as E
+import sample
+import train
+from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
+
+WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, corpus):  # noqa: F811
+    """A `test`-size ALiBi run trained for a few steps (block_size 64, trained at context 32)."""
+    run_dir = tmp_path_factory.mktemp("eval") / "run"
+    assert train.main(tiny(run_dir, corpus, "training.steps=40", "training.eval_every=40",
+                           "checkpoint.every=40")) == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def loaded(run):
+    model, _ = sample.load_model(run)
+    tokenizer = sample.load_tokenizer(run)
+    eot = next(tokenizer.token_to_id(t) for t in data.EOT_CANDIDATES if tokenizer.token_to_id(t) is not None)
+    return model, tokenizer, eot
+
+
+_FORWARD = {}
+
+
+def direct_logprobs(model, tokens):
+    """log p(tokens[i+1] | tokens[:i+1]) for every i, and whether it is the argmax: one forward pass.
+
+    The sequence sits at the start of a zero buffer of 128 tokens, so that one compiled forward pass
+    serves every length: the model is causal (test_model.test_causal), so later zeros change nothing.
+    """
+    if id(model) not in _FORWARD:
+        graphdef, state = nnx.split(model)
+        _FORWARD[id(model)] = (jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)), state)
+    forward, state = _FORWARD[id(model)]
+    buffer = np.zeros((1, 128), np.int32)
+    buffer[0, :len(tokens) - 1] = tokens[:-1]
+    logits = forward(state, jnp.asarray(buffer))[0, :len(tokens) - 1]  # (T, V_padded)
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+    targets = np.asarray(tokens[1:])
+    return logp[np.arange(len(targets)), targets], np.asarray(jnp.argmax(logits, -1)) == targets
+
+
+def expected_pair(model, ctx, cont, max_length):
+    tokens = (ctx + cont)[-(max_length + 1):]
+    logp, greedy = direct_logprobs(model, tokens)
+    n = min(len(cont), len(tokens) - 1)
+    return float(logp[-n:].sum()), bool(greedy[-n:].all())
+
+
+# ----------------------------------------------------------------------------------------------
+# The adapter's scores
+
+
+def test_loglikelihood_equals_direct_token_logprobs(loaded):
+    model, tokenizer, eot = loaded
+    # batch_tokens 64: buckets 16, 32, 64 hold 4, 2 and 1 rows, so requests spill over several batches
+    lm = E.JaxLM(model, tokenizer, eot_id=eot, max_length=64, batch_tokens=64, progress=False)
+    assert lm.buckets == [16, 32, 64]
+    rng = np.random.default_rng(0)
+    shapes = [(1, 1), (3, 5), (15, 1), (16, 1), (14, 4),  # (14, 4): the context fits bucket 16, the request needs 32
+              (10, 7), (30, 3), (31, 2), (33, 1), (20, 20), (50, 14), (60, 30), (100, 10), (5, 70)]
+    pairs = [(rng.integers(0, 300, a).tolist(), rng.integers(0, 300, b).tolist()) for a, b in shapes]
+    got = lm.score_tokens(pairs)
+    for (ctx, cont), (logp, greedy) in zip(pairs, got):
+        want_logp, want_greedy = expected_pair(model, ctx, cont, 64)
+        assert logp == pytest.approx(want_logp, abs=2e-4, rel=1e-5)
+        assert greedy == want_greedy
+    # a continuation the model would produce greedily is reported as greedy
+    ctx = rng.integers(0, 300, 12).tolist()
+    nxt = int(np.argmax(np.asarray(model(jnp.asarray([ctx], jnp.int32))[0, -1, :300])))
+    assert lm.score_tokens([(ctx, [nxt])])[0][1] is True
+
+
+def test_loglikelihood_requests_split_text_where_the_whole_string_splits(loaded):
+    model, tokenizer, eot = loaded
+    lm = E.JaxLM(model, tokenizer, eot_id=eot, max_length=32, batch_tokens=128, progress=False)
+    requests = [("alpha beta gamma", " delta"), ("alpha beta gamma ", "delta epsilon"), ("", "alpha beta")]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, args, i) for i, args in enumerate(requests)])
+    for (context, continuation), (logp, _) in zip(requests, got):
+        if context:
+            context, continuation = context.rstrip(" "), continuation if not context.endswith(" ") else " " + continuation
+            whole = tokenizer.encode(context + continuation).ids
+            n_ctx = len(tokenizer.encode(context).ids)
+            ctx, cont = whole[:n_ctx], whole[n_ctx:]
+        else:  # an empty context is conditioned on the end-of-text token
+            ctx, cont = [eot], tokenizer.encode(continuation).ids
+        assert logp == pytest.approx(expected_pair(model, ctx, cont, 32)[0], abs=2e-4)
+
+
+def test_rolling_loglikelihood_equals_the_perplexity_computation(loaded):
+    """A document scored by loglikelihood_rolling = the non-overlapping window loss on [eot] + its tokens."""
+    model, tokenizer, eot = loaded
+    rng = random.Random(3)
+    text = " ".join(rng.choice(WORDS) for _ in range(60))
+    while True:  # lengthen the document until its token count has a divisor L in [16, 32]
+        tokens = tokenizer.encode(text).ids
+        L = next((d for d in range(16, 33) if len(tokens) % d == 0), None)
+        if L:
+            break
+        text += " " + rng.choice(WORDS)
+    lm = E.JaxLM(model, tokenizer, eot_id=eot, max_length=L, batch_tokens=4 * L, progress=False)
+    got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])[0]
+
+    stream = np.asarray([eot] + tokens, np.int32)
+    windows = np.stack([stream[i * L: i * L + L + 1] for i in range(len(tokens) // L)])  # (n, L + 1)
+    nll, n = E.window_loss(E.make_scorer(model), [windows], rows=len(windows))
+    assert n == len(tokens)
+    assert got == pytest.approx(-nll, rel=1e-5)
+    # and both equal the direct sum over the windows
+    direct = sum(direct_logprobs(model, w.tolist())[0].sum() for w in windows)
+    assert got == pytest.approx(float(direct), rel=1e-5)
+
+
+def test_perplexity_table_scores_every_validation_token_once(run, loaded, corpus):  # noqa: F811
+    model = loaded[0]
+    index = data.load_index(corpus)
+    stream = np.concatenate([np.fromfile(corpus / s["file"], dtype=np.dtype(index["dtype"]).newbyteorder("<"))
+                             for s in index["splits"]["val"]["shards"]]).astype(np.int32)
+    table = E.perplexity_table(E.make_scorer(model), corpus, [32, 48], 32, batch_tokens=200, progress=False)
+    for row in table:
+        L = row["length"]
+        n_windows = (len(stream) - 1) // L
+        assert row["tokens"] == n_windows * L and row["windows"] == n_windows
+        nll = -sum(direct_logprobs(model, stream[i * L: i * L + L + 1].tolist())[0].sum() for i in range(n_windows))
+        assert row["loss"] == pytest.approx(nll / row["tokens"], rel=1e-5)
+        assert row["ppl"] == pytest.approx(np.exp(nll / row["tokens"]), rel=1e-5)
+        assert row["multiple"] == L / 32
+
+
+def test_generate_until_matches_sample_generation(loaded):
+    model, tokenizer, eot = loaded
+    lm = E.JaxLM(model, tokenizer, eot_id=eot, max_length=64, batch_tokens=256, progress=False)
+    contexts = ["alpha beta", "gamma delta epsilon zeta", "alpha beta"]
+    kwargs = {"until": ["theta"], "max_gen_toks": 12, "do_sample": False}
+    got = lm.generate_until([Instance("generate_until", {}, (c, dict(kwargs)), i) for i, c in enumerate(contexts)])
+    for context, text in zip(contexts, got):
+        ids = tokenizer.encode(context).ids
+        new = sample.generate(model, np.asarray([ids]), 12, temperature=0.0, eot_id=eot)[0]
+        want = tokenizer.decode(sample.truncate(new, eot))
+        want = want[:want.find("theta")] if "theta" in want else want
+        assert text == want
+    assert got[0] == got[2]
+
+
+# ----------------------------------------------------------------------------------------------
+# Tasks through the harness, end to end
+
+
+def write_tasks(root: pathlib.Path, rng: random.Random):
+    """A 2-4-way multiple-choice task and a LAMBADA-style last-word task, as local JSON Lines + YAML."""
+    mc, lam = [], []
+    for i in range(12):
+        choices = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(2, 4))]
+        mc.append({"q": " ".join(rng.choice(WORDS) for _ in range(5)), "choices": choices,
+                   "label": rng.randrange(len(choices))})
+        lam.append({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9)))})
+    for name, rows in (("mc", mc), ("lam", lam)):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "tiny_mc.yaml").write_text(f"""task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {root / 'mc.jsonl'}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{q}}}}"
+doc_to_target: label
+doc_to_choice: "{{{{choices}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+""")
+    (root / "tiny_lambada.yaml").write_text(f"""task: tiny_lambada
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {root / 'lam.jsonl'}
+output_type: loglikelihood
+test_split: test
+doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
+doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+""")
+    return mc, lam
+
+
+def test_local_tasks_end_to_end_give_hand_computed_accuracy(run, loaded, tmp_path, capsys):
+    model, tokenizer, eot = loaded
+    mc, lam = write_tasks(tmp_path, random.Random(5))
+    assert E.cli(["--checkpoint", str(run), "--no-perplexity", "--tasks", "tiny_mc,tiny_lambada",
+                  "--include-path", str(tmp_path), "--max-length", "32"]) == 0
+    results = json.loads((run / "eval" / "step40.json").read_text())["tasks"]
+
+    def encode_pair(context, continuation):  # the harness's target delimiter is one space
+        whole = tokenizer.encode(context + continuation).ids
+        n = len(tokenizer.encode(context).ids)
+        return whole[:n], whole[n:]
+
+    acc, acc_norm = [], []
+    for doc in mc:
+        lls = np.array([expected_pair(model, *encode_pair(doc["q"], " " + c), 32)[0] for c in doc["choices"]])
+        acc.append(np.argmax(lls) == doc["label"])
+        acc_norm.append(np.argmax(lls / np.array([len(c) for c in doc["choices"]])) == doc["label"])
+    assert results["tiny_mc"]["acc"] == pytest.approx(np.mean(acc))
+    assert results["tiny_mc"]["acc_norm"] == pytest.approx(np.mean(acc_norm))
+    assert results["tiny_mc"]["samples"] == len(mc)
+
+    scores = [expected_pair(model, *encode_pair(" ".join(d["text"].split(" ")[:-1]), " " + d["text"].split(" ")[-1]),
+                            32) for d in lam]
+    assert results["tiny_lambada"]["acc"] == pytest.approx(np.mean([g for _, g in scores]))
+    assert results["tiny_lambada"]["perplexity"] == pytest.approx(np.exp(-np.mean([s for s, _ in scores])), rel=1e-4)
+    out = capsys.readouterr().out
+    assert "tiny_mc acc" in out and "tiny_lambada perplexity" in out
+
+
+def test_reference_columns_lead_the_task_table():
+    results = {"piqa": {"acc": 0.6, "acc_norm": 0.61, "samples": 10}, "lambada_openai": {"perplexity": 40.0, "acc": 0.3},
+               "hellaswag": {"acc": 0.3, "acc_norm": 0.35}, "winogrande": {"acc": 0.52}, "other": {"f1": 0.5}}
+    rows = E.task_table(results)
+    assert [c for c, _ in rows[:5]] == ["LAMBADA ppl", "LAMBADA acc", "PIQA acc", "Winogrande acc", "HellaSwag acc_norm"]
+    assert [v for _, v in rows[:5]] == [40.0, 0.3, 0.6, 0.52, 0.35]
+    assert ("other f1", 0.5) in rows and ("piqa acc_norm", 0.61) in rows
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line and ALiBi's extrapolation
+
+
+def test_cli_writes_table_json_and_plot(run, capsys):
+    assert E.cli(["--checkpoint", str(run), "--max-tokens", "400", "--batch-tokens", "256"]) == 0
+    saved = json.loads((run / "eval" / "step40.json").read_text())["perplexity"]
+    assert [r["length"] for r in saved["rows"]] == [32, 64, 128, 256]  # 1x..8x of the training context 32
+    assert saved["train_len"] == 32 and all(r["tokens"] <= 400 for r in saved["rows"])
+    assert (run / "eval" / "step40-perplexity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    for r in saved["rows"]:
+        assert f"{r['ppl']:.3f}" in out
+
+
+def test_learned_positions_stop_at_block_size(tmp_path, corpus, capsys):  # noqa: F811
+    run_dir = tmp_path / "learned"
+    assert train.main(tiny(run_dir, corpus, "model.alibi_attn=false", "model.embed_norm=false",
+                           "training.steps=4", "checkpoint.every=4")) == 0
+    capsys.readouterr()
+    assert E.cli(["--checkpoint", str(run_dir), "--max-tokens", "200"]) == 0  # block_size 64: 1x and 2x of 32 only
+    assert "evaluating only up to block_size 64 (skipping 128, 256)" in capsys.readouterr().err
+    rows = json.loads((run_dir / "eval" / "step4.json").read_text())["perplexity"]["rows"]
+    assert [r["length"] for r in rows] == [32, 64]
+    assert E.cli(["--checkpoint", str(run_dir), "--lengths", "128"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exceeds block_size 64" in err[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--checkpoint", "{missing}"], "not found"),
+    (["--checkpoint", "{run}", "--tasks", "no_such_task_xyz"], "unknown task 'no_such_task_xyz'"),
+    (["--checkpoint", "{run}", "--lengths", "2y"], "--lengths item '2y'"),
+    (["--checkpoint", "{run}", "--step", "7"], "no checkpoint for step 7"),
+    (["--checkpoint", "{run}", "--no-perplexity"], "nothing to evaluate"),
+    (["--checkpoint", "{run}", "--include-path", "{missing}", "--tasks", "x", "--no-perplexity"], "not a directory"),
+])
+def test_user_errors_are_one_line(run, tmp_path, capsys, argv, message):
+    argv = [a.format(run=run, missing=tmp_path / "missing") for a in argv]
+    assert E.cli(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1]
+    assert not any(line.startswith("Traceback") for line in err)
+
+
+def test_alibi_perplexity_at_twice_the_training_context(tmp_path, corpus):  # noqa: F811
+    """The default `small` ALiBi model, trained at context 64 for 200 steps, is no worse at 128 than 1.1x."""
+    run_dir = tmp_path / "small"
+    assert train.main([f"run_dir={run_dir}", f"data.dir={corpus}", "model=small", "training.steps=200",
+                       "training.batch_size=8", "training.seq_len=64", "training.warmup_steps=30",
+                       "training.eval_every=200", "training.eval_windows=8", "checkpoint.every=200"]) == 0
+    model, _ = sample.load_model(run_dir)
+    one, two = E.perplexity_table(E.make_scorer(model), corpus, [64, 128], 64, progress=False)
+    assert one["ppl"] < 0.5 * data.load_index(corpus)["vocab_size"]  # it learned something
+    assert two["ppl"] <= 1.1 * one["ppl"], (one, two)

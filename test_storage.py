@@ -1,0 +1,307 @@
+"""Remote data and run directories, against fsspec's in-memory filesystem as the object store.
+
+memory://bucket-... stands in for gs://bucket: the same fsspec calls reach it. orbax cannot write a
+checkpoint to memory:// (tensorstore has its own drivers), so the remote run test keeps the
+checkpoints on the local disk and everything else train.py writes in the stand-in store.
+"""
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import uuid
+
+import fsspec
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import safetensors.numpy
+from fsspec.implementations.memory import MemoryFileSystem
+
+import config
+import convert_torch
+import data
+import sample
+import storage
+import train
+from test_train import WORDS, deterministic, tiny
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A tiny corpus prepared into several small shards."""
+    root = tmp_path_factory.mktemp("remote")
+    src = root / "src"
+    src.mkdir()
+    for i in range(30):
+        rng = random.Random(i)
+        (src / f"doc{i:02d}.txt").write_text(
+            "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 12))) for _ in range(40)) + "\n")
+    index = data.prepare([str(src)], root / "data", vocab_size=300, val_fraction=0.3, shard_tokens=1500,
+                         progress=False)
+    assert len(index["splits"]["train"]["shards"]) >= 4 and index["splits"]["val"]["tokens"] > 1000
+    return root / "data"
+
+
+@pytest.fixture
+def bucket(monkeypatch, tmp_path):
+    """A fresh memory:// location, a fresh cache, and no memory of earlier verification."""
+    url = f"memory://bucket-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(storage, "_verified", {})
+    yield url
+    fs, root = fsspec.core.url_to_fs(url)
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def upload(local_dir, url):
+    fs, root = fsspec.core.url_to_fs(url)
+    for f in sorted(local_dir.iterdir()):
+        fs.pipe_file(f"{root}/{f.name}", f.read_bytes())
+
+
+def shard_names(prepared) -> list[str]:
+    """Every shard, in the order index.json lists them (the order they are copied in)."""
+    index = json.loads((prepared / "index.json").read_text())
+    return [s["file"] for split in index["splits"].values() for s in split["shards"]]
+
+
+def record_copies(monkeypatch) -> list[str]:
+    copied, real = [], storage._copy
+    monkeypatch.setattr(storage, "_copy", lambda fs, remote, url, path, *a: (copied.append(path.name),
+                                                                           real(fs, remote, url, path, *a))[1])
+    return copied
+
+
+def test_remote_data_is_copied_verified_and_read_like_the_local_directory(prepared, bucket, tmp_path, monkeypatch):
+    url = f"{bucket}/corpus"
+    upload(prepared, url)
+    remote = data.Loader(url, "train", 16, 4, seed=3)
+    local = data.Loader(prepared, "train", 16, 4, seed=3)
+    for step in (0, 1, 7):
+        np.testing.assert_array_equal(remote.get_batch(step), local.get_batch(step))
+    assert data.load_tokenizer(url).encode("the cat sat").ids == data.load_tokenizer(prepared).encode("the cat sat").ids
+
+    cache = storage.cache_dir_for(url)
+    assert cache.parent == tmp_path / "cache"  # $GPT_DATA_CACHE
+    for name in ["index.json", "tokenizer.json", *shard_names(prepared)]:
+        assert (cache / name).read_bytes() == (prepared / name).read_bytes(), name
+    # the index records each shard's sha256, as hashlib computes it from the file
+    index = data.load_index(url)
+    for split in index["splits"].values():
+        for s in split["shards"]:
+            assert s["sha256"] == hashlib.sha256((prepared / s["file"]).read_bytes()).hexdigest()
+
+    # a later process reuses the verified copy; a cached shard damaged in place is copied again, alone
+    monkeypatch.setattr(storage, "_verified", {})
+    copied = record_copies(monkeypatch)
+    data.load_index(url)
+    assert copied == []
+    victim = cache / shard_names(prepared)[1]
+    raw = bytearray(victim.read_bytes())
+    raw[10] ^= 0xFF
+    victim.write_bytes(bytes(raw))  # same size, other content
+    monkeypatch.setattr(storage, "_verified", {})
+    data.load_index(url)
+    assert copied == [victim.name]
+    assert victim.read_bytes() == (prepared / victim.name).read_bytes()
+
+
+def test_interrupted_copy_then_clean_retry(prepared, bucket, monkeypatch):
+    url = f"{bucket}/corpus"
+    upload(prepared, url)
+    shards = shard_names(prepared)
+    failing = shards[2]
+    monkeypatch.setattr(storage, "COPY_CHUNK", 256)
+    real_open, broken = MemoryFileSystem._open, {"on": True}
+
+    class DropsMidway:  # the connection breaks after the first chunk of one shard
+        def __init__(self, f):
+            self.f, self.reads = f, 0
+
+        def read(self, n):
+            self.reads += 1
+            if self.reads > 1:
+                raise OSError("connection reset by peer")
+            return self.f.read(n)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def flaky_open(self, path, mode="rb", *args, **kwargs):
+        f = real_open(self, path, mode, *args, **kwargs)
+        return DropsMidway(f) if broken["on"] and path.endswith(failing) else f
+
+    monkeypatch.setattr(MemoryFileSystem, "_open", flaky_open)
+    with pytest.raises(data.DataError) as err:
+        data.Loader(url, "train", 16, 4)
+    assert str(err.value) == (f"copying {url}/{failing} failed (connection reset by peer); "
+                              f"run again to finish the copy")
+    cache = storage.cache_dir_for(url)
+    assert not (cache / "index.json").exists()  # written last, only over verified files
+    assert not (cache / failing).exists() and not list(cache.glob("*.part-*"))
+
+    # what a killed copy leaves behind, and a shard cut short in the cache
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (cache / f"{shards[3]}.part-{dead.pid}").write_bytes(b"half a shard")
+    cut = cache / shards[0]
+    cut.write_bytes(cut.read_bytes()[:100])
+
+    broken["on"] = False
+    copied = record_copies(monkeypatch)
+    remote = data.Loader(url, "train", 16, 4, seed=1)
+    # copied again: the cut shard and every shard from the failed one on; kept: the tokenizer and shards[1]
+    assert copied == [shards[0], *shards[2:]]
+    np.testing.assert_array_equal(remote.get_batch(5), data.Loader(prepared, "train", 16, 4, seed=1).get_batch(5))
+    for name in ["tokenizer.json", *shards]:
+        assert (cache / name).read_bytes() == (prepared / name).read_bytes(), name
+    assert not list(cache.glob("*.part-*"))
+
+
+def test_a_damaged_remote_shard_is_one_clear_error(prepared, bucket, tmp_path, capsys):
+    url = f"{bucket}/corpus"
+    upload(prepared, url)
+    name = shard_names(prepared)[1]
+    fs, root = fsspec.core.url_to_fs(url)
+    raw = bytearray(fs.cat_file(f"{root}/{name}"))
+    raw[0] ^= 0xFF
+    fs.pipe_file(f"{root}/{name}", bytes(raw))
+    expected = hashlib.sha256((prepared / name).read_bytes()).hexdigest()
+    found = hashlib.sha256(bytes(raw)).hexdigest()
+
+    assert train.cli(tiny(tmp_path / "run", url)) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # the copy's progress bar, then the error
+    assert "Traceback" not in "\n".join(err)
+    assert err[-1:] == [f"error: {url}/{name}: sha256 {found[:12]}..., index.json records {expected[:12]}...; "
+                   f"the remote directory is damaged, prepare it again"]
+    assert not (storage.cache_dir_for(url) / name).exists()  # never where the loader would map it
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeypatch):
+    """Config, data reference, tokenizer, metrics and summary land in the store; a resume and
+    eval/sample/convert's readers read them back from there."""
+    data_url, run_url = f"{bucket}/corpus", f"{bucket}/runs/r1"
+    upload(prepared, data_url)
+    ckpt = tmp_path / "ckpt"
+    real_ckpt = storage.RunDir.checkpoint_dir
+    monkeypatch.setattr(storage.RunDir, "checkpoint_dir",  # orbax cannot reach memory://: see the docstring
+                        lambda self: ckpt if self.remote else real_ckpt(self))
+    assert train.main(tiny(run_url, data_url)) == 0
+
+    fs, root = fsspec.core.url_to_fs(run_url)
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == [
+        "config.yaml", "data.json", "metrics.jsonl", "summary.json", "tokenizer.json"]
+    assert fs.cat_file(f"{root}/tokenizer.json") == (prepared / "tokenizer.json").read_bytes()
+    assert json.loads(fs.cat_file(f"{root}/data.json"))["index"] == f"{data_url}/index.json"
+    summary = json.loads(fs.cat_file(f"{root}/summary.json"))
+    assert summary["steps"] == 8 and summary["checkpoint"] == str(ckpt / "8")
+
+    def rows():
+        return [json.loads(line) for line in fs.cat_file(f"{root}/metrics.jsonl").decode().splitlines()]
+
+    straight = rows()
+    assert [r["step"] for r in straight] == list(range(1, 9))
+
+    # as if preempted after the checkpoint of step 4: the resume reads config.yaml and metrics.jsonl
+    # from the store and replays steps 5..8 exactly
+    shutil.rmtree(ckpt / "8")
+    assert train.main(["--resume", f"run_dir={run_url}"]) == 0
+    assert [deterministic(r) for r in rows()] == [deterministic(r) for r in straight]
+
+    cfg = config.load_run_config(run_url)  # what eval, sample and convert read
+    assert cfg.run_dir == run_url and cfg.data.dir == data_url and cfg.model.vocab_size == 300
+    params, step = config.load_run_params(run_url)
+    assert step == 8
+    with ocp.CheckpointManager(ckpt) as mngr:  # orbax directly, no project code
+        direct = mngr.restore(8, args=ocp.args.StandardRestore())["params"]
+    assert len(jax.tree.leaves(direct)) == len(jax.tree.leaves(params))
+    jax.tree.map(np.testing.assert_array_equal, sorted(jax.tree.leaves(params), key=np.size),
+                 sorted(jax.tree.leaves(direct), key=np.size))
+
+    # sample.py's tokenizer and convert_torch.py's export, from the run in the store
+    local_tok = data.load_tokenizer(prepared)
+    assert sample.load_tokenizer(run_url).encode("the cat sat").ids == local_tok.encode("the cat sat").ids
+    out = tmp_path / "export"
+    assert convert_torch.main(["--checkpoint", run_url, "--out", str(out)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
+    exported = safetensors.numpy.load_file(str(out / "model.safetensors"))
+    assert sum(v.size for v in exported.values()) == sum(np.size(x) for x in jax.tree.leaves(direct))
+
+
+def test_an_unreachable_store_is_one_line(tmp_path, capsys):
+    # no fsspec implementation is registered for this scheme
+    assert train.cli(["run_dir=nosuchstore://bucket/run", "model=test"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: run_dir: nosuchstore://bucket/run: ")
+
+
+def test_an_index_naming_files_outside_its_directory_is_refused(prepared, bucket, tmp_path):
+    url = f"{bucket}/corpus"
+    upload(prepared, url)
+    fs, root = fsspec.core.url_to_fs(url)
+    index = json.loads(fs.cat_file(f"{root}/index.json"))
+    index["splits"]["train"]["shards"][0]["file"] = "../../outside.bin"
+    fs.pipe_file(f"{root}/index.json", json.dumps(index).encode())
+    with pytest.raises(data.DataError) as err:
+        data.load_index(url)
+    assert str(err.value) == (f"{url}/index.json is corrupt (ValueError: file name '../../outside.bin' "
+                              f"outside the directory)")
+    assert not list((tmp_path / "cache").rglob("*.bin"))  # nothing copied anywhere
+
+
+def test_metrics_log_in_the_store_matches_the_local_one(bucket, tmp_path, monkeypatch):
+    """JsonLines: the same rows, kept and appended, give the same file in the store as on disk; in the
+    store they appear at flush() (or once FLUSH_SECONDS have passed), whole."""
+    old = [{"step": s, "loss": 1.0 / s} for s in range(1, 6)]
+    new = [{"step": s, "loss": 2.0 / s} for s in range(4, 8)]
+    files = {}
+    for where in (str(tmp_path / "run"), f"{bucket}/run"):
+        run = storage.RunDir(where)
+        run.mkdir()
+        run.write_text("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in old))
+        log = storage.JsonLines(run, "metrics.jsonl", keep=lambda row: row["step"] <= 3)
+        for row in new:
+            log.append(row)
+        if run.remote:
+            assert run.read_text("metrics.jsonl").count("\n") == 3  # not uploaded yet
+            log.flush()
+        files[where] = run.read_text("metrics.jsonl")
+        log.close()
+    expected = "".join(json.dumps(r) + "\n" for r in old[:3] + new)
+    assert list(files.values()) == [expected, expected]
+
+    monkeypatch.setattr(storage, "FLUSH_SECONDS", 0.0)  # every append uploads
+    run = storage.RunDir(f"{bucket}/run2")
+    log = storage.JsonLines(run, "metrics.jsonl")
+    log.append({"step": 1})
+    assert run.read_text("metrics.jsonl") == '{"step": 1}\n'
+
+
+def test_an_index_without_shard_hashes_is_checked_by_size(prepared, bucket):
+    """Directories prepared before shards carried a sha256: sizes are still checked, a short shard is refused."""
+    url = f"{bucket}/corpus"
+    upload(prepared, url)
+    fs, root = fsspec.core.url_to_fs(url)
+    index = json.loads(fs.cat_file(f"{root}/index.json"))
+    for split in index["splits"].values():
+        for s in split["shards"]:
+            del s["sha256"]
+    fs.pipe_file(f"{root}/index.json", json.dumps(index).encode())
+    name = index["splits"]["val"]["shards"][0]["file"]
+    size = index["splits"]["val"]["shards"][0]["tokens"] * np.dtype(index["dtype"]).itemsize
+    fs.pipe_file(f"{root}/{name}", (prepared / name).read_bytes()[:-2])  # one token short
+    with pytest.raises(data.DataError) as err:
+        data.load_index(url)
+    assert str(err.value) == (f"{url}/{name}: {size - 2} bytes, index.json records {size}; "
+                              f"the remote directory is damaged, prepare it again")
+    fs.pipe_file(f"{root}/{name}", (prepared / name).read_bytes())
+    np.testing.assert_array_equal(data.Loader(url, "val", 16, 2).get_batch(3),
+                                  data.Loader(prepared, "val", 16, 2).get_batch(3))
