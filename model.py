@@ -48,8 +48,9 @@ REMAT_POLICIES = {
     # keep the outputs of weight matmuls, recompute attention scores and elementwise ops
     "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-# xla: the reference below; dot_product: jax.nn.dot_product_attention's default choice; cudnn: the
-# same forced to cuDNN's fused kernel (NVIDIA GPU only); pallas: flash_alibi.py's kernel (bias in-kernel)
+# xla: the reference below; dot_product: jax.nn.dot_product_attention with JAX's default implementation
+# (XLA's, as of JAX 0.10); cudnn: the same forced to cuDNN's fused kernel (NVIDIA GPU only); pallas:
+# flash_alibi.py's kernel, which makes the ALiBi bias inside (O(T) memory)
 ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "pallas")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding and logits matmuls tile well
 
