@@ -296,7 +296,8 @@ def bench_data(args, argv: list[str]) -> int:
 # ---------------------------------------------------------------------------------------------
 # python bench.py train  (bench_train.py)
 
-TRAIN_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy", "torch", "transformers")
+TRAIN_LIBRARIES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "flax", "optax", "numpy", "torch",
+                   "triton", "transformers")  # None where not installed (the CUDA ones on a CPU)
 
 
 def bench_train(args, argv: list[str]) -> int:
