@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 import config as config_lib
 import data
+import finetune_data
 import model as model_lib
 import sharding as sharding_lib
 
@@ -206,19 +207,30 @@ def main(argv=None) -> int:
         say(f"model.vocab_size {cfg.model.vocab_size} -> {index['vocab_size']}, the vocabulary of {data_dir}")
         cfg.model = dataclasses.replace(cfg.model, vocab_size=index["vocab_size"])
     seq_len = cfg.seq_len
-    loader = data.Loader(
-        data_dir, "train", seq_len, t.batch_size,
-        seed=cfg.seed, process_index=rows_index, process_count=rows_count,
-    )
     # a fixed validation sample, padded to whole batches so evaluation compiles once
     eval_bs = t.batch_size // t.micro_batches
-    val_sample = []
-    for tokens in data.eval_batches(data_dir, "val", seq_len, eval_bs, max_windows=t.eval_windows):
-        weights = np.zeros((eval_bs, seq_len), np.float32)
-        weights[: len(tokens)] = 1.0
-        padded = np.zeros((eval_bs, seq_len + 1), np.int32)
-        padded[: len(tokens)] = tokens
-        val_sample.append((padded, weights))
+    val_sample = []  # batches {tokens (b, T+1), weights (b, T)[, segments (b, T)]}
+    finetune = finetune_data.is_prompt_completion(index)
+    if finetune:  # prompt/completion pairs: the loss on completions only, examples packed or padded
+        loader = finetune_data.Loader(data_dir, "train", seq_len, t.batch_size, seed=cfg.seed,
+                                      process_index=rows_index, process_count=rows_count, batching=cfg.data.batching)
+        for batch in finetune_data.eval_batches(data_dir, "val", seq_len, eval_bs, batching=cfg.data.batching,
+                                                max_rows=t.eval_windows):
+            padded = finetune_data._empty(eval_bs, seq_len)  # zero weights on the rows that pad the batch
+            for k, v in batch.items():
+                padded[k][: len(v)] = v
+            val_sample.append(padded)
+    else:
+        loader = data.Loader(
+            data_dir, "train", seq_len, t.batch_size,
+            seed=cfg.seed, process_index=rows_index, process_count=rows_count,
+        )
+        for tokens in data.eval_batches(data_dir, "val", seq_len, eval_bs, max_windows=t.eval_windows):
+            weights = np.zeros((eval_bs, seq_len), np.float32)
+            weights[: len(tokens)] = 1.0
+            padded = np.zeros((eval_bs, seq_len + 1), np.int32)
+            padded[: len(tokens)] = tokens
+            val_sample.append({"tokens": padded, "weights": weights})
 
     sharding_lib.check_model(mesh, num_head=cfg.model.num_head, mlp_dim=4 * cfg.model.embedding_dim,
                              vocab=cfg.model.padded_vocab_size)  # tensor parallelism splits these evenly
@@ -235,6 +247,7 @@ def main(argv=None) -> int:
             "tokenizer": str(tokenizer.resolve()),
             "tokenizer_sha256": index.get("tokenizer_sha256"),
             "vocab_size": index["vocab_size"],
+            "kind": index.get("kind", "text"),  # prompt_completion: sample.py completes prompts like training
         }
         (run_dir / "data.json").write_text(json.dumps(data_ref, indent=2) + "\n")
         shutil.copyfile(tokenizer, run_dir / "tokenizer.json")  # the run decodes without the corpus
@@ -245,11 +258,20 @@ def main(argv=None) -> int:
     abstract_model = nnx.eval_shape(lambda: model_lib.GPT(mcfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_vars = nnx.split(abstract_model)  # nnx.State of abstract Variables (with axis names)
 
-    def apply(params, tokens, dropout_key=None):
-        """Logits (B, T, V_padded) from a pure dict of params; traced inside jit."""
+    def apply(params, tokens, dropout_key=None, **masking):
+        """Logits (B, T, V_padded) from a pure dict of params; traced inside jit. `masking`: the
+        model's optional mask (B, T, T) and segment_ids (B, T)."""
         variables = jax.tree.map(lambda v: v, abstract_vars)  # fresh Variables to fill
         nnx.replace_by_pure_dict(variables, params)
-        return nnx.merge(graphdef, variables)(tokens, dropout_key=dropout_key)
+        return nnx.merge(graphdef, variables)(tokens, dropout_key=dropout_key, **masking)
+
+    def masked_loss(params, batch, dropout_key=None, fcm_key=None):
+        """(mean loss, counted tokens) of a prompt/completion batch dict, or of an FCM text batch."""
+        tokens, segments = batch["tokens"], batch.get("segments")
+        B, T = tokens.shape[0], tokens.shape[1] - 1
+        mask = model_lib.attention_mask(B, T, segment_ids=segments, fcm_key=fcm_key, fcm_max_ratio=t.fcm_max_ratio)
+        logits = apply(params, tokens[:, :-1], dropout_key, mask=mask, segment_ids=segments)
+        return model_lib.cross_entropy(logits, tokens[:, 1:], batch.get("weights"))
 
     schedule = lr_schedule(t)
     tx = optax.chain(
@@ -284,8 +306,9 @@ def main(argv=None) -> int:
     if is_main:
         print(sharding_lib.describe(abstract_state, state_sharding, mesh, sh.zero_stage, fallbacks), flush=True)
 
-    def place_batch(local_rows: np.ndarray) -> jax.Array:
-        return sharding_lib.place_batch(local_rows, mesh, local_rows.shape[0] * rows_count)
+    def place_batch(local_rows):
+        """A batch (an array, or a dict of arrays with rows first) onto the devices."""
+        return jax.tree.map(lambda x: sharding_lib.place_batch(x, mesh, x.shape[0] * rows_count), local_rows)
 
     def process_slice(global_rows: np.ndarray) -> np.ndarray:
         """This process's rows of a batch every process holds whole (the validation sample)."""
@@ -308,9 +331,15 @@ def main(argv=None) -> int:
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
         # micro-batch i takes rows i, i+M, i+2M, ...: every device's contiguous block of rows
         # splits into M pieces in place, so each micro-batch spans all data-parallel devices
-        micro = batch.reshape(batch.shape[0] // M, M, batch.shape[1]).swapaxes(0, 1)  # (M, B/M, T+1)
+        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1), batch)  # (M, B/M, ...)
 
         def token_loss_sum(p, tokens, i):
+            if isinstance(tokens, dict) or t.fcm_max_ratio > 0:  # the masked path
+                batch = tokens if isinstance(tokens, dict) else {"tokens": tokens}
+                # FCM's key: fold_in(key, M + i) differs from every micro-batch's dropout key
+                fcm_key = jax.random.fold_in(key, M + i) if t.fcm_max_ratio > 0 else None
+                loss, n = masked_loss(p, batch, jax.random.fold_in(key, i), fcm_key)
+                return loss * n, n
             logits = apply(p, tokens[:, :-1], jax.random.fold_in(key, i))  # (b, T, V_padded)
             loss, n = model_lib.cross_entropy(logits, tokens[:, 1:])
             return loss * n, n
@@ -339,11 +368,15 @@ def main(argv=None) -> int:
     train_step = jax.jit(train_step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding),
                          out_shardings=(state_sharding, replicated))
 
-    @functools.partial(jax.jit, in_shardings=(state_sharding["params"], batch_sharding, batch_sharding),
-                       out_shardings=replicated)
-    def eval_step(params, tokens, weights):
+    @functools.partial(jax.jit, in_shardings=(state_sharding["params"], batch_sharding), out_shardings=replicated)
+    def eval_step(params, batch):
+        """Summed loss and count of a validation batch: no dropout, no FCM; segments kept apart."""
         with model_lib.activation_sharding(activations):
-            loss, n = model_lib.cross_entropy(apply(params, tokens[:, :-1]), tokens[:, 1:], weights)
+            if "segments" in batch:
+                loss, n = masked_loss(params, batch)
+            else:
+                loss, n = model_lib.cross_entropy(apply(params, batch["tokens"][:, :-1]), batch["tokens"][:, 1:],
+                                                  batch["weights"])
         return loss * n, n
 
     @functools.partial(jax.jit, out_shardings=replicated)
@@ -351,8 +384,7 @@ def main(argv=None) -> int:
         return jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
 
     def evaluate(params) -> dict:
-        sums = [eval_step(params, place_batch(process_slice(tokens)), place_batch(process_slice(w)))
-                for tokens, w in val_sample]
+        sums = [eval_step(params, place_batch(jax.tree.map(process_slice, batch))) for batch in val_sample]
         loss_sum, n = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)
         loss = float(loss_sum / n)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
