@@ -31,6 +31,7 @@ closing token of the same example as input t; segments number the examples of a 
 """
 from __future__ import annotations
 
+import collections
 import io
 import json
 import os
@@ -303,15 +304,16 @@ class Loader(data.Loader):
         self.rows = np.arange(process_index * self.local_batch_size,
                               (process_index + 1) * self.local_batch_size, dtype=np.int64)
         self._epoch_rows: list[int] = []  # rows of each epoch planned so far
-        self._plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # epoch -> (order, bounds), a few recent
+        self._plans: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # epoch -> (order, bounds)
 
     def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
         if e not in self._plans:
             n = len(self.examples)
             order = data.permute(np.arange(n), n, self.seed, e)
             self._plans[e] = (order, _plan(self.examples.lengths, order, self.seq_len + 1, self.packing))
-            while len(self._plans) > 3:
-                del self._plans[min(self._plans)]
+            while len(self._plans) > 3:  # keep the most recently used few
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(e)
         return self._plans[e]
 
     def _locate(self, g: int) -> tuple[int, int]:
