@@ -2,6 +2,8 @@
 
     python data.py                                  # the default corpus: this Python's stdlib sources
     python data.py --input 'web/*.jsonl.zst' --out data/web --vocab-size 32768 --workers 16
+    python data.py --format prompt_completion --input pairs.jsonl --out data/pairs --tokenizer RUN_DIR --seq-len 1024
+                                                    # fine-tuning pairs with a loss mask: see finetune_data.py
 
 On-disk format of a data directory DIR (FORMAT_VERSION 1):
 

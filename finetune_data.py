@@ -343,7 +343,8 @@ class Loader(data.Loader):
 def _checked(data_dir, split: str, seq_len: int) -> Examples:
     examples = Examples(data_dir, split)
     if len(examples) == 0:
-        raise DataError(f"{data_dir}: split {split!r} has no examples")
+        hint = "; prepare with a larger --val-fraction" if split == "val" else ""
+        raise DataError(f"{data_dir}: split {split!r} has no examples{hint}")
     longest = int(examples.lengths.max())
     if longest > seq_len + 1:
         raise DataError(f"{data_dir}: an example of {longest} tokens does not fit training.seq_len {seq_len} "
