@@ -4,6 +4,7 @@ import itertools
 import json
 import pathlib
 import random
+import shutil
 import subprocess
 import sys
 
@@ -205,6 +206,21 @@ def test_finetuned_model_reverses_held_out_lists(reversal, tmp_path, capsys):
                        "--max-new-tokens", "6"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("---------- sample 1/1") and printed[1] == held[0]["out_text"]
+
+
+def test_finetune_with_fcm_resumes_exactly(reversal, tmp_path):
+    """Packed prompt/completion batches, FCM and two micro-batches: a run stopped after its step-4
+    checkpoint and resumed repeats steps 5..8 of the straight run (the batch and the FCM mask are
+    functions of the step)."""
+    root, _ = reversal
+    args = ("training.fcm_max_ratio=0.5", "training.micro_batches=2", "training.batch_size=16")
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    assert train.main(tiny(straight, root / "data", *args)) == 0
+    shutil.copytree(straight, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "8")  # the crash came before the step-8 checkpoint
+    assert train.main(["--resume", f"run_dir={crashed}"]) == 0
+    timeless = lambda r: {k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu", "time_s")}  # noqa: E731
+    assert [timeless(r) for r in rows(crashed)] == [timeless(r) for r in rows(straight)]
 
 
 # ----------------------------------------------------------------------------------------------
