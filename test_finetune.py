@@ -186,7 +186,8 @@ def test_finetuned_model_reverses_held_out_lists(reversal, tmp_path, capsys):
     run_dir = tmp_path / "run"
     # learned positions: a 2-layer model finds "the k-th word from the end" by position easily; the
     # packed rows check that positions restart at every example
-    assert train.main(tiny(run_dir, root / "data", "model.embedding_dim=64", "model.alibi_attn=false",
+    model_args = ("model.embedding_dim=64", "model.alibi_attn=false")
+    assert train.main(tiny(run_dir, root / "data", *model_args,
                            "training.seq_len=32", "training.batch_size=16", "training.steps=400",
                            "training.lr=1e-2", "training.warmup_steps=20", "training.weight_decay=0",
                            "training.log_every=10", "training.eval_every=200", "checkpoint.every=400")) == 0
@@ -206,6 +207,12 @@ def test_finetuned_model_reverses_held_out_lists(reversal, tmp_path, capsys):
                        "--max-new-tokens", "6"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("---------- sample 1/1") and printed[1] == held[0]["out_text"]
+
+    # a further run starting from this one (training.init_from) begins where it ended
+    again = tmp_path / "again"
+    assert train.main(tiny(again, root / "data", *model_args, "training.seq_len=32", "training.steps=1",
+                           f"training.init_from={run_dir}")) == 0
+    assert rows(again)[0]["loss"] < 0.05
 
 
 def test_finetune_with_fcm_resumes_exactly(reversal, tmp_path):
