@@ -331,7 +331,7 @@ class Loader(data.Loader):
         """This process's rows of the global batch at `step`: {tokens (b, T+1), weights (b, T), segments (b, T)}."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        batch = _empty(self.local_batch_size, self.seq_len)
+        batch = empty_batch(self.local_batch_size, self.seq_len)
         for i, g in enumerate((step * self.batch_size + self.rows).tolist()):
             e, r = self._locate(g)
             order, bounds = self._epoch(e)
@@ -352,7 +352,8 @@ def _checked(data_dir, split: str, seq_len: int) -> Examples:
     return examples
 
 
-def _empty(rows: int, seq_len: int) -> dict:
+def empty_batch(rows: int, seq_len: int) -> dict:
+    """All-zero batch arrays: tokens (rows, T+1), weights (rows, T), segments (rows, T)."""
     return {"tokens": np.zeros((rows, seq_len + 1), np.int32), "weights": np.zeros((rows, seq_len), np.float32),
             "segments": np.zeros((rows, seq_len), np.int32)}
 
@@ -364,7 +365,7 @@ def eval_batches(data_dir, split: str, seq_len: int, batch_size: int, *, batchin
     bounds = _plan(examples.lengths, np.arange(len(examples)), seq_len + 1, batching == "packing")
     n = len(bounds) - 1 if max_rows is None else min(len(bounds) - 1, max_rows)
     for first in range(0, n, batch_size):
-        batch = _empty(min(batch_size, n - first), seq_len)
+        batch = empty_batch(min(batch_size, n - first), seq_len)
         for i, r in enumerate(range(first, first + len(batch["tokens"]))):
             examples.fill(range(bounds[r], bounds[r + 1]), batch["tokens"][i], batch["weights"][i],
                           batch["segments"][i])

@@ -216,7 +216,7 @@ def main(argv=None) -> int:
                                       process_index=rows_index, process_count=rows_count, batching=cfg.data.batching)
         for batch in finetune_data.eval_batches(data_dir, "val", seq_len, eval_bs, batching=cfg.data.batching,
                                                 max_rows=t.eval_windows):
-            padded = finetune_data._empty(eval_bs, seq_len)  # zero weights on the rows that pad the batch
+            padded = finetune_data.empty_batch(eval_bs, seq_len)  # zero weights on the rows that pad the batch
             for k, v in batch.items():
                 padded[k][: len(v)] = v
             val_sample.append(padded)
@@ -333,13 +333,15 @@ def main(argv=None) -> int:
         # splits into M pieces in place, so each micro-batch spans all data-parallel devices
         micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1), batch)  # (M, B/M, ...)
 
-        def token_loss_sum(p, tokens, i):
-            if isinstance(tokens, dict) or t.fcm_max_ratio > 0:  # the masked path
-                batch = tokens if isinstance(tokens, dict) else {"tokens": tokens}
+        def token_loss_sum(p, rows, i):
+            """rows: tokens (b, T+1), or a prompt/completion dict {tokens, weights, segments}."""
+            if isinstance(rows, dict) or t.fcm_max_ratio > 0:  # the masked path
+                rows = rows if isinstance(rows, dict) else {"tokens": rows}
                 # FCM's key: fold_in(key, M + i) differs from every micro-batch's dropout key
                 fcm_key = jax.random.fold_in(key, M + i) if t.fcm_max_ratio > 0 else None
-                loss, n = masked_loss(p, batch, jax.random.fold_in(key, i), fcm_key)
+                loss, n = masked_loss(p, rows, jax.random.fold_in(key, i), fcm_key)
                 return loss * n, n
+            tokens = rows
             logits = apply(p, tokens[:, :-1], jax.random.fold_in(key, i))  # (b, T, V_padded)
             loss, n = model_lib.cross_entropy(logits, tokens[:, 1:])
             return loss * n, n
