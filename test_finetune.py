@@ -138,6 +138,14 @@ def test_data_cli_errors(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+def test_train_refuses_examples_longer_than_the_context(reversal, tmp_path, capsys):
+    root, _ = reversal
+    assert train.cli(tiny(tmp_path / "run", root / "data", "training.seq_len=6")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "an example of 8 tokens does not fit training.seq_len 6" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
 # ----------------------------------------------------------------------------------------------
 # Packing: examples in one row never see each other
 
