@@ -40,6 +40,7 @@ class ConfigError(Exception):
 @dataclasses.dataclass
 class DataConfig:
     dir: typing.Optional[str] = None  # prepared data directory; None = the built-in default corpus
+    batching: str = "packing"  # prompt/completion data: packing (several examples a row) | padding (one)
 
 
 @dataclasses.dataclass
@@ -61,6 +62,7 @@ class TrainingConfig:
     eval_every: int = 250
     eval_windows: int = 256
     init_from: typing.Optional[str] = None  # a run directory whose last checkpoint's params start this run
+    fcm_max_ratio: float = 0.0  # forgetful causal masking: hide up to this fraction of past tokens; 0 = off
 
 
 @dataclasses.dataclass
@@ -107,6 +109,7 @@ SECTIONS = {"data": DataConfig, "training": TrainingConfig, "checkpoint": Checkp
             "sharding": ShardingConfig, "wandb": WandbConfig}
 TOP_LEVEL_KEYS = ("run_dir", "seed", "model", *SECTIONS)
 WANDB_MODES = ("disabled", "offline", "online")
+BATCHING = ("packing", "padding")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,6 +319,10 @@ def validate(cfg: Config) -> None:
                           f"-1 (the rest of the devices); got {', '.join(f'{k}={v}' for k, v in sizes.items())}")
     if cfg.sharding.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"sharding.zero_stage must be 0, 1, 2 or 3, got {cfg.sharding.zero_stage}")
+    if not 0.0 <= t.fcm_max_ratio < 1.0:
+        raise ConfigError(f"training.fcm_max_ratio must be in [0, 1), got {t.fcm_max_ratio}")
+    if cfg.data.batching not in BATCHING:
+        raise ConfigError(f"data.batching must be one of {', '.join(BATCHING)}, got {cfg.data.batching!r}")
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode must be one of {', '.join(WANDB_MODES)}, got {cfg.wandb.mode!r}")
 

@@ -3,6 +3,8 @@
     python data.py                                  # the default corpus: this Python's stdlib sources
     python data.py --input 'web/*.jsonl.zst' --out data/web --vocab-size 32768 --workers 16
     python data.py --runner beam --beam-option runner=FlinkRunner ... --input ... --out ... --tokenizer tok.json
+    python data.py --format prompt_completion --input pairs.jsonl --out data/pairs --tokenizer RUN_DIR --seq-len 1024
+                                                    # fine-tuning pairs with a loss mask: see finetune_data.py
 
 On-disk format of a data directory DIR (FORMAT_VERSION 1):
 
@@ -682,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--tokenizer", help="a tokenizers tokenizer.json to use instead of training a BPE")
     group.add_argument("--vocab-size", type=int, help="vocabulary of the BPE trained on the inputs "
                                                       "(default 8192, 4096 for the default corpus)")
-    parser.add_argument("--val-fraction", type=float, default=0.005, help="share of documents held out")
+    parser.add_argument("--val-fraction", type=float, help="share of documents held out "
+                                                             "(default 0.005; 0.05 for prompt_completion)")
     parser.add_argument("--workers", type=int, help="tokenizer threads (default: all cores)")
     parser.add_argument("--shard-tokens", type=int, default=2**27, help="tokens per shard file")
     parser.add_argument("--text-field", default="text", help="JSON field / Parquet column holding the text")
@@ -692,9 +695,38 @@ def main(argv: list[str] | None = None) -> int:
                         help="local: this process (default); beam: an Apache Beam pipeline (data_beam.py)")
     parser.add_argument("--beam-option", action="append", default=[], metavar="KEY=VALUE",
                         help="a Beam pipeline option, e.g. runner=DataflowRunner; repeatable")
+    fine = parser.add_argument_group("prompt/completion fine-tuning data (--format prompt_completion, "
+                                      "see finetune_data.py; --tokenizer may name a run directory)")
+    fine.add_argument("--format", choices=("text", "prompt_completion"), default="text",
+                      help="text: documents for pre-training; prompt_completion: JSON Lines pairs with a loss mask")
+    fine.add_argument("--in-field", default="in_text", help="JSON field of the prompt")
+    fine.add_argument("--out-field", default="out_text", help="JSON field of the completion")
+    fine.add_argument("--seq-len", type=int, help="training context: longer examples lose prompt tokens "
+                                                   "from the left (required with prompt_completion)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
+        if args.format == "prompt_completion":
+            import finetune_data
+
+            if args.runner != "local":
+                raise DataError("--format prompt_completion runs in this process only (no --runner beam)")
+            if not args.input or not args.out or not args.seq_len:
+                raise DataError("--format prompt_completion needs --input, --out and --seq-len")
+            val_fraction = 0.05 if args.val_fraction is None else args.val_fraction
+            index = finetune_data.prepare(args.input, args.out, seq_len=args.seq_len, tokenizer=args.tokenizer,
+                                          vocab_size=args.vocab_size or 8192, in_field=args.in_field,
+                                          out_field=args.out_field, val_fraction=val_fraction,
+                                          shard_tokens=args.shard_tokens, overwrite=args.overwrite)
+            train_split, val_split = index["splits"]["train"], index["splits"]["val"]
+            print(f"{index['examples']:,} examples (train {train_split['examples']:,}, val {val_split['examples']:,}), "
+                  f"{index['tokens']:,} tokens, {train_split['completion_tokens'] + val_split['completion_tokens']:,} "
+                  f"in the loss; {index['truncated']} prompts truncated from the left, {index['skipped']} examples "
+                  f"skipped (completion longer than --seq-len {args.seq_len}), {index['skipped_records']} invalid "
+                  f"records skipped; vocab {index['vocab_size']}, {time.perf_counter() - start:.1f}s -> {args.out}")
+            return 0
+        if args.val_fraction is None:
+            args.val_fraction = 0.005
         beam_options = _beam_flags(args.beam_option, args.runner)
         runner = dict(runner=args.runner, beam_options=beam_options)
         if args.input:

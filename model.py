@@ -216,9 +216,16 @@ def _layer_norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
     )
 
 
-def attention(q, k, v, cfg: GPTConfig, dropout_key=None) -> jax.Array:
-    """Causal attention of q, k, v (B, T, H, D) -> (B, T, H, D), with the ALiBi bias when configured."""
+def attention(q, k, v, cfg: GPTConfig, dropout_key=None, mask=None) -> jax.Array:
+    """Causal attention of q, k, v (B, T, H, D) -> (B, T, H, D), with the ALiBi bias when configured.
+
+    `mask` (B, T, T) bool, optional: query i may see key j only where mask[b, i, j] is also true
+    (packed segments, forgetful causal masking; see `attention_mask`). A masked call always takes
+    the reference path.
+    """
     B, T, H, D = q.shape
+    if mask is not None:
+        return _attend(q, k, v, jnp.arange(T), jnp.arange(T), cfg, dropout_key, mask)
     if cfg.attention == "pallas":  # O(T) memory: the bias is made inside the kernel from the slopes
         import flash_alibi  # only when chosen: Pallas is not needed otherwise
 
@@ -262,15 +269,18 @@ def cached_attention(q, k_cache, v_cache, pos, cfg: GPTConfig) -> jax.Array:
     return y.astype(q.dtype)
 
 
-def _attend(q, k, v, q_pos, k_pos, cfg: GPTConfig, dropout_key=None) -> jax.Array:
+def _attend(q, k, v, q_pos, k_pos, cfg: GPTConfig, dropout_key=None, mask=None) -> jax.Array:
     """The reference attention: queries q (B, Tq, H, D) at positions q_pos (Tq,), keys and values
-    (B, Tk, H, D) at k_pos (Tk,); query i sees key j iff j <= i, with -slope * (i - j) under ALiBi."""
+    (B, Tk, H, D) at k_pos (Tk,); query i sees key j iff j <= i (and mask[b, i, j], when a (B, Tq, Tk)
+    mask is given), with -slope * (i - j) under ALiBi."""
     H, D = q.shape[2], q.shape[3]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)  # (B, H, Tq, Tk)
     scores = scores * (1.0 / math.sqrt(D))
     if cfg.alibi_attn:
         scores = scores + alibi_bias_at(H, q_pos, k_pos)[None]  # (1, H, Tq, Tk)
     causal = k_pos[None, :] <= q_pos[:, None]  # (Tq, Tk)
+    if mask is not None:
+        causal = (causal[None] & mask)[:, None]  # (B, 1, Tq, Tk)
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)  # float32, always: a bf16 softmax destabilises training
     probs = _dropout(probs, cfg.dropout, dropout_key).astype(v.dtype)
@@ -298,9 +308,9 @@ class Attention(nnx.Module):
         y = logical_constraint(y, ("batch", "length", "heads", "kv"))
         return self.c_proj("bthc,hcd->btd", y)  # (B, T, d)
 
-    def __call__(self, x: jax.Array, dropout_key=None) -> jax.Array:
+    def __call__(self, x: jax.Array, dropout_key=None, mask=None) -> jax.Array:
         q, k, v = self.qkv(x)
-        return self.out(attention(q, k, v, self.cfg, dropout_key))  # (B, T, d)
+        return self.out(attention(q, k, v, self.cfg, dropout_key, mask))  # (B, T, d)
 
     def decode(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array):
         """Attention of x (B, T, d) at positions pos..pos+T-1 over a cache (B, L, H, D) of earlier keys.
@@ -336,8 +346,8 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs)
         self.dropout = cfg.dropout
 
-    def __call__(self, x: jax.Array, dropout_key=None) -> jax.Array:
-        x = x + _dropout(self.attn(self.ln_1(x), _fold(dropout_key, 0)), self.dropout, _fold(dropout_key, 1))
+    def __call__(self, x: jax.Array, dropout_key=None, mask=None) -> jax.Array:
+        x = x + _dropout(self.attn(self.ln_1(x), _fold(dropout_key, 0), mask), self.dropout, _fold(dropout_key, 1))
         x = x + _dropout(self.mlp(self.ln_2(x)), self.dropout, _fold(dropout_key, 2))
         return logical_constraint(x, ("batch", "length", "embed"))
 
@@ -349,8 +359,8 @@ class Block(nnx.Module):
         return x, k_cache, v_cache
 
 
-def _block_forward(block: Block, x: jax.Array, dropout_key):
-    return block(x, dropout_key)
+def _block_forward(block: Block, x: jax.Array, dropout_key, mask=None):
+    return block(x, dropout_key, mask)
 
 
 class GPT(nnx.Module):
@@ -366,19 +376,30 @@ class GPT(nnx.Module):
         policy = REMAT_POLICIES[cfg.remat]
         self._block_forward = _block_forward if cfg.remat == "none" else nnx.remat(_block_forward, policy=policy)
 
-    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Logits, float32 (B, T, padded_vocab_size), for int tokens (B, T). Dropout iff a key is given."""
+    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, mask: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """Logits, float32 (B, T, padded_vocab_size), for int tokens (B, T). Dropout iff a key is given.
+
+        mask (B, T, T) bool, optional: an attention mask on top of the causal one (`attention_mask`).
+        segment_ids (B, T) int, optional, for packed examples: learned positions restart at 0 at
+        each segment's first token (ALiBi needs nothing: it sees only distances within a segment).
+        """
         cfg = self.config
-        x = _dropout(self._embed(tokens, 0, tokens.shape[1]), cfg.dropout, _fold(dropout_key, cfg.N))
+        x = self._embed(tokens, 0, tokens.shape[1], segment_ids)
+        x = _dropout(x, cfg.dropout, _fold(dropout_key, cfg.N))
         x = logical_constraint(x, ("batch", "length", "embed"))
         for i, block in enumerate(self.blocks):
-            x = self._block_forward(block, x, _fold(dropout_key, i))
+            if mask is None:
+                x = self._block_forward(block, x, _fold(dropout_key, i))
+            else:
+                x = self._block_forward(block, x, _fold(dropout_key, i), mask)
         return self._logits(x)
 
-    def _embed(self, tokens: jax.Array, pos, length: int) -> jax.Array:
+    def _embed(self, tokens: jax.Array, pos, length: int, segment_ids=None) -> jax.Array:
         """Embeddings of tokens (B, T) at positions pos..pos+T-1, in the compute dtype: (B, T, d).
 
         `length` is how far the sequence reaches; a learned-position model refuses more than block_size.
+        With segment_ids (B, T), learned positions count from each segment's start instead.
         """
         cfg = self.config
         x = jnp.take(self.wte[...], tokens, axis=0)  # (B, T, d)
@@ -388,7 +409,10 @@ class GPT(nnx.Module):
                     f"a sequence of {length} tokens is longer than block_size {cfg.block_size} of a learned-position "
                     f"model; only ALiBi models (alibi_attn: true) run beyond their training context"
                 )
-            x = x + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens.shape[1])  # (T, d) over the batch
+            if segment_ids is None:
+                x = x + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens.shape[1])  # (T, d) over the batch
+            else:
+                x = x + jnp.take(self.wpe[...], segment_positions(segment_ids), axis=0)  # (B, T, d)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         return x.astype(DTYPES[cfg.dtype])
@@ -417,6 +441,49 @@ class GPT(nnx.Module):
             x, k, v = block.decode(x, k_all[i], v_all[i], pos)
             k_all, v_all = k_all.at[i].set(k), v_all.at[i].set(v)
         return self._logits(x), {"k": k_all, "v": v_all}
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention masks beyond causal: packed segments and forgetful causal masking
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Each token's position within its segment, int32 (B, T), for segment ids (B, T) that are
+    constant over each run of consecutive tokens: 0 at every token whose id differs from the one before."""
+    T = segment_ids.shape[1]
+    t = jnp.arange(T)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)  # (B, T)
+    first = jax.lax.cummax(jnp.where(starts, t, 0), axis=1)  # (B, T) index of the segment's first token
+    return (t - first).astype(jnp.int32)
+
+
+def attention_mask(batch: int, length: int, *, segment_ids: jax.Array | None = None, fcm_key=None,
+                   fcm_max_ratio: float = 0.0) -> jax.Array | None:
+    """The extra attention mask (B, T, T) bool for `GPT.__call__` (True = may attend), or None.
+
+    segment_ids (B, T): query i sees key j only within its own segment (packed examples).
+    Forgetful causal masking (Liu et al. 2022, arXiv 2210.13432), when fcm_key is given and
+    fcm_max_ratio > 0: each sequence draws a ratio r ~ U(0, fcm_max_ratio) and hides each key
+    position with probability r from every query. The first token (of the sequence and of each
+    segment) stays visible, and a token always sees itself, so no query is left without a key.
+    For training only: evaluation and generation use no FCM.
+    """
+    if segment_ids is None and (fcm_key is None or fcm_max_ratio <= 0):
+        return None
+    mask = jnp.ones((batch, length, length), bool)
+    if segment_ids is not None:
+        mask = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, Tq, Tk)
+    if fcm_key is not None and fcm_max_ratio > 0:
+        ratio_key, drop_key = jax.random.split(fcm_key)
+        ratio = jax.random.uniform(ratio_key, (batch, 1), maxval=fcm_max_ratio)  # (B, 1) one r per sequence
+        visible = jax.random.uniform(drop_key, (batch, length)) >= ratio  # (B, Tk) P(hidden) = r
+        visible = visible.at[:, 0].set(True)
+        if segment_ids is not None:
+            visible = visible | (segment_positions(segment_ids) == 0)
+        diagonal = jnp.eye(length, dtype=bool)[None]  # (1, Tq, Tk)
+        mask = mask & (visible[:, None, :] | diagonal)
+    return mask
 
 
 def init_cache(config: GPTConfig, batch: int, max_len: int) -> dict:

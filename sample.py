@@ -16,6 +16,11 @@ and a token is drawn with `jax.random` from a key folded with the step. The same
 same samples. An ALiBi model generates beyond its training context; a learned-position model
 refuses a prompt plus new tokens longer than its `block_size`.
 
+A run fine-tuned on prompt/completion data (its data.json says `kind: prompt_completion`) is
+used the way it was trained: `--prompt` is the in_text, encoded on its own exactly as
+finetune_data.py encodes it, and the completion (the out_text, up to the end-of-text token) is
+printed alone.
+
 User errors (a missing run directory or checkpoint, an empty prompt, a bad number, a too-long
 learned-position request) end in one `error: ...` line on stderr and exit status 2.
 """
@@ -148,6 +153,17 @@ def load_model(run_dir, step: int | None = None) -> tuple[GPT, int]:
     return nnx.merge(graphdef, state), step
 
 
+def is_finetuned(run_dir) -> bool:
+    """Whether the run trained on prompt/completion pairs (train.py records the data's kind in data.json)."""
+    import json
+
+    path = pathlib.Path(run_dir) / "data.json"
+    try:
+        return json.loads(path.read_text()).get("kind") == "prompt_completion"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def load_tokenizer(run_dir):
     from tokenizers import Tokenizer
 
@@ -200,7 +216,8 @@ def main(argv=None) -> int:
         raise SampleError(f"run directory {run_dir} not found")
     cfg = config_lib.load_run_config(run_dir).model
     tokenizer = load_tokenizer(run_dir)
-    prompt_ids = tokenizer.encode(args.prompt).ids
+    finetuned = is_finetuned(run_dir)
+    prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
     if not prompt_ids:
         raise SampleError(f"--prompt {args.prompt!r} encodes to no tokens")
     if max(prompt_ids) >= cfg.vocab_size:
@@ -227,7 +244,7 @@ def main(argv=None) -> int:
     t2 = time.perf_counter()
 
     for i, row in enumerate(out):
-        text = tokenizer.decode(prompt_ids + truncate(row, eot_id))
+        text = tokenizer.decode(([] if finetuned else prompt_ids) + truncate(row, eot_id))
         print(f"---------- sample {i + 1}/{args.num_samples} ----------")
         print(text)
     new = args.num_samples * steps

@@ -5,7 +5,9 @@ function and times it, so the benchmark measures what training runs. Nothing her
 knows about meshes beyond the shardings and activation rules it is handed.
 
     state = {params, opt_state, step, rng}          one pytree; `step` is also the loader position
-    train_step(state, batch (B, T+1) int) -> (new state, {"loss", "grad_norm"})
+    train_step(state, batch) -> (new state, {"loss", "grad_norm"})
+        batch: tokens (B, T+1) int, or for prompt/completion data a dict {tokens (B, T+1),
+        weights (B, T) loss weights, segments (B, T) packed-example ids}
 """
 from __future__ import annotations
 
@@ -87,17 +89,35 @@ def make_optimizer(t):
 
 
 def make_apply(mcfg: model_lib.GPTConfig):
-    """(apply, abstract_vars): apply(params, tokens, dropout_key) -> logits (B, T, V_padded) from a pure
-    dict of params, traced inside jit; abstract_vars holds the parameters' shapes and axis names."""
+    """(apply, abstract_vars): apply(params, tokens, dropout_key, **masking) -> logits (B, T, V_padded)
+    from a pure dict of params, traced inside jit; `masking` is the model's optional mask (B, T, T)
+    and segment_ids (B, T). abstract_vars holds the parameters' shapes and axis names."""
     abstract_model = nnx.eval_shape(lambda: model_lib.GPT(mcfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_vars = nnx.split(abstract_model)  # nnx.State of abstract Variables (with axis names)
 
-    def apply(params, tokens, dropout_key=None):
+    def apply(params, tokens, dropout_key=None, **masking):
         variables = jax.tree.map(lambda v: v, abstract_vars)  # fresh Variables to fill
         nnx.replace_by_pure_dict(variables, params)
-        return nnx.merge(graphdef, variables)(tokens, dropout_key=dropout_key)
+        return nnx.merge(graphdef, variables)(tokens, dropout_key=dropout_key, **masking)
 
     return apply, abstract_vars
+
+
+def make_masked_loss(apply, fcm_max_ratio: float = 0.0):
+    """masked_loss(params, batch, dropout_key=None, fcm_key=None) -> (mean loss, counted tokens).
+
+    batch is a prompt/completion dict {tokens, weights?, segments?}: attention stays inside each
+    packed example, and with an fcm_key a random share of past keys is hidden (forgetful causal
+    masking, up to fcm_max_ratio)."""
+
+    def masked_loss(params, batch, dropout_key=None, fcm_key=None):
+        tokens, segments = batch["tokens"], batch.get("segments")
+        B, T = tokens.shape[0], tokens.shape[1] - 1
+        mask = model_lib.attention_mask(B, T, segment_ids=segments, fcm_key=fcm_key, fcm_max_ratio=fcm_max_ratio)
+        logits = apply(params, tokens[:, :-1], dropout_key, mask=mask, segment_ids=segments)
+        return model_lib.cross_entropy(logits, tokens[:, 1:], batch.get("weights"))
+
+    return masked_loss
 
 
 def make_init_state(mcfg: model_lib.GPTConfig, tx):
@@ -115,14 +135,17 @@ def make_init_state(mcfg: model_lib.GPTConfig, tx):
     return init_state
 
 
-def make_train_step(apply, tx, micro_batches: int, grad_sharding=None, activations=None):
-    """train_step(state, batch (B, T+1)) -> (state, {"loss", "grad_norm"}), to be jitted by the caller.
+def make_train_step(apply, tx, micro_batches: int, grad_sharding=None, activations=None, fcm_max_ratio: float = 0.0):
+    """train_step(state, batch) -> (state, {"loss", "grad_norm"}), to be jitted by the caller.
 
     Gradient accumulation over `micro_batches` pieces in a scan. `grad_sharding` (a pytree of
     shardings like the params, or None) constrains the gradients: at ZeRO stages 2 and 3 the
     data-parallel reduction becomes a reduce-scatter. `activations` is sharding.activation_rules(mesh).
+    A prompt/completion batch (a dict) or fcm_max_ratio > 0 takes the masked path; the loss is the
+    mean over counted tokens of the whole batch.
     """
     M = micro_batches
+    masked_loss = make_masked_loss(apply, fcm_max_ratio)
 
     def constrain_grads(grads):
         return grads if grad_sharding is None else jax.lax.with_sharding_constraint(grads, grad_sharding)
@@ -138,9 +161,17 @@ def make_train_step(apply, tx, micro_batches: int, grad_sharding=None, activatio
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
         # micro-batch i takes rows i, i+M, i+2M, ...: every device's contiguous block of rows
         # splits into M pieces in place, so each micro-batch spans all data-parallel devices
-        micro = batch.reshape(batch.shape[0] // M, M, batch.shape[1]).swapaxes(0, 1)  # (M, B/M, T+1)
+        micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1), batch)  # (M, B/M, ...)
 
-        def token_loss_sum(p, tokens, i):
+        def token_loss_sum(p, rows, i):
+            """rows: tokens (b, T+1), or a prompt/completion dict {tokens, weights, segments}."""
+            if isinstance(rows, dict) or fcm_max_ratio > 0:  # the masked path
+                rows = rows if isinstance(rows, dict) else {"tokens": rows}
+                # FCM's key: fold_in(key, M + i) differs from every micro-batch's dropout key
+                fcm_key = jax.random.fold_in(key, M + i) if fcm_max_ratio > 0 else None
+                loss, n = masked_loss(p, rows, jax.random.fold_in(key, i), fcm_key)
+                return loss * n, n
+            tokens = rows
             logits = apply(p, tokens[:, :-1], jax.random.fold_in(key, i))  # (b, T, V_padded)
             loss, n = model_lib.cross_entropy(logits, tokens[:, 1:])
             return loss * n, n

@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 import config as config_lib
 import data
+import finetune_data
 import model as model_lib
 import sharding as sharding_lib
 import step as step_lib
@@ -159,19 +160,30 @@ def main(argv=None) -> int:
         say(f"model.vocab_size {cfg.model.vocab_size} -> {index['vocab_size']}, the vocabulary of {data_dir}")
         cfg.model = dataclasses.replace(cfg.model, vocab_size=index["vocab_size"])
     seq_len = cfg.seq_len
-    loader = data.Loader(
-        data_dir, "train", seq_len, t.batch_size,
-        seed=cfg.seed, process_index=rows_index, process_count=rows_count,
-    )
     # a fixed validation sample, padded to whole batches so evaluation compiles once
     eval_bs = t.batch_size // t.micro_batches
-    val_sample = []
-    for tokens in data.eval_batches(data_dir, "val", seq_len, eval_bs, max_windows=t.eval_windows):
-        weights = np.zeros((eval_bs, seq_len), np.float32)
-        weights[: len(tokens)] = 1.0
-        padded = np.zeros((eval_bs, seq_len + 1), np.int32)
-        padded[: len(tokens)] = tokens
-        val_sample.append((padded, weights))
+    val_sample = []  # batches {tokens (b, T+1), weights (b, T)[, segments (b, T)]}
+    finetune = finetune_data.is_prompt_completion(index)
+    if finetune:  # prompt/completion pairs: the loss on completions only, examples packed or padded
+        loader = finetune_data.Loader(data_dir, "train", seq_len, t.batch_size, seed=cfg.seed,
+                                      process_index=rows_index, process_count=rows_count, batching=cfg.data.batching)
+        for batch in finetune_data.eval_batches(data_dir, "val", seq_len, eval_bs, batching=cfg.data.batching,
+                                                max_rows=t.eval_windows):
+            padded = finetune_data.empty_batch(eval_bs, seq_len)  # zero weights on the rows that pad the batch
+            for k, v in batch.items():
+                padded[k][: len(v)] = v
+            val_sample.append(padded)
+    else:
+        loader = data.Loader(
+            data_dir, "train", seq_len, t.batch_size,
+            seed=cfg.seed, process_index=rows_index, process_count=rows_count,
+        )
+        for tokens in data.eval_batches(data_dir, "val", seq_len, eval_bs, max_windows=t.eval_windows):
+            weights = np.zeros((eval_bs, seq_len), np.float32)
+            weights[: len(tokens)] = 1.0
+            padded = np.zeros((eval_bs, seq_len + 1), np.int32)
+            padded[: len(tokens)] = tokens
+            val_sample.append({"tokens": padded, "weights": weights})
 
     sharding_lib.check_model(mesh, num_head=cfg.model.num_head, mlp_dim=4 * cfg.model.embedding_dim,
                              vocab=cfg.model.padded_vocab_size)  # tensor parallelism splits these evenly
@@ -188,6 +200,7 @@ def main(argv=None) -> int:
             "tokenizer": f"{data_dir}/{index['tokenizer']}" if remote_data else str(tokenizer.resolve()),
             "tokenizer_sha256": index.get("tokenizer_sha256"),
             "vocab_size": index["vocab_size"],
+            "kind": index.get("kind", "text"),  # prompt_completion: sample.py completes prompts like training
         }
         run_dir.write_text("data.json", json.dumps(data_ref, indent=2) + "\n")
         run_dir.write_bytes("tokenizer.json", tokenizer.read_bytes())  # the run decodes without the corpus
@@ -197,6 +210,7 @@ def main(argv=None) -> int:
     mcfg = cfg.model
     apply, abstract_vars = step_lib.make_apply(mcfg)  # the model's shapes and axis names, no memory
     tx, schedule = step_lib.make_optimizer(t)
+    masked_loss = step_lib.make_masked_loss(apply)  # validation of prompt/completion data: no FCM
     init_key, train_key = jax.random.split(jax.random.key(cfg.seed))
     init_state = step_lib.make_init_state(mcfg, tx)
 
@@ -214,8 +228,9 @@ def main(argv=None) -> int:
     if is_main:
         print(sharding_lib.describe(abstract_state, state_sharding, mesh, sh.zero_stage, fallbacks), flush=True)
 
-    def place_batch(local_rows: np.ndarray) -> jax.Array:
-        return sharding_lib.place_batch(local_rows, mesh, local_rows.shape[0] * rows_count)
+    def place_batch(local_rows):
+        """A batch (an array, or a dict of arrays with rows first) onto the devices."""
+        return jax.tree.map(lambda x: sharding_lib.place_batch(x, mesh, x.shape[0] * rows_count), local_rows)
 
     def process_slice(global_rows: np.ndarray) -> np.ndarray:
         """This process's rows of a batch every process holds whole (the validation sample)."""
@@ -225,15 +240,20 @@ def main(argv=None) -> int:
     # ------------------------------------------------------------------------------------------
     # Step: gradient accumulation over micro-batches inside one jitted, state-donating step
     # (step.py builds it, so that bench.py times exactly this function)
-    train_step = step_lib.make_train_step(apply, tx, t.micro_batches, grad_sharding, activations)
+    train_step = step_lib.make_train_step(apply, tx, t.micro_batches, grad_sharding, activations,
+                                          fcm_max_ratio=t.fcm_max_ratio)
     train_step = jax.jit(train_step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding),
                          out_shardings=(state_sharding, replicated))
 
-    @functools.partial(jax.jit, in_shardings=(state_sharding["params"], batch_sharding, batch_sharding),
-                       out_shardings=replicated)
-    def eval_step(params, tokens, weights):
+    @functools.partial(jax.jit, in_shardings=(state_sharding["params"], batch_sharding), out_shardings=replicated)
+    def eval_step(params, batch):
+        """Summed loss and count of a validation batch: no dropout, no FCM; segments kept apart."""
         with model_lib.activation_sharding(activations):
-            loss, n = model_lib.cross_entropy(apply(params, tokens[:, :-1]), tokens[:, 1:], weights)
+            if "segments" in batch:
+                loss, n = masked_loss(params, batch)
+            else:
+                loss, n = model_lib.cross_entropy(apply(params, batch["tokens"][:, :-1]), batch["tokens"][:, 1:],
+                                                  batch["weights"])
         return loss * n, n
 
     @functools.partial(jax.jit, out_shardings=replicated)
@@ -241,8 +261,7 @@ def main(argv=None) -> int:
         return jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
 
     def evaluate(params) -> dict:
-        sums = [eval_step(params, place_batch(process_slice(tokens)), place_batch(process_slice(w)))
-                for tokens, w in val_sample]
+        sums = [eval_step(params, place_batch(jax.tree.map(process_slice, batch))) for batch in val_sample]
         loss_sum, n = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)
         loss = float(loss_sum / n)
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}

@@ -1,0 +1,304 @@
+"""Tests of prompt/completion fine-tuning (finetune_data.py, the masked model path, train.py,
+sample.py) and of forgetful causal masking (model.attention_mask, train.py's step)."""
+import itertools
+import json
+import pathlib
+import random
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from tokenizers import Tokenizer
+
+import config
+import data
+import finetune_data
+import model as model_lib
+import sample
+import train
+from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
+
+REPO = pathlib.Path(__file__).resolve().parent
+WORDS = "red blue green cat dog sun moon tree".split()
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def reversal_pairs():
+    """Every 3-word list over WORDS and its reverse, shuffled: (train, held-out)."""
+    lists = list(itertools.product(WORDS, repeat=3))
+    random.Random(0).shuffle(lists)
+    pairs = [{"in_text": " " + " ".join(xs) + " =", "out_text": " " + " ".join(reversed(xs))} for xs in lists]
+    return pairs[40:], pairs[:40]
+
+
+@pytest.fixture(scope="module")
+def reversal(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reversal")
+    train_pairs, held = reversal_pairs()
+    finetune_data.prepare([str(write_jsonl(root / "train.jsonl", train_pairs))], root / "data", seq_len=32,
+                          vocab_size=300, val_fraction=0.1, progress=False)
+    return root, held
+
+
+# ----------------------------------------------------------------------------------------------
+# Preparation: the mask covers exactly the completion and the end-of-text token
+
+
+def test_mask_covers_completion_and_end_of_text(tmp_path):
+    rng = random.Random(1)
+    records = [{"q": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))) + ":",
+                "a": " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 5)))} for _ in range(60)]
+    records.append({"q": " ".join(WORDS * 3), "a": " sun"})  # too long: its prompt loses tokens on the left
+    records.append({"q": "x", "a": " " + " ".join(WORDS * 3)})  # the completion alone does not fit: skipped
+    lines = [json.dumps(r) for r in records] + ["not json", json.dumps({"q": "no answer"})]
+    src = tmp_path / "pairs.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    seq_len = 15
+    index = finetune_data.prepare([str(src)], tmp_path / "d", seq_len=seq_len, vocab_size=300, val_fraction=0.0,
+                                  in_field="q", out_field="a", progress=False)
+
+    # the expectation, from the tokenizer alone
+    tok = Tokenizer.from_file(str(tmp_path / "d" / "tokenizer.json"))
+    eot = tok.token_to_id(data.EOT_TOKEN)
+    want_tokens, want_mask, want_targets, truncated, skipped = [], [], [], 0, 0
+    for r in records:
+        p, c = tok.encode(r["q"], add_special_tokens=False).ids, tok.encode(r["a"], add_special_tokens=False).ids
+        if len(c) + 1 > seq_len + 1:
+            skipped += 1
+            continue
+        if len(p) + len(c) + 1 > seq_len + 1:
+            p, truncated = p[len(p) + len(c) + 1 - (seq_len + 1):], truncated + 1
+        want_tokens += p + c + [eot]
+        want_mask += [0] * len(p) + [1] * len(c) + [2]
+        want_targets.append(c + [eot])
+    assert (truncated, skipped) == (1, 1) and index["skipped_records"] == 2
+    assert (index["truncated"], index["skipped"], index["examples"]) == (1, 1, len(records) - 1)
+
+    split = index["splits"]["train"]
+    tokens = np.concatenate([np.fromfile(tmp_path / "d" / s["file"], "<u2") for s in split["shards"]])
+    mask = np.concatenate([np.fromfile(tmp_path / "d" / s["file"], np.uint8) for s in split["mask_shards"]])
+    assert tokens.tolist() == want_tokens
+    assert mask.tolist() == want_mask
+
+    # the loader's weights pick exactly each example's completion and end-of-text, as targets
+    for batching in ("packing", "padding"):
+        got = []
+        for batch in finetune_data.eval_batches(tmp_path / "d", "train", seq_len, 4, batching=batching):
+            for toks, w, seg in zip(batch["tokens"], batch["weights"], batch["segments"]):
+                targets, tseg = toks[1:], seg
+                for s in range(1, seg.max() + 1):
+                    got.append(targets[(w > 0) & (tseg == s)].tolist())
+        assert got == want_targets, batching
+    rows_padding = sum(len(b["tokens"]) for b in finetune_data.eval_batches(tmp_path / "d", "train", seq_len, 4,
+                                                                              batching="padding"))
+    rows_packing = sum(len(b["tokens"]) for b in finetune_data.eval_batches(tmp_path / "d", "train", seq_len, 4))
+    greedy, used = 1, 0  # rows when whole examples fill rows of seq_len + 1 tokens in order
+    for n in np.diff(np.flatnonzero(np.asarray(want_mask) == 2), prepend=-1).tolist():
+        greedy, used = (greedy + 1, n) if used + n > seq_len + 1 else (greedy, used + n)
+    assert rows_padding == len(want_targets) and rows_packing == greedy < rows_padding
+
+
+def test_loader_is_a_function_of_the_step(reversal):
+    root, _ = reversal
+    a = finetune_data.Loader(root / "data", "train", 32, 8, seed=3)
+    b = finetune_data.Loader(root / "data", "train", 32, 8, seed=3)
+    later = a.get_batch(57)  # several epochs in, computed first
+    for step in (0, 1, 57):
+        for k, v in a.get_batch(step).items():
+            np.testing.assert_array_equal(v, b.get_batch(step)[k])
+    np.testing.assert_array_equal(later["tokens"], b.get_batch(57)["tokens"])
+    # an epoch shows every example exactly once (one a row with padding; these examples are distinct)
+    padded = finetune_data.Loader(root / "data", "train", 32, 1, seed=3, batching="padding")
+    ex = padded.examples
+    assert set(ex.lengths.tolist()) == {8}  # three words, " =", three words, end-of-text
+    every = sorted(tuple(ex.stream.shards[0][s:s + 8].tolist()) for s in ex.starts)
+    epoch = sorted(tuple(padded.get_batch(s)["tokens"][0, :8].tolist()) for s in range(len(ex)))
+    assert epoch == every and len(set(every)) == len(every)
+
+
+def test_data_cli_errors(tmp_path):
+    src = write_jsonl(tmp_path / "p.jsonl", [{"in_text": "a", "out_text": "b"}])
+    res = subprocess.run([sys.executable, "data.py", "--format", "prompt_completion", "--input", str(src),
+                          "--out", str(tmp_path / "d")], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        "error: --format prompt_completion needs --input, --out and --seq-len"]
+    res = subprocess.run([sys.executable, "data.py", "--format", "prompt_completion", "--input", str(src),
+                          "--out", str(tmp_path / "d"), "--seq-len", "8", "--tokenizer", str(tmp_path / "none")],
+                         cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "tokenizer" in res.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_train_refuses_examples_longer_than_the_context(reversal, tmp_path, capsys):
+    root, _ = reversal
+    assert train.cli(tiny(tmp_path / "run", root / "data", "training.seq_len=6")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "an example of 8 tokens does not fit training.seq_len 6" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing: examples in one row never see each other
+
+
+@pytest.mark.parametrize("alibi", [True, False])
+def test_packed_examples_do_not_attend_to_each_other(alibi):
+    cfg = model_lib.GPTConfig(vocab_size=64, block_size=32, embedding_dim=32, num_head=4, N=2, alibi_attn=alibi)
+    model = model_lib.GPT(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    examples = [rng.integers(1, 64, n) for n in (7, 11, 9)]
+    tokens = np.concatenate(examples + [np.zeros(5, int)])[None]  # (1, 32): three examples and padding
+    segments = np.repeat([1, 2, 3, 0], [7, 11, 9, 5])[None]
+
+    def packed(tokens):
+        seg = jnp.asarray(segments)
+        mask = model_lib.attention_mask(1, 32, segment_ids=seg)
+        return np.asarray(model(jnp.asarray(tokens), mask=mask, segment_ids=seg))[0]
+
+    logits = packed(tokens)
+    for k, ex in enumerate(examples):
+        alone = np.asarray(model(jnp.asarray(ex[None])))[0]  # the example by itself at positions 0..
+        np.testing.assert_allclose(logits[segments[0] == k + 1], alone, atol=2e-5)
+    changed = tokens.copy()
+    changed[0, 7:18] = rng.integers(1, 64, 11)  # a different second example
+    after = packed(changed)
+    for k in (1, 3):
+        np.testing.assert_array_equal(after[segments[0] == k], logits[segments[0] == k])
+    assert not np.allclose(after[segments[0] == 2], logits[segments[0] == 2])
+
+
+def test_default_path_unchanged_without_mask():
+    cfg = model_lib.GPTConfig(vocab_size=64, block_size=32, embedding_dim=32, num_head=4, N=2)
+    model = model_lib.GPT(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 16)))
+    everything = jnp.ones((2, 16, 16), bool)  # an all-true mask takes the masked path: the same attention
+    np.testing.assert_allclose(model(tokens, mask=everything), model(tokens), atol=1e-5)
+    assert model_lib.attention_mask(2, 16) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Fine-tuning end to end: a tiny model learns to reverse word lists it never saw
+
+
+def test_finetuned_model_reverses_held_out_lists(reversal, tmp_path, capsys):
+    root, held = reversal
+    run_dir = tmp_path / "run"
+    # learned positions: a 2-layer model finds "the k-th word from the end" by position easily; the
+    # packed rows check that positions restart at every example
+    model_args = ("model.embedding_dim=64", "model.alibi_attn=false")
+    assert train.main(tiny(run_dir, root / "data", *model_args,
+                           "training.seq_len=32", "training.batch_size=16", "training.steps=400",
+                           "training.lr=1e-2", "training.warmup_steps=20", "training.weight_decay=0",
+                           "training.log_every=10", "training.eval_every=200", "checkpoint.every=400")) == 0
+    metrics = rows(run_dir)
+    assert metrics[-1]["val_loss"] < 0.05 < metrics[0]["loss"]  # completion tokens only: nearly certain
+    model, _ = sample.load_model(run_dir)
+    tok = sample.load_tokenizer(run_dir)
+    eot = tok.token_to_id(data.EOT_TOKEN)
+    prompts = np.asarray([tok.encode(p["in_text"], add_special_tokens=False).ids for p in held])  # (40, 4)
+    out = sample.generate(model, prompts, 6, temperature=0, eot_id=eot)  # greedy, one batch
+    right = sum(tok.decode(sample.truncate(row, eot)) == p["out_text"] for row, p in zip(out, held))
+    assert right >= 0.8 * len(held), f"{right}/{len(held)} held-out lists reversed"
+
+    # sample.py prints the completion alone for a fine-tuned run
+    capsys.readouterr()
+    assert sample.cli(["--checkpoint", str(run_dir), "--prompt", held[0]["in_text"], "--temperature", "0",
+                       "--max-new-tokens", "6"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("---------- sample 1/1") and printed[1] == held[0]["out_text"]
+
+    # a further run starting from this one (training.init_from) begins where it ended
+    again = tmp_path / "again"
+    assert train.main(tiny(again, root / "data", *model_args, "training.seq_len=32", "training.steps=1",
+                           f"training.init_from={run_dir}")) == 0
+    assert rows(again)[0]["loss"] < 0.05
+
+
+def test_finetune_with_fcm_resumes_exactly(reversal, tmp_path):
+    """Packed prompt/completion batches, FCM and two micro-batches: a run stopped after its step-4
+    checkpoint and resumed repeats steps 5..8 of the straight run (the batch and the FCM mask are
+    functions of the step)."""
+    root, _ = reversal
+    args = ("training.fcm_max_ratio=0.5", "training.micro_batches=2", "training.batch_size=16")
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    assert train.main(tiny(straight, root / "data", *args)) == 0
+    shutil.copytree(straight, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "8")  # the crash came before the step-8 checkpoint
+    assert train.main(["--resume", f"run_dir={crashed}"]) == 0
+    timeless = lambda r: {k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu", "time_s")}  # noqa: E731
+    assert [timeless(r) for r in rows(crashed)] == [timeless(r) for r in rows(straight)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Forgetful causal masking
+
+
+def test_fcm_mask_fraction_first_token_and_diagonal():
+    B, T, max_ratio = 4000, 24, 0.4
+    mask = np.asarray(model_lib.attention_mask(B, T, fcm_key=jax.random.key(0), fcm_max_ratio=max_ratio))
+    i, j = np.tril_indices(T, -1)
+    assert mask[:, np.arange(T), np.arange(T)].all()  # a token always sees itself
+    assert mask[:, :, 0].all()  # the first token is always visible
+    # the same keys are hidden from every query: a key's visibility does not depend on the query after it
+    for b in range(5):
+        past = np.where(np.tril(np.ones((T, T), bool), -1), mask[b], True)
+        hidden = ~past
+        assert (hidden.any(axis=0) == hidden[-1]).all()
+    # per sequence, the hidden share of its past keys (positions 1..) is r ~ U(0, max): mean max/2
+    past = (j > 0)
+    hidden = ~mask[:, i[past], j[past]]  # (B, pairs)
+    per_seq = hidden.mean(axis=1)
+    assert abs(per_seq.mean() - max_ratio / 2) < 0.01
+    # and r is spread uniformly on [0, max]: the share of hidden keys 1..T-2 seen by the last query, with
+    # each key hidden with probability r, has variance Var(r) + E[r (1 - r)] / n = m^2/12 + (m/2 - m^2/3) / n
+    n, m = T - 2, max_ratio
+    last = (~mask[:, -1, 1:T - 1]).mean(axis=1)  # (B,)
+    want = m**2 / 12 + (m / 2 - m**2 / 3) / n
+    assert abs(last.var() - want) < 0.15 * want
+    # with segments: each segment's first token stays visible, and segments stay apart
+    seg = jnp.asarray(np.repeat([[1, 2, 3]], 64, 0).repeat(8, 1))  # (64, 24)
+    m = np.asarray(model_lib.attention_mask(64, T, segment_ids=seg, fcm_key=jax.random.key(1), fcm_max_ratio=0.9))
+    assert m[:, 8:16, 8].all() and m[:, 16:, 16].all() and not m[:, 8:, :8].any()
+    assert model_lib.attention_mask(2, T, fcm_key=jax.random.key(0), fcm_max_ratio=0.0) is None
+
+
+def test_fcm_training_learns_and_evaluation_is_unaffected(corpus, tmp_path):  # noqa: F811
+    plain, fcm = tmp_path / "plain", tmp_path / "fcm"
+    common = ("training.steps=60", "training.eval_every=60", "checkpoint.every=60", "training.log_every=1")
+    assert train.main(tiny(plain, corpus, *common, "training.steps=1")) == 0
+    assert train.main(tiny(fcm, corpus, *common, "training.fcm_max_ratio=0.5")) == 0
+    got = rows(fcm)
+    # the mask is in the training step: the first step's loss differs from the unmasked one
+    assert got[0]["loss"] != rows(plain)[0]["loss"]
+    # and the model still learns
+    assert np.mean([r["loss"] for r in got[-5:]]) < got[0]["loss"] - 1.0
+    # the validation loss is the plain model's: recomputed here without any mask
+    cfg = config.load_run_config(fcm)
+    params, _ = config.load_run_params(fcm)
+    model = nnx.eval_shape(lambda: model_lib.GPT(cfg.model, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+    model = nnx.merge(graphdef, state)
+    losses, counts = [], []
+    for tokens in data.eval_batches(corpus, "val", cfg.seq_len, 8, max_windows=cfg.training.eval_windows):
+        logits = model(jnp.asarray(tokens[:, :-1]))
+        loss, n = model_lib.cross_entropy(logits, jnp.asarray(tokens[:, 1:]))
+        losses.append(float(loss) * float(n))
+        counts.append(float(n))
+    assert abs(sum(losses) / sum(counts) - got[-1]["val_loss"]) < 1e-4
+
+
+def test_config_checks():
+    with pytest.raises(config.ConfigError, match="training.fcm_max_ratio must be in"):
+        config.load_config(overrides=["training.fcm_max_ratio=1.5"])
+    with pytest.raises(config.ConfigError, match="data.batching must be one of packing, padding"):
+        config.load_config(overrides=["data.batching=stack"])
