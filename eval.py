@@ -418,6 +418,9 @@ def run_data_dir(run: storage.RunDir, cfg, override: str | None) -> str:
         index = data.load_index(location)
     except data.DataError as e:
         raise EvalError(f"{e} (point --data at the run's prepared data)") from None
+    if index.get("kind", "text") != "text":
+        raise EvalError(f"{location} holds {index['kind']} data, not running text: train.py's validation loss "
+                        "scores it; give --data a text corpus for perplexity, or --no-perplexity")
     if recorded.get("tokenizer_sha256") and index.get("tokenizer_sha256") != recorded["tokenizer_sha256"]:
         raise EvalError(f"{location} was tokenized with another tokenizer than {run}'s; its perplexity would "
                         "mean nothing")
