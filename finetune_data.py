@@ -43,6 +43,7 @@ import numpy as np
 
 import corpus
 import data
+import storage
 from corpus import DataError
 
 KIND = "prompt_completion"
@@ -228,7 +229,7 @@ class Examples:
         self.index = index = self.stream.index
         if not is_prompt_completion(index):
             raise DataError(f"{data_dir} is not prompt/completion data (prepare it with --format prompt_completion)")
-        directory, masks = pathlib.Path(data_dir), []
+        directory, masks = storage.local_data_dir(data_dir), []  # a URL: its verified local copy
         for shard in index["splits"][split]["mask_shards"]:
             file, n = directory / shard["file"], int(shard["tokens"])
             if not file.is_file() or file.stat().st_size != n:

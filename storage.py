@@ -213,6 +213,8 @@ def local_data_dir(location, cache: str | os.PathLike | None = None) -> pathlib.
         files = [(index["tokenizer"], None, index["tokenizer_sha256"])]
         files += [(s["file"], int(s["tokens"]) * itemsize, s.get("sha256"))
                   for split in index["splits"].values() for s in split["shards"]]
+        files += [(s["file"], int(s["tokens"]), s.get("sha256"))  # prompt/completion loss masks: a byte a token
+                  for split in index["splits"].values() for s in split.get("mask_shards", [])]
         bad = [name for name, _, _ in files if not isinstance(name, str) or "/" in name or name in ("", ".", "..")]
         if bad:
             raise ValueError(f"file name {bad[0]!r} outside the directory")

@@ -23,6 +23,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 import config
 import convert_torch
 import data
+import finetune_data
 import sample
 import storage
 import train
@@ -305,3 +306,26 @@ def test_an_index_without_shard_hashes_is_checked_by_size(prepared, bucket):
     fs.pipe_file(f"{root}/{name}", (prepared / name).read_bytes())
     np.testing.assert_array_equal(data.Loader(url, "val", 16, 2).get_batch(3),
                                   data.Loader(prepared, "val", 16, 2).get_batch(3))
+
+
+def test_remote_prompt_completion_data_brings_its_loss_masks(bucket, tmp_path):
+    """A fine-tuning directory in the store: token shards and mask shards are copied, and the loader's
+    batches equal those read from the local directory."""
+    records = [{"in_text": " " + " ".join(random.Random(i).choices(WORDS, k=4)) + " =",
+                "out_text": " " + " ".join(random.Random(-i).choices(WORDS, k=3))} for i in range(60)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    local = tmp_path / "pairs"
+    index = finetune_data.prepare([str(tmp_path / "pairs.jsonl")], local, seq_len=24, vocab_size=300,
+                                  val_fraction=0.2, progress=False)
+    masks = [s["file"] for split in index["splits"].values() for s in split["mask_shards"]]
+    assert masks and all(s.get("sha256") for split in index["splits"].values() for s in split["mask_shards"])
+    url = f"{bucket}/pairs"
+    upload(local, url)
+    cached = storage.local_data_dir(url)
+    for name in masks:
+        assert (cached / name).read_bytes() == (local / name).read_bytes()
+    a = finetune_data.Loader(url, "train", 24, 4, seed=1)
+    b = finetune_data.Loader(local, "train", 24, 4, seed=1)
+    for step in (0, 5):
+        for key, value in b.get_batch(step).items():
+            np.testing.assert_array_equal(a.get_batch(step)[key], value)
