@@ -161,6 +161,17 @@ def _split_summary(shards: list[dict], counts: np.ndarray, nbytes: int) -> dict:
             "unigram_entropy": _entropy(counts), "shards": shards}
 
 
+def _swap_into_place(tmp: pathlib.Path, out: pathlib.Path) -> None:
+    """Rename the finished directory tmp to out; with --overwrite the old out goes only once tmp is complete."""
+    if out.exists():
+        old = out.parent / f"{out.name}.tmp-{os.getpid()}-old"
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
 def _entropy(counts: np.ndarray) -> float:
     """Unigram entropy in nats per token: H = -sum p log p over the observed token frequencies."""
     total = counts.sum()
@@ -267,14 +278,7 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
             "inputs": description, "splits": splits,
         }
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
-        # swap into place; with --overwrite the old directory goes only once the new one is complete
-        if out.exists():
-            old = out.parent / f"{out.name}.tmp-{os.getpid()}-old"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        _swap_into_place(tmp, out)
         return index
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -201,13 +201,7 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
             "inputs": inputs, "splits": splits,
         }
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
-        if out.exists():  # with --overwrite the old directory goes only once the new one is complete
-            old = out.parent / f"{out.name}.tmp-{os.getpid()}-old"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        data._swap_into_place(tmp, out)
         return index
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
