@@ -300,30 +300,26 @@ TRAIN_LIBRARIES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "fla
                    "triton", "transformers")  # None where not installed (the CUDA ones on a CPU)
 
 
-def bench_train(args, argv: list[str]) -> int:
+def _bench_step(kind: str, args, argv: list[str]) -> int:
+    """`train` or `attention`: run bench_train.py's benchmark, print its rows, record it under --out."""
     import bench_train as train_lib
 
     try:
-        results, rows, summary = train_lib.run(args)
+        results, rows, summary = (train_lib.run if kind == "train" else train_lib.run_attention)(args)
     except train_lib.TrainBenchError as e:
         raise BenchError(str(e)) from None
     _print_rows(rows)
-    path = _record("train", pathlib.Path(args.out), argv, results, summary, TRAIN_LIBRARIES)
+    path = _record(kind, pathlib.Path(args.out), argv, results, summary, TRAIN_LIBRARIES)
     print(f"\n-> {path}, {pathlib.Path(args.out) / 'RESULTS.md'}")
     return 0
+
+
+def bench_train(args, argv: list[str]) -> int:
+    return _bench_step("train", args, argv)
 
 
 def bench_attention(args, argv: list[str]) -> int:
-    import bench_train as train_lib
-
-    try:
-        results, rows, summary = train_lib.run_attention(args)
-    except train_lib.TrainBenchError as e:
-        raise BenchError(str(e)) from None
-    _print_rows(rows)
-    path = _record("attention", pathlib.Path(args.out), argv, results, summary, TRAIN_LIBRARIES)
-    print(f"\n-> {path}, {pathlib.Path(args.out) / 'RESULTS.md'}")
-    return 0
+    return _bench_step("attention", args, argv)
 
 
 def _print_rows(rows: list[tuple[str, str]]) -> None:
