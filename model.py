@@ -227,9 +227,7 @@ def attention(q, k, v, cfg: GPTConfig, dropout_key=None, mask=None) -> jax.Array
     if mask is not None:
         return _attend(q, k, v, jnp.arange(T), jnp.arange(T), cfg, dropout_key, mask)
     if cfg.attention == "pallas":  # O(T) memory: the bias is made inside the kernel from the slopes
-        import flash_alibi  # only when chosen: Pallas is not needed otherwise
-
-        return flash_alibi.flash_alibi_attention(q, k, v, alibi_slopes(H) if cfg.alibi_attn else None)
+        return _pallas_attention(q, k, v, cfg)
     if cfg.attention == "cudnn":
         check_attention_backend(cfg)
         # cuDNN's fused kernel takes even lengths only; one extra key after every query is hidden
@@ -245,6 +243,29 @@ def attention(q, k, v, cfg: GPTConfig, dropout_key=None, mask=None) -> jax.Array
         bias = alibi_bias(H, T, T)[None].astype(q.dtype) if cfg.alibi_attn else None  # (1, H, T, T)
         return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True)
     return _attend(q, k, v, jnp.arange(T), jnp.arange(T), cfg, dropout_key)
+
+
+def _pallas_attention(q, k, v, cfg: GPTConfig) -> jax.Array:
+    """flash_alibi's kernel. Under sharding.py's activation rules each device runs it on its own
+    rows and heads (shard_map): a Pallas call is opaque to XLA's partitioner, which would otherwise
+    gather q, k and v whole onto every device. The slopes are split with the heads."""
+    import flash_alibi  # only when chosen: Pallas is not needed otherwise
+
+    H = q.shape[2]
+    slopes = alibi_slopes(H) if cfg.alibi_attn else np.zeros(H, np.float32)
+    to_sharding = _activation_sharding.get()
+    if to_sharding is None:
+        return flash_alibi.flash_alibi_attention(q, k, v, slopes)
+    sharding = to_sharding(("batch", "length", "heads", "kv"))
+    spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
+    if spec[1] is not None or spec[3] is not None:
+        raise ValueError(f"model.attention=pallas needs whole sequences and head dimensions on each device; "
+                         f"the activation sharding splits (batch, length, heads, kv) as {spec}")
+    qkv_spec = jax.sharding.PartitionSpec(*spec)
+    run = jax.shard_map(flash_alibi.flash_alibi_attention, mesh=sharding.mesh,
+                        in_specs=(qkv_spec, qkv_spec, qkv_spec, jax.sharding.PartitionSpec(spec[2])),
+                        out_specs=qkv_spec, check_vma=False)
+    return run(q, k, v, jnp.asarray(slopes))
 
 
 def check_attention_backend(cfg: GPTConfig) -> None:
