@@ -25,6 +25,7 @@ takes 75% of GPU memory when it starts (XLA_PYTHON_CLIENT_MEM_FRACTION changes t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 
@@ -329,6 +330,29 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
 IMPLS = ("xla", "dot_product", "cudnn", "pallas")
 
 
+def pallas_settings(impl: str) -> dict:
+    """An --impls entry -> flash_alibi keyword arguments: {} for a plain name, and for
+    `pallas:FWDxBWD` or `pallas:FWDxBWDxWARPS` the block sizes (and warps per program)."""
+    name, _, settings = impl.partition(":")
+    if name not in IMPLS:
+        raise TrainBenchError(f"unknown --impls entry {impl!r}; choose from {', '.join(IMPLS)} "
+                              f"(pallas also as pallas:FWDxBWD or pallas:FWDxBWDxWARPS, e.g. pallas:128x64x8)")
+    if not settings:
+        return {}
+    parts = settings.split("x")
+    if name != "pallas" or len(parts) not in (2, 3) or not all(p.isdigit() for p in parts):
+        raise TrainBenchError(f"--impls entry {impl!r}: only pallas takes settings, as pallas:FWDxBWD or "
+                              f"pallas:FWDxBWDxWARPS (block sizes and warps, powers of two, e.g. pallas:128x64x8)")
+    import flash_alibi
+
+    kwargs = dict(zip(("block_fwd", "block_bwd", "num_warps"), map(int, parts)))
+    try:
+        flash_alibi.check_settings(**{"num_warps": flash_alibi.NUM_WARPS, **kwargs})
+    except ValueError as e:
+        raise TrainBenchError(f"--impls entry {impl!r}: {e}") from None
+    return kwargs
+
+
 def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
     """Each implementation's forward + backward of causal ALiBi attention at (B, T, H, D): its error
     against the XLA reference (computed in float32 from the same inputs), its compiled temporary
@@ -339,9 +363,9 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
     import model as model_lib
 
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    unknown = [i for i in impls if i not in IMPLS]
-    if unknown or not impls:
-        raise TrainBenchError(f"unknown --impls {','.join(unknown) or args.impls!r}; choose from {', '.join(IMPLS)}")
+    if not impls:
+        raise TrainBenchError(f"--impls names no implementation; choose from {', '.join(IMPLS)}")
+    kernel_settings = {impl: pallas_settings(impl) for impl in impls}
     B, T, H, D = args.batch, args.seq, args.heads, args.head_dim
     if min(B, T, H, D, args.steps, args.warmup) < 1:
         raise TrainBenchError("--batch, --seq, --heads, --head-dim, --steps and --warmup must be at least 1")
@@ -357,10 +381,16 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
 
     def fwd_bwd(impl, to=dtype):
         """jit of (q, k, v) -> ((sum(y * g), y), (dq, dk, dv)), attention computed in dtype `to`."""
-        cfg = config(impl, jnp.dtype(to).name)
+        cfg = config(impl.split(":")[0], jnp.dtype(to).name)
+        attend = functools.partial(model_lib.attention, cfg=cfg)
+        if kernel_settings.get(impl):  # pallas:FWDxBWD[xWARPS]: the kernel itself, with these settings
+            import flash_alibi
+
+            slopes = model_lib.alibi_slopes(H) if args.alibi else None
+            attend = functools.partial(flash_alibi.flash_alibi_attention, slopes=slopes, **kernel_settings[impl])
 
         def loss(q, k, v):
-            y = model_lib.attention(q.astype(to), k.astype(to), v.astype(to), cfg)
+            y = attend(q.astype(to), k.astype(to), v.astype(to))
             return jnp.sum(y.astype(jnp.float32) * g), y
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -374,7 +404,7 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
             ("device", f"{results['device_kind']} ({results['platform']})")]
     for impl in impls:
         try:
-            model_lib.check_attention_backend(config(impl))  # and GPTConfig's own checks
+            model_lib.check_attention_backend(config(impl.split(":")[0]))  # and GPTConfig's own checks
         except ValueError as e:
             results["impls"][impl] = {"unavailable": str(e)}
             rows.append((impl, f"unavailable here: {e}"))

@@ -25,7 +25,8 @@ Shapes the kernels do not take directly are padded in the wrapper, which is exac
   D to a power of two (Triton's tiles need one, e.g. 96 -> 128): zero columns add nothing to
     q . k, and the output's extra columns are dropped. The scale stays 1/sqrt(real D).
 Dropout and masks other than the causal one are not supported here; model.py keeps those on
-the XLA reference path.
+the XLA reference path. Under a device mesh model.py calls this per device (shard_map over the
+batch rows and heads), since XLA cannot partition a Pallas call.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from jax.experimental import pallas as pl
 
 BLOCK_FWD = 64  # query and key block of the forward kernel
 BLOCK_BWD = 32  # query and key block of the backward kernels (they hold more tiles at once)
+NUM_WARPS = 4  # warps per Triton program (each program is one block of one (batch, head))
 MIN_BLOCK = 16  # Triton's smallest dot tile
 SLOPE_LANES = 16  # the slope is read as a row of this many copies: Triton loads tiles, not scalars
 MASKED = -1e30  # score of a key above the diagonal: exp(MASKED - anything finite) is exactly 0
@@ -157,7 +159,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, opts, name):
     if not opts["interpret"]:
         from jax.experimental.pallas import triton as plgpu
 
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=opts["num_warps"], num_stages=2)
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           interpret=opts["interpret"], name=name, **params)
 
@@ -211,26 +213,35 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Entry point
 
 
+def check_settings(block_fwd: int, block_bwd: int, num_warps: int) -> None:
+    """Raises ValueError (one line) unless the blocks are powers of two >= MIN_BLOCK and the warps a power of two."""
+    for name, block in (("block_fwd", block_fwd), ("block_bwd", block_bwd)):
+        if block < MIN_BLOCK or block & (block - 1):
+            raise ValueError(f"{name} must be a power of two >= {MIN_BLOCK}, got {block}")
+    if num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps must be a power of two, got {num_warps}")
+
+
 def _interpret_by_default() -> bool:
     """Interpret mode everywhere but on an NVIDIA GPU (tests replace this to lower for CUDA on a CPU)."""
     return jax.default_backend() != "gpu"
 
 
 def flash_alibi_attention(q, k, v, slopes=None, *, block_fwd: int = BLOCK_FWD, block_bwd: int = BLOCK_BWD,
-                          interpret: bool | None = None) -> jax.Array:
+                          num_warps: int = NUM_WARPS, interpret: bool | None = None) -> jax.Array:
     """Causal self-attention of q, k, v (B, T, H, D) -> (B, T, H, D) in q's dtype, with the ALiBi
     bias -slopes[h] * (i - j) (slopes (H,), e.g. model.alibi_slopes(H); None: no bias).
 
     Differentiable in q, k and v. `interpret`: None runs the Triton kernels on a GPU and interpret
     mode on the CPU. Block sizes are powers of two of at least 16; a short sequence uses smaller ones.
+    The defaults (BLOCK_FWD, BLOCK_BWD, NUM_WARPS) are the tuning knobs; `python bench.py attention
+    --impls pallas:FWDxBWD[xWARPS],...` compares settings.
     """
     B, T, H, D = q.shape
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"flash_alibi_attention is self-attention: q, k, v must share a shape, got "
                          f"{q.shape}, {k.shape}, {v.shape}")
-    for name, block in (("block_fwd", block_fwd), ("block_bwd", block_bwd)):
-        if block < MIN_BLOCK or block & (block - 1):
-            raise ValueError(f"{name} must be a power of two >= {MIN_BLOCK}, got {block}")
+    check_settings(block_fwd, block_bwd, num_warps)
     backend = jax.default_backend()
     if backend == "tpu":
         raise ValueError("the Pallas flash-attention kernel is written for NVIDIA GPUs (Triton); on a TPU "
@@ -247,7 +258,7 @@ def flash_alibi_attention(q, k, v, slopes=None, *, block_fwd: int = BLOCK_FWD, b
     D_pad = max(MIN_BLOCK, _next_pow2(D))
     widths = ((0, 0), (0, T_pad - T), (0, 0), (0, D_pad - D))
     pad = (lambda x: x) if (T_pad, D_pad) == (T, D) else (lambda x: jnp.pad(x, widths))
-    opts = (("block_fwd", block_fwd), ("block_bwd", block_bwd), ("interpret", bool(interpret)),
-            ("scale", 1.0 / math.sqrt(D)))  # hashable: a static argument of the custom_vjp
+    opts = (("block_fwd", block_fwd), ("block_bwd", block_bwd), ("num_warps", num_warps),
+            ("interpret", bool(interpret)), ("scale", 1.0 / math.sqrt(D)))  # hashable: a static argument of the custom_vjp
     y = _flash(slopes, pad(q), pad(k), pad(v), opts)  # (B, T_pad, H, D_pad)
     return y[:, :T, :, :D]

@@ -79,33 +79,37 @@ def test_pallas_model_runs_past_its_training_context():
     np.testing.assert_allclose(logits["pallas"], logits["xla"], atol=1e-4)
 
 
-def triton_calls(lowered_text: str) -> list[tuple[str, list[str]]]:
-    """(kernel name, operand types) of every Triton custom call in lowered StableHLO."""
+def triton_calls(lowered_text: str, with_warps: bool = False) -> list[tuple]:
+    """(kernel name, operand types[, warps]) of every Triton custom call in lowered StableHLO."""
     calls = []
     for line in lowered_text.splitlines():
         if "xla.gpu.triton" in line:
             [name] = re.findall(r'name = "([^"]*)"', line)
             [operands] = re.findall(r":\s*\(([^)]*)\)\s*->", line)
-            calls.append((name, [t.strip() for t in operands.split(",")]))
+            [warps] = re.findall(r"num_warps = (\d+)", line)
+            calls.append((name, [t.strip() for t in operands.split(",")]) + ((int(warps),) if with_warps else ()))
     return calls
 
 
-@pytest.mark.parametrize("B, T, H, D, dtype", [
-    (1, 1024, 12, 64, jnp.bfloat16),  # 124m at its context
-    (1, 8192, 16, 96, jnp.bfloat16),  # 760m at 8192: D = 96 is padded to 128
-    (2, 200, 3, 8, jnp.float32),  # padded length, odd head count, D below Triton's smallest tile
+@pytest.mark.parametrize("B, T, H, D, dtype, settings", [
+    (1, 1024, 12, 64, jnp.bfloat16, {}),  # 124m at its context
+    (1, 8192, 16, 96, jnp.bfloat16, {}),  # 760m at 8192: D = 96 is padded to 128
+    (1, 2048, 16, 96, jnp.bfloat16, {"block_fwd": 128, "block_bwd": 64, "num_warps": 8}),  # larger tiles
+    (2, 200, 3, 8, jnp.float32, {}),  # padded length, odd head count, D below Triton's smallest tile
 ])
-def test_flash_kernel_lowers_to_triton_for_cuda(monkeypatch, B, T, H, D, dtype):
+def test_flash_kernel_lowers_to_triton_for_cuda(monkeypatch, B, T, H, D, dtype, settings):
     """The kernels pass Pallas's Triton lowering (every tile a power of two, every operation one
     Triton has), checked from any machine by lowering the gradient for CUDA."""
     monkeypatch.setattr(flash_alibi, "_interpret_by_default", lambda: False)
     x = jax.ShapeDtypeStruct((B, T, H, D), dtype)
 
     def loss(q, k, v):
-        return flash_alibi.flash_alibi_attention(q, k, v, M.alibi_slopes(H)).astype(jnp.float32).sum()
+        return flash_alibi.flash_alibi_attention(q, k, v, M.alibi_slopes(H), **settings).astype(jnp.float32).sum()
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
-    assert sorted(name for name, _ in triton_calls(text)) == ["flash_alibi_dkv", "flash_alibi_dq", "flash_alibi_fwd"]
+    calls = triton_calls(text, with_warps=True)
+    assert sorted(name for name, _, _ in calls) == ["flash_alibi_dkv", "flash_alibi_dq", "flash_alibi_fwd"]
+    assert {warps for _, _, warps in calls} == {settings.get("num_warps", flash_alibi.NUM_WARPS)}
 
 
 def test_pallas_attention_runs_per_device_under_a_mesh(monkeypatch):
@@ -258,3 +262,26 @@ def test_bench_attention_checks_each_implementation(tmp_path):
     assert pallas["temp_bytes"] < xla["temp_bytes"] / 2
     assert ("unavailable" in r["impls"]["cudnn"]) is not ON_GPU
     assert r["fastest"] in [i for i, e in r["impls"].items() if "step_s" in e]
+
+
+def test_bench_attention_compares_kernel_settings(tmp_path, capsys):
+    """pallas:FWDxBWD[xWARPS] entries run the kernel with those settings, each checked against the
+    reference; bad entries are one line, and nothing is recorded."""
+    out = tmp_path / "bench"
+    argv = ["attention", "--impls", "pallas:16x16,pallas:32x16x8", "--batch", "1", "--seq", "40", "--heads", "2",
+            "--head-dim", "16", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    assert bench.main(argv) == 0
+    [path] = out.glob("attention-*.json")
+    impls = json.loads(path.read_text())["results"]["impls"]
+    assert sorted(impls) == ["pallas:16x16", "pallas:32x16x8"]
+    for entry in impls.values():
+        assert max(entry[f"error_{n}"] for n in ("out", "dq", "dk", "dv")) < 2e-2
+    capsys.readouterr()
+    bad = {"pallas:24x16": "block_fwd must be a power of two", "pallas:16x16x3": "num_warps must be a power of two",
+           "xla:16x16": "only pallas takes settings", "pallas:16": "only pallas takes settings",
+           "flash": "unknown --impls entry 'flash'"}
+    for impl, message in bad.items():
+        assert bench.main(["attention", "--impls", impl, "--out", str(tmp_path / "none")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, impl
+    assert not (tmp_path / "none").exists()
