@@ -149,6 +149,33 @@ def test_remat_gives_the_same_loss_and_gradients(policy):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_remat_full_keeps_one_input_per_block_for_the_backward_pass(dtype):
+    """What the backward pass keeps (the residuals of jax.vjp, by shape alone), per extra block:
+    under remat=full at most the block's parameters and its input (B, T, d) in the compute dtype;
+    without remat also the (B, H, T, T) float32 attention probabilities and more; save_matmuls
+    in between."""
+    B, T, d, H = 2, 48, 64, 4
+    x = tokens((B, T))
+
+    def kept_bytes(remat, N):
+        cfg = dataclasses.replace(TINY, embedding_dim=d, num_head=H, block_size=T, N=N, remat=remat, dtype=dtype)
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: build(cfg)))
+        residuals = jax.eval_shape(lambda p: jax.vjp(lambda p: nnx.merge(graphdef, p)(x).sum(), p)[1], params)
+        size = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
+        return size(residuals), size(params)
+
+    per_block = {}
+    for remat in ("none", "full", "save_matmuls"):
+        (kept2, params2), (kept4, params4) = kept_bytes(remat, 2), kept_bytes(remat, 4)
+        per_block[remat] = (kept4 - kept2) / 2, (params4 - params2) / 2
+    kept, block_params = per_block["full"]
+    block_input = B * T * d * jnp.dtype(dtype).itemsize
+    assert block_input <= kept <= block_params + block_input
+    assert per_block["none"][0] > block_params + block_input + B * H * T * T * 4
+    assert per_block["full"][0] < per_block["save_matmuls"][0] < per_block["none"][0]
+
+
 def test_bfloat16_compute_and_attention_implementations_agree():
     x = tokens((4, 17))
     losses = {}
