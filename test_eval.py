@@ -8,6 +8,7 @@ harness's metric definitions written out, and sample.py's generation.
 import json
 import pathlib
 import random
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -310,3 +311,55 @@ def test_alibi_perplexity_at_twice_the_training_context(tmp_path, corpus):  # no
     one, two = E.perplexity_table(E.make_scorer(model), corpus, [64, 128], 64, progress=False)
     assert one["ppl"] < 0.5 * data.load_index(corpus)["vocab_size"]  # it learned something
     assert two["ppl"] <= 1.1 * one["ppl"], (one, two)
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights & Biases: training and evaluation report to one run
+
+
+class FakeWandb:
+    """Stands in for the `wandb` module (tests stay offline): records each run's init arguments,
+    logged rows and summary."""
+
+    def __init__(self):
+        self.runs = []
+
+    def init(self, **kwargs):
+        run = type("Run", (), {})()
+        run.kwargs, run.rows, run.summary, run.finished = kwargs, [], {}, False
+        run.log = lambda row, step=None: run.rows.append((dict(row), step))
+        run.finish = lambda: setattr(run, "finished", True)
+        self.runs.append(run)
+        return run
+
+    @staticmethod
+    def Table(columns, data):  # noqa: N802 (wandb's names)
+        return {"columns": columns, "data": data}
+
+    @staticmethod
+    def Image(image):  # noqa: N802
+        return {"image_size": image.size}
+
+
+def test_training_and_evaluation_log_to_one_wandb_run(tmp_path, corpus, monkeypatch):  # noqa: F811
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    run_dir = tmp_path / "run"
+    assert train.main(tiny(run_dir, corpus, "wandb.mode=offline")) == 0
+    [trained] = fake.runs
+    run_id = (run_dir / "wandb_id.txt").read_text().strip()
+    assert trained.kwargs["id"] == run_id and trained.kwargs["mode"] == "offline" and trained.finished
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert trained.rows == [(row, row["step"]) for row in metrics]
+    assert trained.summary == json.loads((run_dir / "summary.json").read_text())
+
+    assert E.cli(["--checkpoint", str(run_dir), "--lengths", "32,64", "--max-tokens", "256"]) == 0
+    [_, evaluated] = fake.runs
+    assert evaluated.kwargs["id"] == run_id and evaluated.kwargs["resume"] == "allow" and evaluated.finished
+    saved = json.loads((run_dir / "eval" / "step8.json").read_text())["perplexity"]["rows"]
+    tables = [row["eval/perplexity"] for row, _ in evaluated.rows if "eval/perplexity" in row]
+    assert tables == [{"columns": ["length", "multiple", "loss", "ppl"],
+                       "data": [[r["length"], r["multiple"], r["loss"], r["ppl"]] for r in saved]}]
+    assert any("eval/perplexity_plot" in row for row, _ in evaluated.rows)
+    assert evaluated.summary == {"eval/step": 8, **{f"eval/ppl@{r['length']}": r["ppl"] for r in saved}}
