@@ -60,12 +60,17 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# environment variables that change what a benchmark measures (XLA flags, memory fraction, devices)
+ENV_PREFIXES = ("XLA_", "JAX_", "CUDA_", "NVIDIA_", "NCCL_", "PYTORCH_", "TORCH", "OMP_")
+
+
 def _machine() -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"host": platform.node(), "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "usable_cores": cores,
             "platform": platform.platform(), "python": platform.python_version(),
             # other work on the machine skews every number here; this shows it afterwards
-            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}}
 
 
 def _versions(*modules: str) -> dict:
@@ -101,8 +106,9 @@ def _record(name: str, out: pathlib.Path, argv: list[str], results: dict, summar
     lines = table.read_text().splitlines() if table.exists() else header
     if header[-1] not in lines:
         raise BenchError(f"{table} has no results table; move it aside and run again")
-    row = (f"| {now:%Y-%m-%d %H:%M} | {name} | {machine['host']}: {machine['cpu']}, "
-           f"{machine['usable_cores']} cores | `{command}` | {summary} | {path.name} |")
+    where = (f"{results['device_kind']}" if results.get("platform") == "gpu"
+             else f"{machine['cpu']}, {machine['usable_cores']} cores")  # the device that was measured
+    row = f"| {now:%Y-%m-%d %H:%M} | {name} | {machine['host']}: {where} | `{command}` | {summary} | {path.name} |"
     at = lines.index(header[-1]) + 1
     table.write_text("\n".join(lines[:at] + [row] + lines[at:]) + "\n")
     return path

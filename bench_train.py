@@ -288,7 +288,8 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
         raise TrainBenchError(f"the JAX step does not fit in device memory at batch {args.batch} x context {seq} "
                               f"(try --remat full or a smaller --batch): {str(e).splitlines()[0][:200]}") from None
 
-    results = {"model": name, "config": dataclasses.asdict(mcfg), "batch": args.batch, "seq": seq,
+    results = {"model": name, "device_kind": ours["device_kind"], "platform": ours["platform"],
+               "config": dataclasses.asdict(mcfg), "batch": args.batch, "seq": seq,
                "parameters": model_lib.param_count(mcfg), "flops_per_token": model_lib.flops_per_token(mcfg, seq),
                "mfu_formula": "tokens/s * (6 N + 6 L d T) / peak FLOP/s", "jax": ours, **others}
     ran = [w for w, r in others.items() if "error" not in r]

@@ -207,6 +207,8 @@ def test_bench_train_cpu_smoke(tmp_path, capsys):
     assert record["command"] == "python bench.py " + " ".join(argv)
     for lib in ("jax", "flax", "torch", "transformers"):
         assert record["versions"][lib]
+    # what changes the measurement is kept: here conftest's XLA flag for 8 CPU devices
+    assert "--xla_force_host_platform_device_count=8" in record["machine"]["environment"]["XLA_FLAGS"]
     r = record["results"]
     assert r["config"]["alibi_attn"] is False and r["batch"] == 2 and r["seq"] == 24
     c = M.GPTConfig(**r["config"])
