@@ -112,10 +112,11 @@ def test_flash_kernel_lowers_to_triton_for_cuda(monkeypatch, B, T, H, D, dtype, 
     assert {warps for _, _, warps in calls} == {settings.get("num_warps", flash_alibi.NUM_WARPS)}
 
 
-def test_pallas_attention_runs_per_device_under_a_mesh(monkeypatch):
+@pytest.mark.parametrize("data, fsdp", [(4, 1), (2, 2)])
+def test_pallas_attention_runs_per_device_under_a_mesh(monkeypatch, data, fsdp):
     """Under data parallelism x tensor parallelism each device runs the kernel on its own rows and
     heads (shard_map), with its heads' slopes: the same values and gradients as the reference."""
-    mesh = sharding.make_mesh(4, 1, 2)
+    mesh = sharding.make_mesh(data, fsdp, 2)
     rules = sharding.activation_rules(mesh)
     B, T, H, D = 8, 48, 4, 16
     q, k, v, g = (jax.random.normal(key, (B, T, H, D)) for key in jax.random.split(jax.random.key(4), 4))
