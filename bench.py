@@ -3,7 +3,8 @@
 
     python bench.py data [--workers K] [--batch B] [--seq T] [--repeats N] [--out bench/]
     python bench.py train [--model 124m] [--seq T] [--batch B] [--attention IMPL] [--out bench/]
-    python bench.py attention [--impls xla,cudnn,pallas,pallas:128x64x8] [--batch B] [--seq T] [--heads H] [--head-dim D]
+    python bench.py attention [--impls xla,cudnn,pallas,pallas:128x64x8] [--batch B] [--seq T] [--heads H]
+                              [--head-dim D]
 
 `train` and `attention` are in bench_train.py: tokens/s, MFU and peak memory of train.py's step,
 with the same model in PyTorch (and GPT2LMHeadModel for learned positions) on the same device and
@@ -380,8 +381,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = commands.add_parser("attention", help="attention implementations: error, memory, time of forward + backward",
                             description="Causal ALiBi attention alone, each --impls against the XLA reference.")
-    p.add_argument("--impls", default="xla,dot_product,cudnn,pallas", help="comma-separated (default: all); pallas:FWDxBWD[xWARPS] sets the kernel's "
-                   "block sizes (and warps), e.g. pallas:64x32,pallas:128x64x8 to compare settings")
+    p.add_argument("--impls", default="xla,dot_product,cudnn,pallas",
+                   help="comma-separated (default: all); pallas:FWDxBWD[xWARPS] sets the kernel's block sizes "
+                        "(and warps), e.g. pallas:64x32,pallas:128x64x8 to compare settings")
     p.add_argument("--batch", type=int, default=4, help="batch (default 4)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     p.add_argument("--heads", type=int, default=16, help="heads (default 16, as 760m)")

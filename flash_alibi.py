@@ -258,7 +258,8 @@ def flash_alibi_attention(q, k, v, slopes=None, *, block_fwd: int = BLOCK_FWD, b
     D_pad = max(MIN_BLOCK, _next_pow2(D))
     widths = ((0, 0), (0, T_pad - T), (0, 0), (0, D_pad - D))
     pad = (lambda x: x) if (T_pad, D_pad) == (T, D) else (lambda x: jnp.pad(x, widths))
+    # hashable: a static argument of the custom_vjp
     opts = (("block_fwd", block_fwd), ("block_bwd", block_bwd), ("num_warps", num_warps),
-            ("interpret", bool(interpret)), ("scale", 1.0 / math.sqrt(D)))  # hashable: a static argument of the custom_vjp
+            ("interpret", bool(interpret)), ("scale", 1.0 / math.sqrt(D)))
     y = _flash(slopes, pad(q), pad(k), pad(v), opts)  # (B, T_pad, H, D_pad)
     return y[:, :T, :, :D]
