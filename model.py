@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -380,6 +381,34 @@ class Block(nnx.Module):
         return x, k_cache, v_cache
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def tied_logits(x: jax.Array, wte: jax.Array, dtype) -> jax.Array:
+    """The tied output projection x (B, T, d) @ wte (V, d).T in the compute dtype, with float32
+    accumulation and result (the loss needs it): float32 (B, T, V).
+
+    The backward pass takes the logits' float32 gradient in the compute dtype, as every other
+    activation gradient of the model: left to autodiff, a float32 cotangent against bfloat16
+    operands turns both backward products, the largest of a small model, into float32 (TF32)
+    matrix products at half the rate. The embedding's gradient still accumulates in float32.
+    With dtype float32 nothing is rounded: the same products as plain autodiff."""
+    return jnp.einsum("btd,vd->btv", x, wte.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _tied_logits_fwd(x, wte, dtype):
+    return tied_logits(x, wte, dtype), (x, wte)
+
+
+def _tied_logits_bwd(dtype, residuals, g):
+    x, wte = residuals
+    g = g.astype(dtype)  # (B, T, V)
+    dx = jnp.einsum("btv,vd->btd", g, wte.astype(dtype), preferred_element_type=jnp.float32)  # (B, T, d)
+    dwte = jnp.einsum("btv,btd->vd", g, x.astype(dtype), preferred_element_type=jnp.float32)  # (V, d)
+    return dx.astype(x.dtype), dwte.astype(wte.dtype)
+
+
+tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
+
+
 def _block_forward(block: Block, x: jax.Array, dropout_key, mask=None):
     return block(x, dropout_key, mask)
 
@@ -441,9 +470,7 @@ class GPT(nnx.Module):
     def _logits(self, x: jax.Array) -> jax.Array:
         """Final LayerNorm and the tied output projection: (B, T, d) -> float32 (B, T, V_padded)."""
         x = self.ln_f(x)
-        # tied output projection; float32 accumulation and result, since the loss needs it
-        dtype = DTYPES[self.config.dtype]
-        logits = jnp.einsum("btd,vd->btv", x, self.wte[...].astype(dtype), preferred_element_type=jnp.float32)
+        logits = tied_logits(x, self.wte[...], DTYPES[self.config.dtype])
         return logical_constraint(logits, ("batch", "length", "vocab"))  # (B, T, V_padded)
 
     def decode(self, tokens: jax.Array, cache: dict, pos) -> tuple[jax.Array, dict]:
