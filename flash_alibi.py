@@ -38,9 +38,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+# Tuned on an H100 (bench/RESULTS.md, 2026-11-23) at 760m's heads (H=16, D=96 padded to 128),
+# forward + backward: at B=8 T=2048 64x64 took 2.51 ms against 3.09-5.04 ms for 32x32, 128x64,
+# 128x128 with 8 warps, 3 stages or 1; at B=4 T=2048 1.40 ms against 2.24 ms for 64x32, the old
+# default; at B=1 T=8192 4.00 ms against 5.05 ms for 128x64.
 BLOCK_FWD = 64  # query and key block of the forward kernel
-BLOCK_BWD = 32  # query and key block of the backward kernels (they hold more tiles at once)
+BLOCK_BWD = 64  # query and key block of the backward kernels
 NUM_WARPS = 4  # warps per Triton program (each program is one block of one (batch, head))
+NUM_STAGES = 2  # Triton software-pipelining depth of the loads in each kernel's loop
 MIN_BLOCK = 16  # Triton's smallest dot tile
 SLOPE_LANES = 16  # the slope is read as a row of this many copies: Triton loads tiles, not scalars
 MASKED = -1e30  # score of a key above the diagonal: exp(MASKED - anything finite) is exactly 0
@@ -159,7 +164,7 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, opts, name):
     if not opts["interpret"]:
         from jax.experimental.pallas import triton as plgpu
 
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=opts["num_warps"], num_stages=2)
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=opts["num_warps"], num_stages=opts["num_stages"])
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
                           interpret=opts["interpret"], name=name, **params)
 
@@ -213,13 +218,16 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Entry point
 
 
-def check_settings(block_fwd: int, block_bwd: int, num_warps: int) -> None:
-    """Raises ValueError (one line) unless the blocks are powers of two >= MIN_BLOCK and the warps a power of two."""
+def check_settings(block_fwd: int, block_bwd: int, num_warps: int, num_stages: int = NUM_STAGES) -> None:
+    """Raises ValueError (one line) unless the blocks are powers of two >= MIN_BLOCK, the warps a power
+    of two and the stages at least 1."""
     for name, block in (("block_fwd", block_fwd), ("block_bwd", block_bwd)):
         if block < MIN_BLOCK or block & (block - 1):
             raise ValueError(f"{name} must be a power of two >= {MIN_BLOCK}, got {block}")
     if num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"num_warps must be a power of two, got {num_warps}")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be at least 1, got {num_stages}")
 
 
 def _interpret_by_default() -> bool:
@@ -228,20 +236,21 @@ def _interpret_by_default() -> bool:
 
 
 def flash_alibi_attention(q, k, v, slopes=None, *, block_fwd: int = BLOCK_FWD, block_bwd: int = BLOCK_BWD,
-                          num_warps: int = NUM_WARPS, interpret: bool | None = None) -> jax.Array:
+                          num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+                          interpret: bool | None = None) -> jax.Array:
     """Causal self-attention of q, k, v (B, T, H, D) -> (B, T, H, D) in q's dtype, with the ALiBi
     bias -slopes[h] * (i - j) (slopes (H,), e.g. model.alibi_slopes(H); None: no bias).
 
     Differentiable in q, k and v. `interpret`: None runs the Triton kernels on a GPU and interpret
     mode on the CPU. Block sizes are powers of two of at least 16; a short sequence uses smaller ones.
-    The defaults (BLOCK_FWD, BLOCK_BWD, NUM_WARPS) are the tuning knobs; `python bench.py attention
-    --impls pallas:FWDxBWD[xWARPS],...` compares settings.
+    The defaults (BLOCK_FWD, BLOCK_BWD, NUM_WARPS, NUM_STAGES) are the tuning knobs; `python bench.py attention
+    --impls pallas:FWDxBWD[xWARPS[xSTAGES]],...` compares settings.
     """
     B, T, H, D = q.shape
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"flash_alibi_attention is self-attention: q, k, v must share a shape, got "
                          f"{q.shape}, {k.shape}, {v.shape}")
-    check_settings(block_fwd, block_bwd, num_warps)
+    check_settings(block_fwd, block_bwd, num_warps, num_stages)
     backend = jax.default_backend()
     if backend == "tpu":
         raise ValueError("the Pallas flash-attention kernel is written for NVIDIA GPUs (Triton); on a TPU "
@@ -259,7 +268,7 @@ def flash_alibi_attention(q, k, v, slopes=None, *, block_fwd: int = BLOCK_FWD, b
     widths = ((0, 0), (0, T_pad - T), (0, 0), (0, D_pad - D))
     pad = (lambda x: x) if (T_pad, D_pad) == (T, D) else (lambda x: jnp.pad(x, widths))
     # hashable: a static argument of the custom_vjp
-    opts = (("block_fwd", block_fwd), ("block_bwd", block_bwd), ("num_warps", num_warps),
+    opts = (("block_fwd", block_fwd), ("block_bwd", block_bwd), ("num_warps", num_warps), ("num_stages", num_stages),
             ("interpret", bool(interpret)), ("scale", 1.0 / math.sqrt(D)))
     y = _flash(slopes, pad(q), pad(k), pad(v), opts)  # (B, T_pad, H, D_pad)
     return y[:, :T, :, :D]
