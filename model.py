@@ -49,10 +49,11 @@ REMAT_POLICIES = {
     # keep the outputs of weight matmuls, recompute attention scores and elementwise ops
     "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-# xla: the reference below; dot_product: jax.nn.dot_product_attention with JAX's default implementation
-# (XLA's, as of JAX 0.10); cudnn: the same forced to cuDNN's fused kernel (NVIDIA GPU only); pallas:
-# flash_alibi.py's kernel, which makes the ALiBi bias inside (O(T) memory)
-ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "pallas")
+# auto: the fastest measured for this backend and model (`resolve_attention`); xla: the reference
+# below; dot_product: jax.nn.dot_product_attention with JAX's default implementation (XLA's, as of
+# JAX 0.10); cudnn: the same forced to cuDNN's fused kernel (NVIDIA GPU only); pallas: flash_alibi.py's
+# kernel, which makes the ALiBi bias inside (O(T) memory)
+ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn", "pallas")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding and logits matmuls tile well
 
 
@@ -71,7 +72,7 @@ class GPTConfig:
     layer_norm_epsilon: float = 1e-5
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16
     remat: str = "none"  # rematerialisation per block: none | full | save_matmuls
-    attention: str = "xla"  # xla (reference) | dot_product | cudnn (GPU) | pallas (flash kernel, flash_alibi.py)
+    attention: str = "auto"  # auto (fastest for the backend) | xla (reference) | dot_product | cudnn (GPU) | pallas
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "embedding_dim", "num_head", "N"):
@@ -91,7 +92,7 @@ class GPTConfig:
             raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
         if self.attention == "cudnn" and self.dtype == "float32":
             raise ValueError("model.attention=cudnn needs model.dtype bfloat16 or float16 (cuDNN's fused kernel)")
-        if self.attention != "xla" and self.dropout > 0:
+        if self.attention not in ("auto", "xla") and self.dropout > 0:
             raise ValueError(
                 f"model.attention={self.attention} cannot drop attention probabilities; use attention=xla or dropout=0"
             )
@@ -227,10 +228,11 @@ def attention(q, k, v, cfg: GPTConfig, dropout_key=None, mask=None) -> jax.Array
     B, T, H, D = q.shape
     if mask is not None:
         return _attend(q, k, v, jnp.arange(T), jnp.arange(T), cfg, dropout_key, mask)
-    if cfg.attention == "pallas":  # O(T) memory: the bias is made inside the kernel from the slopes
+    impl = resolve_attention(cfg)
+    if impl == "pallas":  # O(T) memory: the bias is made inside the kernel from the slopes
         return _pallas_attention(q, k, v, cfg)
-    if cfg.attention == "cudnn":
-        check_attention_backend(cfg)
+    if impl == "cudnn":
+        check_attention_backend(dataclasses.replace(cfg, attention=impl))
         # cuDNN's fused kernel takes even lengths only; one extra key after every query is hidden
         # by the causal mask, and the extra query row is dropped. Its backward pass also computes
         # the gradient of the constant bias, (1, H, T, T), and throws it away: O(T^2) memory again.
@@ -240,7 +242,7 @@ def attention(q, k, v, cfg: GPTConfig, dropout_key=None, mask=None) -> jax.Array
         bias = alibi_bias(H, n, n)[None].astype(q.dtype) if cfg.alibi_attn else None  # (1, H, n, n)
         y = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True, implementation="cudnn")
         return y[:, :T]
-    if cfg.attention == "dot_product":
+    if impl == "dot_product":
         bias = alibi_bias(H, T, T)[None].astype(q.dtype) if cfg.alibi_attn else None  # (1, H, T, T)
         return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True)
     return _attend(q, k, v, jnp.arange(T), jnp.arange(T), cfg, dropout_key)
@@ -267,6 +269,23 @@ def _pallas_attention(q, k, v, cfg: GPTConfig) -> jax.Array:
                         in_specs=(qkv_spec, qkv_spec, qkv_spec, jax.sharding.PartitionSpec(spec[2])),
                         out_specs=qkv_spec, check_vma=False)
     return run(q, k, v, jnp.asarray(slopes))
+
+
+def resolve_attention(cfg: GPTConfig, backend: str | None = None) -> str:
+    """The implementation `cfg.attention` stands for on `backend` (default: JAX's default backend).
+
+    `auto` is the fastest correct one measured there (bench/RESULTS.md, `python bench.py attention`
+    and `train`): on an NVIDIA GPU in bfloat16 or float16, `pallas` for ALiBi models (the bias is
+    made in-kernel; cuDNN takes 1.25x its time at 760m's shape, 1.7x at T=8192, and O(T^2) memory
+    for its bias gradient) and `cudnn` for learned positions (no bias; 3% ahead of pallas on 124m's
+    step). Everywhere else `xla`: the CPU, TPUs, float32 (not measured on a GPU) and attention
+    dropout (only xla has it)."""
+    if cfg.attention != "auto":
+        return cfg.attention
+    backend = backend or jax.default_backend()
+    if backend == "gpu" and cfg.dtype != "float32" and cfg.dropout == 0:
+        return "pallas" if cfg.alibi_attn else "cudnn"
+    return "xla"
 
 
 def check_attention_backend(cfg: GPTConfig) -> None:

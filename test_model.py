@@ -245,6 +245,26 @@ def test_tied_logits_backward_runs_in_the_compute_dtype():
         assert rel < 2e-2
 
 
+def test_auto_attention_picks_the_measured_fastest_per_backend():
+    cfg = M.GPTConfig()
+    assert cfg.attention == "auto"
+    bf16 = dataclasses.replace(cfg, dtype="bfloat16")
+    assert M.resolve_attention(bf16, "gpu") == "pallas"  # ALiBi: the bias made in-kernel
+    assert M.resolve_attention(dataclasses.replace(bf16, alibi_attn=False), "gpu") == "cudnn"
+    assert M.resolve_attention(dataclasses.replace(bf16, dtype="float16"), "gpu") == "pallas"
+    for other in ("cpu", "tpu"):
+        assert M.resolve_attention(bf16, other) == "xla"
+    assert M.resolve_attention(cfg, "gpu") == "xla"  # float32
+    assert M.resolve_attention(dataclasses.replace(bf16, dropout=0.1), "gpu") == "xla"  # only xla drops
+    for impl in ("xla", "dot_product", "cudnn", "pallas"):  # a named implementation is kept everywhere
+        assert M.resolve_attention(dataclasses.replace(bf16, attention=impl), "cpu") == impl
+    # auto on this backend computes what its choice computes
+    x = tokens((2, 9))
+    chosen = M.resolve_attention(TINY)
+    auto, named = build(dataclasses.replace(TINY, attention="auto")), build(dataclasses.replace(TINY, attention=chosen))
+    np.testing.assert_array_equal(auto(x), named(x))
+
+
 def test_cross_entropy_with_weights():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(2, 5, 11)).astype(np.float32)
