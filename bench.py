@@ -109,7 +109,9 @@ def _record(name: str, out: pathlib.Path, argv: list[str], results: dict, summar
         raise BenchError(f"{table} has no results table; move it aside and run again")
     where = (f"{results['device_kind']}" if results.get("platform") == "gpu"
              else f"{machine['cpu']}, {machine['usable_cores']} cores")  # the device that was measured
-    row = f"| {now:%Y-%m-%d %H:%M} | {name} | {machine['host']}: {where} | `{command}` | {summary} | {path.name} |"
+    flags = os.environ.get("XLA_FLAGS")  # they change what is measured: shown with the command
+    shown = f"XLA_FLAGS={shlex.quote(flags)} {command}" if flags else command
+    row = f"| {now:%Y-%m-%d %H:%M} | {name} | {machine['host']}: {where} | `{shown}` | {summary} | {path.name} |"
     at = lines.index(header[-1]) + 1
     table.write_text("\n".join(lines[:at] + [row] + lines[at:]) + "\n")
     return path
@@ -303,7 +305,8 @@ def bench_data(args, argv: list[str]) -> int:
 # ---------------------------------------------------------------------------------------------
 # python bench.py train  (bench_train.py)
 
-TRAIN_LIBRARIES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "flax", "optax", "numpy", "torch",
+TRAIN_LIBRARIES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt",
+                   "flax", "optax", "numpy", "torch",
                    "triton", "transformers")  # None where not installed (the CUDA ones on a CPU)
 
 
@@ -366,12 +369,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype: float32 | bfloat16 | float16 (default bfloat16)")
     p.add_argument("--remat", default="none", help="rematerialisation: none | full | save_matmuls (default none)")
-    p.add_argument("--attention", default="xla", help="xla | dot_product | cudnn | pallas (default xla)")
+    p.add_argument("--attention", default="auto",
+                   help="auto | xla | dot_product | cudnn | pallas (default auto: what training picks on this backend)")
     p.add_argument("--alibi", action=argparse.BooleanOptionalAction, default=None,
                    help="force ALiBi on or off (default: the size's setting)")
     p.add_argument("--steps", type=int, default=20, help="timed steps; the median is reported (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s for MFU, in TFLOP/s (default: by device kind)")
+    p.add_argument("--profile", metavar="DIR", help="after timing, trace --profile-steps more steps with jax.profiler "
+                   "into DIR (Perfetto) and record each device operation's time per step")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps traced by --profile (default 3)")
     p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the PyTorch model (and GPT2LMHeadModel for learned positions); default on")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
@@ -382,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     p = commands.add_parser("attention", help="attention implementations: error, memory, time of forward + backward",
                             description="Causal ALiBi attention alone, each --impls against the XLA reference.")
     p.add_argument("--impls", default="xla,dot_product,cudnn,pallas",
-                   help="comma-separated (default: all); pallas:FWDxBWD[xWARPS] sets the kernel's block sizes "
+                   help="comma-separated (default: all); pallas:FWDxBWD[xWARPS[xSTAGES]] sets the kernel's block sizes "
                         "(and warps), e.g. pallas:64x32,pallas:128x64x8 to compare settings")
     p.add_argument("--batch", type=int, default=4, help="batch (default 4)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")

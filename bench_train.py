@@ -103,6 +103,9 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
         losses.append(float(out[1]["loss"]))
 
     timing = time_steps(one_step, sync, args.warmup, args.steps)
+    profile = None
+    if getattr(args, "profile", None):  # after the timed steps, so the trace never skews them
+        profile = profile_steps(lambda: sync(one_step()), args.profile_steps, args.profile)
     if not all(np.isfinite(losses)):
         raise TrainBenchError(f"the JAX step's loss is not finite: {losses}")
     peak = peak_override or step_lib.peak_flops(device.device_kind)
@@ -111,7 +114,50 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
     result.update({"device_kind": device.device_kind, "platform": device.platform, "peak_flops": peak,
                    "peak_memory_bytes": (stats or {}).get("peak_bytes_in_use"),
                    "loss_first": losses[0], "loss_last": losses[-1]})
+    if profile is not None:
+        result["profile"] = profile
     return result
+
+
+def profile_steps(step, steps: int, directory, top: int = 30) -> dict:
+    """Runs step() `steps` times under jax.profiler (a Perfetto trace under `directory`, for
+    ui.perfetto.dev) and sums the trace's device time per operation: {"trace", "devices": {thread:
+    {"total_us", "top": [[name, us, share], ...]}}}, per device thread (on a GPU: "XLA Ops", the
+    HLO operations, and the CUDA streams, the kernels). On the CPU, the host's XLA threads."""
+    import collections
+    import gzip
+    import json
+    import pathlib
+
+    import jax
+
+    directory = pathlib.Path(directory)
+    with jax.profiler.trace(str(directory), create_perfetto_trace=True):
+        for _ in range(steps):
+            step()
+    traces = sorted(directory.rglob("perfetto_trace.json.gz"), key=lambda f: f.stat().st_mtime)
+    if not traces:
+        return {"trace": None, "devices": {}}
+    with gzip.open(traces[-1]) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e["args"]["name"]  # noqa: E731
+                         for e in events if e.get("ph") == "M" and e.get("name") == kind}
+    processes, threads = meta("process_name"), meta("thread_name")
+    on_device = any(name.startswith("/device:") for name in processes.values())
+    sums: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        process, thread = processes.get(e["pid"], ""), threads.get((e["pid"], e.get("tid")), "")
+        if (process.startswith("/device:") if on_device else thread.startswith("tf_XLA")):
+            sums[f"{process} {thread}".strip()][e["name"]] += float(e.get("dur", 0.0)) / steps
+    devices = {}
+    for thread, ops in sums.items():
+        total = sum(ops.values())
+        devices[thread] = {"total_us": total,
+                           "top": [[name, us, us / total] for name, us in ops.most_common(top)]}
+    return {"trace": str(traces[-1]), "steps": steps, "per": "step", "devices": devices}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,12 +344,15 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     results["targets"] = targets(name, mcfg, seq, ours, results)
 
     peak = ours["peak_flops"]
+    resolved = model_lib.resolve_attention(mcfg)
+    attention = mcfg.attention if resolved == mcfg.attention else f"{mcfg.attention} ({resolved})"
+    results["attention"] = resolved
     gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
     mfu = lambda r: "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"  # noqa: E731
     rows = [("model", f"{name}: {results['parameters'] / 1e6:.1f}M parameters, {mcfg.N} blocks, "
                       f"d={mcfg.embedding_dim}, {'ALiBi' if mcfg.alibi_attn else 'learned positions'}"),
             ("shape", f"batch {args.batch} x context {seq} = {args.batch * seq} tokens/step, {mcfg.dtype}, "
-                      f"remat {mcfg.remat}, attention {mcfg.attention}"),
+                      f"remat {mcfg.remat}, attention {attention}"),
             ("device", f"{ours['device_kind']} ({ours['platform']})"),
             ("MFU", f"tokens/s x (6N + 6LdT = {results['flops_per_token'] / 1e6:.1f} MFLOP/token) / peak "
                     + (f"{peak / 1e12:.0f} TFLOP/s" + (" (--peak-tflops)" if peak_override else " (device kind)")
@@ -317,7 +366,10 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
                         f"{r['steps']}, MFU {mfu(r)}, peak memory {gib(r['peak_memory_bytes'])}{extra}"))
     for w in ran:
         rows.append((f"ours / {w}", f"{results[f'ratio_vs_{w}']:.2f}x tokens/s"))
-    summary = (f"{name} B={args.batch} T={seq} {mcfg.dtype} {mcfg.attention}: {ours['tokens_per_s']:,.0f} tok/s, "
+    for thread, prof in (ours.get("profile") or {}).get("devices", {}).items():
+        rows.append((f"profile: {thread}", f"{prof['total_us'] / 1e3:.1f} ms of device time per step"))
+        rows.extend((f"  {name[:60]}", f"{us / 1e3:8.2f} ms {share:6.1%}") for name, us, share in prof["top"][:15])
+    summary = (f"{name} B={args.batch} T={seq} {mcfg.dtype} {attention}: {ours['tokens_per_s']:,.0f} tok/s, "
                f"{ours['step_s_median'] * 1e3:.1f} ms/step, MFU {mfu(ours)}, mem {gib(ours['peak_memory_bytes'])}"
                + "".join(f"; {results[f'ratio_vs_{w}']:.2f}x {w}" for w in ran)
                + "".join(f"; {w}: {others[w]['error']}" for w in others if w not in ran)
@@ -333,20 +385,20 @@ IMPLS = ("xla", "dot_product", "cudnn", "pallas")
 
 def pallas_settings(impl: str) -> dict:
     """An --impls entry -> flash_alibi keyword arguments: {} for a plain name, and for
-    `pallas:FWDxBWD` or `pallas:FWDxBWDxWARPS` the block sizes (and warps per program)."""
+    `pallas:FWDxBWD[xWARPS[xSTAGES]]` the block sizes (and warps per program, and pipelining stages)."""
     name, _, settings = impl.partition(":")
     if name not in IMPLS:
         raise TrainBenchError(f"unknown --impls entry {impl!r}; choose from {', '.join(IMPLS)} "
-                              f"(pallas also as pallas:FWDxBWD or pallas:FWDxBWDxWARPS, e.g. pallas:128x64x8)")
+                              f"(pallas also as pallas:FWDxBWD[xWARPS[xSTAGES]], e.g. pallas:128x64x8)")
     if not settings:
         return {}
     parts = settings.split("x")
-    if name != "pallas" or len(parts) not in (2, 3) or not all(p.isdigit() for p in parts):
-        raise TrainBenchError(f"--impls entry {impl!r}: only pallas takes settings, as pallas:FWDxBWD or "
-                              f"pallas:FWDxBWDxWARPS (block sizes and warps, powers of two, e.g. pallas:128x64x8)")
+    if name != "pallas" or len(parts) not in (2, 3, 4) or not all(p.isdigit() for p in parts):
+        raise TrainBenchError(f"--impls entry {impl!r}: only pallas takes settings, as pallas:FWDxBWD[xWARPS[xSTAGES]] "
+                              f"(block sizes and warps powers of two, stages >= 1, e.g. pallas:128x64x8x3)")
     import flash_alibi
 
-    kwargs = dict(zip(("block_fwd", "block_bwd", "num_warps"), map(int, parts)))
+    kwargs = dict(zip(("block_fwd", "block_bwd", "num_warps", "num_stages"), map(int, parts)))
     try:
         flash_alibi.check_settings(**{"num_warps": flash_alibi.NUM_WARPS, **kwargs})
     except ValueError as e:
@@ -381,22 +433,23 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
         return model_lib.GPTConfig(num_head=H, embedding_dim=H * D, attention=impl, alibi_attn=args.alibi, dtype=to)
 
     def fwd_bwd(impl, to=dtype):
-        """jit of (q, k, v) -> ((sum(y * g), y), (dq, dk, dv)), attention computed in dtype `to`."""
+        """jit of (q, k, v, g) -> ((sum(y * g), y), (dq, dk, dv)), attention computed in dtype `to`."""
         cfg = config(impl.split(":")[0], jnp.dtype(to).name)
         attend = functools.partial(model_lib.attention, cfg=cfg)
-        if kernel_settings.get(impl):  # pallas:FWDxBWD[xWARPS]: the kernel itself, with these settings
+        if kernel_settings.get(impl):  # pallas:FWDxBWD[xWARPS[xSTAGES]]: the kernel itself, with these settings
             import flash_alibi
 
             slopes = model_lib.alibi_slopes(H) if args.alibi else None
             attend = functools.partial(flash_alibi.flash_alibi_attention, slopes=slopes, **kernel_settings[impl])
 
-        def loss(q, k, v):
+        def loss(q, k, v, g):
             y = attend(q.astype(to), k.astype(to), v.astype(to))
             return jnp.sum(y.astype(jnp.float32) * g), y
 
+        # g is an argument: captured, it would be a (B, T, H, D) constant that XLA spends seconds folding
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
-    (_, y_ref), grads_ref = fwd_bwd("xla", jnp.float32)(q, k, v)  # the reference
+    (_, y_ref), grads_ref = fwd_bwd("xla", jnp.float32)(q, k, v, g)  # the reference
     results = {"batch": B, "seq": T, "heads": H, "head_dim": D, "dtype": args.dtype, "alibi": args.alibi,
                "device_kind": jax.devices()[0].device_kind, "platform": jax.default_backend(),
                "error": "max |ours - reference| / max |reference|, reference: XLA in float32 on the same inputs",
@@ -411,11 +464,11 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
             rows.append((impl, f"unavailable here: {e}"))
             continue
         step = fwd_bwd(impl)
-        memory = step.lower(q, k, v).compile().memory_analysis()
-        (_, y), grads = step(q, k, v)
+        memory = step.lower(q, k, v, g).compile().memory_analysis()
+        (_, y), grads = step(q, k, v, g)
         rel = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b).max() / jnp.abs(b).max())  # noqa: E731
         errors = {"out": rel(y, y_ref), **{f"d{n}": rel(a, b) for n, a, b in zip("qkv", grads, grads_ref)}}
-        timing = time_steps(lambda: step(q, k, v), jax.block_until_ready, args.warmup, args.steps)
+        timing = time_steps(lambda: step(q, k, v, g), jax.block_until_ready, args.warmup, args.steps)
         entry = {**timing, **{f"error_{n}": e for n, e in errors.items()},
                  "temp_bytes": getattr(memory, "temp_size_in_bytes", None)}
         results["impls"][impl] = entry

@@ -232,6 +232,29 @@ def test_bench_train_cpu_smoke(tmp_path, capsys):
     assert path.name in (out / "RESULTS.md").read_text()
 
 
+def test_bench_train_profile_records_device_time_per_operation(tmp_path, capsys):
+    """--profile traces extra steps after the timed ones and records each operation's time per step."""
+    out, trace_dir = tmp_path / "bench", tmp_path / "trace"
+    argv = ["train", "--model", "test", "--seq", "16", "--batch", "2", "--dtype", "float32", "--no-torch",
+            "--steps", "2", "--warmup", "1", "--profile", str(trace_dir), "--profile-steps", "2", "--out", str(out)]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    [path] = out.glob("train-*.json")
+    r = json.loads(path.read_text())["results"]
+    assert r["attention"] == M.resolve_attention(M.GPTConfig(**r["config"]))  # auto, resolved for this backend
+    profile = r["jax"]["profile"]
+    assert profile["steps"] == 2 and profile["trace"].startswith(str(trace_dir))
+    assert list(trace_dir.rglob("perfetto_trace.json.gz"))
+    assert profile["devices"]
+    for thread, entry in profile["devices"].items():
+        times = [us for _, us, _ in entry["top"]]
+        assert times == sorted(times, reverse=True) and sum(times) <= entry["total_us"] * (1 + 1e-9)
+        for _, us, share in entry["top"]:
+            assert share == pytest.approx(us / entry["total_us"])
+        assert f"profile: {thread}" in printed
+    assert len(r["jax"]["step_s"]) == 2  # the traced steps are not among the timed ones
+
+
 def test_bench_train_errors_are_one_line(tmp_path, capsys):
     out = tmp_path / "bench"
     assert bench.main(["train", "--model", "nope", "--out", str(out)]) == 2
@@ -268,19 +291,20 @@ def test_bench_attention_checks_each_implementation(tmp_path):
 
 
 def test_bench_attention_compares_kernel_settings(tmp_path, capsys):
-    """pallas:FWDxBWD[xWARPS] entries run the kernel with those settings, each checked against the
+    """pallas:FWDxBWD[xWARPS[xSTAGES]] entries run the kernel with those settings, each checked against the
     reference; bad entries are one line, and nothing is recorded."""
     out = tmp_path / "bench"
-    argv = ["attention", "--impls", "pallas:16x16,pallas:32x16x8", "--batch", "1", "--seq", "40", "--heads", "2",
+    argv = ["attention", "--impls", "pallas:16x16,pallas:32x16x8,pallas:16x32x4x3", "--batch", "1", "--seq", "40", "--heads", "2",
             "--head-dim", "16", "--steps", "1", "--warmup", "1", "--out", str(out)]
     assert bench.main(argv) == 0
     [path] = out.glob("attention-*.json")
     impls = json.loads(path.read_text())["results"]["impls"]
-    assert sorted(impls) == ["pallas:16x16", "pallas:32x16x8"]
+    assert sorted(impls) == ["pallas:16x16", "pallas:16x32x4x3", "pallas:32x16x8"]
     for entry in impls.values():
         assert max(entry[f"error_{n}"] for n in ("out", "dq", "dk", "dv")) < 2e-2
     capsys.readouterr()
     bad = {"pallas:24x16": "block_fwd must be a power of two", "pallas:16x16x3": "num_warps must be a power of two",
+           "pallas:16x16x4x0": "num_stages must be at least 1", "pallas:16x16x4x2x1": "only pallas takes settings",
            "xla:16x16": "only pallas takes settings", "pallas:16": "only pallas takes settings",
            "flash": "unknown --impls entry 'flash'"}
     for impl, message in bad.items():

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The GPU measurements of bench/RESULTS.md, in one command per phase, for a machine with one NVIDIA GPU.
+#
+#   bench/gpu.sh OUT PHASE...      phases: env check attention train124 train760 flags profile
+#   (PYTHON=python3 by default: the interpreter that has jax[cuda], torch and transformers)
+#
+# Each phase's benchmarks are recorded by bench.py under OUT/bench (JSON files and a copy of
+# RESULTS.md with the new rows on top); every command's output goes to OUT/logs. Every command has
+# its own time limit, so one that hangs or fails leaves the rest of the plan running. `check` needs
+# the default corpus prepared (python data.py) or prepares it first.
+#
+#   env        the GPU, the driver and the library versions
+#   check      a few bfloat16 steps of `python train.py` with each attention implementation, run side
+#              by side (the GPU is shared; nothing is timed); the losses must fall and match xla's
+#   attention  python bench.py attention at 760m's shape, T = 2048 and 8192: error, memory, time,
+#              and the Pallas kernel's block sizes and warps
+#   train124   python bench.py train for 124m (T = 1024), PyTorch side by side, then each attention
+#   train760   760m at T = 2048 (PyTorch side by side) and at T = 8192, batch 1
+#   flags      the step under XLA flags known to matter on Hopper, one set at a time
+#   profile    the kernel's settings at 760m's training shape, and where the step's time goes
+#              (bench.py train --profile: device time per operation) for 124m and 760m
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: bench/gpu.sh OUT PHASE...}
+shift
+mkdir -p "$OUT/logs" "$OUT/bench"
+[ -f "$OUT/bench/RESULTS.md" ] || cp bench/RESULTS.md "$OUT/bench/RESULTS.md"
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=1
+PY=${PYTHON:-python3}
+
+run() {  # run NAME SECONDS COMMAND...: output to OUT/logs/NAME.log, status and time to OUT/logs/summary.txt
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  echo "== $name: $*" | tee -a "$OUT/logs/summary.txt"
+  timeout --signal=TERM --kill-after=20 "$limit" "$@" >"$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  echo "   exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/logs/summary.txt"
+  tail -n 25 "$OUT/logs/$name.log"
+  return 0
+}
+
+bench() {  # bench NAME SECONDS ARGS...: python bench.py ARGS --out OUT/bench
+  local name=$1 limit=$2
+  shift 2
+  run "$name" "$limit" "$PY" bench.py "$@" --out "$OUT/bench"
+}
+
+phase_env() {
+  nvidia-smi >"$OUT/logs/nvidia-smi.txt" 2>&1
+  head -n 15 "$OUT/logs/nvidia-smi.txt"
+  "$PY" -m pip list 2>/dev/null | grep -i -E "^(jax|jaxlib|jax-cuda|flax|optax|orbax|numpy|torch|triton|transformers|tokenizers|nvidia-cudnn|nvidia-cublas) " \
+    | tee "$OUT/logs/versions.txt"
+  "$PY" -c "import jax; print(jax.devices(), jax.default_backend())" 2>&1 | tail -n 1
+}
+
+phase_check() {
+  [ -f data/pystdlib/index.json ] || run prepare 300 "$PY" data.py
+  local impls="xla dot_product cudnn pallas"
+  for impl in $impls; do  # side by side: the GPU is shared, nothing here is timed
+    rm -rf "$OUT/runs/$impl"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 "$PY" train.py run_dir="$OUT/runs/$impl" \
+      model.dtype=bfloat16 model.attention="$impl" training.steps=40 training.log_every=1 \
+      training.eval_every=40 checkpoint.every=1000 >"$OUT/logs/check-$impl.log" 2>&1 &
+  done
+  wait
+  "$PY" - "$OUT/runs" $impls <<'EOF' | tee "$OUT/logs/check.txt"
+import json, pathlib, sys
+root, impls = pathlib.Path(sys.argv[1]), sys.argv[2:]
+def losses(impl):
+    path = root / impl / "metrics.jsonl"
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()] if path.exists() else None
+ref = losses("xla")
+for impl in impls:
+    got = losses(impl)
+    if not got:
+        print(f"{impl:12s} FAILED: no metrics (see logs/check-{impl}.log)")
+        continue
+    falls = sum(got[-5:]) / 5 < sum(got[:5]) / 5 - 0.5
+    first = " ".join(f"{x:.3f}" for x in got[:5])
+    diff = max(abs(a - b) for a, b in zip(got[:10], ref[:10])) if ref else float("nan")
+    print(f"{impl:12s} steps {len(got)}: first {first} ... last {got[-1]:.3f}; falls {falls}; "
+          f"max |loss - xla| over the first 10 steps {diff:.4f}")
+EOF
+}
+
+phase_attention() {
+  bench attn2048 240 attention --seq 2048 --batch 4 \
+    --impls xla,dot_product,cudnn,pallas,pallas:64x32,pallas:128x32,pallas:128x64,pallas:64x64,pallas:128x64x8,pallas:64x32x8,pallas:64x64x8
+  bench attn8192 240 attention --seq 8192 --batch 1 --impls xla,dot_product,cudnn,pallas,pallas:128x64,pallas:128x64x8,pallas:64x64
+}
+
+phase_train124() {
+  bench t124-cudnn-torch 420 train --model 124m --batch 16 --attention cudnn
+  for impl in pallas xla dot_product; do
+    bench "t124-$impl" 240 train --model 124m --batch 16 --attention "$impl" --no-torch
+  done
+}
+
+phase_train760() {
+  bench t760-pallas-torch 420 train --model 760m --seq 2048 --batch 8 --attention pallas
+  bench t760-cudnn 300 train --model 760m --seq 2048 --batch 8 --attention cudnn --no-torch
+  bench t760-8192 300 train --model 760m --seq 8192 --batch 1 --attention pallas --no-torch
+}
+
+phase_flags() {
+  local flags
+  for flags in "--xla_gpu_enable_latency_hiding_scheduler=true" "--xla_gpu_enable_triton_gemm=false" \
+               "--xla_gpu_enable_command_buffer="; do
+    XLA_FLAGS="$flags" bench "flags-124m${flags//[^a-z]/_}" 240 train --model 124m --batch 16 --attention cudnn --no-torch
+  done
+}
+
+phase_profile() {
+  bench attn760 200 attention --seq 2048 --batch 8 \
+    --impls cudnn,pallas,pallas:64x64x4x3,pallas:128x64x4x3,pallas:128x128x8,pallas:64x64x8x3,pallas:32x32,pallas:64x64x4x1
+  bench p760 240 train --model 760m --seq 2048 --batch 8 --attention pallas --no-torch --steps 10 --profile "$OUT/profile760"
+  bench p124 200 train --model 124m --batch 16 --attention cudnn --no-torch --steps 10 --profile "$OUT/profile124"
+  bench t124-pallas 150 train --model 124m --batch 16 --attention pallas --no-torch --steps 10
+}
+
+for phase in "$@"; do
+  "phase_$phase" || echo "phase $phase failed"
+done
