@@ -141,9 +141,9 @@ def profile_steps(step, steps: int, directory, top: int = 30) -> dict:
     with gzip.open(traces[-1]) as f:
         events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
-    meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e["args"]["name"]  # noqa: E731
-                         for e in events if e.get("ph") == "M" and e.get("name") == kind}
-    processes, threads = meta("process_name"), meta("thread_name")
+    names = [e for e in events if e.get("ph") == "M"]  # metadata: the names of processes and threads
+    processes = {e["pid"]: e["args"]["name"] for e in names if e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in names if e.get("name") == "thread_name"}
     on_device = any(name.startswith("/device:") for name in processes.values())
     sums: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for e in events:

@@ -294,8 +294,8 @@ def test_bench_attention_compares_kernel_settings(tmp_path, capsys):
     """pallas:FWDxBWD[xWARPS[xSTAGES]] entries run the kernel with those settings, each checked against the
     reference; bad entries are one line, and nothing is recorded."""
     out = tmp_path / "bench"
-    argv = ["attention", "--impls", "pallas:16x16,pallas:32x16x8,pallas:16x32x4x3", "--batch", "1", "--seq", "40", "--heads", "2",
-            "--head-dim", "16", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    argv = ["attention", "--impls", "pallas:16x16,pallas:32x16x8,pallas:16x32x4x3", "--batch", "1", "--seq", "40",
+            "--heads", "2", "--head-dim", "16", "--steps", "1", "--warmup", "1", "--out", str(out)]
     assert bench.main(argv) == 0
     [path] = out.glob("attention-*.json")
     impls = json.loads(path.read_text())["results"]["impls"]
