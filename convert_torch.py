@@ -46,6 +46,7 @@ from torch import nn
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 TOKENIZER_NAME = "tokenizer.json"
+PADDED_LOGIT = -1e9  # the logit of the embedding's padding rows, as model.PADDED_LOGIT
 EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]")  # as data.py
 # GPTConfig fields that change the parameters or the function they compute
 ARCH_FIELDS = ("vocab_size", "block_size", "embedding_dim", "num_head", "N", "alibi_attn", "bias",
@@ -184,6 +185,8 @@ class GPT(nn.Module):
             x, kv = block(x, mask, None if caches is None else caches[n])
             new.append(kv)
         logits = self.ln_f(x) @ self.wte.weight.T  # (B, T, V_padded), tied
+        padding = torch.arange(logits.shape[-1], device=logits.device) >= self.config.vocab_size
+        logits = logits.masked_fill(padding, PADDED_LOGIT)  # the padding rows never take probability
         return logits if caches is None else (logits, new)
 
     @torch.no_grad()

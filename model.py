@@ -55,6 +55,9 @@ REMAT_POLICIES = {
 # kernel, which makes the ALiBi bias inside (O(T) memory)
 ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn", "pallas")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding and logits matmuls tile well
+# the logit of every padding row (ids >= vocab_size): its probability is exactly 0 in float32 next to
+# any real logit, so every softmax is over the real vocabulary; finite, so 0 * logit stays 0
+PADDED_LOGIT = -1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,7 +450,9 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, mask: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
-        """Logits, float32 (B, T, padded_vocab_size), for int tokens (B, T). Dropout iff a key is given.
+        """Logits, float32 (B, T, padded_vocab_size), for int tokens (B, T); the padding rows (ids >=
+        vocab_size) are PADDED_LOGIT, so a softmax over them is one over the real vocabulary. Dropout
+        iff a key is given.
 
         mask (B, T, T) bool, optional: an attention mask on top of the causal one (`attention_mask`).
         segment_ids (B, T) int, optional, for packed examples: learned positions restart at 0 at
@@ -487,9 +492,12 @@ class GPT(nnx.Module):
         return x.astype(DTYPES[cfg.dtype])
 
     def _logits(self, x: jax.Array) -> jax.Array:
-        """Final LayerNorm and the tied output projection: (B, T, d) -> float32 (B, T, V_padded)."""
+        """Final LayerNorm and the tied output projection: (B, T, d) -> float32 (B, T, V_padded), with
+        PADDED_LOGIT on the padding rows (ids >= vocab_size)."""
         x = self.ln_f(x)
-        logits = tied_logits(x, self.wte[...], DTYPES[self.config.dtype])
+        logits = tied_logits(x, self.wte[...], DTYPES[self.config.dtype])  # (B, T, V_padded)
+        real = jnp.arange(self.config.padded_vocab_size) < self.config.vocab_size  # (V_padded,)
+        logits = jnp.where(real, logits, PADDED_LOGIT)  # the padding rows never take probability
         return logical_constraint(logits, ("batch", "length", "vocab"))  # (B, T, V_padded)
 
     def decode(self, tokens: jax.Array, cache: dict, pos) -> tuple[jax.Array, dict]:

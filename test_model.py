@@ -192,6 +192,34 @@ def test_bfloat16_compute_and_attention_implementations_agree():
     assert abs(losses["bfloat16", "dot_product"] - losses["bfloat16", "xla"]) < 1e-2 * ref
 
 
+def test_padded_vocabulary_rows_never_take_probability():
+    """A model whose real logits all sit far below 0, as a trained GPT-2's do: its loss is the
+    cross-entropy over the real vocabulary alone (written out in numpy), not diluted by the
+    embedding's zero padding rows, whose logit would otherwise be 0 (here 24 of them)."""
+    cfg = dataclasses.replace(TINY, vocab_size=1000)  # padded to 1024
+    m = build(cfg)
+    rng = np.random.default_rng(0)
+    u = rng.standard_normal(cfg.embedding_dim)
+    wte = np.zeros((cfg.padded_vocab_size, cfg.embedding_dim), np.float32)  # padding rows zero, as an import
+    wte[: cfg.vocab_size] = u + 0.3 * rng.standard_normal((cfg.vocab_size, cfg.embedding_dim))
+    m.wte[...] = jnp.asarray(wte)
+    m.ln_f.scale[...] = jnp.zeros(cfg.embedding_dim)  # the final LayerNorm outputs its bias whatever the input
+    bias = -0.5 * u
+    m.ln_f.bias[...] = jnp.asarray(bias, jnp.float32)
+    batch = tokens((2, 9), vocab=cfg.vocab_size)
+    logits = m(batch[:, :-1])
+
+    real = bias @ wte[: cfg.vocab_size].T  # (V,) the same at every position
+    assert real.max() < -5  # strongly negative, as trained weights give
+    log_probs = real - (real.max() + np.log(np.exp(real - real.max()).sum()))
+    want = -log_probs[np.asarray(batch[:, 1:])].mean()
+    got = float(M.cross_entropy(logits, batch[:, 1:])[0])
+    assert abs(got - want) < 1e-4 * want
+    probs = jax.nn.softmax(logits, axis=-1)
+    assert float(probs[..., cfg.vocab_size:].max()) == 0.0
+    np.testing.assert_allclose(np.asarray(probs[..., : cfg.vocab_size].sum(-1)), 1.0, rtol=1e-5)
+
+
 def test_logits_are_float32_in_every_compute_dtype():
     for dtype in ("float32", "bfloat16"):
         assert build(dataclasses.replace(TINY, dtype=dtype))(tokens((1, 8))).dtype == jnp.float32
