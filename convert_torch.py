@@ -13,18 +13,24 @@ Export writes `model.safetensors`, `config.json` and the run's `tokenizer.json` 
 GPT-2 for a learned-position model, BLOOM (an ALiBi GPT with a LayerNorm after the embedding) for
 an ALiBi model with `embed_norm`. A model a layout cannot express exactly is refused, never
 exported approximately. A model without biases is written with zero biases, which is exact.
-The configured vocabulary is kept padded (a multiple of 128) in the exported config: the JAX
-model's softmax runs over the padded rows, so only that size gives the same logits and losses.
+Exports carry the real vocabulary: `vocab_size` is the tokenizer's and the embedding has that many
+rows. model.py pads its embedding to a multiple of 128 and gives the padding rows the logit
+PADDED_LOGIT, so a softmax over the real rows alone is the same distribution.
 
 Import (`--import-hf`) turns a local transformers GPT-2 (or BLOOM) directory into a run directory
-whose step-0 checkpoint holds the parameters; `training.init_from=RUN_DIR` starts a fine-tuning
-run from it. Every config.json we write also carries the JAX model's config under `gpt_jax`, so
-JAX -> PyTorch -> JAX returns the identical parameters and config.
+whose step-0 checkpoint holds the parameters (the embedding padded with zero rows);
+`training.init_from=RUN_DIR` starts a fine-tuning run from it. Every config.json we write also
+carries the JAX model's config under `gpt_jax`, so JAX -> PyTorch -> JAX returns the identical
+config and parameters (the embedding's padding rows, which no logit depends on, as zeros).
 
 Every tensor is mapped exactly once in both directions; missing, unexpected and mis-shaped keys
 are listed in the error. The PyTorch module reproduces model.py: the same LayerNorm epsilon, the
 same GELU (tanh or erf), ALiBi `-slope_h * (i - j)` with model.py's slopes, scores scaled by
-1/sqrt(D), tied output embedding, logits over the padded vocabulary.
+1/sqrt(D), tied output embedding, logits over the padded vocabulary (PADDED_LOGIT on the padding).
+
+Exporting needs numpy and safetensors only; the GPT module and reading pytorch_model.bin need torch.
+This file imports nothing of the project at its top, so a copy of it alone next to an export is
+all that `GPT.from_pretrained` needs (with torch, numpy and safetensors installed).
 """
 from __future__ import annotations
 
@@ -34,14 +40,19 @@ import json
 import math
 import os
 import pathlib
+import pickle
 import shutil
 import sys
 import tempfile
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import nn
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+except ImportError:  # the converter's exports need no torch; GPT and pytorch_model.bin do
+    torch = F = nn = None
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -59,6 +70,8 @@ class ConvertError(Exception):
 
 # ----------------------------------------------------------------------------------------------
 # The PyTorch model: self-contained (torch only), the architecture of model.py
+
+_Module = nn.Module if nn is not None else object  # without torch the classes exist, and refuse to build
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:
@@ -95,7 +108,7 @@ class TorchGPTConfig:
         return -(-self.vocab_size // 128) * 128
 
 
-class Block(nn.Module):
+class Block(_Module):
     def __init__(self, c: TorchGPTConfig):
         super().__init__()
         d = c.embedding_dim
@@ -125,10 +138,14 @@ class Block(nn.Module):
         return x + self.drop(self.mlp.c_proj(h)), (k, v)
 
 
-class GPT(nn.Module):
-    """model.GPT in PyTorch. `forward(tokens)` -> float logits (B, T, padded_vocab_size)."""
+class GPT(_Module):
+    """model.GPT in PyTorch. `forward(tokens)` -> float logits (B, T, padded_vocab_size), PADDED_LOGIT at the
+    ids >= vocab_size, so softmax, cross-entropy and argmax over them are those over the real vocabulary.
+    Like model.py it pads the embedding to a multiple of 128 rows; an export holds the vocab_size real ones."""
 
     def __init__(self, config: TorchGPTConfig | dict):
+        if torch is None:
+            raise ImportError("convert_torch.GPT needs PyTorch: pip install torch")
         super().__init__()
         c = self.config = config if isinstance(config, TorchGPTConfig) else TorchGPTConfig.from_dict(config)
         d = c.embedding_dim
@@ -152,6 +169,9 @@ class GPT(nn.Module):
                                f"transformers.AutoModelForCausalLM.from_pretrained")
         model = cls(meta["gpt_jax"])
         tensors = load_file(str(directory / WEIGHTS_NAME), device=str(map_location))
+        c, wte = model.config, tensors.get("wte.weight")
+        if wte is not None and wte.shape[0] == c.vocab_size:  # the real rows; the padding rows stay zero
+            tensors["wte.weight"] = F.pad(wte, (0, 0, 0, c.padded_vocab_size - c.vocab_size))
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         _check_keys({k: tuple(v.shape) for k, v in tensors.items()}, expected, str(directory / WEIGHTS_NAME))
         model.load_state_dict(tensors, strict=True)
@@ -189,28 +209,28 @@ class GPT(nn.Module):
         logits = logits.masked_fill(padding, PADDED_LOGIT)  # the padding rows never take probability
         return logits if caches is None else (logits, new)
 
-    @torch.no_grad()
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Continue tokens (B, T) by max_new_tokens with a KV cache: the prompt once, then one token
         per step. temperature 0 is greedy; otherwise sample (top_k optional). Padded vocabulary rows
         are never chosen. Returns (B, T + max_new_tokens)."""
-        logits, caches = self(tokens, caches=[None] * len(self.blocks), start=0)  # the prompt, once
-        out = tokens
-        for n in range(max_new_tokens):
-            last = logits[:, -1, : self.config.vocab_size].float()  # (B, V): never a padding row
-            if temperature == 0.0:
-                nxt = last.argmax(dim=-1, keepdim=True)
-            else:
-                last = last / temperature
-                if top_k is not None:
-                    kth = torch.topk(last, min(top_k, last.shape[-1])).values[:, -1:]
-                    last = last.masked_fill(last < kth, float("-inf"))
-                nxt = torch.multinomial(torch.softmax(last, dim=-1), 1, generator=generator)
-            out = torch.cat([out, nxt], dim=1)  # (B, T + n + 1)
-            if n + 1 < max_new_tokens:  # one new position through the cache
-                logits, caches = self(nxt, caches=caches, start=out.shape[1] - 1)
-        return out
+        with torch.no_grad():
+            logits, caches = self(tokens, caches=[None] * len(self.blocks), start=0)  # the prompt, once
+            out = tokens
+            for n in range(max_new_tokens):
+                last = logits[:, -1, : self.config.vocab_size].float()  # (B, V): never a padding row
+                if temperature == 0.0:
+                    nxt = last.argmax(dim=-1, keepdim=True)
+                else:
+                    last = last / temperature
+                    if top_k is not None:
+                        kth = torch.topk(last, min(top_k, last.shape[-1])).values[:, -1:]
+                        last = last.masked_fill(last < kth, float("-inf"))
+                    nxt = torch.multinomial(torch.softmax(last, dim=-1), 1, generator=generator)
+                out = torch.cat([out, nxt], dim=1)  # (B, T + n + 1)
+                if n + 1 < max_new_tokens:  # one new position through the cache
+                    logits, caches = self(nxt, caches=caches, start=out.shape[1] - 1)
+            return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,7 +284,10 @@ def _layout(c: TorchGPTConfig, fmt: str) -> list[tuple]:
     else:
         raise ConvertError(f"unknown format {fmt!r}")
 
-    add("wte", f"{P}{names['wte']}.weight", same, (c.padded_vocab_size, d))
+    V, pad = c.vocab_size, c.padded_vocab_size - c.vocab_size
+    # the files hold the real vocabulary's rows; model.py's padding rows (no logit depends on them) come back zero
+    real_rows = (lambda a: a[:V], lambda a: np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]))
+    add("wte", f"{P}{names['wte']}.weight", real_rows, (V, d))
     if not c.alibi_attn:
         add("wpe", f"{P}{names['wpe']}.weight", same, (c.block_size, d))
     if c.embed_norm:
@@ -366,7 +389,7 @@ def hf_format(c: TorchGPTConfig) -> str:
 
 
 def hf_config(c: TorchGPTConfig, fmt: str, eot_id: int | None) -> dict:
-    common = {"vocab_size": c.padded_vocab_size, "layer_norm_epsilon": c.layer_norm_epsilon,
+    common = {"vocab_size": c.vocab_size, "layer_norm_epsilon": c.layer_norm_epsilon,
               "tie_word_embeddings": True, "bos_token_id": eot_id, "eos_token_id": eot_id, "use_cache": True,
               "dtype": "float32", "initializer_range": 0.02}
     if fmt == "gpt2":
@@ -534,10 +557,8 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
         raise ConvertError(f"{hf_dir}: lm_head.weight differs from {wte_key}; model.py ties them")
     for k in [k for k in tensors if k.endswith((".attn.bias", ".attn.masked_bias"))]:
         tensors.pop(k)  # causal-mask buffers of older GPT-2 checkpoints, not parameters
-    if wte_key in tensors and tensors[wte_key].shape[0] == c.vocab_size < c.padded_vocab_size:
-        wte = tensors[wte_key]  # pad to model.py's multiple of 128 with zero rows (logit 0 until trained)
-        tensors[wte_key] = np.concatenate([wte, np.zeros((c.padded_vocab_size - c.vocab_size, wte.shape[1]),
-                                                         wte.dtype)])
+    if wte_key in tensors and tensors[wte_key].shape[0] == c.padded_vocab_size > c.vocab_size:
+        tensors[wte_key] = tensors[wte_key][: c.vocab_size]  # an export that kept model.py's padding rows
     params = from_torch_tensors(tensors, c, layout, str(hf_dir))
     gcfg = GPTConfig(**dataclasses.asdict(c))
     tmp = _prepare_out(out, overwrite)

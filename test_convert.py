@@ -73,12 +73,17 @@ def hf_logits(directory, toks):
 def test_torch_module_matches_jax(tmp_path, overrides):
     m, params = jax_model(**overrides)
     assert ct.export(params, m.config, tmp_path / "out") == "torch"
+    # the files carry the real vocabulary: 300 rows, vocab_size 300
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))["wte.weight"]
+    np.testing.assert_array_equal(written, params["wte"][:300])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["gpt_jax"]["vocab_size"] == 300
     tm = ct.GPT.from_pretrained(tmp_path / "out")
     T = 16 if not m.config.alibi_attn else 4 * 16  # ALiBi beyond the training context
     toks = tokens(T)
     with torch.no_grad():
         got = tm(torch.tensor(toks)).numpy()
-    assert got.shape == (2, T, 384)
+    assert got.shape == (2, T, 384)  # like model.py: padded, the padding rows at PADDED_LOGIT
+    np.testing.assert_array_equal(got[..., 300:], ct.PADDED_LOGIT)
     np.testing.assert_allclose(got, np.asarray(m(toks)), atol=TOL, rtol=0)
 
 
@@ -100,7 +105,8 @@ def test_hf_export_matches_jax(tmp_path, overrides, layout):
     got, hf = hf_logits(tmp_path / "hf", toks)
     assert type(hf).__name__ == {"gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM"}[layout]
     assert hf.get_output_embeddings().weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()  # tied
-    np.testing.assert_allclose(got, np.asarray(m(toks)), atol=TOL, rtol=0)
+    assert hf.config.vocab_size == 300 and got.shape == (2, 16, 300)  # the real vocabulary only
+    np.testing.assert_allclose(got, np.asarray(m(toks))[..., :300], atol=TOL, rtol=0)  # every real logit
 
 
 def random_gpt2(directory, seed=0, **kw):
@@ -168,7 +174,9 @@ def test_round_trip_jax_hf_jax_is_identical(tmp_path, overrides):
     cfg, back, _ = ct.read_run(tmp_path / "run")
     assert cfg.model == m.config
     assert jax.tree.structure(back) == jax.tree.structure(params)
-    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+    # identical, but for the embedding's padding rows: not exported (no logit depends on them), back as zeros
+    expected = {**params, "wte": np.concatenate([params["wte"][:300], np.zeros((84, 32), np.float32)])}
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(a, b)
 
 
@@ -227,8 +235,8 @@ def test_cli_exports_a_run_to_transformers(trained_run, tmp_path):
     mcfg = model_fields(config.load_run_config(trained_run))
     toks = tokens(48)
     got, hf = hf_logits(out, toks)
-    assert type(hf).__name__ == "BloomForCausalLM" and hf.config.vocab_size == 384
-    np.testing.assert_allclose(got, jax_logits(params, mcfg, toks), atol=TOL, rtol=0)
+    assert type(hf).__name__ == "BloomForCausalLM" and hf.config.vocab_size == 300
+    np.testing.assert_allclose(got, jax_logits(params, mcfg, toks)[..., :300], atol=TOL, rtol=0)
     tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "the cat sat on a mat."
     assert tok.decode(tok(text)["input_ids"]) == text
