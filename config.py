@@ -394,6 +394,14 @@ def load_run_config(run_dir, overrides: typing.Sequence[str] = ()) -> Config:
     return from_dict(raw, sizes=sizes)
 
 
+def checkpoint_steps(run_dir) -> list[int]:
+    """The steps of a run directory's saved checkpoints, oldest first ([] when there are none)."""
+    from etils import epath  # orbax's own path layer: local, or gs:// as orbax itself reaches it
+
+    ckpt = epath.Path(_run(run_dir).checkpoint_dir())
+    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
+
+
 def load_run_params(run_dir, step: int | None = None) -> tuple[dict, int]:
     """(params, step) of a run directory's checkpoint, the last one by default.
 
@@ -403,11 +411,8 @@ def load_run_params(run_dir, step: int | None = None) -> tuple[dict, int]:
     import numpy as np
     import orbax.checkpoint as ocp
 
-    from etils import epath  # orbax's own path layer: local, or gs:// as orbax itself reaches it
-
     ckpt_dir = _run(run_dir).checkpoint_dir()
-    ckpt = epath.Path(ckpt_dir)
-    steps = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
+    steps = checkpoint_steps(run_dir)
     if not steps:
         raise ConfigError(f"no checkpoint in {ckpt_dir}")
     if step is None:

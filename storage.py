@@ -97,6 +97,10 @@ class RunDir:
     def _do(self, name: str, action, *args):
         try:
             return action(*args)
+        except OSError as e:  # a local path under a file, without permission, on a full disk
+            if self.remote:
+                raise StorageError(f"{self.show(name) if name else self.location}: {_one_line(e)}") from None
+            raise StorageError(f"{self.show(name) if name else self.location}: {e.strerror or _one_line(e)}") from None
         except Exception as e:
             if not self.remote:
                 raise
@@ -110,7 +114,11 @@ class RunDir:
         return self._do("", lambda: not self.fs.isdir(self.root) or not self.fs.ls(self.root, detail=False))
 
     def mkdir(self) -> None:
-        self._do("", self.fs.makedirs, self.root, True)  # object stores have no directories: a no-op there
+        """Create the directory (and its parents); a place where none can be made is a StorageError."""
+        try:
+            self._do("", self.fs.makedirs, self.root, True)  # object stores have no directories: a no-op there
+        except StorageError as e:
+            raise StorageError(f"cannot create the run directory {e}") from None
 
     def read_bytes(self, name: str) -> bytes:
         return self._do(name, self.fs.cat_file, self._path(name))
@@ -125,8 +133,12 @@ class RunDir:
             return
         path = pathlib.Path(self.root) / name
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        tmp.write_bytes(content)
-        tmp.replace(path)
+
+        def write():
+            tmp.write_bytes(content)
+            tmp.replace(path)
+
+        self._do(name, write)
 
     def write_text(self, name: str, text: str) -> None:
         self.write_bytes(name, text.encode())
@@ -148,8 +160,19 @@ class JsonLines:
 
     def __init__(self, run: RunDir, name: str, keep=lambda row: True):
         self.run, self.name = run, name
-        old = run.read_text(name).splitlines() if run.is_file(name) else []
-        self.lines = [line + "\n" for line in old if line.strip() and keep(json.loads(line))]
+        old = [line for line in (run.read_text(name).splitlines() if run.is_file(name) else []) if line.strip()]
+        parsed = []  # (row, its line as written)
+        self.torn = None  # a last line cut off by a kill during its write: dropped, and said by the caller
+        for number, line in enumerate(old, 1):
+            try:
+                parsed.append((json.loads(line), line))
+            except json.JSONDecodeError:
+                if number < len(old):
+                    raise StorageError(f"{run.show(name)}: line {number} is not JSON; repair or remove it") from None
+                self.torn = line
+        kept = [(row, line) for row, line in parsed if keep(row)]
+        self.rows = [row for row, _ in kept]  # the rows kept, in order
+        self.lines = [line + "\n" for _, line in kept]
         run.write_text(name, "".join(self.lines))
         self.uploaded = time.monotonic()
         self.file = None if run.remote else open(pathlib.Path(run.root) / name, "a")

@@ -98,6 +98,9 @@ def test_end_to_end_run(finished_run, corpus):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["tokens"] == 8 * 8 * 32
     assert summary["val_loss"] == r[-1]["val_loss"]
+    # which validation figure it is: the fixed sample of training.eval_windows windows of seq_len tokens
+    assert summary["val_sample_windows"] == 16 and summary["val_sample_tokens"] == 16 * 32
+    assert summary["wall_time_s"] >= r[-1]["time_s"]
     assert summary["unigram_entropy"] == index["unigram_entropy"]
     assert summary["checkpoint"] == str((run_dir / "checkpoints" / "8").resolve())
     # the run directory is self-contained: config (vocabulary from the data), data reference, tokenizer
@@ -114,17 +117,25 @@ def test_end_to_end_run(finished_run, corpus):
     assert state["params"]["wte"].shape == (384, 32)
 
 
-def test_resume_is_exact(finished_run, corpus, tmp_path):
+def test_resume_is_exact(finished_run, corpus, tmp_path, capsys):
     """Crash after the checkpoint at step 4, resume: steps 5..8 equal those of the straight run."""
     crashed = tmp_path / "crashed"
     shutil.copytree(finished_run, crashed)
     shutil.rmtree(crashed / "checkpoints" / "8")  # the crash came before the step-8 checkpoint
     (crashed / "summary.json").unlink()
-    # metrics.jsonl still has the crashed run's lines 5..8: resume must drop them, not duplicate
+    # metrics.jsonl still has the crashed run's lines 5..8: resume must drop them, not duplicate; and
+    # the kill came during the write of line 9, which it cut off
+    with open(crashed / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "loss": 5.1, "l')
     assert train.main(["--resume", f"run_dir={crashed}"]) == 0
+    assert "its last line was cut off" in capsys.readouterr().out
     straight, resumed = rows(finished_run), rows(crashed)
     assert [r["step"] for r in resumed] == list(range(1, 9))
     assert [deterministic(r) for r in resumed] == [deterministic(r) for r in straight]
+    # the run's clock goes on from the checkpoint's row: time_s grows across the resume, and so does the summary's
+    times = [r["time_s"] for r in resumed]
+    assert times == sorted(times) and times[4] > times[3] == straight[3]["time_s"]
+    assert json.loads((crashed / "summary.json").read_text())["wall_time_s"] >= times[-1]
     a, b = restore(finished_run, 8), restore(crashed, 8)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
@@ -157,22 +168,69 @@ def test_resume_errors(corpus, tmp_path, capsys):
     run_dir = tmp_path / "early"
     with pytest.raises(train.Diverged):
         train.main(tiny(run_dir, corpus, "training.lr=1e30", "checkpoint.every=100"))
-    assert train.cli(["--resume", f"run_dir={run_dir}"]) == 2
-    assert "no checkpoint" in capsys.readouterr().err
+    capsys.readouterr()
+    # a new run there is refused, saying what to do
+    assert train.cli(tiny(run_dir, corpus)) == 2
+    err = capsys.readouterr().err
+    assert "stopped before its first checkpoint" in err and "--resume" in err and err.count("\n") == 1
+    # --resume starts it again from step 0 with its saved config (here with a sane learning rate):
+    # the same run as a fresh one with that config
+    assert train.cli(["--resume", f"run_dir={run_dir}", "training.lr=1e-2"]) == 0
+    assert "starts from step 0" in capsys.readouterr().out
+    fresh = tmp_path / "fresh"
+    assert train.main(tiny(fresh, corpus, "checkpoint.every=100")) == 0
+    assert [deterministic(r) for r in rows(run_dir)] == [deterministic(r) for r in rows(fresh)]
 
 
-def test_bad_checkpoint_is_one_error_line(finished_run, tmp_path):
+def damage(checkpoint: pathlib.Path) -> None:
+    """Truncate every array file of a checkpoint, as a disk failure or a partial copy would."""
+    for f in checkpoint.rglob("*"):
+        if f.is_file() and f.stat().st_size > 0 and "METADATA" not in f.name:
+            f.write_bytes(b"\0" * 7)
+
+
+def test_damaged_newest_checkpoint_falls_back_to_an_intact_one(finished_run, tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(finished_run, broken)
-    for f in (broken / "checkpoints" / "8").rglob("*"):
-        if f.is_file() and f.stat().st_size > 0 and "METADATA" not in f.name:
-            f.write_bytes(b"\0" * 7)  # truncated files
+    damage(broken / "checkpoints" / "8")
+    assert train.main(["--resume", f"run_dir={broken}"]) == 0  # the run ends at step 8 again
+    out = capsys.readouterr().out
+    assert "checkpoint 8 cannot be restored" in out and "resuming from checkpoint 4" in out
+    assert "TensorStore" not in out and "<bound method" not in out
+    # nothing lost: the damaged checkpoint is moved aside whole; steps 5..8 are those of the straight run
+    assert sorted(p.name for p in (broken / "checkpoints-damaged").iterdir()) == ["8"]
+    assert [deterministic(r) for r in rows(broken)] == [deterministic(r) for r in rows(finished_run)]
+    for x, y in zip(jax.tree.leaves(restore(finished_run, 8)), jax.tree.leaves(restore(broken, 8)), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_no_intact_checkpoint_is_one_error_line(finished_run, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(finished_run, broken)
+    for step in ("4", "8"):
+        damage(broken / "checkpoints" / step)
+    before = {p: p.read_bytes() for p in broken.rglob("*") if p.is_file()}
     p = subprocess.run([sys.executable, "train.py", "--resume", f"run_dir={broken}", "training.steps=9"],
                        cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
     assert p.returncode == 2
     err = p.stderr.strip()
     assert err.startswith("error: checkpoint 8 in") and "cannot be restored" in err and "\n" not in err
-    assert sorted(p.name for p in (broken / "checkpoints").iterdir()) == ["4", "8"]  # nothing removed
+    assert "cannot be read" in err and "TensorStore" not in err and "<bound method" not in err
+    assert {p: p.read_bytes() for p in broken.rglob("*") if p.is_file()} == before  # nothing changed
+
+
+def test_resume_with_another_model_names_the_keys_and_changes_nothing(finished_run, tmp_path, capsys):
+    run_dir = tmp_path / "other"
+    shutil.copytree(finished_run, run_dir)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert train.cli(["--resume", f"run_dir={run_dir}", "model.N=3", "training.steps=9"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "only in this run: params/blocks/2/" in err and err.count("\n") == 1
+    assert train.cli(["--resume", f"run_dir={run_dir}", "model.embedding_dim=64", "training.steps=9"]) == 2
+    err = capsys.readouterr().err
+    assert "other shapes: params/blocks/0/" in err and "(32,) there, (64,) here" in err
+    # config.yaml (and everything else) as before: nothing is written until a restore succeeds
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
 def test_nan_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, capsys):
@@ -293,11 +351,62 @@ def test_signal_saves_and_exits_cleanly(sig, corpus, tmp_path):
         time.sleep(0.2)
     p.send_signal(sig)
     out, err = p.communicate(timeout=120)
-    assert p.returncode == 0, err
-    assert "--resume" in out and sig.name in out
+    assert p.returncode == 128 + sig, err  # not 0: `python train.py && python eval.py` stops here
+    assert "--resume" in out and sig.name in out and "Traceback" not in err
     last = rows(run_dir)[-1]["step"]
     steps = [int(d.name) for d in (run_dir / "checkpoints").iterdir() if d.name.isdigit()]
     assert steps == [last] and int(restore(run_dir, last)["step"]) == last
     # --resume continues after the saved step (two more steps)
     assert train.main(["--resume", f"run_dir={run_dir}", f"training.steps={last + 2}"]) == 0
     assert [r["step"] for r in rows(run_dir)] == list(range(1, last + 3))
+
+
+def test_signal_during_start_up_exits_cleanly(corpus, tmp_path):
+    """Ctrl-C while the run starts (data, compilation): a clean stop, no traceback, status 128 + 2."""
+    run_dir = tmp_path / "early"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "train.py", *tiny(run_dir, corpus)], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:  # the sharding table: placed, not yet initialised or compiled
+        if line.startswith("sharding:"):
+            break
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGINT, err
+    assert "stopped by SIGINT during start-up" in out and "Traceback" not in err and "error" not in err
+    assert not (run_dir / "metrics.jsonl").exists() or not rows(run_dir)  # nothing trained
+
+
+def test_refused_starts_leave_nothing_behind(finished_run, corpus, tmp_path, capsys):
+    """Every set-up check runs before the run directory is made."""
+    no_ckpt = tmp_path / "no_ckpt"
+    shutil.copytree(finished_run, no_ckpt, ignore=shutil.ignore_patterns("checkpoints"))
+    cases = [  # (overrides, words of the one-line error)
+        ((f"training.init_from={finished_run}", "model.N=3"), ("model differs", "N 2 there, 3 here")),
+        ((f"training.init_from={no_ckpt}",), ("no checkpoint",)),
+        (("sharding.tensor=3",), ("tensor",)),
+    ]
+    for overrides, words in cases:
+        run_dir = tmp_path / "refused"
+        assert train.cli(tiny(run_dir, corpus, *overrides)) == 2, overrides
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and all(w in err for w in words), (overrides, err)
+        assert not run_dir.exists(), overrides
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_run_dir_that_cannot_be_made_is_one_line(corpus, tmp_path, capsys, where):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    run_dir = blocker / "run" if where == "under_a_file" else pathlib.Path("/proc/no-such-dir/run")
+    assert train.cli(tiny(run_dir, corpus)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot create the run directory") and err.count("\n") == 1
+    assert ("Not a directory" if where == "under_a_file" else "No such file or directory") in err
+    assert blocker.read_text() == "not a directory"
+
+
+def test_perplexity_of_a_huge_finite_loss_is_a_number():
+    assert train.perplexity(2.0) == pytest.approx(math.exp(2.0))
+    assert train.perplexity(1e4) == math.exp(700.0)  # math.exp(1e4) overflows
+    json.dumps({"train_ppl": train.perplexity(1e4)}, allow_nan=False)  # the summary stays valid JSON

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import pathlib
+import re
 import signal
 import sys
 import threading
@@ -56,13 +57,24 @@ class Diverged(Exception):
     """The loss or the parameters stopped being finite."""
 
 
-def load_init_params(run_dir, mcfg: model_lib.GPTConfig, shardings):
-    """training.init_from: the parameters of a run directory's last checkpoint, placed with `shardings`."""
+class Interrupted(Exception):
+    """SIGTERM or SIGINT arrived before the first training step: nothing was trained or saved."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def check_init_from(run_dir, mcfg: model_lib.GPTConfig) -> None:
+    """training.init_from: a run directory with a checkpoint and this run's model, or a RunError (one line)."""
     src = str(run_dir)  # a local path or a URL
     try:
         src_model = config_lib.load_run_config(src).model
+        has_checkpoint = bool(config_lib.checkpoint_steps(src))
     except config_lib.ConfigError as e:
         raise RunError(f"training.init_from: {e}") from None
+    if not has_checkpoint:
+        raise RunError(f"training.init_from={src}: no checkpoint in it to start from")
     # fields that change the parameters or what they compute; an ALiBi model may change its context
     fields = ("vocab_size", "block_size", "embedding_dim", "num_head", "N", "alibi_attn", "bias", "embed_norm",
               "gelu_approximate", "layer_norm_epsilon")
@@ -71,11 +83,101 @@ def load_init_params(run_dir, mcfg: model_lib.GPTConfig, shardings):
     if diffs:
         raise RunError(f"training.init_from={src}: its model differs from this run's ({'; '.join(diffs)}); "
                        f"set the same model (and prepare the data with its tokenizer)")
+
+
+def load_init_params(run_dir, shardings):
+    """training.init_from: the parameters of a run directory's last checkpoint, placed with `shardings`."""
     try:
-        params, _ = config_lib.load_run_params(src)
+        params, _ = config_lib.load_run_params(str(run_dir))
     except config_lib.ConfigError as e:
         raise RunError(f"training.init_from: {e}") from None
     return jax.device_put(params, shardings)
+
+
+def checkpoint_problem(error: BaseException) -> str:
+    """Why a checkpoint cannot be restored, in one line of the user's terms (an array's name, a
+    missing file), without the storage library's internals."""
+    chain = []
+    while error is not None and len(chain) < 10:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for e in reversed(chain):  # the innermost cause names the array: Error reading "params.wte/0.0" ...: why
+        match = re.search(r'Error reading "([^"/]+)[^"]*".*?: ([^;]+)', str(e))
+        if match:
+            return f"array {match.group(1)} cannot be read ({match.group(2).strip()})"
+    text = (str(chain[0]).splitlines() or [type(chain[0]).__name__])[0]
+    text = re.split(r"\s*See full TensorStore|\s*<bound method", text)[0]
+    return text[:200] or type(chain[0]).__name__
+
+
+def tree_mismatch(saved, abstract_state) -> str | None:
+    """How a checkpoint's tree (its metadata) and this run's state differ: keys on one side only and
+    arrays of another shape, the first few of each; None when they agree."""
+    def shapes(tree) -> dict[str, tuple | None]:
+        name = lambda k: getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))  # noqa: E731  (dict, list, attr)
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {"/".join(str(name(k)) for k in path): getattr(leaf, "shape", None) for path, leaf in flat}
+
+    def show(names) -> str:  # the parameters first: they say what differs in the model
+        first = sorted(names, key=lambda n: (not n.startswith("params/"), n))[:4]
+        return ", ".join(first) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+    there, here = shapes(saved), shapes(abstract_state)
+    resized = [f"{k} {tuple(there[k])} there, {tuple(here[k])} here" for k in sorted(
+        there.keys() & here.keys(), key=lambda n: (not n.startswith("params/"), n))
+        if None not in (there[k], here[k]) and tuple(there[k]) != tuple(here[k])]
+    parts = ([f"only in the checkpoint: {show(there.keys() - here.keys())}"] if there.keys() - here.keys() else []) + \
+            ([f"only in this run: {show(here.keys() - there.keys())}"] if here.keys() - there.keys() else []) + \
+            ([f"other shapes: {', '.join(resized[:3])}" + (f" and {len(resized) - 3} more" if len(resized) > 3 else "")]
+             if resized else [])
+    return "; ".join(parts) or None
+
+
+def restore_newest(mngr, abstract_state, ckpt_dir, say):
+    """(state, step) from the newest checkpoint that restores. Damaged newer ones are moved aside to
+    checkpoints-damaged/ (never deleted), saying which and why; a checkpoint whose tree differs from
+    this run's (another model or optimizer) is a RunError naming the differing keys."""
+    from etils import epath
+
+    steps = sorted(mngr.all_steps(), reverse=True)
+    damaged = []
+    for step in steps:
+        try:
+            saved = mngr.item_metadata(step)
+            saved = getattr(saved, "tree", saved)  # the checkpoint's own description of its arrays
+        except Exception as e:
+            damaged.append((step, checkpoint_problem(e)))
+            continue
+        if saved is None:
+            damaged.append((step, "its description of the arrays (_METADATA) is missing or unreadable"))
+            continue
+        mismatch = tree_mismatch(saved, abstract_state)
+        if mismatch:
+            raise RunError(f"checkpoint {step} in {ckpt_dir} does not fit this run's model and optimizer "
+                           f"({mismatch}); resume with the run's own model settings")
+        try:
+            state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        except Exception as e:  # a damaged checkpoint: a file missing, an array unreadable
+            damaged.append((step, checkpoint_problem(e)))
+            continue
+        if damaged:
+            aside = epath.Path(ckpt_dir).parent / "checkpoints-damaged"
+            aside.mkdir(parents=True, exist_ok=True)
+            for bad, _ in damaged:  # a new save at that step must not meet the damaged directory
+                (epath.Path(ckpt_dir) / str(bad)).rename(aside / str(bad))
+            mngr.reload()
+            say(f"checkpoint {', '.join(str(d) for d, _ in damaged)} cannot be restored "
+                f"({'; '.join(f'{d}: {why}' for d, why in damaged)}); moved to {aside}; "
+                f"resuming from checkpoint {step}, the newest intact one")
+        return state, step
+    step, why = damaged[0]
+    raise RunError(f"checkpoint {step} in {ckpt_dir} cannot be restored: {why}" +
+                   (f"; nor can the {len(damaged) - 1} older one(s)" if len(damaged) > 1 else ""))
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(700) so that a huge but finite loss still gives a number (JSON has no inf)."""
+    return math.exp(min(loss, 700.0))
 
 
 def parse_args(argv):
@@ -104,6 +206,33 @@ def drop_closed_loop_errors(unraisable) -> None:
 
 
 def main(argv=None) -> int:
+    """Train; 0 once trained to training.steps, 128 + N when signal N (SIGTERM, SIGINT) stopped it.
+
+    The handlers are installed first, so a signal during start-up (data, compilation) stops the run
+    cleanly too: before the first step with nothing saved, after it with a checkpoint of the last step.
+    A second signal stops at once (KeyboardInterrupt)."""
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):
+        if stop["signal"] is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        stop["signal"] = signum
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return run(argv, stop)
+    except Interrupted as e:
+        print(f"stopped by {e} during start-up: nothing trained, nothing saved", flush=True)
+        return 128 + e.signum
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def run(argv, stop: dict) -> int:
+    """main() without the signal handlers: `stop["signal"]` is set when one arrives."""
     t_start = time.perf_counter()
     sharding_lib.initialize_distributed()  # before any other JAX call; a no-op for a single process
     is_main = jax.process_index() == 0  # only process 0 writes files and logs
@@ -123,6 +252,9 @@ def main(argv=None) -> int:
             raise RunError(f"nothing to resume: {run_dir} is not a run directory (no {config_lib.RUN_CONFIG_NAME})")
         cfg = config_lib.load_run_config(run_dir, args.overrides)
     elif not run_dir.is_empty():
+        if run_dir.is_file(config_lib.RUN_CONFIG_NAME) and not config_lib.checkpoint_steps(run_dir):
+            raise RunError(f"run directory {run_dir} holds a run stopped before its first checkpoint; continue it "
+                           f"with --resume (from step 0, with its saved config), or remove the directory to start anew")
         raise RunError(
             f"run directory {run_dir} already exists; continue it with --resume, "
             f"or start a new run elsewhere with run_dir=PATH"
@@ -185,12 +317,22 @@ def main(argv=None) -> int:
             padded[: len(tokens)] = tokens
             val_sample.append({"tokens": padded, "weights": weights})
 
+    # what the validation figures are over: windows (rows) and tokens that count
+    val_windows = sum(int((batch["weights"].sum(axis=1) > 0).sum()) for batch in val_sample)
+    val_tokens = int(sum(batch["weights"].sum() for batch in val_sample))
+
     sharding_lib.check_model(mesh, num_head=cfg.model.num_head, mlp_dim=4 * cfg.model.embedding_dim,
                              vocab=cfg.model.padded_vocab_size)  # tensor parallelism splits these evenly
 
+    if t.init_from:  # its model must be this one: checked before anything is written
+        check_init_from(t.init_from, cfg.model)
+    if stop["signal"] is not None:
+        raise Interrupted(stop["signal"])
+
     # ------------------------------------------------------------------------------------------
-    # Run directory: the effective config and a reference to the data, before any training
-    if is_main:
+    # Run directory: the effective config and a reference to the data, once every check has passed.
+    # A resumed run's config.yaml is rewritten only once its checkpoint has been restored.
+    if is_main and not args.resume:
         run_dir.mkdir()
         config_lib.save_run_config(cfg, run_dir)
         tokenizer = local_data / index["tokenizer"]
@@ -264,7 +406,7 @@ def main(argv=None) -> int:
         sums = [eval_step(params, place_batch(jax.tree.map(process_slice, batch))) for batch in val_sample]
         loss_sum, n = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)
         loss = float(loss_sum / n)
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
+        return {"val_loss": loss, "val_ppl": perplexity(loss)}
 
     # ------------------------------------------------------------------------------------------
     # Checkpoint: orbax, asynchronous; a step directory appears only once it is complete
@@ -273,41 +415,49 @@ def main(argv=None) -> int:
     mngr = ocp.CheckpointManager(
         ckpt_dir,
         options=ocp.CheckpointManagerOptions(max_to_keep=ck.keep, enable_async_checkpointing=ck.async_save),
+        item_handlers=ocp.StandardCheckpointHandler(),  # so that a checkpoint's tree can be read before restoring
     )
     last_ckpt = mngr.latest_step()
-    if args.resume:
-        if last_ckpt is None:
-            raise RunError(
-                f"nothing to resume: no checkpoint in {ckpt_dir} (the run stopped before its first save); "
-                f"remove {run_dir} to start it again, or start a new run with run_dir=PATH"
-            )
+    if args.resume and last_ckpt is not None:
         default_hook, sys.unraisablehook = sys.unraisablehook, drop_closed_loop_errors
         try:
-            state = mngr.restore(last_ckpt, args=ocp.args.StandardRestore(abstract_state))
+            state, last_ckpt = restore_newest(mngr, abstract_state, ckpt_dir, say)
             sys.unraisablehook = default_hook
-        except Exception as e:  # a damaged or incompatible checkpoint (the hook stays: we exit)
+        except RunError:  # (the hook stays: we exit)
             logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
             mngr.close()
-            reason = (str(e).splitlines() or [type(e).__name__])[0].split(" [tensorstore_spec")[0][:300]
-            raise RunError(f"checkpoint {last_ckpt} in {ckpt_dir} cannot be restored: {reason}") from e
+            raise
         start_step = int(state["step"])
+        if is_main:  # restored: now the effective config (with this command's overrides) is the run's
+            config_lib.save_run_config(cfg, run_dir)
         if start_step >= t.steps:
             mngr.close()
             say(f"{run_dir} is already trained to step {start_step}; to train further: "
                 f"python train.py --resume run_dir={run_dir} training.steps=N")
             return 0
     else:
+        if args.resume:  # the run stopped before its first checkpoint: it starts again, as configured
+            say(f"no checkpoint in {ckpt_dir} yet: the run starts from step 0 with its saved config")
+            if is_main:
+                config_lib.save_run_config(cfg, run_dir)
         state = jax.jit(init_state, out_shardings=state_sharding)(init_key, train_key)
         if t.init_from:  # fine-tuning: the optimizer state (zero moments) and step stay fresh
-            state["params"] = load_init_params(t.init_from, mcfg, state_sharding["params"])
+            state["params"] = load_init_params(t.init_from, state_sharding["params"])
             say(f"parameters from {t.init_from}")
         start_step = 0
+    if stop["signal"] is not None:  # before the first step: nothing to save
+        mngr.close()
+        raise Interrupted(stop["signal"])
 
     # ------------------------------------------------------------------------------------------
     # Logging: metrics.jsonl continues after the restored step; W&B keeps its run id in the run dir
-    metrics_file = None
+    metrics_file, clock = None, 0.0  # clock: the run's time before this start (its rows' time_s go on from it)
     if is_main:
         metrics_file = storage.JsonLines(run_dir, "metrics.jsonl", keep=lambda row: row["step"] <= start_step)
+        if metrics_file.torn is not None:
+            say(f"{run_dir.show('metrics.jsonl')}: its last line was cut off (a stop during its write); dropped it")
+        if metrics_file.rows:
+            clock = float(metrics_file.rows[-1].get("time_s", 0.0))
     wandb_run = None
     if is_main and cfg.wandb.mode != "disabled":
         import wandb
@@ -332,18 +482,6 @@ def main(argv=None) -> int:
         flush=True,
     )
 
-    # SIGTERM / SIGINT: finish the current step, save, exit cleanly
-    stop = {"signal": None}
-
-    def on_signal(signum, frame):
-        if stop["signal"] is not None:  # a second signal: stop now
-            raise KeyboardInterrupt
-        stop["signal"] = signum
-
-    handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-
     # ------------------------------------------------------------------------------------------
     # Loop. A step's metrics are read when the next step has been dispatched, so reading them
     # (and the NaN check) never stalls the device; before a checkpoint everything is checked.
@@ -365,12 +503,12 @@ def main(argv=None) -> int:
         if s == start_step + 1:
             mark = (s, now)  # leave start-up and compilation out of tokens/s
         return {"step": s, "loss": loss, "lr": float(schedule(s - 1)), "grad_norm": grad_norm,
-                "tokens": s * tokens_per_step, "time_s": now - t_start}
+                "tokens": s * tokens_per_step, "time_s": clock + now - t_start}
 
     def log(row):
         """One line of metrics.jsonl (and W&B), with tokens/s and MFU since the last logged step."""
         nonlocal mark, last_row
-        s, now = row["step"], row["time_s"] + t_start
+        s, now = row["step"], row["time_s"] - clock + t_start
         if s > mark[0]:
             row["tokens_per_s"] = (s - mark[0]) * tokens_per_step / (now - mark[1])
             if peak:
@@ -430,8 +568,6 @@ def main(argv=None) -> int:
         mngr.close()
         if metrics_file is not None:
             metrics_file.close()
-        for s, h in handlers.items():
-            signal.signal(s, h)
 
     # ------------------------------------------------------------------------------------------
     # Summary
@@ -441,18 +577,21 @@ def main(argv=None) -> int:
         say(f"continue with: python train.py --resume run_dir={run_dir}")
         if wandb_run is not None:
             wandb_run.finish()
-        return 0
+        return 128 + stop["signal"]  # not 0: `python train.py && python eval.py` must not go on
     entropy = index.get("unigram_entropy")
     train_loss = float(np.mean(recent_losses)) if recent_losses else None
     summary = {
         "steps": step,
         "tokens": step * tokens_per_step,
-        "wall_time_s": time.perf_counter() - t_start,
+        "wall_time_s": clock + time.perf_counter() - t_start,  # across resumes
         "parameters": n_params,
         "train_loss": train_loss,  # mean over the last steps
-        "train_ppl": math.exp(train_loss) if train_loss is not None else None,
+        "train_ppl": perplexity(train_loss) if train_loss is not None else None,
+        # on the fixed validation sample (training.eval_windows windows), not the whole split eval.py reads
         "val_loss": val.get("val_loss", last_row.get("val_loss")),
         "val_ppl": val.get("val_ppl", last_row.get("val_ppl")),
+        "val_sample_windows": val_windows,
+        "val_sample_tokens": val_tokens,
         "unigram_entropy": entropy,
         "checkpoint": os.path.join(ckpt_dir, str(last_ckpt)) if last_ckpt is not None else None,
     }
@@ -467,7 +606,8 @@ def main(argv=None) -> int:
     say(
         f"done: {summary['steps']} steps, {summary['tokens'] / 1e6:.2f}M tokens in {summary['wall_time_s']:.0f}s\n"
         f"  train loss {fmt(train_loss, '.4f')} (ppl {fmt(summary['train_ppl'], '.2f')}), "
-        f"val loss {fmt(summary['val_loss'], '.4f')} (ppl {fmt(summary['val_ppl'], '.2f')})\n"
+        f"val loss {fmt(summary['val_loss'], '.4f')} (ppl {fmt(summary['val_ppl'], '.2f')}) on a fixed sample of "
+        f"{val_windows} windows, {val_tokens:,} tokens (python eval.py measures the whole split)\n"
         f"  unigram entropy of the corpus {fmt(entropy, '.4f')} nats/token"
         + (f"; the val loss is {abs(gap):.3f} nats {'below' if gap >= 0 else 'above'} it"
            if (gap := summary.get("val_loss_below_unigram")) is not None else "")
@@ -487,6 +627,9 @@ def cli(argv=None) -> int:
     except Diverged as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second SIGINT/SIGTERM: stopped at once, after the last saved checkpoint
+        print("error: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
