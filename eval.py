@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from lm_eval.api.model import LM
+from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
 import config as config_lib
@@ -179,9 +179,13 @@ def plot_perplexity(table: list[dict], train_len: int, title: str) -> bytes:
 # ----------------------------------------------------------------------------------------------
 # The lm-evaluation-harness adapter
 
-class JaxLM(LM):
+class JaxLM(TemplateLM):
     """lm-evaluation-harness's language-model interface over a GPT and its tokenizer.
 
+    Requests are turned into tokens by the harness's own TemplateLM, the code path of its Hugging
+    Face backend: whitespace at the end of a context (spaces, newlines, tabs) moves into the
+    continuation, the pair is split where the whole string's tokens split, and an empty context is
+    the end-of-text token. So every request is scored on the split `lm_eval --model hf` would use.
     Requests longer than `max_length` keep their last `max_length` tokens. Scoring is batched in
     length buckets (16, 32, 64, ... up to max_length), each with a fixed number of rows
     (batch_tokens // bucket), so the number of compiled shapes is the number of buckets used.
@@ -207,26 +211,11 @@ class JaxLM(LM):
     # -- tokens ------------------------------------------------------------------------------
 
     @property
-    def prefix_token_id(self) -> int:  # conditions the first token of a document
+    def eot_token_id(self) -> int:  # also the prefix token: it conditions the first token of a document
         return self.eot_id
 
-    def tok_encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
-
-    def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Token ids of (context, continuation), split where the whole string's tokens split.
-
-        Spaces at the end of the context move to the continuation, so ' word' is scored as the
-        tokenizer would see it in running text; an empty context is the end-of-text token.
-        """
-        if not context:
-            return [self.eot_id], self.tok_encode(continuation)
-        spaces = len(context) - len(context.rstrip(" "))
-        if spaces:
-            context, continuation = context[:-spaces], context[-spaces:] + continuation
-        whole = self.tok_encode(context + continuation)
-        n_context = len(self.tok_encode(context))
-        return whole[:n_context], whole[n_context:]
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return self.tokenizer.encode(string, add_special_tokens=add_special_tokens is not False).ids
 
     # -- scoring -----------------------------------------------------------------------------
 
@@ -263,11 +252,19 @@ class JaxLM(LM):
         bar.close()
         return results
 
-    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        pairs = [self._pair(*req.args) for req in requests]
-        return self.score_tokens(pairs, desc="loglikelihood")
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
 
-    def loglikelihood_rolling(self, requests) -> list[float]:
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """TemplateLM's tokenized requests ((context, continuation), context ids, continuation ids) -> scores."""
+        results = self.score_tokens([(ctx, cont) for _, ctx, cont in requests],
+                                    desc=None if disable_tqdm else "loglikelihood")
+        for (strings, _, _), answer in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", strings, answer)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each document scored in disjoint windows of max_length tokens, the first conditioned on end-of-text."""
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
         windows, owner = [], []
@@ -278,11 +275,14 @@ class JaxLM(LM):
                 windows.append(make_disjoint_window(window))
                 owner.append(i)
         totals = [0.0] * len(requests)
-        for i, (logp, _) in zip(owner, self.score_tokens(windows, desc="loglikelihood_rolling")):
+        scores = self.score_tokens(windows, desc=None if disable_tqdm else "loglikelihood_rolling")
+        for i, (logp, _) in zip(owner, scores):
             totals[i] += logp
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
         return totals
 
-    def generate_until(self, requests) -> list[str]:
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy (or sampled, if the task asks) continuations, cut at the first stop string.
 
         The cached decoding loop of sample.py runs on batches of requests whose contexts have
@@ -309,7 +309,7 @@ class JaxLM(LM):
             settings[i] = until
         graphdef, state = nnx.split(self.model)
         out: list[str] = [""] * len(requests)
-        bar = tqdm(total=len(requests), desc="generate_until", disable=not self.progress, leave=False)
+        bar = tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm or not self.progress, leave=False)
         rows = max(1, self.batch_tokens // self.max_length)
         for (_, new, temperature), members in groups.items():
             fn = sample.make_generate(graphdef, self.model.config, new, temperature=temperature, eot_id=self.eot_id)
@@ -383,7 +383,8 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv):
     p = _Parser(description="Perplexity against context length, and zero-shot benchmarks, for a trained run.")
-    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="run directory (config, checkpoints, tokenizer)")
+    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR",
+                   help="run directory (config, checkpoints, tokenizer)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step; default the last")
     p.add_argument("--data", default=None, help="prepared data directory; default the run's own")
     p.add_argument("--split", default="val", help="split scored for perplexity")

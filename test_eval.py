@@ -36,6 +36,15 @@ def run(tmp_path_factory, corpus):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
+def learned_run(tmp_path_factory, corpus):  # noqa: F811
+    """The same size with GPT-2's learned positions (block_size 64), trained for a few steps."""
+    run_dir = tmp_path_factory.mktemp("eval") / "learned"
+    assert train.main(tiny(run_dir, corpus, "model.alibi_attn=false", "model.embed_norm=false",
+                           "training.steps=20", "training.eval_every=20", "checkpoint.every=20")) == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
 def loaded(run):
     model, _ = sample.load_model(run)
     tokenizer = sample.load_tokenizer(run)
@@ -46,19 +55,25 @@ def loaded(run):
 _FORWARD = {}
 
 
-def direct_logprobs(model, tokens):
-    """log p(tokens[i+1] | tokens[:i+1]) for every i, and whether it is the argmax: one forward pass.
+def forward_logits(model, tokens):
+    """The model's logits (T, V_padded) for a sequence of T tokens: one unbatched forward pass.
 
-    The sequence sits at the start of a zero buffer of 128 tokens, so that one compiled forward pass
-    serves every length: the model is causal (test_model.test_causal), so later zeros change nothing.
+    The sequence sits at the start of a zero buffer of 128 tokens (block_size for learned positions),
+    so that one compiled forward pass serves every length: the model is causal
+    (test_model.test_causal), so later zeros change nothing.
     """
     if id(model) not in _FORWARD:
         graphdef, state = nnx.split(model)
         _FORWARD[id(model)] = (jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)), state)
     forward, state = _FORWARD[id(model)]
-    buffer = np.zeros((1, 128), np.int32)
-    buffer[0, :len(tokens) - 1] = tokens[:-1]
-    logits = forward(state, jnp.asarray(buffer))[0, :len(tokens) - 1]  # (T, V_padded)
+    buffer = np.zeros((1, 128 if model.config.alibi_attn else model.config.block_size), np.int32)
+    buffer[0, :len(tokens)] = tokens
+    return forward(state, jnp.asarray(buffer))[0, :len(tokens)]
+
+
+def direct_logprobs(model, tokens):
+    """log p(tokens[i+1] | tokens[:i+1]) for every i, and whether it is the argmax."""
+    logits = forward_logits(model, tokens[:-1])  # (T, V_padded)
     logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
     targets = np.asarray(tokens[1:])
     return logp[np.arange(len(targets)), targets], np.asarray(jnp.argmax(logits, -1)) == targets
@@ -96,13 +111,17 @@ def test_loglikelihood_equals_direct_token_logprobs(loaded):
 
 
 def test_loglikelihood_requests_split_text_where_the_whole_string_splits(loaded):
+    """The harness's rule, written out: trailing whitespace of the context (any kind) joins the
+    continuation, the tokens split where the context's own tokens end, an empty context is end-of-text."""
     model, tokenizer, eot = loaded
     lm = E.JaxLM(model, tokenizer, eot_id=eot, max_length=32, batch_tokens=128, progress=False)
-    requests = [("alpha beta gamma", " delta"), ("alpha beta gamma ", "delta epsilon"), ("", "alpha beta")]
+    requests = [("alpha beta gamma", " delta"), ("alpha beta gamma ", "delta epsilon"), ("alpha beta.\n", "gamma"),
+                ("alpha\t", "beta"), ("alpha:\n  \t", "beta gamma"), ("", "alpha beta")]
     got = lm.loglikelihood([Instance("loglikelihood", {}, args, i) for i, args in enumerate(requests)])
     for (context, continuation), (logp, _) in zip(requests, got):
         if context:
-            context, continuation = context.rstrip(" "), continuation if not context.endswith(" ") else " " + continuation
+            stripped = context.rstrip(" \t\n")
+            context, continuation = stripped, context[len(stripped):] + continuation
             whole = tokenizer.encode(context + continuation).ids
             n_ctx = len(tokenizer.encode(context).ids)
             ctx, cont = whole[:n_ctx], whole[n_ctx:]
@@ -164,6 +183,75 @@ def test_generate_until_matches_sample_generation(loaded):
         want = want[:want.find("theta")] if "theta" in want else want
         assert text == want
     assert got[0] == got[2]
+
+
+# ----------------------------------------------------------------------------------------------
+# The same requests through lm-eval's own Hugging Face backend, on the exported model
+
+# Contexts ending in a newline, a tab, indentation or mixed whitespace, empty contexts (one whose
+# continuation starts with the end-of-text token itself), multi-token continuations, a context longer
+# than max_length; the harness moves all trailing whitespace of a context into the continuation.
+PARITY_REQUESTS = [
+    ("alpha beta gamma", " delta"),
+    ("alpha beta gamma ", "delta epsilon"),
+    ("alpha beta gamma.\n", "delta epsilon zeta."),
+    ("alpha beta.\n\n", "gamma"),
+    ("alpha\tbeta\t", "gamma delta"),
+    ("def alpha():\n    ", "return beta"),
+    ("alpha beta \n  \t", " gamma\n"),
+    ("alpha beta\r\n", "gamma"),
+    ("", "alpha beta gamma delta"),
+    ("", "\n\talpha"),
+    ("", "<|endoftext|>alpha beta"),
+    (".\n".join(" ".join(WORDS[i:i + 4]) for i in range(0, 40, 3)) + ".\n", "alpha beta gamma delta"),
+]
+ROLLING_TEXTS = ["alpha beta\n\tgamma", "\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(8)), ""]
+
+
+@pytest.mark.parametrize("layout", ["bloom", "gpt2"])
+def test_loglikelihoods_equal_lm_evals_hf_backend_on_the_export(layout, run, learned_run, tmp_path):
+    """Every request's log-likelihood and is_greedy, and every rolling log-likelihood, from JaxLM equal
+    those of lm-eval's HFLM on the model exported with `convert_torch.py --format hf`."""
+    import torch
+    import transformers
+    from lm_eval.models.huggingface import HFLM
+
+    import convert_torch
+
+    run_dir = {"bloom": run, "gpt2": learned_run}[layout]
+    assert convert_torch.cli(["--checkpoint", str(run_dir), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    model, _ = sample.load_model(run_dir)
+    tokenizer = sample.load_tokenizer(run_dir)
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.model_type == layout
+    if hf.config.vocab_size > model.config.vocab_size:  # an export that keeps the padding rows: drop them
+        hf.resize_token_embeddings(model.config.vocab_size)
+    reference = HFLM(pretrained=hf, tokenizer=transformers.AutoTokenizer.from_pretrained(tmp_path / "hf"),
+                     max_length=32, batch_size=4, device="cpu")
+    lm = E.JaxLM(model, tokenizer, eot_id=eot, max_length=32, batch_tokens=128, progress=False)
+
+    requests = list(PARITY_REQUESTS)
+    with torch.no_grad():
+        # continuations the model itself would produce, so that is_greedy is also compared where it is true
+        for context in ("alpha beta gamma", "alpha beta\n", ""):
+            ids = lm.tok_encode(context) or [eot]
+            for _ in range(3):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            requests.append((context, tokenizer.decode(ids[-3:])))
+        instances = [Instance("loglikelihood", {}, args, i) for i, args in enumerate(requests)]
+        want = reference.loglikelihood(instances, disable_tqdm=True)
+        want_rolling = reference.loglikelihood_rolling(
+            [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(ROLLING_TEXTS)], disable_tqdm=True)
+    got = lm.loglikelihood(instances)
+    for args, (logp, greedy), (want_logp, want_greedy) in zip(requests, got, want):
+        assert logp == pytest.approx(want_logp, abs=1e-4), args
+        assert greedy == want_greedy, args
+    assert any(greedy for _, greedy in want)
+    got_rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (t,), i)
+                                            for i, t in enumerate(ROLLING_TEXTS)])
+    assert len(tokenizer.encode(ROLLING_TEXTS[1]).ids) > 2 * 32  # several windows
+    assert got_rolling == pytest.approx(want_rolling, abs=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,14 +359,12 @@ def test_cli_writes_table_json_and_plot(run, capsys):
         assert f"{r['ppl']:.3f}" in out
 
 
-def test_learned_positions_stop_at_block_size(tmp_path, corpus, capsys):  # noqa: F811
-    run_dir = tmp_path / "learned"
-    assert train.main(tiny(run_dir, corpus, "model.alibi_attn=false", "model.embed_norm=false",
-                           "training.steps=4", "checkpoint.every=4")) == 0
+def test_learned_positions_stop_at_block_size(learned_run, capsys):
+    run_dir = learned_run
     capsys.readouterr()
     assert E.cli(["--checkpoint", str(run_dir), "--max-tokens", "200"]) == 0  # block_size 64: 1x and 2x of 32 only
     assert "evaluating only up to block_size 64 (skipping 128, 256)" in capsys.readouterr().err
-    rows = json.loads((run_dir / "eval" / "step4.json").read_text())["perplexity"]["rows"]
+    rows = json.loads((run_dir / "eval" / "step20.json").read_text())["perplexity"]["rows"]
     assert [r["length"] for r in rows] == [32, 64]
     assert E.cli(["--checkpoint", str(run_dir), "--lengths", "128"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
