@@ -5,6 +5,7 @@
     python data.py --runner beam --beam-option runner=FlinkRunner ... --input ... --out ... --tokenizer tok.json
     python data.py --format prompt_completion --input pairs.jsonl --out data/pairs --tokenizer RUN_DIR --seq-len 1024
                                                     # fine-tuning pairs with a loss mask: see finetune_data.py
+    python data.py --verify data/web                # every file's size and sha256 against index.json
 
 On-disk format of a data directory DIR (FORMAT_VERSION 1):
 
@@ -33,8 +34,14 @@ interrupted run never leaves an index naming missing or partial shards.
 Beam pipeline, with Beam's options given as `--beam-option KEY=VALUE`; the directory it writes is the
 default runner's, byte for byte (same tokenizer, encoding, shard writer, document order).
 
-The loader also reads a directory at a URL (gs://bucket/dir, after `gcloud storage cp -r DIR`): storage.py copies it to a local cache
-first and checks every shard against the index's sizes and hashes.
+Damaged data stops with one line naming the file: opening a directory checks every shard's size
+(truncated, extended, missing), and every batch the loaders make is checked against the vocabulary
+(one max per batch), so a flipped byte that turns into an out-of-range id is named by shard, position
+and id instead of indexing the embedding out of range. `--verify DIR` reads every file and checks its
+size and sha256 against index.json, listing each damaged one.
+
+The loader also reads a directory at a URL (gs://bucket/dir, after `gcloud storage cp -r DIR`): storage.py
+copies it to a local cache first and checks every shard against the index's sizes and hashes.
 """
 from __future__ import annotations
 
@@ -54,7 +61,7 @@ import sysconfig
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -412,10 +419,31 @@ def prepare_default(out=DEFAULT_DATA_DIR, *, vocab_size: int = 4096, overwrite: 
 # ---------------------------------------------------------------------------------------------
 # Index
 
-def load_index(data_dir) -> dict:
-    """The validated index of a data directory: shard files exist with the recorded sizes.
+class IndexedFile(NamedTuple):
+    """A file that index.json names, with what it records about it."""
+    file: str  # its name inside the directory
+    kind: str  # "tokenizer", "tokens" (a token shard) or "mask" (a prompt/completion loss-mask shard)
+    size: int | None  # bytes; None for the tokenizer, whose sha256 is always recorded
+    sha256: str | None  # None in an index written before shards had hashes
+    what: str  # its recorded content, for messages: "257 uint16 tokens", "257 loss-mask bytes", "tokenizer"
 
-    A URL (gs://...) is first copied into the local cache and verified there (storage.local_data_dir)."""
+
+def index_files(index: dict) -> list[IndexedFile]:
+    """The tokenizer, then every split's token shards and (prompt/completion data) loss-mask shards."""
+    dtype = index["dtype"]
+    itemsize = np.dtype(dtype).itemsize
+    files = [IndexedFile(index["tokenizer"], "tokenizer", None, index["tokenizer_sha256"], "tokenizer")]
+    for split in index["splits"].values():
+        files += [IndexedFile(s["file"], "tokens", int(s["tokens"]) * itemsize, s.get("sha256"),
+                              f"{s['tokens']} {dtype} tokens") for s in split["shards"]]
+        files += [IndexedFile(s["file"], "mask", int(s["tokens"]), s.get("sha256"), f"{s['tokens']} loss-mask bytes")
+                  for s in split.get("mask_shards", [])]
+    return files
+
+
+def read_index(data_dir) -> tuple[pathlib.Path, dict, list[IndexedFile]]:
+    """(local directory, index, the files it names) of a data directory, the index's own fields checked
+    but not the files. A URL is first copied into the local cache and verified (storage.local_data_dir)."""
     data_dir = storage.local_data_dir(data_dir)
     path = data_dir / "index.json"
     if not path.is_file():
@@ -428,25 +456,90 @@ def load_index(data_dir) -> dict:
         dtype, vocab = index["dtype"], int(index["vocab_size"])
         if dtype not in ("uint16", "uint32") or vocab > np.iinfo(dtype).max + 1:
             raise DataError(f"{path}: dtype {dtype!r} cannot hold vocabulary size {vocab}")
-        tokenizer = data_dir / index["tokenizer"]
-        if not tokenizer.is_file():
-            raise DataError(f"{path}: tokenizer {tokenizer} is missing")
-        if _sha256(tokenizer) != index["tokenizer_sha256"]:
-            raise DataError(f"{path}: {tokenizer} does not match the recorded sha256; re-run data.py")
-        itemsize = np.dtype(dtype).itemsize
         for name, split in index["splits"].items():
             if sum(int(s["tokens"]) for s in split["shards"]) != int(split["tokens"]):
                 raise DataError(f"{path}: split {name!r} shard token counts do not add up to {split['tokens']}")
-            for shard in split["shards"]:
-                file = data_dir / shard["file"]
-                size = file.stat().st_size if file.is_file() else None
-                if size != int(shard["tokens"]) * itemsize:
-                    found = "missing" if size is None else f"{size} bytes"
-                    raise DataError(f"{file}: expected {int(shard['tokens']) * itemsize} bytes "
-                                    f"({shard['tokens']} {dtype} tokens), found {found}")
+        return data_dir, index, index_files(index)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise DataError(f"{path} is corrupt ({type(e).__name__}: {e}); re-run data.py with --overwrite")
+
+
+def _size(path: pathlib.Path) -> int | None:
+    return path.stat().st_size if path.is_file() else None
+
+
+def _size_problem(path: pathlib.Path, entry: IndexedFile) -> str | None:
+    """A shard whose size is not the recorded one: missing, truncated or extended."""
+    size = _size(path)
+    if size == entry.size:
+        return None
+    return f"{path}: expected {entry.size} bytes ({entry.what}), found " + ("none: missing" if size is None
+                                                                          else f"{size} bytes")
+
+
+def load_index(data_dir) -> dict:
+    """The validated index of a data directory: the tokenizer matches its sha256, and every shard (loss-mask
+    shards included) exists with the recorded size; hashes of the shards are `verify`'s to check.
+
+    A URL (gs://...) is first copied into the local cache and verified there (storage.local_data_dir)."""
+    data_dir, index, files = read_index(data_dir)
+    tokenizer = data_dir / files[0].file
+    if not tokenizer.is_file():
+        raise DataError(f"{data_dir / 'index.json'}: tokenizer {tokenizer} is missing")
+    if _sha256(tokenizer) != files[0].sha256:
+        raise DataError(f"{data_dir / 'index.json'}: {tokenizer} does not match the recorded sha256; re-run data.py")
+    for entry in files[1:]:
+        problem = _size_problem(data_dir / entry.file, entry)
+        if problem:
+            raise DataError(problem)
     return index
+
+
+def verify(data_dir) -> tuple[list[str], str]:
+    """Checks every file of a data directory against its index.json, reading each whole: the size and
+    sha256 of every token and loss-mask shard and of the tokenizer. A shard for which the index records
+    no sha256 (an index written before shards had hashes) gets its size checked, and for a token shard
+    its ids against the vocabulary. Returns (one line per problem, a one-line summary)."""
+    directory, index, files = read_index(data_dir)
+    problems, nbytes, unhashed = [], 0, 0
+    for entry in files:
+        path = directory / entry.file
+        if entry.size is not None:
+            problem = _size_problem(path, entry)
+        else:
+            problem = None if path.is_file() else f"{path}: missing"
+        if problem is None and entry.sha256 is not None:
+            digest = _sha256(path)
+            if digest != entry.sha256:
+                problem = f"{path}: sha256 {digest[:16]}..., index.json records {entry.sha256[:16]}...: changed"
+        elif problem is None:
+            unhashed += 1
+            if entry.kind == "tokens" and entry.size:
+                problem = _id_problem(path, index)
+        if problem is None:
+            nbytes += path.stat().st_size
+        else:
+            problems.append(problem)
+    masks = sum(f.kind == "mask" for f in files)
+    kinds = f"{len(files) - 1 - masks} token shards" + (f", {masks} loss-mask shards" if masks else "")
+    if problems:
+        return problems, (f"{directory}: {len(problems)} of {len(files)} files damaged or missing ({kinds}, "
+                          f"the tokenizer); restore them or prepare the directory again")
+    checked = "sizes and sha256 match index.json"
+    if unhashed:
+        checked += (f"; {unhashed} shards have no sha256 in index.json (written by an older data.py): "
+                    f"their sizes and token ids checked only")
+    return [], f"{directory}: intact, {len(files)} files ({kinds}, the tokenizer), {nbytes / 1e6:.1f} MB; {checked}"
+
+
+def _id_problem(path: pathlib.Path, index: dict) -> str | None:
+    """The first token id of a shard that is outside the vocabulary, if any."""
+    vocab = int(index["vocab_size"])
+    tokens = np.memmap(path, np.dtype(index["dtype"]).newbyteorder("<"), "r")
+    if int(tokens.max()) < vocab:
+        return None
+    at = int(np.flatnonzero(tokens >= vocab)[0])
+    return f"{path}: token {at} is id {int(tokens[at])}, outside the vocabulary of {vocab}"
 
 
 def load_tokenizer(data_dir):
@@ -533,20 +626,25 @@ def permute(indices: np.ndarray, n: int, seed: int, epoch) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # Reading
 
-class _Stream:
-    """One split's shards as a single logical token stream, read through numpy.memmap."""
+class Stream:
+    """One split's shards as a single logical token stream, read through numpy.memmap.
+
+    `check` tests a batch read from it against the vocabulary: a flipped byte in a shard gives an id
+    that would index the embedding out of range, so it is caught here and named, not met as a NaN loss."""
 
     def __init__(self, data_dir, split: str):
         self.index = load_index(data_dir)
         splits = self.index["splits"]
         if split not in splits:
             raise DataError(f"{data_dir}: no split {split!r} (has: {', '.join(splits)})")
-        dtype, directory = np.dtype(self.index["dtype"]).newbyteorder("<"), storage.local_data_dir(data_dir)
-        self.shards = []
+        self.split, self.vocab_size = split, int(self.index["vocab_size"])
+        dtype, self.directory = np.dtype(self.index["dtype"]).newbyteorder("<"), storage.local_data_dir(data_dir)
+        self.shards, self.files, self.itemsize = [], [], dtype.itemsize
         for shard in splits[split]["shards"]:
             if int(shard["tokens"]):
-                mapped = np.memmap(directory / shard["file"], dtype, "r", shape=(int(shard["tokens"]),))
+                mapped = np.memmap(self.directory / shard["file"], dtype, "r", shape=(int(shard["tokens"]),))
                 self.shards.append(np.asarray(mapped))  # a plain ndarray view: cheaper to slice than a memmap
+                self.files.append(self.directory / shard["file"])
         self.starts = [0]
         for shard in self.shards:
             self.starts.append(self.starts[-1] + len(shard))
@@ -555,8 +653,9 @@ class _Stream:
     def windows(self, seq_len: int, what: str) -> int:
         n = (self.tokens - 1) // seq_len if self.tokens else 0
         if n < 1:
+            hint = "; prepare it with a larger --val-fraction" if self.split == "val" else ""
             raise DataError(f"{what}: a window of {seq_len + 1} tokens is longer than the split "
-                            f"({self.tokens} tokens)")
+                            f"({self.tokens} tokens){hint}")
         return n
 
     def read(self, start: int, out: np.ndarray) -> None:
@@ -569,6 +668,28 @@ class _Stream:
             out[done:done + len(piece)] = piece
             done += len(piece)
             i, pos = i + 1, 0
+
+    def check(self, tokens: np.ndarray, spans: Callable[[], Iterable[tuple[int, int]]]) -> None:
+        """Raises DataError if an id in `tokens` (int32, read from this stream) is outside the vocabulary.
+
+        One max over the batch (and for uint32 shards one min: an id past 2^31 is a negative int32); only
+        then are the stream spans (start, length) the batch was read from searched, to name the shard
+        file, the token's position in it and the id."""
+        if not tokens.size or tokens.max() < self.vocab_size and (self.itemsize < 4 or tokens.min() >= 0):
+            return
+        for start, n in spans():
+            span = np.empty(n, self.shards[0].dtype)  # the shards' own dtype: no id wraps
+            self.read(start, span)
+            bad = np.flatnonzero(span >= self.vocab_size)
+            if len(bad):
+                at = start + int(bad[0])  # in the stream, then in its shard
+                i = bisect.bisect_right(self.starts, at) - 1
+                offset = at - self.starts[i]
+                raise DataError(f"{self.files[i]}: token {offset} (at byte {offset * span.dtype.itemsize}) is id "
+                                f"{int(span[bad[0]])}, outside the vocabulary of {self.vocab_size}: the shard is "
+                                f"corrupt; `python data.py --verify {self.directory}` checks every file")
+        raise DataError(f"{self.directory} split {self.split!r}: a batch holds token ids outside the vocabulary "
+                        f"of {self.vocab_size} (from {int(tokens.min())} to {int(tokens.max())})")
 
 
 class Loader:
@@ -586,7 +707,7 @@ class Loader:
             raise DataError(f"process index {process_index} is outside process count {process_count}")
         if batch_size % process_count:
             raise DataError(f"global batch size {batch_size} does not divide by {process_count} processes")
-        self.stream = _Stream(data_dir, split)
+        self.stream = Stream(data_dir, split)
         self.index = self.stream.index
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.local_batch_size = batch_size // process_count
@@ -603,6 +724,7 @@ class Loader:
         batch = np.empty((self.local_batch_size, self.seq_len + 1), np.int32)
         for row, window in zip(batch, windows.tolist()):
             self.stream.read(window * self.seq_len, row)
+        self.stream.check(batch, lambda: ((window * self.seq_len, self.seq_len + 1) for window in windows.tolist()))
         return batch
 
     def iterate(self, start_step: int = 0, prefetch: int = 2) -> Iterator[np.ndarray]:
@@ -652,13 +774,14 @@ def eval_batches(data_dir, split: str, seq_len: int, batch_size: int, *,
     """Every non-overlapping window stream[i*T : i*T + T + 1] of the split once, in order, in batches."""
     if seq_len < 1 or batch_size < 1:
         raise DataError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
-    stream = _Stream(data_dir, split)
+    stream = Stream(data_dir, split)
     n = stream.windows(seq_len, f"{data_dir} split {split!r}")
     n = n if max_windows is None else min(n, max_windows)
     for first in range(0, n, batch_size):
         batch = np.empty((min(batch_size, n - first), seq_len + 1), np.int32)
         for row, window in enumerate(range(first, first + len(batch))):
             stream.read(window * seq_len, batch[row])
+        stream.check(batch, lambda: [(first * seq_len, len(batch) * seq_len + 1)])  # the rows' windows, in order
         yield batch
 
 
@@ -699,6 +822,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="local: this process (default); beam: an Apache Beam pipeline (data_beam.py)")
     parser.add_argument("--beam-option", action="append", default=[], metavar="KEY=VALUE",
                         help="a Beam pipeline option, e.g. runner=DataflowRunner; repeatable")
+    parser.add_argument("--verify", metavar="DIR", help="check every file of a prepared directory against its "
+                                                        "index.json (sizes, sha256) and exit: 0 intact, 2 not")
     fine = parser.add_argument_group("prompt/completion fine-tuning data (--format prompt_completion, "
                                       "see finetune_data.py; --tokenizer may name a run directory)")
     fine.add_argument("--format", choices=("text", "prompt_completion"), default="text",
@@ -710,6 +835,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
+        if args.verify:
+            if args.input or args.out:
+                raise DataError("--verify DIR checks a prepared directory; it takes no --input or --out")
+            problems, summary = verify(args.verify)
+            for line in problems:
+                print(line)
+            if problems:
+                raise DataError(summary)
+            print(summary)
+            return 0
         if args.format == "prompt_completion":
             import finetune_data
 

@@ -19,6 +19,8 @@ shards, index.json written last, the directory swapped into place when complete)
 `kind: "prompt_completion"`, `seq_len`, and per split `mask_shards`: parallel uint8 files
 {split}_mask_NNNNN.bin, one byte per token: 0 prompt, 1 completion, 2 the end-of-text token that
 closes an example (counted in the loss). Examples follow each other; a 2 marks where one ends.
+Opening a split checks its mask bytes (a value other than 0, 1, 2 names the shard and position);
+every batch's token ids are checked against the vocabulary, as data.Loader's are.
 
 Batches (`Loader`, a pure function of the step like data.Loader): every epoch takes the examples
 in the order of a keyed permutation (data.permute, seed and epoch), then either packs consecutive
@@ -43,7 +45,6 @@ import numpy as np
 
 import corpus
 import data
-import storage
 from corpus import DataError
 
 KIND = "prompt_completion"
@@ -219,18 +220,19 @@ class Examples:
     """One split's examples: the token stream, its mask stream, and where each example starts."""
 
     def __init__(self, data_dir, split: str):
-        self.stream = data._Stream(data_dir, split)  # validates the index and the token shards
+        self.stream = data.Stream(data_dir, split)  # validates the index and the token shards
         self.index = index = self.stream.index
         if not is_prompt_completion(index):
             raise DataError(f"{data_dir} is not prompt/completion data (prepare it with --format prompt_completion)")
-        directory, masks = storage.local_data_dir(data_dir), []  # a URL: its verified local copy
+        directory, masks = self.stream.directory, []  # a URL: its verified local copy, sizes checked
         for shard in index["splits"][split]["mask_shards"]:
             file, n = directory / shard["file"], int(shard["tokens"])
-            if not file.is_file() or file.stat().st_size != n:
-                raise DataError(f"{file}: expected {n} bytes of loss mask, found "
-                                f"{file.stat().st_size if file.is_file() else 'none'}; re-run data.py")
             if n:
                 masks.append(np.asarray(np.memmap(file, np.uint8, "r", shape=(n,))))
+                if int(masks[-1].max()) > END:  # a corrupt byte: weights and example bounds would be wrong
+                    at = int(np.flatnonzero(masks[-1] > END)[0])
+                    raise DataError(f"{file}: byte {at} is {int(masks[-1][at])}, not a loss-mask value "
+                                    f"({PROMPT}, {COMPLETION} or {END}): the shard is corrupt")
         self.mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
         if len(self.mask) != self.stream.tokens:
             raise DataError(f"{data_dir}: split {split!r} has {len(self.mask)} mask bytes for "
@@ -258,6 +260,16 @@ class Examples:
             pos += n
         segments[:] = seg[:-1]
         weights[:] = (mask[1:] > 0) & (seg[1:] == seg[:-1]) & (seg[1:] > 0)
+
+    def batch(self, rows: list, seq_len: int) -> dict:
+        """A batch of len(rows) rows, row i holding the examples rows[i] (ids), its token ids checked against
+        the vocabulary (one max; a corrupt shard is a DataError naming it)."""
+        batch = empty_batch(len(rows), seq_len)
+        for i, examples in enumerate(rows):
+            self.fill(examples, batch["tokens"][i], batch["weights"][i], batch["segments"][i])
+        self.stream.check(batch["tokens"], lambda: ((int(self.starts[e]), int(self.lengths[e]))
+                                                    for examples in rows for e in examples))
+        return batch
 
 
 def _plan(lengths: np.ndarray, order: np.ndarray, row_tokens: int, packing: bool) -> np.ndarray:
@@ -326,13 +338,12 @@ class Loader(data.Loader):
         """This process's rows of the global batch at `step`: {tokens (b, T+1), weights (b, T), segments (b, T)}."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        batch = empty_batch(self.local_batch_size, self.seq_len)
-        for i, g in enumerate((step * self.batch_size + self.rows).tolist()):
+        rows = []  # each row's examples
+        for g in (step * self.batch_size + self.rows).tolist():
             e, r = self._locate(g)
             order, bounds = self._epoch(e)
-            self.examples.fill(order[bounds[r]:bounds[r + 1]], batch["tokens"][i], batch["weights"][i],
-                               batch["segments"][i])
-        return batch
+            rows.append(order[bounds[r]:bounds[r + 1]])
+        return self.examples.batch(rows, self.seq_len)
 
 
 def _checked(data_dir, split: str, seq_len: int) -> Examples:
@@ -360,8 +371,5 @@ def eval_batches(data_dir, split: str, seq_len: int, batch_size: int, *, batchin
     bounds = _plan(examples.lengths, np.arange(len(examples)), seq_len + 1, batching == "packing")
     n = len(bounds) - 1 if max_rows is None else min(len(bounds) - 1, max_rows)
     for first in range(0, n, batch_size):
-        batch = empty_batch(min(batch_size, n - first), seq_len)
-        for i, r in enumerate(range(first, first + len(batch["tokens"]))):
-            examples.fill(range(bounds[r], bounds[r + 1]), batch["tokens"][i], batch["weights"][i],
-                          batch["segments"][i])
-        yield batch
+        yield examples.batch([range(bounds[r], bounds[r + 1]) for r in range(first, min(first + batch_size, n))],
+                             seq_len)

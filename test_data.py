@@ -1,5 +1,6 @@
 """Tests of data.py: preparation round trip, every input format, the loader's determinism and resume,
-process slices, evaluation windows, and each kind of bad input. Each test writes its own corpus."""
+process slices, evaluation windows, each kind of bad input, and damaged prepared data (what the loaders
+stop on, what `--verify` reports, and train.py's one line). Each test writes its own corpus."""
 import gc
 import gzip
 import itertools
@@ -13,6 +14,8 @@ import numpy as np
 import pytest
 
 import data
+import train
+from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture: a prepared directory train.py runs on)
 
 DATA_PY = pathlib.Path(__file__).resolve().parent / "data.py"
 WORDS = ["the", "data", "loader", "token", "shard", "résumé", "naïve", "über", "日本語", "✓", "def", "return",
@@ -63,6 +66,19 @@ def prepared(tmp_path_factory):
     write_text_files(root / "corpus", docs)
     prep([root / "corpus" / "*.txt"], root / "out", shard_tokens=257)
     return root / "out", docs
+
+
+def shard_path(directory: pathlib.Path, split: str, number: int, key: str = "shards") -> pathlib.Path:
+    """The file of a split's shard `number` (key "mask_shards": its loss-mask shard), from index.json."""
+    index = json.loads((directory / "index.json").read_text())
+    return directory / index["splits"][split][key][number]["file"]
+
+
+def overwrite_token(shard: pathlib.Path, offset: int, value: int, dtype: str = "<u2") -> None:
+    """Overwrites token `offset` of a shard in place, as flipped bits on disk would: its size stays."""
+    with open(shard, "r+b") as f:
+        f.seek(offset * np.dtype(dtype).itemsize)
+        f.write(np.array([value], dtype).tobytes())
 
 
 def run_cli(*args, cwd) -> subprocess.CompletedProcess:
@@ -259,12 +275,13 @@ def test_process_slices_concatenate_to_the_global_batch(prepared, processes):
         np.testing.assert_array_equal(np.concatenate([p.get_batch(step) for p in parts]), whole.get_batch(step))
 
 
+def prefetchers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "data-prefetch" and t.is_alive()]
+
+
 def test_prefetch_thread_stops_when_the_consumer_stops(prepared):
     out, _ = prepared
     loader = data.Loader(out, "train", 16, 4)
-
-    def prefetchers():
-        return [t for t in threading.enumerate() if t.name == "data-prefetch" and t.is_alive()]
     batches = loader.iterate(prefetch=3)
     next(batches)
     assert len(prefetchers()) == 1
@@ -346,6 +363,10 @@ def test_token_id_that_does_not_fit_the_dtype(tmp_path, monkeypatch):
     assert prep([tmp_path / "a.txt"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"),
                 val_fraction=0.0)["dtype"] == "uint32"
     assert split_stream(tmp_path / "out", "train").tolist() == [70_000, 70_000, 0, 1]
+    # a damaged uint32 id past 2^31 is a negative int32 in a batch: the vocabulary check still catches it
+    overwrite_token(tmp_path / "out" / "train_00000.bin", 1, 2**32 - 16, "<u4")
+    with pytest.raises(data.DataError, match=r"train_00000\.bin: token 1 \(at byte 4\) is id 4294967280, outside"):
+        data.Loader(tmp_path / "out", "train", 1, 3).get_batch(0)  # the batch holds all three windows
 
 
 def test_bad_tokenizer_file(tmp_path):
@@ -366,6 +387,9 @@ def test_missing_corrupt_or_mismatched_index(prepared, tmp_path):
     shard.write_bytes(shard.read_bytes()[:-2])  # one token short
     with pytest.raises(data.DataError, match=f"{shard.name}: expected 514 bytes .*found 512 bytes"):
         data.Loader(out, "train", 8, 2)
+    shard.write_bytes(shard.read_bytes() + b"\0\0\0\0")  # one token long
+    with pytest.raises(data.DataError, match=rf"{shard.name}: expected 514 bytes \(257 uint16 tokens\), found 516"):
+        data.eval_batches(out, "val", 8, 2).__next__()
     shard.unlink()
     with pytest.raises(data.DataError, match=f"{shard.name}.*missing"):
         data.load_index(out)
@@ -459,3 +483,109 @@ def test_killed_prepare_is_cleaned_up_by_the_next_run(tmp_path):
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "out"]
     assert data.load_index(tmp_path / "out")["documents"] == 16
+
+
+# ------------------------------------------------------------------------------------------------
+# Damaged prepared data: the loaders and train.py name the shard; --verify lists every damaged file
+
+def test_an_id_outside_the_vocabulary_stops_the_loaders_naming_shard_and_position(prepared, tmp_path):
+    import re
+    import shutil
+    out = tmp_path / "d"
+    shutil.copytree(prepared[0], out)
+    vocab = json.loads((out / "index.json").read_text())["vocab_size"]
+    shard = shard_path(out, "train", 2)
+    overwrite_token(shard, 5, 65535)
+    message = rf"{shard.name}: token 5 \(at byte 10\) is id 65535, outside the vocabulary of {vocab}"
+    with pytest.raises(data.DataError, match=message):
+        list(data.eval_batches(out, "train", 16, 4))
+    # the training loader meets it within an epoch, in its prefetch thread; the consumer gets the DataError
+    # (pulled on a helper thread, so that a loader that hangs fails the test instead of stalling it)
+    loader = data.Loader(out, "train", 16, 4, seed=3)
+    outcome = []
+
+    def consume() -> None:
+        try:
+            for _ in zip(range(-(-loader.num_windows // 4)), loader.iterate(0, prefetch=2)):
+                pass
+            outcome.append("no error")
+        except BaseException as e:  # noqa: B036  (whatever it is, the test reports it)
+            outcome.append(e)
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    consumer.join(60)
+    assert not consumer.is_alive() and len(outcome) == 1
+    assert isinstance(outcome[0], data.DataError) and re.search(message, str(outcome[0])), repr(outcome[0])
+    assert prefetchers() == []
+
+
+def test_train_stops_on_a_corrupt_shard_with_one_error_line(corpus, tmp_path, capsys):  # noqa: F811
+    """Every byte of the train shard flipped (its size unchanged): exit 2 and one line naming the shard."""
+    import shutil
+    out = tmp_path / "d"
+    shutil.copytree(corpus, out)
+    shard = shard_path(out, "train", 0)
+    (np.fromfile(shard, np.uint8) ^ 0xFF).tofile(shard)
+    assert train.cli(tiny(tmp_path / "run", out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # the progress bar, then the error
+    assert err[-1].startswith("error: ") and shard.name in err[-1] and "outside the vocabulary" in err[-1]
+    assert not any(line.startswith("error") or "Traceback" in line for line in err[:-1])
+
+
+def flip_bit(path: pathlib.Path, byte: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(byte)
+        value = f.read(1)[0]
+        f.seek(byte)
+        f.write(bytes([value ^ 1]))
+
+
+def test_verify_lists_every_damaged_file(prepared, tmp_path):
+    import hashlib
+    import shutil
+    out = tmp_path / "d"
+    shutil.copytree(prepared[0], out)
+    index = json.loads((out / "index.json").read_text())
+    files = 1 + sum(len(split["shards"]) for split in index["splits"].values())  # and the tokenizer
+    intact = run_cli("--verify", out, cwd=tmp_path)
+    assert intact.returncode == 0 and intact.stderr == "", intact.stderr
+    assert f"intact, {files} files" in intact.stdout and "sha256 match" in intact.stdout
+
+    extended, flipped, gone, truncated = (shard_path(out, "train", 0), shard_path(out, "train", 1),
+                                          shard_path(out, "train", 3), shard_path(out, "val", 0))
+    sizes = {p: p.stat().st_size for p in (extended, gone, truncated)}
+    extended.write_bytes(extended.read_bytes() + b"\1\0")
+    flip_bit(flipped, 3)
+    gone.unlink()
+    truncated.write_bytes(truncated.read_bytes()[:-2])
+    result = run_cli("--verify", out, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stdout.splitlines() == [  # in index order: train shards, then val
+        f"{extended}: expected {sizes[extended]} bytes ({sizes[extended] // 2} uint16 tokens), "
+        f"found {sizes[extended] + 2} bytes",
+        f"{flipped}: sha256 {hashlib.sha256(flipped.read_bytes()).hexdigest()[:16]}..., index.json records "
+        f"{index['splits']['train']['shards'][1]['sha256'][:16]}...: changed",
+        f"{gone}: expected {sizes[gone]} bytes ({sizes[gone] // 2} uint16 tokens), found none: missing",
+        f"{truncated}: expected {sizes[truncated]} bytes ({sizes[truncated] // 2} uint16 tokens), "
+        f"found {sizes[truncated] - 2} bytes",
+    ]
+    err = result.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {out}: 4 of {files} files damaged or missing")
+
+
+def test_verify_an_index_without_hashes_checks_sizes_and_ids(prepared, tmp_path):
+    import shutil
+    out = tmp_path / "d"
+    shutil.copytree(prepared[0], out)
+    index = json.loads((out / "index.json").read_text())
+    for split in index["splits"].values():
+        for shard in split["shards"]:
+            del shard["sha256"]  # as an index written before shards had hashes
+    (out / "index.json").write_text(json.dumps(index))
+    problems, summary = data.verify(out)
+    assert problems == [] and "intact" in summary and "no sha256" in summary and "token ids checked only" in summary
+    overwrite_token(shard_path(out, "val", 0), 4, 65535)
+    problems, summary = data.verify(out)
+    assert problems == [f"{shard_path(out, 'val', 0)}: token 4 is id 65535, outside the vocabulary of "
+                        f"{index['vocab_size']}"]
+    assert "1 of" in summary

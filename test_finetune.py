@@ -138,6 +138,36 @@ def test_data_cli_errors(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+def test_damaged_prompt_completion_data_is_named(reversal, tmp_path):
+    """A token id outside the vocabulary, a loss-mask byte that is no mask value, a truncated mask shard:
+    each a DataError naming the file, from the loader, the validation batches, opening, and --verify."""
+    from test_data import overwrite_token, shard_path
+    root, _ = reversal
+    out = tmp_path / "d"
+    shutil.copytree(root / "data", out)
+    vocab = json.loads((out / "index.json").read_text())["vocab_size"]
+    tokens = shard_path(out, "train", 0)
+    overwrite_token(tokens, 3, 65535)
+    message = rf"{tokens.name}: token 3 \(at byte 6\) is id 65535, outside the vocabulary of {vocab}"
+    loader = finetune_data.Loader(out, "train", 32, 8, seed=0)
+    with pytest.raises(data.DataError, match=message):
+        for step in range(len(loader.examples)):  # more than an epoch's rows
+            loader.get_batch(step)
+    with pytest.raises(data.DataError, match=message):
+        list(finetune_data.eval_batches(out, "train", 32, 8))
+
+    mask = shard_path(out, "val", 0, "mask_shards")
+    mask_bytes = mask.read_bytes()
+    mask.write_bytes(mask_bytes[:4] + b"\x09" + mask_bytes[5:])
+    with pytest.raises(data.DataError, match=rf"{mask.name}: byte 4 is 9, not a loss-mask value"):
+        list(finetune_data.eval_batches(out, "val", 32, 8))
+    assert [line.split(":")[0] for line in data.verify(out)[0]] == [str(tokens), str(mask)]
+    mask.write_bytes(mask_bytes[:-1])
+    with pytest.raises(data.DataError, match=rf"{mask.name}: expected {len(mask_bytes)} bytes "
+                                             rf"\({len(mask_bytes)} loss-mask bytes\), found {len(mask_bytes) - 1}"):
+        data.load_index(out)  # what train.py opens first: every shard's size, loss masks included
+
+
 def test_train_refuses_examples_longer_than_the_context(reversal, tmp_path, capsys):
     root, _ = reversal
     assert train.cli(tiny(tmp_path / "run", root / "data", "training.seq_len=6")) == 2
