@@ -7,6 +7,7 @@ logits. Hugging Face models are built locally at random; nothing is downloaded.
 """
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -20,9 +21,11 @@ from safetensors.numpy import load_file, save_file
 
 import config
 import convert_torch as ct
+import data
+import eval as E
 import model
 import train
-from test_train import corpus, restore, tiny  # noqa: F401  (corpus is a fixture)
+from test_train import corpus, restore, rows, tiny  # noqa: F401  (corpus is a fixture)
 
 REPO = pathlib.Path(__file__).resolve().parent
 TOL = 1e-4
@@ -282,14 +285,40 @@ def test_init_from_starts_a_run_from_the_params(trained_run, corpus, tmp_path, c
     assert "training.init_from" in err and "N 2 there, 3 here" in err
 
 
-def test_imported_gpt2_fine_tunes(corpus, tmp_path):  # noqa: F811
-    random_gpt2(tmp_path / "gpt2", n_positions=64)
+def test_imported_gpt2_gives_transformers_loss_in_training_and_eval(corpus, tmp_path):  # noqa: F811
+    """A GPT-2 whose real logits all sit near -14 (a padding row at logit 0 would take most of the
+    probability): the step-1 training loss and eval.py's perplexity equal transformers' own loss."""
+    hf = random_gpt2(tmp_path / "gpt2", n_positions=64)  # vocabulary 300, the corpus tokenizer's
+    with torch.no_grad():  # a shared embedding direction that ln_f's bias turns against every token
+        hf.transformer.wte.weight[:, 0] = 3.0
+        hf.transformer.ln_f.weight[0], hf.transformer.ln_f.bias[0] = 0.0, -14.0 / 3.0
+    hf.save_pretrained(tmp_path / "gpt2")
+    shutil.copyfile(corpus / "tokenizer.json", tmp_path / "gpt2" / "tokenizer.json")
     assert ct.cli(["--import-hf", str(tmp_path / "gpt2"), "--out", str(tmp_path / "imported")]) == 0
     run = tmp_path / "ft"
     args = tiny(run, corpus, "training.steps=1", "training.lr=0", "training.min_lr=0", "training.warmup_steps=0",
                 f"training.init_from={tmp_path / 'imported'}", "model=test", "model.alibi_attn=false",
                 "model.embed_norm=false", "model.layer_norm_epsilon=1e-5")
     assert train.main(args) == 0
+
+    def hf_loss(windows):  # transformers' mean next-token loss over windows (b, T + 1)
+        with torch.no_grad():
+            out = hf(input_ids=torch.tensor(windows, dtype=torch.long), labels=torch.tensor(windows, dtype=torch.long))
+        assert out.logits.max() < -8  # the model the test means: every real logit far below 0
+        return float(out.loss)
+
+    # (a) training: the loss logged at step 1 is that of the first batch, before any update
+    first = data.Loader(corpus, "train", 32, 8, seed=config.load_run_config(run).seed).get_batch(0)
+    assert rows(run)[0]["step"] == 1 and rows(run)[0]["loss"] == pytest.approx(hf_loss(first), abs=1e-4)
+    # (b) eval.py: perplexity at length 32 over the first 8 windows of the validation split
+    assert E.cli(["--checkpoint", str(run), "--lengths", "32", "--max-tokens", "256", "--batch-tokens", "256"]) == 0
+    table = json.loads((run / "eval" / "step1.json").read_text())["perplexity"]["rows"]
+    index = data.load_index(corpus)
+    val = np.concatenate([np.fromfile(corpus / s["file"], dtype=np.dtype(index["dtype"]).newbyteorder("<"))
+                          for s in index["splits"]["val"]["shards"]]).astype(np.int64)
+    windows = np.stack([val[i * 32: i * 32 + 33] for i in range(8)])
+    assert table[0]["tokens"] == 256 and table[0]["loss"] == pytest.approx(hf_loss(windows), abs=1e-4)
+    # and lr 0 kept exactly the imported parameters
     _, imported, _ = ct.read_run(tmp_path / "imported")
     tuned = ct.unflatten(ct.flatten(restore(run, 1)["params"]))
     for a, b in zip(jax.tree.leaves(imported), jax.tree.leaves(tuned)):
