@@ -2,7 +2,7 @@
 
     sources = expand(["web/*.jsonl.zst", "books/", "hf:Salesforce/wikitext/wikitext-103-raw-v1:train"])
     reader = Reader(sources, text_field="text", strict=False)
-    for name, text in reader: ...          # then reader.skipped_files, reader.skipped_records
+    for name, text in reader: ...          # then reader.tally: files, skipped inputs (named), ...
 
 Inputs: plain text (one document per file), JSON Lines (.jsonl/.ndjson, optionally .gz or .zst; one
 document per record), Parquet (one per row), and hf:NAME[/CONFIG]:SPLIT through `datasets`. A
@@ -10,14 +10,16 @@ document's name is its path relative to the pattern's fixed leading directories,
 records; it decides whether the document is held out for validation (`in_val`, a hash of the name
 below the validation fraction), so the split is stable and does not change when a corpus moves.
 
-An unreadable or undecodable file, and a record that is not text, is skipped and counted, or with
-strict=True stops preparation. The default corpus is this Python's standard-library sources
-(`default_corpus_files`), with its own byte-balanced held-out set (`default_held_out`).
+An unreadable or undecodable file, and a record that is not text, is skipped, counted and (the first
+LISTED of them, with the reason) named, or with strict=True stops preparation. The default corpus is
+this Python's standard-library sources (`default_corpus_files`), with its own byte-balanced held-out
+set (`default_held_out`).
 
 This module imports nothing of the project; data.py tokenizes what it yields.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import gzip
 import hashlib
@@ -190,20 +192,75 @@ def _encodable(text: str) -> bool:
         return False
 
 
-class Reader:
-    """Streams (name, text) documents from sources, counting files done and what was skipped."""
+LISTED = 100  # skipped inputs named (with the reason) in index.json; past these they are only counted
+SHOWN = 5  # of those, named in the one-line summaries
 
-    def __init__(self, sources: list[tuple[str, str, str]], text_field: str, strict: bool):
-        self.sources, self.text_field, self.strict = sources, text_field, strict
-        self.files = self.skipped_files = self.skipped_records = 0
 
-    def _skip(self, where: str, reason: str, record: bool = False) -> None:
-        if self.strict:
-            raise DataError(f"{where}: {reason} (drop --strict to skip it)")
+@dataclasses.dataclass
+class Tally:
+    """What reading came to: files done, inputs skipped (the first LISTED named), and the document that
+    ranks first for validation (the lowest `val_rank`), which is held out when the validation fraction
+    holds out no document. Tallies of parts (data_beam.py's sources) add up in input order."""
+
+    files: int = 0
+    skipped_files: int = 0
+    skipped_records: int = 0
+    skipped: list[dict] = dataclasses.field(default_factory=list)  # {"input": PATH or PATH:RECORD, "reason": ...}
+    lowest: tuple[int, str] | None = None  # (val_rank(name), name)
+
+    def skip(self, where: str, reason: str, record: bool) -> None:
         if record:
             self.skipped_records += 1
         else:
             self.skipped_files += 1
+        if len(self.skipped) < LISTED:
+            self.skipped.append({"input": where, "reason": reason})
+
+    def saw(self, name: str) -> None:
+        """A document was read (whichever split it goes to)."""
+        rank = (val_rank(name), name)
+        if self.lowest is None or rank < tuple(self.lowest):
+            self.lowest = rank
+
+    def add(self, other: Tally) -> None:
+        """Appends the tally of the inputs that follow this one's."""
+        self.files += other.files
+        self.skipped_files += other.skipped_files
+        self.skipped_records += other.skipped_records
+        self.skipped = (self.skipped + other.skipped)[:LISTED]
+        if other.lowest is not None:
+            self.saw(other.lowest[1])
+
+    def skipped_names(self) -> str:
+        """The first SHOWN skipped inputs by name, and how many more: "a.txt, b.jsonl:3 and 4 more"."""
+        count = self.skipped_files + self.skipped_records
+        names = ", ".join(entry["input"] for entry in self.skipped[:SHOWN])
+        return names + (f" and {count - SHOWN} more" if count > SHOWN else "")
+
+
+class Reader:
+    """Streams (name, text) documents from sources, keeping a Tally of what it read and skipped."""
+
+    def __init__(self, sources: list[tuple[str, str, str]], text_field: str, strict: bool):
+        self.sources, self.text_field, self.strict = sources, text_field, strict
+        self.tally = Tally()
+
+    @property
+    def files(self) -> int:
+        return self.tally.files
+
+    @property
+    def skipped_files(self) -> int:
+        return self.tally.skipped_files
+
+    @property
+    def skipped_records(self) -> int:
+        return self.tally.skipped_records
+
+    def _skip(self, where: str, reason: str, record: bool = False) -> None:
+        if self.strict:
+            raise DataError(f"{where}: {reason} (drop --strict to skip it)")
+        self.tally.skip(where, reason, record)
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
         for kind, location, name in self.sources:
@@ -212,11 +269,13 @@ class Reader:
                     with open_binary(location) as f:
                         text = f.read().decode("utf-8")
                     if text:
+                        self.tally.saw(name)
                         yield name, text
                 else:
                     for number, value in _records(kind, location, self.text_field):
                         if isinstance(value, str) and _encodable(value):
                             if value:
+                                self.tally.saw(f"{name}:{number}")
                                 yield f"{name}:{number}", value
                         elif value is not None:
                             self._skip(f"{location}:{number}", f"not a text record ({value!r:.80})", record=True)
@@ -224,10 +283,14 @@ class Reader:
                 raise
             except _read_errors() as e:
                 self._skip(location, f"cannot read: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            self.files += 1
+            self.tally.files += 1
+
+
+def val_rank(name: str) -> int:
+    """A document's rank for validation: a 64-bit hash of its name; the lowest ranks are held out first."""
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
 def in_val(name: str, fraction: float) -> bool:
-    """Whether a document is held out: a 64-bit hash of its name falls below fraction * 2^64."""
-    digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") < fraction * 2**64
+    """Whether a document is held out: its val_rank (a 64-bit hash of its name) falls below fraction * 2^64."""
+    return val_rank(name) < fraction * 2**64

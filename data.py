@@ -204,8 +204,9 @@ def _encode(tokenizer, texts: list[str], eot: int, vocab_size: int, dtype: str):
     return ids, ends, sum(len(t.encode("utf-8")) for t in texts)
 
 
-def _empty(sources: list, skipped_files: int) -> str:
-    skipped = f", {skipped_files} unreadable skipped" if skipped_files else ""
+def _empty(sources: list, tally: corpus.Tally) -> str:
+    skipped = tally.skipped_files + tally.skipped_records
+    skipped = f", {skipped} unreadable skipped ({tally.skipped_names()})" if skipped else ""
     return f"empty corpus: no text in {len(sources)} input file(s){skipped}: {sources[0][1]}" + \
         (", ..." if len(sources) > 1 else "")
 
@@ -262,16 +263,16 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
         real_vocab = max(tok.get_vocab().values()) + 1
         dtype = _dtype_for(real_vocab)
         if runner == "beam":
-            splits, skipped_files, skipped_records = data_beam.tokenize(
+            splits, tally = data_beam.tokenize(
                 sources, tmp, tok, eot=eot, vocab_size=real_vocab, dtype=dtype, is_val=is_val,
                 shard_tokens=shard_tokens, text_field=text_field, strict=strict, options=beam_options or [])
         else:
-            splits, skipped_files, skipped_records = _tokenize_local(
+            splits, tally = _tokenize_local(
                 sources, tmp, tok, eot=eot, vocab_size=real_vocab, dtype=dtype, is_val=is_val,
                 shard_tokens=shard_tokens, text_field=text_field, strict=strict, workers=workers, bars=bars)
         tokens = sum(s["tokens"] for s in splits.values())
         if tokens == 0:
-            raise DataError(_empty(sources, skipped_files))
+            raise DataError(_empty(sources, tally))
         index = {
             "format_version": FORMAT_VERSION,
             "tokenizer": "tokenizer.json",
@@ -281,7 +282,8 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
             "documents": sum(s["documents"] for s in splits.values()),
             "bytes_per_token": sum(s["bytes"] for s in splits.values()) / tokens,  # end-of-text included
             "unigram_entropy": splits["train"]["unigram_entropy"],
-            "skipped_files": skipped_files, "skipped_records": skipped_records,
+            "skipped_files": tally.skipped_files, "skipped_records": tally.skipped_records,
+            "skipped_inputs": tally.skipped,  # the first corpus.LISTED, with the reason
             "inputs": description, "splits": splits,
         }
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
@@ -322,15 +324,15 @@ def _obtain_tokenizer(sources, tmp: pathlib.Path, tokenizer, vocab_size, is_val,
                     yield text
         tok = _train_tokenizer(train_docs(), vocab_size)
     if not seen:
-        raise DataError(_empty(sources, reader.skipped_files))
+        raise DataError(_empty(sources, reader.tally))
     tok.save(str(tmp / "tokenizer.json"))
     return tok
 
 
 def _tokenize_local(sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, is_val, shard_tokens, text_field,
-                    strict, workers, bars) -> tuple[dict, int, int]:
+                    strict, workers, bars) -> tuple[dict, corpus.Tally]:
     """The in-process runner: documents in input order, encoded by a thread pool, written in order.
-    Returns ({split: summary}, skipped files, skipped records)."""
+    Returns ({split: summary}, what the reading came to)."""
     from tqdm import tqdm
     writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens, vocab_size) for s in ("train", "val")}
     # chunks of documents go to `workers` threads (encode_batch releases the GIL), each encoding
@@ -375,7 +377,7 @@ def _tokenize_local(sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, 
             raise
     for writer in writers.values():
         writer.close()
-    return {s: w.summary() for s, w in writers.items()}, reader.skipped_files, reader.skipped_records
+    return {s: w.summary() for s, w in writers.items()}, reader.tally
 
 
 def prepare(inputs: list[str], out, *, tokenizer: str | None = None, vocab_size: int = 8192,
@@ -862,7 +864,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{index['tokens']:,} tokens, {train_split['completion_tokens'] + val_split['completion_tokens']:,} "
                   f"in the loss; {index['truncated']} prompts truncated from the left, {index['skipped']} examples "
                   f"skipped (completion longer than --seq-len {args.seq_len}), {index['skipped_records']} invalid "
-                  f"records skipped; vocab {index['vocab_size']}, {time.perf_counter() - start:.1f}s -> {args.out}")
+                  f"records skipped{_skipped_names(index, args.out)}; vocab {index['vocab_size']}, "
+                  f"{time.perf_counter() - start:.1f}s -> {args.out}")
             return 0
         if args.val_fraction is None:
             args.val_fraction = 0.005
@@ -886,15 +889,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130
-    splits = index["splits"]
-    skipped = index["skipped_files"] + index["skipped_records"]
+    splits, skipped = index["splits"], index["skipped_files"] + index["skipped_records"]
     print(f"{index['documents']:,} documents, {index['tokens']:,} tokens "
           f"(train {splits['train']['tokens']:,}, val {splits['val']['tokens']:,}), "
           f"{index['bytes_per_token']:.2f} bytes/token, unigram entropy {index['unigram_entropy']:.3f} "
           f"nats/token, vocab {index['vocab_size']}, {index['dtype']}"
-          + (f", {skipped} unreadable inputs skipped" if skipped else "")
+          + (f", {skipped} unreadable or invalid inputs skipped{_skipped_names(index, out)}" if skipped else "")
           + f", {time.perf_counter() - start:.1f}s -> {out}")
     return 0
+
+
+def _skipped_names(index: dict, out) -> str:
+    """" (a.txt, b.jsonl:3, ... and 1 more; listed in DIR/index.json)" when inputs were skipped, else ""."""
+    tally = corpus.Tally(skipped_files=index.get("skipped_files", 0), skipped_records=index["skipped_records"],
+                         skipped=index["skipped_inputs"])
+    if not tally.skipped:
+        return ""
+    return f" ({tally.skipped_names()}; listed in {pathlib.Path(out) / 'index.json'})"
 
 
 if __name__ == "__main__":

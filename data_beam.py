@@ -33,6 +33,7 @@ data and reported as the one error line; the directory is then removed.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -116,8 +117,7 @@ def _tokenize_source(item: tuple[int, tuple], tmp: pathlib.Path, tok, eot: int, 
                 _replace_into(_piece(tmp, number, split, f"{suffix}.{tag}"), _piece(tmp, number, split, suffix))
             else:
                 _piece(tmp, number, split, f"{suffix}.{tag}").unlink(missing_ok=True)
-    return {"source": number, "error": error, "pieces": counts,
-            "skipped_files": reader.skipped_files, "skipped_records": reader.skipped_records}
+    return {"source": number, "error": error, "pieces": counts, "tally": dataclasses.asdict(reader.tally)}
 
 
 class _TokenizeSource(beam.DoFn):
@@ -231,8 +231,9 @@ def build(pipeline, sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, 
 # The launcher's side: run, then read the manifest back into the default runner's split summaries
 
 def tokenize(sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, is_val, shard_tokens, text_field,
-             strict, options: list[str]) -> tuple[dict, int, int]:
-    """Runs the pipeline with Beam's own flags `options`; returns ({split: summary}, skipped files, records)."""
+             strict, options: list[str]) -> tuple[dict, corpus.Tally]:
+    """Runs the pipeline with Beam's own flags `options`; returns ({split: summary}, what the reading came to:
+    the sources' tallies added in input order, as the default runner's one reader keeps it)."""
     from apache_beam.options.pipeline_options import PipelineOptions
     from apache_beam.runners.runner import PipelineState
     (tmp / PIECES).mkdir()
@@ -271,5 +272,7 @@ def tokenize(sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, is_val,
             raise DataError(f"beam pipeline: the {split} shards do not hold every tokenized document")
     shutil.rmtree(tmp / PIECES)
     manifest_path.unlink()
-    return (splits, sum(r["skipped_files"] for r in manifest["sources"]),
-            sum(r["skipped_records"] for r in manifest["sources"]))
+    tally = corpus.Tally()
+    for result in manifest["sources"]:
+        tally.add(corpus.Tally(**result["tally"]))
+    return splits, tally

@@ -66,8 +66,8 @@ def _tokenizer_path(tokenizer) -> pathlib.Path:
     return path
 
 
-def _records(sources, in_field: str, out_field: str, counts: dict) -> Iterator[tuple[str, str, str]]:
-    """(name, prompt, completion) of every valid record; invalid ones are counted in counts['bad']."""
+def _records(sources, in_field: str, out_field: str, tally: corpus.Tally) -> Iterator[tuple[str, str, str]]:
+    """(name, prompt, completion) of every valid record; the tally counts and names the invalid ones."""
     for kind, location, name in sources:
         if kind != "jsonl":
             raise DataError(f"{location}: prompt/completion input must be JSON Lines (.jsonl, .ndjson)")
@@ -81,9 +81,12 @@ def _records(sources, in_field: str, out_field: str, counts: dict) -> Iterator[t
                     record = None
                 if not (isinstance(record, dict) and isinstance(record.get(in_field), str)
                         and isinstance(record.get(out_field), str)):
-                    counts["bad"] += 1
+                    tally.skip(f"{location}:{number}", f"not a JSON object with string fields {in_field!r} and "
+                                                       f"{out_field!r}", record=True)
                     continue
+                tally.saw(f"{name}:{number}")
                 yield f"{name}:{number}", record[in_field], record[out_field]
+        tally.files += 1
 
 
 def _examples(tok, prompts: list[str], completions: list[str], eot: int, max_tokens: int, counts: dict):
@@ -141,7 +144,7 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
         else:
             if vocab_size < 258:
                 raise DataError(f"vocab size must be at least 258 for a byte-level BPE, got {vocab_size}")
-            texts = (text for name, p, c in _records(sources, in_field, out_field, {"bad": 0}) if not is_val(name)
+            texts = (text for name, p, c in _records(sources, in_field, out_field, corpus.Tally()) if not is_val(name)
                      for text in (p, c))
             tok = data._train_tokenizer(texts, vocab_size)
         tok.save(str(tmp / "tokenizer.json"))
@@ -162,7 +165,7 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
                 writers[split][0].bytes += sum(len(t.encode("utf-8")) for t in prompts + completions)
             chunks[split] = ([], [])
 
-        bad = {"bad": 0}
+        bad = corpus.Tally()
         bar = tqdm(desc="tokenizing", unit="example", disable=None if progress else True, leave=False)
         with bar:
             for name, prompt, completion in _records(sources, in_field, out_field, bad):
@@ -186,7 +189,7 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
             splits[split] = summary
         total = sum(s["tokens"] for s in splits.values())
         if splits["train"]["examples"] == 0:
-            raise DataError(f"no training example in {', '.join(inputs)} ({bad['bad']} invalid records, "
+            raise DataError(f"no training example in {', '.join(inputs)} ({bad.skipped_records} invalid records, "
                             f"{counts['train']['skipped']} too long for seq_len {seq_len})")
         index = {
             "format_version": data.FORMAT_VERSION, "kind": KIND,
@@ -196,7 +199,8 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
             "tokens": total, "documents": sum(s["documents"] for s in splits.values()),
             "examples": sum(s["examples"] for s in splits.values()),
             "truncated": sum(s["truncated"] for s in splits.values()),
-            "skipped": sum(s["skipped"] for s in splits.values()), "skipped_records": bad["bad"],
+            "skipped": sum(s["skipped"] for s in splits.values()), "skipped_records": bad.skipped_records,
+            "skipped_inputs": bad.skipped,  # the first corpus.LISTED invalid records, with the reason
             "bytes_per_token": sum(s["bytes"] for s in splits.values()) / max(total, 1),
             "unigram_entropy": splits["train"]["unigram_entropy"],
             "inputs": inputs, "splits": splits,

@@ -48,6 +48,28 @@ def test_reader_names_records_by_line_and_counts_what_it_skips(tmp_path):
         list(corpus.Reader(corpus.expand([str(tmp_path)]), "text", strict=True))
 
 
+def test_skipped_inputs_are_named_up_to_a_limit_in_input_order(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": 1}\n' * 3 + '{"text": "ok"}\n')
+    (tmp_path / "b.jsonl").write_text('{"text": "ok"}\n' + "{broken\n" * 104)
+    (tmp_path / "c.txt").write_bytes(b"\xff")
+    sources = corpus.expand([str(tmp_path)])
+    reader = corpus.Reader(sources, "text", strict=False)
+    assert len(list(reader)) == 2
+    tally = reader.tally
+    assert (tally.skipped_files, tally.skipped_records) == (1, 107)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    expected = [f"{a}:{n}" for n in (1, 2, 3)] + [f"{b}:{n}" for n in range(2, 99)]  # the first 100 in order
+    assert [s["input"] for s in tally.skipped] == expected
+    assert tally.skipped_names() == f"{a}:1, {a}:2, {a}:3, {b}:2, {b}:3 and 103 more"
+    # tallies of parts, added in input order, come to the tally of one reader over all of them
+    whole = corpus.Tally()
+    for source in sources:
+        part = corpus.Reader([source], "text", strict=False)
+        list(part)
+        whole.add(part.tally)
+    assert whole == tally
+
+
 def test_held_out_decision_has_the_requested_share_and_is_nested():
     names = [f"dir/file_{i}.txt:{i % 97}" for i in range(20_000)]
     for fraction in (0.0, 0.01, 0.25):

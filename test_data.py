@@ -336,6 +336,16 @@ def test_undecodable_file_is_skipped_or_fatal_with_strict(tmp_path):
                                                 '{"text": "x \\ud800 y"}\n')
     index = prep([tmp_path / "c"], tmp_path / "out", val_fraction=0.0)
     assert index["skipped_files"] == 3 and index["skipped_records"] == 3 and index["documents"] == 11
+    c = tmp_path / "c"  # each named in input order (a directory is read in sorted order), records by line
+    assert [s["input"] for s in index["skipped_inputs"]] == [
+        str(c / "bad.txt"), str(c / "broken.jsonl.gz"), str(c / "broken.jsonl.zst"), f"{c / 'lines.jsonl'}:2",
+        f"{c / 'lines.jsonl'}:3", f"{c / 'lines.jsonl'}:4"]
+    assert "UnicodeDecodeError" in index["skipped_inputs"][0]["reason"]
+    assert index["skipped_inputs"][4]["reason"] == "not a text record (5)"
+    result = run_cli("--input", "c", "--out", "cli", "--vocab-size", "300", "--val-fraction", "0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert ", 6 unreadable or invalid inputs skipped (c/bad.txt, c/broken.jsonl.gz, c/broken.jsonl.zst, " \
+           "c/lines.jsonl:2, c/lines.jsonl:3 and 1 more; listed in cli/index.json), " in result.stdout
     with pytest.raises(data.DataError, match="bad.txt"):
         prep([tmp_path / "c"], tmp_path / "strict", strict=True)
     assert_one_line_error(run_cli("--input", "c", "--out", "strict", "--strict", "--vocab-size", "300",

@@ -135,6 +135,8 @@ def test_corrupt_input_is_skipped_like_the_default_runner_or_fatal_with_strict(m
     local = prep([bad], tmp_path / "local", tokenizer=tokenizer)
     beam = prep([bad], tmp_path / "beam", tokenizer=tokenizer, runner="beam")
     assert beam == local and (beam["skipped_files"], beam["skipped_records"]) == (1, 2)
+    assert [s["input"] for s in beam["skipped_inputs"]] == [
+        str(bad / "broken.jsonl.gz"), f"{bad / 'lines.jsonl'}:2", f"{bad / 'lines.jsonl'}:3"]
 
     result = run_cli("--runner", "beam", "--input", "c", "--out", "strict", "--strict", "--tokenizer", tokenizer,
                      cwd=tmp_path)

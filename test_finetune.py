@@ -65,6 +65,8 @@ def test_mask_covers_completion_and_end_of_text(tmp_path):
     seq_len = 15
     index = finetune_data.prepare([str(src)], tmp_path / "d", seq_len=seq_len, vocab_size=300, val_fraction=0.0,
                                   in_field="q", out_field="a", progress=False)
+    assert [(s["input"], s["reason"]) for s in index["skipped_inputs"]] == [  # the invalid records, by line
+        (f"{src}:{len(records) + n}", "not a JSON object with string fields 'q' and 'a'") for n in (1, 2)]
 
     # the expectation, from the tokenizer alone
     tok = Tokenizer.from_file(str(tmp_path / "d" / "tokenizer.json"))
