@@ -294,3 +294,20 @@ def val_rank(name: str) -> int:
 def in_val(name: str, fraction: float) -> bool:
     """Whether a document is held out: its val_rank (a 64-bit hash of its name) falls below fraction * 2^64."""
     return val_rank(name) < fraction * 2**64
+
+
+def held_out_extra(tally: Tally, train_documents: int, val_documents: int, fraction: float) -> str | None:
+    """The document to hold out besides those `in_val` chose, so that a corpus of two or more documents
+    has a validation split whenever a fraction is asked for: none where the split has a document
+    already (every such preparation stays as it was), else the one with the lowest val_rank, i.e. the
+    first that a larger fraction would hold out. A corpus of one document, or one whose every document
+    is held out, cannot be split: DataError naming --val-fraction."""
+    if fraction > 0 and train_documents + val_documents == 1:
+        raise DataError(f"the corpus has one document, so none can be held out for validation "
+                        f"(--val-fraction {fraction:g}); add documents, or pass --val-fraction 0")
+    if train_documents == 0:
+        raise DataError(f"--val-fraction {fraction:g} holds out all {val_documents} documents, leaving none to "
+                        f"train on; lower it")
+    if fraction <= 0 or val_documents:
+        return None
+    return tally.lowest[1]

@@ -227,8 +227,10 @@ def _clean_leftovers(out: pathlib.Path) -> None:
 
 
 def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_val: Callable[[str], bool],
-             workers, shard_tokens, text_field, overwrite, strict, progress, runner: str = "local",
-             beam_options: list[str] | None = None) -> dict:
+             val_fraction: float, workers, shard_tokens, text_field, overwrite, strict, progress,
+             runner: str = "local", beam_options: list[str] | None = None) -> dict:
+    """Prepares `sources` into `out`, documents held out by is_val (which holds out about val_fraction of
+    them), plus the one of corpus.held_out_extra where is_val held out none."""
     out = pathlib.Path(out)
     if shard_tokens < 1:
         raise DataError(f"shard tokens must be positive, got {shard_tokens}")
@@ -255,24 +257,33 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
     saved_env = {k: os.environ.get(k) for k in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS")}
     # bars only on a terminal, and erased when done, so an error stays the one line on stderr
     bars = dict(disable=None if progress else True, leave=False, file=sys.stderr, dynamic_ncols=True)
+    def build(is_val):
+        """Tokenizer and shards into tmp, documents split by is_val: (tokenizer, splits, tally)."""
+        tok = _obtain_tokenizer(sources, tmp, tokenizer, vocab_size, is_val, text_field, strict, workers, bars)
+        options = dict(eot=_eot_id(tok), vocab_size=max(tok.get_vocab().values()) + 1, is_val=is_val,
+                       shard_tokens=shard_tokens, text_field=text_field, strict=strict)
+        options["dtype"] = _dtype_for(options["vocab_size"])
+        if runner == "beam":
+            splits, tally = data_beam.tokenize(sources, tmp, tok, options=beam_options or [], **options)
+        else:
+            splits, tally = _tokenize_local(sources, tmp, tok, workers=workers, bars=bars, **options)
+        if sum(s["tokens"] for s in splits.values()) == 0:
+            raise DataError(_empty(sources, tally))
+        return tok, splits, tally
+
     try:
         # tokenizer: the tokenizers library's thread pool honours RAYON_NUM_THREADS until it first starts
         os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
-        tok = _obtain_tokenizer(sources, tmp, tokenizer, vocab_size, is_val, text_field, strict, workers, bars)
+        tok, splits, tally = build(is_val)
+        extra = corpus.held_out_extra(tally, splits["train"]["documents"], splits["val"]["documents"], val_fraction)
+        if extra is not None:  # no document fell below the fraction: again, with the lowest-ranked one held out
+            shutil.rmtree(tmp)
+            tmp.mkdir()
+            tok, splits, tally = build(lambda key: key == extra or is_val(key))
         eot = _eot_id(tok)
         real_vocab = max(tok.get_vocab().values()) + 1
         dtype = _dtype_for(real_vocab)
-        if runner == "beam":
-            splits, tally = data_beam.tokenize(
-                sources, tmp, tok, eot=eot, vocab_size=real_vocab, dtype=dtype, is_val=is_val,
-                shard_tokens=shard_tokens, text_field=text_field, strict=strict, options=beam_options or [])
-        else:
-            splits, tally = _tokenize_local(
-                sources, tmp, tok, eot=eot, vocab_size=real_vocab, dtype=dtype, is_val=is_val,
-                shard_tokens=shard_tokens, text_field=text_field, strict=strict, workers=workers, bars=bars)
         tokens = sum(s["tokens"] for s in splits.values())
-        if tokens == 0:
-            raise DataError(_empty(sources, tally))
         index = {
             "format_version": FORMAT_VERSION,
             "tokenizer": "tokenizer.json",
@@ -284,6 +295,7 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
             "unigram_entropy": splits["train"]["unigram_entropy"],
             "skipped_files": tally.skipped_files, "skipped_records": tally.skipped_records,
             "skipped_inputs": tally.skipped,  # the first corpus.LISTED, with the reason
+            "val_extra": extra,  # the document held out because none fell below the fraction, if one was
             "inputs": description, "splits": splits,
         }
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
@@ -394,7 +406,7 @@ def prepare(inputs: list[str], out, *, tokenizer: str | None = None, vocab_size:
     if not 0 <= val_fraction < 1:
         raise DataError(f"val fraction must be in [0, 1), got {val_fraction}")
     return _prepare(corpus.expand(inputs), out, description=inputs, tokenizer=tokenizer, vocab_size=vocab_size,
-                    is_val=lambda key: corpus.in_val(key, val_fraction), workers=workers,
+                    is_val=lambda key: corpus.in_val(key, val_fraction), val_fraction=val_fraction, workers=workers,
                     shard_tokens=shard_tokens, text_field=text_field, overwrite=overwrite, strict=strict,
                     progress=progress, runner=runner, beam_options=beam_options)
 
@@ -413,7 +425,8 @@ def prepare_default(out=DEFAULT_DATA_DIR, *, vocab_size: int = 4096, overwrite: 
     sources = [("text", str(p), p.relative_to(root).as_posix()) for p in files]
     description = [f"Python {sys.version.split()[0]} standard library: {root}/**/*.py"]
     return _prepare(sources, out, description=description, tokenizer=tokenizer, vocab_size=vocab_size,
-                    is_val=held.__contains__, workers=workers, shard_tokens=2**27, text_field="text",
+                    is_val=held.__contains__, val_fraction=corpus.DEFAULT_VAL_FRACTION, workers=workers,
+                    shard_tokens=2**27, text_field="text",
                     overwrite=overwrite, strict=False, progress=progress, runner=runner,
                     beam_options=beam_options)
 
@@ -860,7 +873,8 @@ def main(argv: list[str] | None = None) -> int:
                                           out_field=args.out_field, val_fraction=val_fraction,
                                           shard_tokens=args.shard_tokens, overwrite=args.overwrite)
             train_split, val_split = index["splits"]["train"], index["splits"]["val"]
-            print(f"{index['examples']:,} examples (train {train_split['examples']:,}, val {val_split['examples']:,}), "
+            print(f"{index['examples']:,} examples (train {train_split['examples']:,}, val {val_split['examples']:,}"
+                  f"{_extra(index)}), "
                   f"{index['tokens']:,} tokens, {train_split['completion_tokens'] + val_split['completion_tokens']:,} "
                   f"in the loss; {index['truncated']} prompts truncated from the left, {index['skipped']} examples "
                   f"skipped (completion longer than --seq-len {args.seq_len}), {index['skipped_records']} invalid "
@@ -891,12 +905,19 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     splits, skipped = index["splits"], index["skipped_files"] + index["skipped_records"]
     print(f"{index['documents']:,} documents, {index['tokens']:,} tokens "
-          f"(train {splits['train']['tokens']:,}, val {splits['val']['tokens']:,}), "
+          f"(train {splits['train']['tokens']:,}, val {splits['val']['tokens']:,}{_extra(index)}), "
           f"{index['bytes_per_token']:.2f} bytes/token, unigram entropy {index['unigram_entropy']:.3f} "
           f"nats/token, vocab {index['vocab_size']}, {index['dtype']}"
           + (f", {skipped} unreadable or invalid inputs skipped{_skipped_names(index, out)}" if skipped else "")
           + f", {time.perf_counter() - start:.1f}s -> {out}")
     return 0
+
+
+def _extra(index: dict) -> str:
+    """Where the validation split holds a document only because none fell below the fraction, which one."""
+    if index["val_extra"] is None:
+        return ""
+    return f": {index['val_extra']}, held out as none fell below --val-fraction"
 
 
 def _skipped_names(index: dict, out) -> str:

@@ -108,14 +108,71 @@ def _examples(tok, prompts: list[str], completions: list[str], eot: int, max_tok
     return np.array(tokens, np.int64), np.array(mask, np.int64), np.array(ends, np.int64)
 
 
+def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in_field: str, out_field: str,
+           seq_len: int, shard_tokens: int, progress: bool):
+    """The tokenizer and the shards into tmp, records split by is_val: (tokenizer, {split: summary}, tally)."""
+    from tqdm import tqdm
+    if tokenizer is not None:
+        tok = data._load_tokenizer_file(_tokenizer_path(tokenizer))
+        if data._eot_id(tok) is None:
+            tok.add_special_tokens([data.EOT_TOKEN])
+    else:
+        if vocab_size < 258:
+            raise DataError(f"vocab size must be at least 258 for a byte-level BPE, got {vocab_size}")
+        texts = (text for name, p, c in _records(sources, in_field, out_field, corpus.Tally()) if not is_val(name)
+                 for text in (p, c))
+        tok = data._train_tokenizer(texts, vocab_size)
+    tok.save(str(tmp / "tokenizer.json"))
+    eot = data._eot_id(tok)
+    vocab = max(tok.get_vocab().values()) + 1
+    dtype = data._dtype_for(vocab)
+    counts = {s: {"skipped": 0, "truncated": 0} for s in ("train", "val")}
+    writers = {s: (data._ShardWriter(tmp, s, dtype, shard_tokens, vocab),
+                   data._ShardWriter(tmp, f"{s}_mask", "uint8", shard_tokens, 3)) for s in ("train", "val")}
+    chunks = {s: ([], []) for s in ("train", "val")}
+
+    def flush(split):
+        prompts, completions = chunks[split]
+        if prompts:
+            tokens, mask, ends = _examples(tok, prompts, completions, eot, seq_len + 1, counts[split])
+            writers[split][0].write(tokens, ends)
+            writers[split][1].write(mask, ends)
+            writers[split][0].bytes += sum(len(t.encode("utf-8")) for t in prompts + completions)
+        chunks[split] = ([], [])
+
+    tally = corpus.Tally()
+    bar = tqdm(desc="tokenizing", unit="example", disable=None if progress else True, leave=False)
+    with bar:
+        for name, prompt, completion in _records(sources, in_field, out_field, tally):
+            split = "val" if is_val(name) else "train"
+            chunks[split][0].append(prompt)
+            chunks[split][1].append(completion)
+            bar.update(1)
+            if len(chunks[split][0]) >= CHUNK_EXAMPLES:
+                flush(split)
+        for split in chunks:
+            flush(split)
+    splits = {}
+    for split, (tokens, mask) in writers.items():
+        tokens.close()
+        mask.close()
+        summary = tokens.summary()
+        summary["examples"] = summary["documents"]
+        summary["completion_tokens"] = int(mask.counts[COMPLETION] + mask.counts[END])
+        summary["mask_shards"] = mask.shards
+        summary.update(truncated=counts[split]["truncated"], skipped=counts[split]["skipped"])
+        splits[split] = summary
+    return tok, splits, tally
+
+
 def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = None, vocab_size: int = 8192,
             in_field: str = "in_text", out_field: str = "out_text", val_fraction: float = 0.05,
             shard_tokens: int = 2**27, overwrite: bool = False, progress: bool = True) -> dict:
     """Prepares prompt/completion JSON Lines into DIR `out` (see the module docstring); returns its index.
 
-    Without a tokenizer, a byte-level BPE of `vocab_size` is trained on the training pairs.
+    Without a tokenizer, a byte-level BPE of `vocab_size` is trained on the training pairs. Records are held
+    out for validation as data.py holds out documents (corpus.in_val, and corpus.held_out_extra).
     """
-    from tqdm import tqdm
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else [str(i) for i in inputs]
     out = pathlib.Path(out)
     if not inputs:
@@ -136,61 +193,25 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     is_val = lambda name: corpus.in_val(name, val_fraction)  # noqa: E731
+    options = dict(tokenizer=tokenizer, vocab_size=vocab_size, in_field=in_field, out_field=out_field,
+                   seq_len=seq_len, shard_tokens=shard_tokens, progress=progress)
     try:
-        if tokenizer is not None:
-            tok = data._load_tokenizer_file(_tokenizer_path(tokenizer))
-            if data._eot_id(tok) is None:
-                tok.add_special_tokens([data.EOT_TOKEN])
-        else:
-            if vocab_size < 258:
-                raise DataError(f"vocab size must be at least 258 for a byte-level BPE, got {vocab_size}")
-            texts = (text for name, p, c in _records(sources, in_field, out_field, corpus.Tally()) if not is_val(name)
-                     for text in (p, c))
-            tok = data._train_tokenizer(texts, vocab_size)
-        tok.save(str(tmp / "tokenizer.json"))
+        tok, splits, bad = _write(sources, tmp, is_val, **options)
+        assigned = {s: splits[s]["examples"] + splits[s]["skipped"] for s in splits}  # valid records
+        extra = None
+        if assigned["train"] + assigned["val"]:  # (none at all: the error below)
+            extra = corpus.held_out_extra(bad, assigned["train"], assigned["val"], val_fraction)
+        if extra is not None:  # no record fell below the fraction: again, with the lowest-ranked one held out
+            shutil.rmtree(tmp)
+            tmp.mkdir()
+            tok, splits, bad = _write(sources, tmp, lambda name: name == extra or is_val(name), **options)
         eot = data._eot_id(tok)
         vocab = max(tok.get_vocab().values()) + 1
         dtype = data._dtype_for(vocab)
-        counts = {s: {"bad": 0, "skipped": 0, "truncated": 0} for s in ("train", "val")}
-        writers = {s: (data._ShardWriter(tmp, s, dtype, shard_tokens, vocab),
-                       data._ShardWriter(tmp, f"{s}_mask", "uint8", shard_tokens, 3)) for s in ("train", "val")}
-        chunks = {s: ([], []) for s in ("train", "val")}
-
-        def flush(split):
-            prompts, completions = chunks[split]
-            if prompts:
-                tokens, mask, ends = _examples(tok, prompts, completions, eot, seq_len + 1, counts[split])
-                writers[split][0].write(tokens, ends)
-                writers[split][1].write(mask, ends)
-                writers[split][0].bytes += sum(len(t.encode("utf-8")) for t in prompts + completions)
-            chunks[split] = ([], [])
-
-        bad = corpus.Tally()
-        bar = tqdm(desc="tokenizing", unit="example", disable=None if progress else True, leave=False)
-        with bar:
-            for name, prompt, completion in _records(sources, in_field, out_field, bad):
-                split = "val" if is_val(name) else "train"
-                chunks[split][0].append(prompt)
-                chunks[split][1].append(completion)
-                bar.update(1)
-                if len(chunks[split][0]) >= CHUNK_EXAMPLES:
-                    flush(split)
-            for split in chunks:
-                flush(split)
-        splits = {}
-        for split, (tokens, mask) in writers.items():
-            tokens.close()
-            mask.close()
-            summary = tokens.summary()
-            summary["examples"] = summary["documents"]
-            summary["completion_tokens"] = int(mask.counts[COMPLETION] + mask.counts[END])
-            summary["mask_shards"] = mask.shards
-            summary.update(truncated=counts[split]["truncated"], skipped=counts[split]["skipped"])
-            splits[split] = summary
         total = sum(s["tokens"] for s in splits.values())
         if splits["train"]["examples"] == 0:
             raise DataError(f"no training example in {', '.join(inputs)} ({bad.skipped_records} invalid records, "
-                            f"{counts['train']['skipped']} too long for seq_len {seq_len})")
+                            f"{splits['train']['skipped']} too long for seq_len {seq_len})")
         index = {
             "format_version": data.FORMAT_VERSION, "kind": KIND,
             "tokenizer": "tokenizer.json", "tokenizer_sha256": data._sha256(tmp / "tokenizer.json"),
@@ -203,6 +224,7 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
             "skipped_inputs": bad.skipped,  # the first corpus.LISTED invalid records, with the reason
             "bytes_per_token": sum(s["bytes"] for s in splits.values()) / max(total, 1),
             "unigram_entropy": splits["train"]["unigram_entropy"],
+            "val_extra": extra,  # the record held out because none fell below the fraction, if one was
             "inputs": inputs, "splits": splits,
         }
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")

@@ -85,6 +85,21 @@ def test_held_out_decision_has_the_requested_share_and_is_nested():
         assert corpus.in_val(n, (h + 2**12) / 2**64) and not corpus.in_val(n, (h - 2**12) / 2**64)
 
 
+def test_held_out_extra_only_where_the_fraction_holds_out_none():
+    names = [f"d{i}.txt" for i in range(5)]
+    tally = corpus.Tally()
+    for name in names:
+        tally.saw(name)
+    first = min(names, key=lambda n: hashlib.blake2b(n.encode(), digest_size=8).digest()[::-1])  # little-endian
+    assert corpus.held_out_extra(tally, train_documents=5, val_documents=0, fraction=0.01) == first
+    assert corpus.held_out_extra(tally, train_documents=4, val_documents=1, fraction=0.01) is None  # kept as is
+    assert corpus.held_out_extra(tally, train_documents=5, val_documents=0, fraction=0.0) is None  # none asked for
+    with pytest.raises(corpus.DataError, match="one document.*--val-fraction 0.2"):
+        corpus.held_out_extra(tally, train_documents=1, val_documents=0, fraction=0.2)
+    with pytest.raises(corpus.DataError, match="--val-fraction 0.9 holds out all 2 documents"):
+        corpus.held_out_extra(tally, train_documents=0, val_documents=2, fraction=0.9)
+
+
 def test_default_held_out_is_the_shortest_hash_ordered_prefix_reaching_the_byte_share(tmp_path):
     sizes = {f"pkg{i % 5}/m{i:02d}.py": 100 + 37 * i * i for i in range(60)}  # sizes vary a hundredfold
     for name, size in sizes.items():

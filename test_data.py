@@ -204,6 +204,42 @@ def test_default_corpus_selection_on_a_fake_stdlib(tmp_path):
     assert decode_documents(tmp_path / "again", "val") == val  # the same files held out
 
 
+def blake2b_rank(name: str) -> int:
+    """A document's place in the held-out order, written out: blake2b-64 of its name, little-endian."""
+    import hashlib
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def test_a_small_corpus_always_gets_a_validation_document(tmp_path):
+    docs = make_docs(4, seed=8)
+    write_text_files(tmp_path / "c", docs)
+    names = [f"{i:04d}.txt" for i in range(4)]
+    ranks = sorted((blake2b_rank(n), i) for i, n in enumerate(names))
+    first = ranks[0][1]  # the document a growing fraction holds out first
+    # a fraction below every hash holds out none by itself: the first-ranked document is held out
+    none_below = ranks[0][0] / 2**64 / 2
+    index = prep([tmp_path / "c"], tmp_path / "small", val_fraction=none_below)
+    assert decode_documents(tmp_path / "small", "val") == [docs[first]] and index["val_extra"] == names[first]
+    assert decode_documents(tmp_path / "small", "train") == [d for i, d in enumerate(docs) if i != first]
+    # ... and unseen by the tokenizer: the same BPE as one trained on the other three documents alone
+    write_text_files(tmp_path / "three", [d for i, d in enumerate(docs) if i != first])
+    prep([tmp_path / "three"], tmp_path / "three-out", val_fraction=0.0)
+    assert (tmp_path / "small" / "tokenizer.json").read_bytes() == \
+        (tmp_path / "three-out" / "tokenizer.json").read_bytes()
+    # a fraction that holds out a document by itself keeps exactly the split it makes: here the first two
+    two = (ranks[1][0] + 1) / 2**64
+    index = prep([tmp_path / "c"], tmp_path / "two", val_fraction=two)
+    assert decode_documents(tmp_path / "two", "val") == [docs[i] for i in sorted(i for _, i in ranks[:2])]
+    assert index["val_extra"] is None
+
+    # one document cannot be split: one line naming --val-fraction, nothing written; 0 trains on it whole
+    write_text_files(tmp_path / "one", docs[:1])
+    result = run_cli("--input", "one", "--out", "out", "--vocab-size", "300", "--val-fraction", "0.1", cwd=tmp_path)
+    assert_one_line_error(result, "one document", "--val-fraction")
+    assert not (tmp_path / "out").exists()
+    assert prep([tmp_path / "one"], tmp_path / "whole", val_fraction=0.0)["documents"] == 1
+
+
 def test_cli_prepares_and_summarises(tmp_path):
     write_text_files(tmp_path / "corpus", make_docs(20, seed=3))
     result = run_cli("--input", "corpus/*.txt", "--out", "out", "--vocab-size", "300", "--workers", "1",

@@ -107,6 +107,16 @@ def test_loader_reads_beam_output(both):
     np.testing.assert_array_equal(first[0], split_stream(beam_dir, "val")[:seq_len + 1])
 
 
+def test_beam_holds_out_the_same_document_when_the_fraction_holds_out_none(tmp_path):
+    from test_data import blake2b_rank, write_text_files
+    write_text_files(tmp_path / "c", make_docs(3, seed=12))
+    lowest = min((blake2b_rank(f"{i:04d}.txt"), f"{i:04d}.txt") for i in range(3))
+    kw = dict(val_fraction=lowest[0] / 2**64 / 2, shard_tokens=2**20)  # below every document's hash
+    local = prep([tmp_path / "c"], tmp_path / "local", **kw)
+    assert local["val_extra"] == lowest[1] and local["splits"]["val"]["documents"] == 1
+    assert prep([tmp_path / "c"], tmp_path / "beam", runner="beam", **kw) == local
+
+
 def test_beam_runs_the_default_corpus_too(tmp_path):
     root = tmp_path / "lib"
     root.mkdir()

@@ -109,6 +109,26 @@ def test_mask_covers_completion_and_end_of_text(tmp_path):
     assert rows_padding == len(want_targets) and rows_packing == greedy < rows_padding
 
 
+def test_a_few_pairs_always_get_a_validation_example(tmp_path):
+    import hashlib
+    pairs = [{"in_text": f" {w} =", "out_text": f" {w}{w}"} for w in WORDS[:3]]
+    src = write_jsonl(tmp_path / "p.jsonl", pairs)
+    ranks = sorted((int.from_bytes(hashlib.blake2b(f"p.jsonl:{n}".encode(), digest_size=8).digest(), "little"), n)
+                   for n in (1, 2, 3))  # records are named FILE:LINE
+    index = finetune_data.prepare([str(src)], tmp_path / "d", seq_len=32, vocab_size=300, progress=False,
+                                  val_fraction=ranks[0][0] / 2**64 / 2)  # below every record's hash
+    assert index["val_extra"] == f"p.jsonl:{ranks[0][1]}"
+    assert (index["splits"]["train"]["examples"], index["splits"]["val"]["examples"]) == (2, 1)
+    tok = Tokenizer.from_file(str(tmp_path / "d" / "tokenizer.json"))
+    held = pairs[ranks[0][1] - 1]
+    (val,) = finetune_data.eval_batches(tmp_path / "d", "val", 32, 1)
+    assert tok.decode(val["tokens"][0].tolist()).startswith(held["in_text"] + held["out_text"])
+    with pytest.raises(data.DataError, match="one document.*--val-fraction"):
+        finetune_data.prepare([str(write_jsonl(tmp_path / "one.jsonl", pairs[:1]))], tmp_path / "e", seq_len=16,
+                              vocab_size=300, progress=False)
+    assert not (tmp_path / "e").exists()
+
+
 def test_loader_is_a_function_of_the_step(reversal):
     root, _ = reversal
     a = finetune_data.Loader(root / "data", "train", 32, 8, seed=3)
