@@ -40,7 +40,6 @@ import json
 import math
 import os
 import pathlib
-import pickle
 import shutil
 import sys
 import tempfile
@@ -442,19 +441,41 @@ def config_from_hf(meta: dict, where: str) -> tuple[TorchGPTConfig, str]:
 def read_hf_tensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
     """The tensors of a transformers checkpoint: model.safetensors (or its shards); pytorch_model.bin
     only through torch.load(weights_only=True), which refuses anything but tensors."""
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     files = sorted(directory.glob("model*.safetensors"))
     if files:
         tensors = {}
         for f in files:
-            tensors.update(load_file(str(f)))
+            try:
+                tensors.update(load_file(str(f)))
+            except (SafetensorError, OSError) as e:
+                raise ConvertError(f"cannot read {f} as safetensors ({e}); copy or save it again") from None
         return tensors
     binary = directory / "pytorch_model.bin"
-    if binary.is_file():
+    if not binary.is_file():
+        raise ConvertError(f"no model.safetensors (or pytorch_model.bin) in {directory}")
+    if torch is None:
+        raise ConvertError(f"reading {binary} needs PyTorch (pip install torch), or convert it to model.safetensors")
+    try:
         state = torch.load(binary, map_location="cpu", weights_only=True)
-        return {k: v.float().numpy() for k, v in state.items()}
-    raise ConvertError(f"no model.safetensors (or pytorch_model.bin) in {directory}")
+    except Exception as e:  # a refused pickle, a damaged archive, a cut-short file: each its own exception type
+        raise ConvertError(f"{binary} cannot be read by torch.load(weights_only=True), which loads tensors and "
+                           f"never code ({_torch_load_reason(e)}): a damaged file, or more than tensors in it; save "
+                           f"it as model.safetensors where it was made (save_pretrained does)") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConvertError(f"{binary} holds no plain state dict of tensors; save it as model.safetensors")
+    return {k: v.float().numpy() for k, v in state.items()}
+
+
+def _torch_load_reason(e: Exception) -> str:
+    """The informative part of torch.load's error: the refused global or opcode, else its first sentence."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
+    return first.split(". ")[0][:200]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -488,8 +509,23 @@ def _eot_id(tokenizer_path: pathlib.Path) -> tuple[int | None, str | None]:
     return None, None
 
 
-def _prepare_out(out: pathlib.Path, overwrite: bool) -> pathlib.Path:
-    """A fresh temporary directory beside `out`, moved into place by _finish_out."""
+def _check_out(out, source, overwrite: bool) -> None:
+    """Refuse an --out that is the source directory, holds it, or lies inside it, when it exists or
+    --overwrite would replace it: replacing it would delete what is being converted."""
+    out = pathlib.Path(out)
+    if source is None or not (overwrite or out.exists()):
+        return
+    o, s = out.resolve(), pathlib.Path(source).resolve()
+    relation = "is" if o == s else "contains" if o in s.parents else "lies inside" if s in o.parents else None
+    if relation:
+        raise ConvertError(f"--out {out} {relation} the source directory {source}; choose an --out outside it "
+                           f"(nothing was written or deleted)")
+
+
+def _prepare_out(out: pathlib.Path, overwrite: bool, source=None) -> pathlib.Path:
+    """A fresh temporary directory beside `out`, moved into place by _finish_out. `source`: the
+    directory read from, which `out` must not overlap (_check_out)."""
+    _check_out(out, source, overwrite)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ConvertError(f"{out} already exists; choose another --out or pass --overwrite")
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -504,9 +540,11 @@ def _finish_out(tmp: pathlib.Path, out: pathlib.Path) -> None:
     tmp.replace(out)
 
 
-def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, overwrite: bool = False) -> str:
+def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, overwrite: bool = False,
+           source=None) -> str:
     """Write params (a pure dict) of a model.GPTConfig (or dict) into `out` in `fmt` ('torch' or 'hf').
-    Returns the layout written: 'torch', 'gpt2' or 'bloom'."""
+    `source`: the run directory they came from, which `out` must not overlap. Returns the layout
+    written: 'torch', 'gpt2' or 'bloom'."""
     from safetensors.numpy import save_file
 
     full = dataclasses.asdict(gpt_config) if dataclasses.is_dataclass(gpt_config) else dict(gpt_config)
@@ -516,7 +554,7 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
         raise ConvertError(f"--format must be torch or hf, got {fmt!r}")
     tensors = to_torch_tensors(params, c, layout)  # before touching `out`: a refusal leaves it alone
     out = pathlib.Path(out)
-    tmp = _prepare_out(out, overwrite)
+    tmp = _prepare_out(out, overwrite, source)
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         tok = pathlib.Path(tokenizer) if tokenizer else None
@@ -528,9 +566,11 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
             shutil.copyfile(tok, tmp / TOKENIZER_NAME)
             if layout != "torch":  # what AutoTokenizer needs besides tokenizer.json
                 special = {f"{k}_token": eot for k in ("bos", "eos", "unk")} if eot else {}
+                # a learned-position model stops at block_size; ALiBi has no limit (transformers' default)
+                limit = {} if c.alibi_attn else {"model_max_length": c.block_size}
                 (tmp / "tokenizer_config.json").write_text(json.dumps(
-                    {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": c.block_size,
-                     "add_prefix_space": False, **special}, indent=2) + "\n")
+                    {"tokenizer_class": "PreTrainedTokenizerFast", **limit, "add_prefix_space": False, **special},
+                    indent=2) + "\n")
         _finish_out(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -546,6 +586,7 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     from model import GPTConfig
 
     hf_dir, out = pathlib.Path(hf_dir), pathlib.Path(out)
+    _check_out(out, hf_dir, overwrite)
     if not (hf_dir / CONFIG_NAME).is_file():
         raise ConvertError(f"{hf_dir} is not a transformers checkpoint directory: no {CONFIG_NAME}")
     meta = json.loads((hf_dir / CONFIG_NAME).read_text())
@@ -561,7 +602,7 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
         tensors[wte_key] = tensors[wte_key][: c.vocab_size]  # an export that kept model.py's padding rows
     params = from_torch_tensors(tensors, c, layout, str(hf_dir))
     gcfg = GPTConfig(**dataclasses.asdict(c))
-    tmp = _prepare_out(out, overwrite)
+    tmp = _prepare_out(out, overwrite, hf_dir)
     try:
         cfg = config_lib.Config(run_dir=str(out), model_name=f"imported-{layout}", model=gcfg)
         config_lib.save_run_config(cfg, tmp)
@@ -608,12 +649,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.import_hf:
         import_hf(args.import_hf, args.out, args.overwrite)
+        if not (pathlib.Path(args.out) / TOKENIZER_NAME).is_file():
+            print(f"warning: {args.import_hf} has no tokenizer ({TOKENIZER_NAME}, or vocab.json and merges.txt), so "
+                  f"{args.out} has none: prepare data with the model's own (python data.py --tokenizer "
+                  f"PATH/{TOKENIZER_NAME}) and copy it into {args.out} for sample.py and eval.py", file=sys.stderr)
         print(f"imported {args.import_hf} into run directory {args.out} (step 0); fine-tune with "
               f"python train.py training.init_from={args.out} data.dir=...")
         return 0
-    cfg, params, step = read_run(args.checkpoint, args.step)
     import storage
 
+    source = None if storage.is_url(args.checkpoint) else args.checkpoint
+    _check_out(args.out, source, args.overwrite)  # before reading the checkpoint
+    cfg, params, step = read_run(args.checkpoint, args.step)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer = pathlib.Path(args.checkpoint) / TOKENIZER_NAME
         if storage.is_url(args.checkpoint):  # a run in an object store: its tokenizer through a local copy
@@ -621,7 +668,7 @@ def main(argv=None) -> int:
             tokenizer = pathlib.Path(scratch) / TOKENIZER_NAME
             if run.is_file(TOKENIZER_NAME):
                 tokenizer.write_bytes(run.read_bytes(TOKENIZER_NAME))
-        layout = export(params, cfg.model, args.out, args.format, tokenizer, args.overwrite)
+        layout = export(params, cfg.model, args.out, args.format, tokenizer, args.overwrite, source)
     how = {"torch": "from convert_torch import GPT; GPT.from_pretrained(DIR)"}.get(
         layout, f"transformers.AutoModelForCausalLM.from_pretrained(DIR) ({layout} layout)")
     print(f"wrote step {step} of {args.checkpoint} to {args.out}; load with {how}")

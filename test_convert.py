@@ -5,11 +5,15 @@ Every model has its parameters perturbed away from the initialisation (LayerNorm
 biases off 0, larger weights), so a layout or transposition mistake cannot hide behind near-zero
 logits. Hugging Face models are built locally at random; nothing is downloaded.
 """
+import dataclasses
 import json
+import logging
+import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import jax
 import numpy as np
@@ -65,6 +69,23 @@ def hf_logits(directory, toks):
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     with torch.no_grad():
         return hf(torch.tensor(toks)).logits.numpy(), hf
+
+
+def python_without(blocked, code, cwd, *args):
+    """Run `code` in a fresh Python in which importing any of the `blocked` top-level modules fails."""
+    guard = (f"import importlib.abc, sys\nBLOCKED = {sorted(blocked)!r}\n"
+             "class Blocker(importlib.abc.MetaPathFinder):\n"
+             "    def find_spec(self, name, path, target=None):\n"
+             "        if name.split('.')[0] in BLOCKED:\n"
+             "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+             "sys.meta_path.insert(0, Blocker())\n")
+    return subprocess.run([sys.executable, "-c", guard + code, *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+
+
+def tree(root) -> dict:
+    """Every file under root and its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(pathlib.Path(root).rglob("*")) if p.is_file()}
 
 
 @pytest.mark.parametrize("overrides", [
@@ -146,6 +167,106 @@ def test_import_refuses_what_model_py_cannot_express(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "activation_function 'relu'" in err and "\n" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_import_without_a_tokenizer_warns_and_says_what_to_pass(tmp_path, capsys):
+    random_gpt2(tmp_path / "gpt2")  # weights and config only
+    capsys.readouterr()
+    assert ct.cli(["--import-hf", str(tmp_path / "gpt2"), "--out", str(tmp_path / "run")]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "tokenizer" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: ") and "has no tokenizer" in warnings[0]
+    assert "python data.py --tokenizer" in warnings[0]
+    assert not (tmp_path / "run" / "tokenizer.json").exists() and ct.read_run(tmp_path / "run")[2] == 0
+
+
+def test_unreadable_hf_weights_are_one_error_line(tmp_path, capsys):
+    class Code:  # what a pickle can smuggle in: a call made while loading
+        def __reduce__(self):
+            return (print, ("this ran while loading",))
+
+    random_gpt2(tmp_path / "damaged")
+    raw = (tmp_path / "damaged" / "model.safetensors").read_bytes()
+    (tmp_path / "damaged" / "model.safetensors").write_bytes(raw[: len(raw) // 2])  # cut short
+    random_gpt2(tmp_path / "pickle")
+    (tmp_path / "pickle" / "model.safetensors").unlink()
+    torch.save({"transformer.wte.weight": torch.zeros(3), "x": Code()}, tmp_path / "pickle" / "pytorch_model.bin")
+    capsys.readouterr()
+    for name, reason in [("damaged", "as safetensors (Error while deserializing"), ("pickle", "Unsupported global")]:
+        assert ct.cli(["--import-hf", str(tmp_path / name), "--out", str(tmp_path / "run")]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith("error: ") and reason in captured.err and captured.err.count("\n") == 1
+        assert "this ran" not in captured.out and not (tmp_path / "run").exists()
+
+
+def test_out_overlapping_the_source_is_refused_and_nothing_deleted(trained_run, tmp_path, capsys):
+    run = tmp_path / "src" / "run"
+    shutil.copytree(trained_run, run)
+    random_gpt2(tmp_path / "src" / "gpt2")
+    before = tree(tmp_path)
+    capsys.readouterr()
+    for source, flag in [(run, "--checkpoint"), (tmp_path / "src" / "gpt2", "--import-hf")]:
+        for out, relation in [(source, "is"), (source.parent, "contains"), (source / "checkpoints", "lies inside"),
+                              (source / "new", "lies inside")]:
+            assert ct.cli([flag, str(source), "--out", str(out), "--overwrite"]) == 2
+            err = capsys.readouterr().err
+            assert err == f"error: --out {out} {relation} the source directory {source}; choose an --out outside " \
+                          f"it (nothing was written or deleted)\n"
+    assert tree(tmp_path) == before
+
+
+def test_help_and_export_need_no_torch(tmp_path):
+    m, params = jax_model(alibi_attn=True, embed_norm=True)
+    np.savez(tmp_path / "params.npz", **ct.flatten(params))
+    (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(m.config)))
+    code = textwrap.dedent("""
+        repo, tmp = sys.argv[1:]
+        try:
+            import torch
+            sys.exit("torch was importable")
+        except ImportError:
+            pass
+        import json, runpy
+        sys.argv = ["convert_torch.py", "--help"]
+        try:
+            runpy.run_path(f"{repo}/convert_torch.py", run_name="__main__")
+        except SystemExit as e:
+            assert e.code == 0, e.code
+        sys.path.insert(0, repo)
+        import numpy as np
+        import convert_torch as ct
+        params = ct.unflatten(dict(np.load(f"{tmp}/params.npz")))
+        ct.export(params, json.load(open(f"{tmp}/config.json")), f"{tmp}/hf", fmt="hf")
+    """)
+    result = python_without({"torch"}, code, tmp_path, REPO, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: ") and "--import-hf HF_DIR" in result.stdout
+    ct.export(params, m.config, tmp_path / "expected", fmt="hf")  # here, with torch
+    assert tree(tmp_path / "hf") == tree(tmp_path / "expected")
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["learned", "alibi"])
+def test_hf_tokenizer_limit_is_the_models(corpus, tmp_path, alibi):  # noqa: F811
+    """transformers warns of "indexing errors" past model_max_length: right at block_size for learned
+    positions (16 here), wrong for an ALiBi model, which runs (and matches JAX) at 180 tokens."""
+    m, params = jax_model(alibi_attn=alibi, embed_norm=alibi)
+    ct.export(params, m.config, tmp_path / "hf", fmt="hf", tokenizer=corpus / "tokenizer.json")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        ids = tok(" ".join(["the cat sat on a mat"] * 30))["input_ids"]
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    warned = any("longer than the specified maximum" in r.getMessage() for r in records)
+    assert len(ids) >= 180 and warned == (not alibi)
+    if not alibi:
+        assert tok.model_max_length == 16
+        return
+    assert tok.model_max_length > 10 ** 9
+    got, _ = hf_logits(tmp_path / "hf", [ids])
+    np.testing.assert_allclose(got, np.asarray(m(np.asarray([ids])))[..., :300], atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("overrides", [dict(alibi_attn=False), dict(alibi_attn=True)], ids=["learned", "alibi"])
@@ -256,7 +377,21 @@ def test_cli_torch_export_and_errors(trained_run, tmp_path, capsys):
     with torch.no_grad():
         got = ct.GPT.from_pretrained(out)(torch.tensor(toks)).numpy()
     mcfg = model_fields(cfg)
-    np.testing.assert_allclose(got, jax_logits(params, mcfg, toks), atol=TOL, rtol=0)
+    expected = jax_logits(params, mcfg, toks)
+    np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+    # the README's promise: convert_torch.py copied beside an export needs torch, numpy and safetensors,
+    # no JAX and nothing else of this repository
+    fresh = tmp_path / "elsewhere"
+    fresh.mkdir()
+    shutil.copyfile(REPO / "convert_torch.py", fresh / "convert_torch.py")
+    np.save(tmp_path / "tokens.npy", toks)
+    code = ("import numpy as np, torch\nfrom convert_torch import GPT\nmodel = GPT.from_pretrained(sys.argv[1])\n"
+            "with torch.no_grad():\n    np.save(sys.argv[3], model(torch.from_numpy(np.load(sys.argv[2]))).numpy())\n")
+    project = {p.stem for p in REPO.glob("*.py")} - {"convert_torch"}
+    result = python_without({"jax", "jaxlib", "flax", "optax", "orbax", *project}, code, fresh, out,
+                            tmp_path / "tokens.npy", tmp_path / "logits.npy")
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), expected, atol=TOL, rtol=0)
     capsys.readouterr()
     for argv, reason in [
         (["--checkpoint", str(trained_run), "--out", str(out)], "already exists"),
