@@ -258,37 +258,34 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
     # bars only on a terminal, and erased when done, so an error stays the one line on stderr
     bars = dict(disable=None if progress else True, leave=False, file=sys.stderr, dynamic_ncols=True)
     def build(is_val):
-        """Tokenizer and shards into tmp, documents split by is_val: (tokenizer, splits, tally)."""
+        """Tokenizer and shards into tmp, documents split by is_val: ({vocab_size, eot_id, dtype}, splits, tally)."""
         tok = _obtain_tokenizer(sources, tmp, tokenizer, vocab_size, is_val, text_field, strict, workers, bars)
-        options = dict(eot=_eot_id(tok), vocab_size=max(tok.get_vocab().values()) + 1, is_val=is_val,
+        vocab = max(tok.get_vocab().values()) + 1
+        options = dict(eot=_eot_id(tok), vocab_size=vocab, dtype=_dtype_for(vocab), is_val=is_val,
                        shard_tokens=shard_tokens, text_field=text_field, strict=strict)
-        options["dtype"] = _dtype_for(options["vocab_size"])
         if runner == "beam":
             splits, tally = data_beam.tokenize(sources, tmp, tok, options=beam_options or [], **options)
         else:
             splits, tally = _tokenize_local(sources, tmp, tok, workers=workers, bars=bars, **options)
         if sum(s["tokens"] for s in splits.values()) == 0:
             raise DataError(_empty(sources, tally))
-        return tok, splits, tally
+        return {"vocab_size": vocab, "eot_id": options["eot"], "dtype": options["dtype"]}, splits, tally
 
     try:
         # tokenizer: the tokenizers library's thread pool honours RAYON_NUM_THREADS until it first starts
         os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
-        tok, splits, tally = build(is_val)
+        vocab_fields, splits, tally = build(is_val)
         extra = corpus.held_out_extra(tally, splits["train"]["documents"], splits["val"]["documents"], val_fraction)
         if extra is not None:  # no document fell below the fraction: again, with the lowest-ranked one held out
             shutil.rmtree(tmp)
             tmp.mkdir()
-            tok, splits, tally = build(lambda key: key == extra or is_val(key))
-        eot = _eot_id(tok)
-        real_vocab = max(tok.get_vocab().values()) + 1
-        dtype = _dtype_for(real_vocab)
+            vocab_fields, splits, tally = build(lambda key: key == extra or is_val(key))
         tokens = sum(s["tokens"] for s in splits.values())
         index = {
             "format_version": FORMAT_VERSION,
             "tokenizer": "tokenizer.json",
             "tokenizer_sha256": _sha256(tmp / "tokenizer.json"),
-            "vocab_size": real_vocab, "eot_id": eot, "dtype": dtype,
+            **vocab_fields,  # vocab_size, eot_id, dtype
             "tokens": tokens,
             "documents": sum(s["documents"] for s in splits.values()),
             "bytes_per_token": sum(s["bytes"] for s in splits.values()) / tokens,  # end-of-text included

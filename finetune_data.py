@@ -110,7 +110,8 @@ def _examples(tok, prompts: list[str], completions: list[str], eot: int, max_tok
 
 def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in_field: str, out_field: str,
            seq_len: int, shard_tokens: int, progress: bool):
-    """The tokenizer and the shards into tmp, records split by is_val: (tokenizer, {split: summary}, tally)."""
+    """The tokenizer and the shards into tmp, records split by is_val: ({vocab_size, eot_id, dtype}, {split:
+    summary}, tally)."""
     from tqdm import tqdm
     if tokenizer is not None:
         tok = data._load_tokenizer_file(_tokenizer_path(tokenizer))
@@ -162,7 +163,7 @@ def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in
         summary["mask_shards"] = mask.shards
         summary.update(truncated=counts[split]["truncated"], skipped=counts[split]["skipped"])
         splits[split] = summary
-    return tok, splits, tally
+    return {"vocab_size": vocab, "eot_id": eot, "dtype": dtype}, splits, tally
 
 
 def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = None, vocab_size: int = 8192,
@@ -196,7 +197,7 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
     options = dict(tokenizer=tokenizer, vocab_size=vocab_size, in_field=in_field, out_field=out_field,
                    seq_len=seq_len, shard_tokens=shard_tokens, progress=progress)
     try:
-        tok, splits, bad = _write(sources, tmp, is_val, **options)
+        vocab_fields, splits, bad = _write(sources, tmp, is_val, **options)
         assigned = {s: splits[s]["examples"] + splits[s]["skipped"] for s in splits}  # valid records
         extra = None
         if assigned["train"] + assigned["val"]:  # (none at all: the error below)
@@ -204,10 +205,7 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
         if extra is not None:  # no record fell below the fraction: again, with the lowest-ranked one held out
             shutil.rmtree(tmp)
             tmp.mkdir()
-            tok, splits, bad = _write(sources, tmp, lambda name: name == extra or is_val(name), **options)
-        eot = data._eot_id(tok)
-        vocab = max(tok.get_vocab().values()) + 1
-        dtype = data._dtype_for(vocab)
+            vocab_fields, splits, bad = _write(sources, tmp, lambda name: name == extra or is_val(name), **options)
         total = sum(s["tokens"] for s in splits.values())
         if splits["train"]["examples"] == 0:
             raise DataError(f"no training example in {', '.join(inputs)} ({bad.skipped_records} invalid records, "
@@ -215,7 +213,7 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
         index = {
             "format_version": data.FORMAT_VERSION, "kind": KIND,
             "tokenizer": "tokenizer.json", "tokenizer_sha256": data._sha256(tmp / "tokenizer.json"),
-            "vocab_size": vocab, "eot_id": eot, "dtype": dtype, "seq_len": seq_len,
+            **vocab_fields, "seq_len": seq_len,
             "in_field": in_field, "out_field": out_field,
             "tokens": total, "documents": sum(s["documents"] for s in splits.values()),
             "examples": sum(s["examples"] for s in splits.values()),
