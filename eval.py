@@ -425,15 +425,65 @@ def run_data_dir(run: storage.RunDir, cfg, override: str | None) -> str:
     if recorded.get("tokenizer_sha256") and index.get("tokenizer_sha256") != recorded["tokenizer_sha256"]:
         raise EvalError(f"{location} was tokenized with another tokenizer than {run}'s; its perplexity would "
                         "mean nothing")
-    return location
+    return location if storage.is_url(location) else str(pathlib.Path(location).resolve())
 
 
-def write_results(run: storage.RunDir, name: str, section: str, value) -> None:
-    """Set one section of the run's JSON results file `name`, keeping the others (replaced at once)."""
-    results = json.loads(run.read_text(name)) if run.is_file(name) else {}
-    results[section] = value
+def read_results(run: storage.RunDir, name: str) -> dict:
+    """The run's JSON results file `name` ({} if there is none yet), checked to be one that eval.py can add to."""
+    if not run.is_file(name):
+        return {}
+    try:
+        results = json.loads(run.read_text(name))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        results, why = None, f"unreadable JSON ({e})"
+    else:
+        why = results_problem(results)
+    if why:
+        raise EvalError(f"{run.show(name)} is not an eval.py results file: {why}; move it away to evaluate "
+                        "this step again (eval.py adds to that file and never overwrites it)")
+    return results
+
+
+def results_problem(results) -> str | None:
+    """Why a parsed results file is not one eval.py wrote (None if it is)."""
+    if not isinstance(results, dict):
+        return "not a JSON object"
+    section = results.get("perplexity", {"rows": []})
+    rows = section.get("rows") if isinstance(section, dict) else None
+    # the fields that merging, the plot and wandb read
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("length"), int)
+                                             and all(k in r for k in ("multiple", "loss", "ppl")) for r in rows):
+        return "its perplexity section has no list of rows with length, multiple, loss and ppl"
+    if not isinstance(results.get("tasks", {}), dict):
+        return "its tasks section is not an object"
+    return None
+
+
+def merge_perplexity(section: dict | None, rows: list[dict], data_dir: str, split: str, train_len: int) -> dict:
+    """The results file's perplexity section with `rows` of (data_dir, split) merged in.
+
+    Every row names its data and split; there is one row per (data, split, length): a length scored
+    again replaces its row, every other row is kept. Rows of files written before rows named their
+    data take the section's data and split.
+    """
+    section = section or {}
+    merged = {}
+    for row in section.get("rows", []):
+        row = {"data": section.get("data"), "split": section.get("split"), **row}
+        merged[(str(row["data"]), str(row["split"]), row["length"])] = row
+    for row in rows:
+        merged[(data_dir, split, row["length"])] = {"data": data_dir, "split": split, **row}
+    return {"train_len": train_len, "rows": [merged[key] for key in sorted(merged)]}
+
+
+def write_results(run: storage.RunDir, name: str, section: str, merge: Callable[[object], object]) -> object:
+    """Replace one section of the run's JSON results file `name` by merge(its current value or None),
+    keeping the other sections; the file is re-read first and replaced at once. Returns the new section."""
+    results = read_results(run, name)
+    results[section] = merge(results.get(section))
     results["updated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     run.write_text(name, json.dumps(results, indent=2) + "\n")
+    return results[section]
 
 
 def log_wandb(cfg, run: storage.RunDir, step: int, table: list[dict] | None, tasks: dict | None,
@@ -501,6 +551,7 @@ def main(argv=None) -> int:
     if not run.remote:
         (pathlib.Path(run.location) / "eval").mkdir(exist_ok=True)
     results_name = f"eval/step{step}.json"
+    read_results(run, results_name)  # a file eval.py cannot add to stops the run before any work
     print(f"{run_dir} step {step}: {model_cfg.N} layers, d={model_cfg.embedding_dim}, "
           f"{'ALiBi' if model_cfg.alibi_attn else 'learned positions'}, trained at context {train_len}; "
           f"{jax.devices()[0].platform} x{jax.device_count()}", file=sys.stderr)
@@ -508,17 +559,24 @@ def main(argv=None) -> int:
     table, png = None, None
     if lengths:
         t0 = time.perf_counter()
-        table = perplexity_table(make_scorer(model), data_dir, lengths, train_len, split=args.split,
-                                 batch_tokens=args.batch_tokens, max_tokens=args.max_tokens)
+        measured = perplexity_table(make_scorer(model), data_dir, lengths, train_len, split=args.split,
+                                    batch_tokens=args.batch_tokens, max_tokens=args.max_tokens)
         print(f"\nperplexity of {data_dir} split {args.split!r} ({time.perf_counter() - t0:.1f}s)")
         print(f"{'length':>8} {'x train':>8} {'tokens':>11} {'loss':>8} {'ppl':>10}")
-        for r in table:
+        for r in measured:
             print(f"{r['length']:>8} {r['multiple']:>8.2f} {r['tokens']:>11,} {r['loss']:>8.4f} {r['ppl']:>10.3f}")
-        write_results(run, results_name, "perplexity", {"data": data_dir, "split": args.split,
-                                                        "train_len": train_len, "rows": table})
+        saved = write_results(run, results_name, "perplexity",
+                              lambda section: merge_perplexity(section, measured, data_dir, args.split, train_len))
+        # the plot and wandb show every length scored on this data and split, earlier runs' included
+        table = [r for r in saved["rows"] if (r["data"], r["split"]) == (data_dir, args.split)]
+        kept = [str(r["length"]) for r in table if r["length"] not in lengths]
+        others = len(saved["rows"]) - len(table)
         png = plot_perplexity(table, train_len, f"{run.name} step {step}")
         run.write_bytes(f"eval/step{step}-perplexity.png", png)
-        print(f"-> {run.show(results_name)}, {run.show(f'eval/step{step}-perplexity.png')}")
+        print(f"-> {run.show(results_name)}: lengths {', '.join(map(str, lengths))} written"
+              + (f"; {', '.join(kept)} kept from earlier runs" if kept else "")
+              + (f"; {others} rows of other data or splits kept" if others else ""))
+        print(f"-> {run.show(f'eval/step{step}-perplexity.png')}")
 
     tasks = None
     if task_names:
@@ -530,8 +588,10 @@ def main(argv=None) -> int:
         print(f"\nzero-shot results ({time.perf_counter() - t0:.1f}s)")
         for column, value in task_table(tasks):
             print(f"{column:<32} {value:>10.4f}")
-        write_results(run, results_name, "tasks", tasks)
-        print(f"-> {run.show(results_name)}")
+        saved = write_results(run, results_name, "tasks", lambda section: {**(section or {}), **tasks})
+        kept = sorted(set(saved) - set(tasks))
+        print(f"-> {run.show(results_name)}: {', '.join(sorted(tasks))} written"
+              + (f"; {', '.join(kept)} kept from earlier runs" if kept else ""))
 
     if cfg.wandb.mode != "disabled" and os.environ.get("WANDB_MODE") != "disabled":
         log_wandb(cfg, run, step, table, tasks, png)

@@ -8,6 +8,7 @@ harness's metric definitions written out, and sample.py's generation.
 import json
 import pathlib
 import random
+import shutil
 import sys
 
 import jax
@@ -357,6 +358,57 @@ def test_cli_writes_table_json_and_plot(run, capsys):
     out = capsys.readouterr().out
     for r in saved["rows"]:
         assert f"{r['ppl']:.3f}" in out
+
+
+def test_results_of_several_runs_merge_by_length(run, corpus, tmp_path, capsys):  # noqa: F811
+    """A second evaluation of a step adds to eval/stepN.json: a length scored again replaces its row,
+    every other row (other lengths, another split), the tasks and anything else in the file are kept."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(run, run_dir)
+    results, plot = run_dir / "eval" / "step40.json", run_dir / "eval" / "step40-perplexity.png"
+    data_dir = str(pathlib.Path(corpus).resolve())
+    earlier_row = {"length": 48, "multiple": 1.5, "tokens": 96, "windows": 2, "loss": 3.0, "ppl": 20.0855}
+    results.parent.mkdir(exist_ok=True)
+    results.write_text(json.dumps({"perplexity": {"data": data_dir, "split": "val", "train_len": 32,
+                                                  "rows": [earlier_row]},
+                                   "tasks": {"tiny_mc": {"acc": 0.5, "samples": 12}}, "note": "mine"}))
+
+    def evaluate(*argv):
+        capsys.readouterr()
+        assert E.cli(["--checkpoint", str(run_dir), "--batch-tokens", "256", *argv]) == 0
+        saved = json.loads(results.read_text())
+        rows = {(r["split"], r["length"]): r for r in saved["perplexity"]["rows"]}
+        assert all(r["data"] == data_dir for r in rows.values())
+        assert saved["tasks"] == {"tiny_mc": {"acc": 0.5, "samples": 12}} and saved["note"] == "mine"
+        return rows, capsys.readouterr().out
+
+    rows, out = evaluate("--lengths", "32,64", "--max-tokens", "320")
+    assert sorted(rows) == [("val", 32), ("val", 48), ("val", 64)]
+    assert rows["val", 48] == {"data": data_dir, "split": "val", **earlier_row}
+    assert rows["val", 64]["tokens"] == 320
+    assert f"-> {results}: lengths 32, 64 written; 48 kept from earlier runs" in out
+    assert f"-> {plot}" in out and plot.read_bytes()[:4] == b"\x89PNG"
+    first = rows
+
+    rows, out = evaluate("--lengths", "64,128", "--max-tokens", "640")
+    assert sorted(rows) == [("val", 32), ("val", 48), ("val", 64), ("val", 128)]
+    assert rows["val", 32] == first["val", 32] and rows["val", 48] == first["val", 48]
+    assert rows["val", 64]["tokens"] == 640 and rows["val", 128]["tokens"] == 640  # 64 scored again: replaced
+    assert "lengths 64, 128 written; 32, 48 kept from earlier runs" in out
+
+    rows, out = evaluate("--lengths", "32", "--split", "train", "--max-tokens", "320")
+    assert sorted(rows) == [("train", 32), ("val", 32), ("val", 48), ("val", 64), ("val", 128)]
+    assert rows["val", 32] == first["val", 32] and rows["val", 48] == first["val", 48]
+    assert "lengths 32 written; 4 rows of other data or splits kept" in out
+
+    # a results file eval.py cannot add to stops it with one line, before any work, touching nothing
+    results.write_text("{not json")
+    before = plot.read_bytes()
+    assert E.cli(["--checkpoint", str(run_dir), "--lengths", "32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: {results} is not an eval.py results file: unreadable JSON")
+    assert not any(line.startswith("Traceback") for line in err)
+    assert results.read_text() == "{not json" and plot.read_bytes() == before
 
 
 def test_learned_positions_stop_at_block_size(learned_run, capsys):
