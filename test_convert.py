@@ -304,6 +304,24 @@ def test_round_trip_jax_hf_jax_is_identical(tmp_path, overrides):
         np.testing.assert_array_equal(a, b)
 
 
+def test_exports_that_kept_the_padding_rows_still_load(tmp_path):
+    """Files written with all 384 rows of the padded embedding load as those with the 300 real ones."""
+    m, params = jax_model(alibi_attn=False)
+    ct.export(params, m.config, tmp_path / "pt")
+    ct.export(params, m.config, tmp_path / "hf", fmt="hf")
+    for directory, key in [(tmp_path / "pt", "wte.weight"), (tmp_path / "hf", "transformer.wte.weight")]:
+        tensors = load_file(str(directory / "model.safetensors"))
+        tensors[key] = params["wte"]  # (384, 32)
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    toks = tokens(16)
+    with torch.no_grad():
+        got = ct.GPT.from_pretrained(tmp_path / "pt")(torch.tensor(toks)).numpy()
+    np.testing.assert_allclose(got, np.asarray(m(toks)), atol=TOL, rtol=0)
+    ct.import_hf(tmp_path / "hf", tmp_path / "run")
+    back = ct.read_run(tmp_path / "run")[1]["wte"]
+    np.testing.assert_array_equal(back, np.concatenate([params["wte"][:300], np.zeros((84, 32), np.float32)]))
+
+
 def test_hf_refusals(tmp_path):
     cases = [
         (dict(alibi_attn=True, embed_norm=False), "embed_norm: false"),
