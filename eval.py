@@ -70,8 +70,8 @@ class EvalError(Exception):
 def make_scorer(model: GPT) -> Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
     """score(inputs (B, L), targets (B, L)) -> (log p(target | prefix) (B, L) float32, target is argmax (B, L)).
 
-    Log-probabilities are over the padded vocabulary, as in training's loss and in the exported
-    models. One compilation per (B, L) shape.
+    Log-probabilities are over the real vocabulary (the model gives its padding rows no probability),
+    as in training's loss and in the exported models. One compilation per (B, L) shape.
     """
     graphdef, state = nnx.split(model)
 
