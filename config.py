@@ -17,7 +17,10 @@ Every user mistake (unknown key, wrong type, unknown model size, a missing file)
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pathlib
+import re
+import sys
 import types
 import typing
 
@@ -394,6 +397,31 @@ def load_run_config(run_dir, overrides: typing.Sequence[str] = ()) -> Config:
     return from_dict(raw, sizes=sizes)
 
 
+def checkpoint_problem(error: BaseException) -> str:
+    """Why a checkpoint cannot be restored, in one line of the user's terms (an array's name, a
+    missing file), without the storage library's internals."""
+    chain = []
+    while error is not None and len(chain) < 10:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for e in reversed(chain):  # the innermost cause names the array: Error reading "params.wte/0.0" ...: why
+        match = re.search(r'Error reading "([^"/]+)[^"]*".*?: ([^;]+)', str(e))
+        if match:
+            why = match.group(2).split(" [tensorstore_spec")[0].strip()
+            return f"array {match.group(1)} cannot be read ({why[:160]})"
+    text = (str(chain[0]).splitlines() or [type(chain[0]).__name__])[0]
+    text = re.split(r"\s*See full TensorStore|\s*<bound method", text)[0]
+    return text[:200] or type(chain[0]).__name__
+
+
+def drop_closed_loop_errors(unraisable) -> None:
+    """A sys.unraisablehook for restoring a checkpoint: when one read fails, tensorstore finishes the
+    other parallel reads on orbax's already closed asyncio loop, and each would print an 'Event
+    loop is closed' traceback that buries the one-line error. Drop exactly those."""
+    if not (unraisable.exc_type is RuntimeError and "Event loop is closed" in str(unraisable.exc_value)):
+        sys.__unraisablehook__(unraisable)
+
+
 def checkpoint_steps(run_dir) -> list[int]:
     """The steps of a run directory's saved checkpoints, oldest first ([] when there are none)."""
     from etils import epath  # orbax's own path layer: local, or gs:// as orbax itself reaches it
@@ -423,8 +451,9 @@ def load_run_params(run_dir, step: int | None = None) -> tuple[dict, int]:
         try:
             state = mngr.restore(step, args=ocp.args.StandardRestore())
         except Exception as e:  # a damaged checkpoint
-            reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
-            raise ConfigError(f"checkpoint {step} in {ckpt_dir} cannot be read: {reason}") from None
+            sys.unraisablehook = drop_closed_loop_errors  # the failed read's other reads end on a closed loop
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
+            raise ConfigError(f"checkpoint {step} in {ckpt_dir} cannot be read: {checkpoint_problem(e)}") from None
 
     def numpy_tree(tree):
         if not isinstance(tree, dict):

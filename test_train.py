@@ -217,6 +217,11 @@ def test_no_intact_checkpoint_is_one_error_line(finished_run, tmp_path):
     assert err.startswith("error: checkpoint 8 in") and "cannot be restored" in err and "\n" not in err
     assert "cannot be read" in err and "TensorStore" not in err and "<bound method" not in err
     assert {p: p.read_bytes() for p in broken.rglob("*") if p.is_file()} == before  # nothing changed
+    # eval.py, sample.py and convert_torch.py read checkpoints through config.load_run_params: the same terms
+    with pytest.raises(config.ConfigError) as e:
+        config.load_run_params(broken)
+    assert "cannot be read: array " in str(e.value) and "TensorStore" not in str(e.value)
+    assert "DATA_LOSS" not in str(e.value) and "zarr" not in str(e.value)
 
 
 def test_resume_with_another_model_names_the_keys_and_changes_nothing(finished_run, tmp_path, capsys):
@@ -230,6 +235,14 @@ def test_resume_with_another_model_names_the_keys_and_changes_nothing(finished_r
     err = capsys.readouterr().err
     assert "other shapes: params/blocks/0/" in err and "(32,) there, (64,) here" in err
     # config.yaml (and everything else) as before: nothing is written until a restore succeeds
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    # nor when the checkpoint restores but the run's log cannot be read (a line that is not JSON)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines[:2] + ["{garbage"] + lines[3:]) + "\n")
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert train.cli(["--resume", f"run_dir={run_dir}", "training.steps=9"]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl: line 3 is not JSON" in err and err.count("\n") == 1
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 

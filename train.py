@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import pathlib
-import re
 import signal
 import sys
 import threading
@@ -94,22 +93,6 @@ def load_init_params(run_dir, shardings):
     return jax.device_put(params, shardings)
 
 
-def checkpoint_problem(error: BaseException) -> str:
-    """Why a checkpoint cannot be restored, in one line of the user's terms (an array's name, a
-    missing file), without the storage library's internals."""
-    chain = []
-    while error is not None and len(chain) < 10:
-        chain.append(error)
-        error = error.__cause__ or error.__context__
-    for e in reversed(chain):  # the innermost cause names the array: Error reading "params.wte/0.0" ...: why
-        match = re.search(r'Error reading "([^"/]+)[^"]*".*?: ([^;]+)', str(e))
-        if match:
-            return f"array {match.group(1)} cannot be read ({match.group(2).strip()})"
-    text = (str(chain[0]).splitlines() or [type(chain[0]).__name__])[0]
-    text = re.split(r"\s*See full TensorStore|\s*<bound method", text)[0]
-    return text[:200] or type(chain[0]).__name__
-
-
 def tree_mismatch(saved, abstract_state) -> str | None:
     """How a checkpoint's tree (its metadata) and this run's state differ: keys on one side only and
     arrays of another shape, the first few of each; None when they agree."""
@@ -146,7 +129,7 @@ def restore_newest(mngr, abstract_state, ckpt_dir, say):
             saved = mngr.item_metadata(step)
             saved = getattr(saved, "tree", saved)  # the checkpoint's own description of its arrays
         except Exception as e:
-            damaged.append((step, checkpoint_problem(e)))
+            damaged.append((step, config_lib.checkpoint_problem(e)))
             continue
         if saved is None:
             damaged.append((step, "its description of the arrays (_METADATA) is missing or unreadable"))
@@ -158,7 +141,7 @@ def restore_newest(mngr, abstract_state, ckpt_dir, say):
         try:
             state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
         except Exception as e:  # a damaged checkpoint: a file missing, an array unreadable
-            damaged.append((step, checkpoint_problem(e)))
+            damaged.append((step, config_lib.checkpoint_problem(e)))
             continue
         if damaged:
             aside = epath.Path(ckpt_dir).parent / "checkpoints-damaged"
@@ -195,14 +178,6 @@ def parse_args(argv):
 
     parser.error = error
     return parser.parse_args(argv)
-
-
-def drop_closed_loop_errors(unraisable) -> None:
-    """A sys.unraisablehook for restoring a checkpoint: when one read fails, tensorstore finishes the
-    other parallel reads on orbax's already closed asyncio loop, and each would print an 'Event
-    loop is closed' traceback that buries the one-line error. Drop exactly those."""
-    if not (unraisable.exc_type is RuntimeError and "Event loop is closed" in str(unraisable.exc_value)):
-        sys.__unraisablehook__(unraisable)
 
 
 def main(argv=None) -> int:
@@ -419,7 +394,7 @@ def run(argv, stop: dict) -> int:
     )
     last_ckpt = mngr.latest_step()
     if args.resume and last_ckpt is not None:
-        default_hook, sys.unraisablehook = sys.unraisablehook, drop_closed_loop_errors
+        default_hook, sys.unraisablehook = sys.unraisablehook, config_lib.drop_closed_loop_errors
         try:
             state, last_ckpt = restore_newest(mngr, abstract_state, ckpt_dir, say)
             sys.unraisablehook = default_hook
@@ -428,8 +403,6 @@ def run(argv, stop: dict) -> int:
             mngr.close()
             raise
         start_step = int(state["step"])
-        if is_main:  # restored: now the effective config (with this command's overrides) is the run's
-            config_lib.save_run_config(cfg, run_dir)
         if start_step >= t.steps:
             mngr.close()
             say(f"{run_dir} is already trained to step {start_step}; to train further: "
@@ -438,8 +411,6 @@ def run(argv, stop: dict) -> int:
     else:
         if args.resume:  # the run stopped before its first checkpoint: it starts again, as configured
             say(f"no checkpoint in {ckpt_dir} yet: the run starts from step 0 with its saved config")
-            if is_main:
-                config_lib.save_run_config(cfg, run_dir)
         state = jax.jit(init_state, out_shardings=state_sharding)(init_key, train_key)
         if t.init_from:  # fine-tuning: the optimizer state (zero moments) and step stay fresh
             state["params"] = load_init_params(t.init_from, state_sharding["params"])
@@ -458,6 +429,8 @@ def run(argv, stop: dict) -> int:
             say(f"{run_dir.show('metrics.jsonl')}: its last line was cut off (a stop during its write); dropped it")
         if metrics_file.rows:
             clock = float(metrics_file.rows[-1].get("time_s", 0.0))
+        if args.resume:  # restored and its log read: the effective config (with this command's overrides) is the run's
+            config_lib.save_run_config(cfg, run_dir)
     wandb_run = None
     if is_main and cfg.wandb.mode != "disabled":
         import wandb
