@@ -79,7 +79,8 @@ CHUNK_BYTES = 1 << 20  # text per encode_batch call: large enough to amortise, s
 # ---------------------------------------------------------------------------------------------
 # Tokenizer: a given tokenizer.json, or a byte-level BPE trained on the train documents.
 
-def _train_tokenizer(docs: Iterator[str], vocab_size: int):
+def train_tokenizer(docs: Iterator[str], vocab_size: int):
+    """A byte-level BPE of vocab_size (EOT_TOKEN its one special token) trained on the documents."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # exact round trip
@@ -90,7 +91,8 @@ def _train_tokenizer(docs: Iterator[str], vocab_size: int):
     return tokenizer
 
 
-def _load_tokenizer_file(path: str | os.PathLike):
+def load_tokenizer_file(path: str | os.PathLike):
+    """A tokenizers Tokenizer from tokenizer.json; a missing or malformed file is a DataError."""
     from tokenizers import Tokenizer
     try:
         return Tokenizer.from_file(str(path))
@@ -99,24 +101,27 @@ def _load_tokenizer_file(path: str | os.PathLike):
         raise DataError(f"cannot load tokenizer {path}: {reason}")
 
 
-def _eot_id(tokenizer) -> int | None:
+def eot_id_of(tokenizer) -> int | None:
+    """The id of the tokenizer's end-of-text token (the first of EOT_CANDIDATES it has), or None."""
     vocab = tokenizer.get_vocab()
     return next((vocab[t] for t in EOT_CANDIDATES if t in vocab), None)
 
 
-def _sha256(path: pathlib.Path) -> str:
+def file_sha256(path: pathlib.Path) -> str:
+    """The hex sha256 of a file's bytes, as index.json records it."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _dtype_for(vocab_size: int) -> str:
+def dtype_for(vocab_size: int) -> str:
+    """The smallest shard dtype that holds every id of the vocabulary."""
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
 # ---------------------------------------------------------------------------------------------
 # Preparation
 
-class _ShardWriter:
+class ShardWriter:
     """Appends tokens of one split to fixed-size shards, counting the documents that end in each.
 
     Shards are numbered from `first_shard` (0 for a whole split; data_beam.py writes one shard a task)."""
@@ -159,16 +164,16 @@ class _ShardWriter:
             self.shards[-1]["sha256"] = self.hash.hexdigest()  # checked when a remote copy is fetched
 
     def summary(self) -> dict:
-        return _split_summary(self.shards, self.counts, self.bytes)
+        return split_summary(self.shards, self.counts, self.bytes)
 
 
-def _split_summary(shards: list[dict], counts: np.ndarray, nbytes: int) -> dict:
+def split_summary(shards: list[dict], counts: np.ndarray, nbytes: int) -> dict:
     """A split's entry in the index, from its shards in order and its token frequencies."""
     return {"tokens": int(counts.sum()), "documents": sum(s["documents"] for s in shards), "bytes": nbytes,
             "unigram_entropy": _entropy(counts), "shards": shards}
 
 
-def _swap_into_place(tmp: pathlib.Path, out: pathlib.Path) -> None:
+def swap_into_place(tmp: pathlib.Path, out: pathlib.Path) -> None:
     """Rename the finished directory tmp to out; with --overwrite the old out goes only once tmp is complete."""
     if out.exists():
         old = out.parent / f"{out.name}.tmp-{os.getpid()}-old"
@@ -188,7 +193,7 @@ def _entropy(counts: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def _encode(tokenizer, texts: list[str], eot: int, vocab_size: int, dtype: str):
+def encode_texts(tokenizer, texts: list[str], eot: int, vocab_size: int, dtype: str):
     """One chunk of documents to (ids with an end-of-text after each document, document ends, bytes)."""
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets: faster
     flat: list[int] = []
@@ -211,7 +216,7 @@ def _empty(sources: list, tally: corpus.Tally) -> str:
         (", ..." if len(sources) > 1 else "")
 
 
-def _clean_leftovers(out: pathlib.Path) -> None:
+def clean_leftovers(out: pathlib.Path) -> None:
     """Removes DIR.tmp-<pid> directories of earlier runs that are no longer running."""
     for tmp in out.parent.glob(glob.escape(out.name) + ".tmp-*"):
         pid = tmp.name[len(out.name) + len(".tmp-"):].split("-")[0]
@@ -250,7 +255,7 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
             raise DataError(f"--runner beam needs apache-beam ({e}); pip install apache-beam")
     workers = max(1, workers or os.cpu_count() or 1)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _clean_leftovers(out)
+    clean_leftovers(out)
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -261,7 +266,7 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
         """Tokenizer and shards into tmp, documents split by is_val: ({vocab_size, eot_id, dtype}, splits, tally)."""
         tok = _obtain_tokenizer(sources, tmp, tokenizer, vocab_size, is_val, text_field, strict, workers, bars)
         vocab = max(tok.get_vocab().values()) + 1
-        options = dict(eot=_eot_id(tok), vocab_size=vocab, dtype=_dtype_for(vocab), is_val=is_val,
+        options = dict(eot=eot_id_of(tok), vocab_size=vocab, dtype=dtype_for(vocab), is_val=is_val,
                        shard_tokens=shard_tokens, text_field=text_field, strict=strict)
         if runner == "beam":
             splits, tally = data_beam.tokenize(sources, tmp, tok, options=beam_options or [], **options)
@@ -284,7 +289,7 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
         index = {
             "format_version": FORMAT_VERSION,
             "tokenizer": "tokenizer.json",
-            "tokenizer_sha256": _sha256(tmp / "tokenizer.json"),
+            "tokenizer_sha256": file_sha256(tmp / "tokenizer.json"),
             **vocab_fields,  # vocab_size, eot_id, dtype
             "tokens": tokens,
             "documents": sum(s["documents"] for s in splits.values()),
@@ -296,7 +301,7 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
             "inputs": description, "splits": splits,
         }
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
-        _swap_into_place(tmp, out)
+        swap_into_place(tmp, out)
         return index
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -312,8 +317,8 @@ def _obtain_tokenizer(sources, tmp: pathlib.Path, tokenizer, vocab_size, is_val,
     documents; either way saved as tmp/tokenizer.json. Both runners get theirs here."""
     from tqdm import tqdm
     if tokenizer is not None:
-        tok = _load_tokenizer_file(tokenizer)
-        if _eot_id(tok) is None:
+        tok = load_tokenizer_file(tokenizer)
+        if eot_id_of(tok) is None:
             tok.add_special_tokens([EOT_TOKEN])
             tok.save(str(tmp / "tokenizer.json"))
         else:
@@ -331,7 +336,7 @@ def _obtain_tokenizer(sources, tmp: pathlib.Path, tokenizer, vocab_size, is_val,
                 bar.update(reader.files - bar.n)
                 if not is_val(key):  # held-out text stays unseen by the tokenizer too
                     yield text
-        tok = _train_tokenizer(train_docs(), vocab_size)
+        tok = train_tokenizer(train_docs(), vocab_size)
     if not seen:
         raise DataError(_empty(sources, reader.tally))
     tok.save(str(tmp / "tokenizer.json"))
@@ -343,7 +348,7 @@ def _tokenize_local(sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, 
     """The in-process runner: documents in input order, encoded by a thread pool, written in order.
     Returns ({split: summary}, what the reading came to)."""
     from tqdm import tqdm
-    writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens, vocab_size) for s in ("train", "val")}
+    writers = {s: ShardWriter(tmp, s, dtype, shard_tokens, vocab_size) for s in ("train", "val")}
     # chunks of documents go to `workers` threads (encode_batch releases the GIL), each encoding
     # single-threaded; results are written in order, at most 2 * workers chunks in flight
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -373,12 +378,12 @@ def _tokenize_local(sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, 
                 texts.append(text)
                 chunks[split] = (texts, size + len(text))
                 if size + len(text) >= CHUNK_BYTES:
-                    pending.append((split, pool.submit(_encode, tok, texts, eot, vocab_size, dtype)))
+                    pending.append((split, pool.submit(encode_texts, tok, texts, eot, vocab_size, dtype)))
                     chunks[split] = ([], 0)
                     drain(2 * workers)
             for split, (texts, _) in chunks.items():
                 if texts:
-                    pending.append((split, pool.submit(_encode, tok, texts, eot, vocab_size, dtype)))
+                    pending.append((split, pool.submit(encode_texts, tok, texts, eot, vocab_size, dtype)))
             drain(0)
         except BaseException:  # stop at once: chunks not yet started are dropped
             for _, future in pending:
@@ -498,7 +503,7 @@ def load_index(data_dir) -> dict:
     tokenizer = data_dir / files[0].file
     if not tokenizer.is_file():
         raise DataError(f"{data_dir / 'index.json'}: tokenizer {tokenizer} is missing")
-    if _sha256(tokenizer) != files[0].sha256:
+    if file_sha256(tokenizer) != files[0].sha256:
         raise DataError(f"{data_dir / 'index.json'}: {tokenizer} does not match the recorded sha256; re-run data.py")
     for entry in files[1:]:
         problem = _size_problem(data_dir / entry.file, entry)
@@ -521,7 +526,7 @@ def verify(data_dir) -> tuple[list[str], str]:
         else:
             problem = None if path.is_file() else f"{path}: missing"
         if problem is None and entry.sha256 is not None:
-            digest = _sha256(path)
+            digest = file_sha256(path)
             if digest != entry.sha256:
                 problem = f"{path}: sha256 {digest[:16]}..., index.json records {entry.sha256[:16]}...: changed"
         elif problem is None:
@@ -556,7 +561,7 @@ def _id_problem(path: pathlib.Path, index: dict) -> str | None:
 
 def load_tokenizer(data_dir):
     """The tokenizer of a prepared data directory (for decoding samples)."""
-    return _load_tokenizer_file(storage.local_data_dir(data_dir) / load_index(data_dir)["tokenizer"])
+    return load_tokenizer_file(storage.local_data_dir(data_dir) / load_index(data_dir)["tokenizer"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,12 +12,12 @@ rename into place. The pipeline in between does the heavy part:
     sources (input order) ─Reshuffle─▶ tokenize one source ─▶ DIR.tmp-<pid>/pieces/<source>.<split>.{bin,ends}
         │ all pieces' token counts (one small list)
         ▼ plan: shard j of a split = stream[j*S : (j+1)*S], S = --shard-tokens, as (piece, start, stop) ranges
-    ─Reshuffle─▶ write shard j with data._ShardWriter ─▶ DIR.tmp-<pid>/<split>_<j>.bin
+    ─Reshuffle─▶ write shard j with data.ShardWriter ─▶ DIR.tmp-<pid>/<split>_<j>.bin
         │ shard entries, token frequencies summed per split
         ▼ DIR.tmp-<pid>/beam_manifest.json, written once every shard is complete
 
 What is guaranteed: the same tokenizer, documents (corpus.Reader on each source), split decision
-(the same is_val), encoding (data._encode) and shard writer as the default runner, and a split's
+(the same is_val), encoding (data.encode_texts) and shard writer as the default runner, and a split's
 stream ordered by input order (sources as corpus.expand lists them, records in file order). So each
 split's token stream, its shard files (same boundaries, every --shard-tokens tokens) and every index
 field are the same as the default runner's, byte for byte; only the Beam runner's work is spread over
@@ -82,7 +82,7 @@ def _tokenize_source(item: tuple[int, tuple], tmp: pathlib.Path, tok, eot: int, 
     little = np.dtype(dtype).newbyteorder("<")
 
     def flush(split: str, texts: list[str]) -> None:
-        ids, ends, nbytes = data._encode(tok, texts, eot, vocab_size, dtype)
+        ids, ends, nbytes = data.encode_texts(tok, texts, eot, vocab_size, dtype)
         if split not in files:
             files[split] = [open(_piece(tmp, number, split, f"{s}.{tag}"), "wb") for s in ("bin", "ends")]
         files[split][0].write(ids.astype(little).tobytes())
@@ -162,12 +162,12 @@ def plan_shards(results: list[dict], shard_tokens: int):
 # Step 3: one shard, written by the default runner's shard writer
 
 def _write_shard(task, tmp: pathlib.Path, dtype: str, shard_tokens: int, vocab_size: int):
-    """Copies a shard's piece ranges through data._ShardWriter; returns (split, j, shard entry, frequencies)."""
+    """Copies a shard's piece ranges through data.ShardWriter; returns (split, j, shard entry, frequencies)."""
     split, j, ranges = task
     little = np.dtype(dtype).newbyteorder("<")
     part = tmp / f"{split}_{j:05d}.{uuid.uuid4().hex}"  # written apart, then renamed into place
     part.mkdir()
-    writer = data._ShardWriter(part, split, dtype, shard_tokens, vocab_size, first_shard=j)
+    writer = data.ShardWriter(part, split, dtype, shard_tokens, vocab_size, first_shard=j)
     for source, start, stop in ranges:
         tokens = np.fromfile(_piece(tmp, source, split, "bin"), little, count=stop - start,
                              offset=start * little.itemsize)
@@ -266,7 +266,7 @@ def tokenize(sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, is_val,
             if shard["file"] != f"{split}_{j:05d}.bin" or size != shard["tokens"] * itemsize:
                 raise DataError(f"beam pipeline left shard {shard['file']} incomplete ({size} bytes)")
         counts = np.asarray(manifest["counts"].get(split, np.zeros(vocab_size, np.int64)), np.int64)
-        splits[split] = data._split_summary(shards, counts, sum(p["bytes"] for p in pieces))
+        splits[split] = data.split_summary(shards, counts, sum(p["bytes"] for p in pieces))
         if (splits[split]["tokens"], splits[split]["documents"]) != \
                 (sum(p["tokens"] for p in pieces), sum(p["documents"] for p in pieces)):
             raise DataError(f"beam pipeline: the {split} shards do not hold every tokenized document")

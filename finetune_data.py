@@ -114,22 +114,22 @@ def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in
     summary}, tally)."""
     from tqdm import tqdm
     if tokenizer is not None:
-        tok = data._load_tokenizer_file(_tokenizer_path(tokenizer))
-        if data._eot_id(tok) is None:
+        tok = data.load_tokenizer_file(_tokenizer_path(tokenizer))
+        if data.eot_id_of(tok) is None:
             tok.add_special_tokens([data.EOT_TOKEN])
     else:
         if vocab_size < 258:
             raise DataError(f"vocab size must be at least 258 for a byte-level BPE, got {vocab_size}")
         texts = (text for name, p, c in _records(sources, in_field, out_field, corpus.Tally()) if not is_val(name)
                  for text in (p, c))
-        tok = data._train_tokenizer(texts, vocab_size)
+        tok = data.train_tokenizer(texts, vocab_size)
     tok.save(str(tmp / "tokenizer.json"))
-    eot = data._eot_id(tok)
+    eot = data.eot_id_of(tok)
     vocab = max(tok.get_vocab().values()) + 1
-    dtype = data._dtype_for(vocab)
+    dtype = data.dtype_for(vocab)
     counts = {s: {"skipped": 0, "truncated": 0} for s in ("train", "val")}
-    writers = {s: (data._ShardWriter(tmp, s, dtype, shard_tokens, vocab),
-                   data._ShardWriter(tmp, f"{s}_mask", "uint8", shard_tokens, 3)) for s in ("train", "val")}
+    writers = {s: (data.ShardWriter(tmp, s, dtype, shard_tokens, vocab),
+                   data.ShardWriter(tmp, f"{s}_mask", "uint8", shard_tokens, 3)) for s in ("train", "val")}
     chunks = {s: ([], []) for s in ("train", "val")}
 
     def flush(split):
@@ -189,7 +189,7 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
         if out.resolve() in pathlib.Path(location).resolve().parents:
             raise DataError(f"input {location} lies inside the output directory {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    data._clean_leftovers(out)
+    data.clean_leftovers(out)
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -212,7 +212,7 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
                             f"{splits['train']['skipped']} too long for seq_len {seq_len})")
         index = {
             "format_version": data.FORMAT_VERSION, "kind": KIND,
-            "tokenizer": "tokenizer.json", "tokenizer_sha256": data._sha256(tmp / "tokenizer.json"),
+            "tokenizer": "tokenizer.json", "tokenizer_sha256": data.file_sha256(tmp / "tokenizer.json"),
             **vocab_fields, "seq_len": seq_len,
             "in_field": in_field, "out_field": out_field,
             "tokens": total, "documents": sum(s["documents"] for s in splits.values()),
@@ -226,7 +226,7 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
             "inputs": inputs, "splits": splits,
         }
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
-        data._swap_into_place(tmp, out)
+        data.swap_into_place(tmp, out)
         return index
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

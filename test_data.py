@@ -401,7 +401,7 @@ def test_token_id_that_does_not_fit_the_dtype(tmp_path, monkeypatch):
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(tmp_path / "tok.json"))
     (tmp_path / "a.txt").write_text("big big small")
-    monkeypatch.setattr(data, "_dtype_for", lambda vocab_size: "uint16")  # as if the dtype were chosen wrongly
+    monkeypatch.setattr(data, "dtype_for", lambda vocab_size: "uint16")  # as if the dtype were chosen wrongly
     with pytest.raises(data.DataError, match="token id 70000 does not fit.*uint16"):
         prep([tmp_path / "a.txt"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"))
     assert not (tmp_path / "out").exists()
@@ -480,14 +480,14 @@ def test_existing_directory_needs_overwrite_and_inputs_are_never_touched(tmp_pat
 
 def test_interrupted_prepare_leaves_nothing_and_a_rerun_completes(tmp_path, monkeypatch):
     write_text_files(tmp_path / "c", make_docs(30, seed=6))
-    real_write, calls = data._ShardWriter.write, []
+    real_write, calls = data.ShardWriter.write, []
 
     def failing_write(self, tokens, ends):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt  # as if the user pressed Ctrl-C midway
         real_write(self, tokens, ends)
-    monkeypatch.setattr(data._ShardWriter, "write", failing_write)
+    monkeypatch.setattr(data.ShardWriter, "write", failing_write)
     monkeypatch.setattr(data, "CHUNK_BYTES", 500)  # many chunks, so the failure lands midway
     with pytest.raises(KeyboardInterrupt):
         prep([tmp_path / "c"], tmp_path / "out", shard_tokens=100)
