@@ -245,18 +245,6 @@ class Reader:
         self.sources, self.text_field, self.strict = sources, text_field, strict
         self.tally = Tally()
 
-    @property
-    def files(self) -> int:
-        return self.tally.files
-
-    @property
-    def skipped_files(self) -> int:
-        return self.tally.skipped_files
-
-    @property
-    def skipped_records(self) -> int:
-        return self.tally.skipped_records
-
     def _skip(self, where: str, reason: str, record: bool = False) -> None:
         if self.strict:
             raise DataError(f"{where}: {reason} (drop --strict to skip it)")

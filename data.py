@@ -333,7 +333,7 @@ def _obtain_tokenizer(sources, tmp: pathlib.Path, tokenizer, vocab_size, is_val,
             nonlocal seen
             for key, text in reader:
                 seen += 1
-                bar.update(reader.files - bar.n)
+                bar.update(reader.tally.files - bar.n)
                 if not is_val(key):  # held-out text stays unseen by the tokenizer too
                     yield text
         tok = train_tokenizer(train_docs(), vocab_size)
@@ -366,7 +366,7 @@ def _tokenize_local(sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, 
                 writers[split].bytes += nbytes
                 done_bytes += nbytes
                 tokens = sum(int(w.counts.sum()) for w in writers.values())
-                bar.update(reader.files - bar.n)
+                bar.update(reader.tally.files - bar.n)
                 bar.set_postfix_str(f"{tokens / 1e6:.1f}M tokens, "
                                     f"{done_bytes / 1e6 / (time.perf_counter() - start):.1f} MB/s")
 

@@ -43,7 +43,7 @@ def test_reader_names_records_by_line_and_counts_what_it_skips(tmp_path):
     # line numbers count blank lines; null and empty records yield nothing and are not counted as skipped
     assert list(reader) == [("r.jsonl:1", "first"), ("r.jsonl:4", "fourth"), ("r.jsonl:8", "eighth"),
                             ("t.txt", "a whole file")]
-    assert (reader.files, reader.skipped_files, reader.skipped_records) == (3, 1, 2)
+    assert (reader.tally.files, reader.tally.skipped_files, reader.tally.skipped_records) == (3, 1, 2)
     with pytest.raises(corpus.DataError, match=r"r\.jsonl:5: .*drop --strict"):
         list(corpus.Reader(corpus.expand([str(tmp_path)]), "text", strict=True))
 
