@@ -522,10 +522,8 @@ def _check_out(out, source, overwrite: bool) -> None:
                            f"(nothing was written or deleted)")
 
 
-def _prepare_out(out: pathlib.Path, overwrite: bool, source=None) -> pathlib.Path:
-    """A fresh temporary directory beside `out`, moved into place by _finish_out. `source`: the
-    directory read from, which `out` must not overlap (_check_out)."""
-    _check_out(out, source, overwrite)
+def _prepare_out(out: pathlib.Path, overwrite: bool) -> pathlib.Path:
+    """A fresh temporary directory beside `out`, moved into place by _finish_out."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise ConvertError(f"{out} already exists; choose another --out or pass --overwrite")
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -552,9 +550,10 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
     layout = "torch" if fmt == "torch" else hf_format(c) if fmt == "hf" else None
     if layout is None:
         raise ConvertError(f"--format must be torch or hf, got {fmt!r}")
+    _check_out(out, source, overwrite)
     tensors = to_torch_tensors(params, c, layout)  # before touching `out`: a refusal leaves it alone
     out = pathlib.Path(out)
-    tmp = _prepare_out(out, overwrite, source)
+    tmp = _prepare_out(out, overwrite)
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         tok = pathlib.Path(tokenizer) if tokenizer else None
@@ -602,7 +601,7 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
         tensors[wte_key] = tensors[wte_key][: c.vocab_size]  # an export that kept model.py's padding rows
     params = from_torch_tensors(tensors, c, layout, str(hf_dir))
     gcfg = GPTConfig(**dataclasses.asdict(c))
-    tmp = _prepare_out(out, overwrite, hf_dir)
+    tmp = _prepare_out(out, overwrite)
     try:
         cfg = config_lib.Config(run_dir=str(out), model_name=f"imported-{layout}", model=gcfg)
         config_lib.save_run_config(cfg, tmp)
