@@ -495,9 +495,10 @@ class GPT(nnx.Module):
         """Final LayerNorm and the tied output projection: (B, T, d) -> float32 (B, T, V_padded), with
         PADDED_LOGIT on the padding rows (ids >= vocab_size)."""
         x = self.ln_f(x)
-        logits = tied_logits(x, self.wte[...], DTYPES[self.config.dtype])  # (B, T, V_padded)
-        real = jnp.arange(self.config.padded_vocab_size) < self.config.vocab_size  # (V_padded,)
-        logits = jnp.where(real, logits, PADDED_LOGIT)  # the padding rows never take probability
+        cfg = self.config
+        logits = tied_logits(x, self.wte[...], DTYPES[cfg.dtype])  # (B, T, V_padded)
+        if cfg.padded_vocab_size > cfg.vocab_size:  # the padding rows never take probability
+            logits = jnp.where(jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size, logits, PADDED_LOGIT)
         return logical_constraint(logits, ("batch", "length", "vocab"))  # (B, T, V_padded)
 
     def decode(self, tokens: jax.Array, cache: dict, pos) -> tuple[jax.Array, dict]:
