@@ -38,13 +38,16 @@ import time
 import numpy as np
 
 import data  # imports no tokenizer yet: the library's thread pool starts at the first batch encoding
+import errors
+import loader as loader_lib
+from errors import UserError
 
 ROOT = pathlib.Path(__file__).resolve().parent
 PREP_RATIO_TARGET = 0.8  # of the tokenizers library's own batch encoding
 LOADER_TARGET = 20e6  # tokens/s on one core
 
 
-class BenchError(Exception):
+class BenchError(UserError):
     """A problem with the benchmark's arguments or inputs; str() is one line naming it."""
 
 
@@ -174,7 +177,7 @@ def _loader_throughput(directory: pathlib.Path, shapes: list[tuple[int, int]], s
     try:
         results = {}
         for batch, seq in shapes:
-            loader = data.Loader(directory, "train", seq, batch, seed=0)
+            loader = loader_lib.TextLoader(directory, "train", seq, batch, seed=0)
             for step in range(20):  # warm the page cache and the permutation's per-epoch keys
                 loader.get_batch(step)
             times, step, deadline = [], 0, time.perf_counter() + seconds
@@ -211,7 +214,7 @@ def _calibrated_step(step_ms: float):
 
 
 def _prefetch_wait(directory: pathlib.Path, batch: int, seq: int, step_ms: float, steps: int) -> dict:
-    loader = data.Loader(directory, "train", seq, batch, seed=0)
+    loader = loader_lib.TextLoader(directory, "train", seq, batch, seed=0)
     train_step = _calibrated_step(step_ms)
     batches = loader.iterate(0, prefetch=2)
     waits, step_times = [], []
@@ -314,10 +317,7 @@ def _bench_step(kind: str, args, argv: list[str]) -> int:
     """`train` or `attention`: run bench_train.py's benchmark, print its rows, record it under --out."""
     import bench_train as train_lib
 
-    try:
-        results, rows, summary = (train_lib.run if kind == "train" else train_lib.run_attention)(args)
-    except train_lib.TrainBenchError as e:
-        raise BenchError(str(e)) from None
+    results, rows, summary = (train_lib.run if kind == "train" else train_lib.run_attention)(args)
     _print_rows(rows)
     path = _record(kind, pathlib.Path(args.out), argv, results, summary, TRAIN_LIBRARIES)
     print(f"\n-> {path}, {pathlib.Path(args.out) / 'RESULTS.md'}")
@@ -404,13 +404,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args, argv)
-    except (BenchError, data.DataError, OSError) as e:  # OSError: e.g. an --out that cannot be written
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    except OSError as e:  # e.g. an --out that cannot be written
+        raise BenchError(str(e)) from None
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """main() with user errors as one `error: ...` line on stderr and exit status 2."""
+    return errors.run_cli(main, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

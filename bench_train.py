@@ -4,9 +4,9 @@
                           [--dtype bfloat16] [--remat POLICY] [--attention IMPL] [--steps N]
 
 What is timed, for each framework, on one device and the same batch of B x T random tokens:
-  ours    step.make_train_step, the function train.py jits, jitted the way train.py jits it
-          (state donated, shardings from sharding.py for a one-device mesh): forward, backward,
-          gradient clipping and the AdamW update;
+  ours    the train_step of step.build, the very function train.py runs (state donated,
+          shardings from sharding.py for a one-device mesh): forward, backward, gradient
+          clipping and the AdamW update;
   torch   convert_torch.GPT, the same architecture in PyTorch (scaled_dot_product_attention with
           the ALiBi bias as a float mask), torch.compile by default on a GPU, autocast to the
           compute dtype, clip_grad_norm_ and torch.optim.AdamW (fused on a GPU);
@@ -31,8 +31,10 @@ import time
 
 import numpy as np
 
+from errors import UserError
 
-class TrainBenchError(Exception):
+
+class TrainBenchError(UserError):
     """A bad argument (model name, attention on this backend, shape); str() is one line."""
 
 
@@ -67,7 +69,6 @@ def _throughput(timing: dict, tokens_per_step: int, flops_per_token: float, peak
 
 def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> dict:
     import jax
-    from flax import nnx
 
     import model as model_lib
     import sharding as sharding_lib
@@ -75,22 +76,11 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
 
     device = jax.devices()[0]
     mesh = sharding_lib.make_mesh(1, 1, 1, devices=[device])  # one device: per-device figures
-    t = args.train_config  # the default optimizer settings
-    apply, abstract_vars = step_lib.make_apply(mcfg)
-    tx, _ = step_lib.make_optimizer(t)
-    init_state = step_lib.make_init_state(mcfg, tx)
-    init_key, train_key = jax.random.split(jax.random.key(0))
-    abstract_state = jax.eval_shape(init_state, init_key, train_key)
-    axes = nnx.to_pure_dict(model_lib.param_axes(abstract_vars))
-    state_sharding, grad_sharding, _ = sharding_lib.state_shardings(abstract_state, axes, mesh, 0)
-    batch_sharding = sharding_lib.batch_sharding(mesh)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    train_step = step_lib.make_train_step(apply, tx, 1, grad_sharding, sharding_lib.activation_rules(mesh))
-    train_step = jax.jit(train_step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding),
-                         out_shardings=(state_sharding, replicated))
-    state = jax.jit(init_state, out_shardings=state_sharding)(init_key, train_key)
+    fns = step_lib.build(mcfg, args.train_config, mesh, zero_stage=0)  # what train.py builds, the default optimizer
+    train_step = fns.train_step
+    state = fns.init()
     rows = np.random.default_rng(0).integers(0, mcfg.vocab_size, (batch, seq + 1), dtype=np.int32)
-    tokens = jax.device_put(rows, batch_sharding)
+    tokens = jax.device_put(rows, fns.batch_sharding)
     losses = []
 
     def one_step():

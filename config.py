@@ -1,15 +1,14 @@
-"""Typed configuration: YAML in conf/, dotted overrides, validation, and the config of a run.
+"""Typed configuration: YAML in conf/, dotted overrides, validation.
 
     conf/config.yaml ──yaml.safe_load──> nested dict ──key=value overrides──> Config (dataclasses)
-    Config ──save_run_config──> RUN_DIR/config.yaml (model fully resolved) ──load_run_config──> Config
+    Config ──to_dict──> RUN_DIR/config.yaml (model fully resolved; rundir.Run.save_config, .config)
 
 `model` in a config file is either a named size from conf/model_config.yaml (`model: small`) or a
 mapping `{name: small, <GPTConfig field>: value, ...}` whose fields override the named size. A
 mapping whose name is not a known size must give the architecture itself (vocab_size,
 block_size, embedding_dim, num_head, N), so a typo in a name never falls back to some default.
 The effective config written into a run directory holds every GPTConfig field, so eval, sample
-and convert need nothing but that directory. A run directory may also be a URL (gs://bucket/runs/x):
-storage.RunDir reads and writes its files, orbax its checkpoints.
+and convert need nothing but that directory.
 
 Every user mistake (unknown key, wrong type, unknown model size, a missing file) raises
 `ConfigError` with one line that names the problem and the valid choices.
@@ -17,26 +16,23 @@ Every user mistake (unknown key, wrong type, unknown model size, a missing file)
 from __future__ import annotations
 
 import dataclasses
-import logging
 import pathlib
-import re
-import sys
 import types
 import typing
 
 import yaml
 
-import storage
+import sharding
+from errors import UserError
+from loader import BATCHING
 from model import GPTConfig
 
 CONF_DIR = pathlib.Path(__file__).resolve().parent / "conf"
 DEFAULT_CONFIG = CONF_DIR / "config.yaml"
 MODEL_SIZES = CONF_DIR / "model_config.yaml"
-RUN_CONFIG_NAME = "config.yaml"  # the effective config inside a run directory
-ARCHITECTURE_FIELDS = ("vocab_size", "block_size", "embedding_dim", "num_head", "N")
 
 
-class ConfigError(Exception):
+class ConfigError(UserError):
     """A user-caused configuration problem; str(e) is one line."""
 
 
@@ -112,7 +108,6 @@ SECTIONS = {"data": DataConfig, "training": TrainingConfig, "checkpoint": Checkp
             "sharding": ShardingConfig, "wandb": WandbConfig}
 TOP_LEVEL_KEYS = ("run_dir", "seed", "model", *SECTIONS)
 WANDB_MODES = ("disabled", "offline", "online")
-BATCHING = ("packing", "padding")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,12 +204,12 @@ def resolve_model(spec, sizes: dict[str, dict]) -> tuple[str, GPTConfig]:
         name = str(name)  # e.g. `model: {name: 760m}` is a string already; `name: 125` is not
     if name in sizes:
         base = dict(sizes[name])
-    elif all(k in spec for k in ARCHITECTURE_FIELDS):
+    elif all(k in spec for k in GPTConfig.REQUIRED_FIELDS):
         base, name = {}, name or "custom"
     else:
         raise ConfigError(
             f"unknown model size {name!r}; valid sizes: {', '.join(sizes)} "
-            f"(or a mapping that sets {', '.join(ARCHITECTURE_FIELDS)})"
+            f"(or a mapping that sets {', '.join(GPTConfig.REQUIRED_FIELDS)})"
         )
     try:
         model = _build(GPTConfig, {**base, **spec}, "model")
@@ -276,7 +271,7 @@ def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Config from a dict, a file, or a run directory
+# Config from a dict or a file
 
 
 def from_dict(raw: dict, *, sizes: dict[str, dict] | None = None) -> Config:
@@ -316,12 +311,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"training.seq_len must be in 1..model.block_size ({cfg.model.block_size}), got {t.seq_len}")
     if not 0.0 <= t.min_lr <= t.lr:
         raise ConfigError(f"training.min_lr ({t.min_lr}) must be in [0, training.lr ({t.lr})]")
-    sizes = {k: getattr(cfg.sharding, k) for k in ("data", "fsdp", "tensor")}
-    if any(v < 1 and v != -1 for v in sizes.values()) or list(sizes.values()).count(-1) > 1:
-        raise ConfigError(f"sharding.data, sharding.fsdp and sharding.tensor must be positive, at most one of them "
-                          f"-1 (the rest of the devices); got {', '.join(f'{k}={v}' for k, v in sizes.items())}")
-    if cfg.sharding.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"sharding.zero_stage must be 0, 1, 2 or 3, got {cfg.sharding.zero_stage}")
+    try:
+        sharding.check_sizes(cfg.sharding.data, cfg.sharding.fsdp, cfg.sharding.tensor)
+        sharding.check_zero_stage(cfg.sharding.zero_stage)
+    except sharding.ShardingError as e:
+        raise ConfigError(str(e)) from None
     if not 0.0 <= t.fcm_max_ratio < 1.0:
         raise ConfigError(f"training.fcm_max_ratio must be in [0, 1), got {t.fcm_max_ratio}")
     if cfg.data.batching not in BATCHING:
@@ -363,101 +357,3 @@ def to_dict(cfg: Config) -> dict:
         "model": {"name": cfg.model_name, **dataclasses.asdict(cfg.model)},
         **{name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS},
     }
-
-
-def _run(run_dir) -> storage.RunDir:
-    """A run directory, local or at a URL (gs://...); an unreachable store is a ConfigError."""
-    if isinstance(run_dir, storage.RunDir):
-        return run_dir
-    try:
-        return storage.RunDir(run_dir)
-    except storage.StorageError as e:
-        raise ConfigError(str(e)) from None
-
-
-def save_run_config(cfg: Config, run_dir) -> str:
-    """Write RUN_DIR/config.yaml at once (a crash never leaves half a config); returns its name."""
-    run = _run(run_dir)
-    header = "# The effective config of this run (written by train.py); `python train.py --resume` reads it.\n"
-    run.write_text(RUN_CONFIG_NAME, header + yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    return run.show(RUN_CONFIG_NAME)
-
-
-def load_run_config(run_dir, overrides: typing.Sequence[str] = ()) -> Config:
-    """The effective config of a run directory (optionally with overrides), for eval/sample/convert/resume."""
-    run = _run(run_dir)
-    try:
-        if not run.is_file(RUN_CONFIG_NAME):
-            raise ConfigError(f"{run_dir} is not a run directory: {RUN_CONFIG_NAME} not found in it")
-        text = run.read_text(RUN_CONFIG_NAME)
-    except storage.StorageError as e:
-        raise ConfigError(str(e)) from None
-    raw = apply_overrides(parse_yaml(text, run.show(RUN_CONFIG_NAME)), overrides)
-    sizes = load_model_sizes() if MODEL_SIZES.is_file() else {}  # the resolved model needs no table
-    return from_dict(raw, sizes=sizes)
-
-
-def checkpoint_problem(error: BaseException) -> str:
-    """Why a checkpoint cannot be restored, in one line of the user's terms (an array's name, a
-    missing file), without the storage library's internals."""
-    chain = []
-    while error is not None and len(chain) < 10:
-        chain.append(error)
-        error = error.__cause__ or error.__context__
-    for e in reversed(chain):  # the innermost cause names the array: Error reading "params.wte/0.0" ...: why
-        match = re.search(r'Error reading "([^"/]+)[^"]*".*?: ([^;]+)', str(e))
-        if match:
-            why = match.group(2).split(" [tensorstore_spec")[0].strip()
-            return f"array {match.group(1)} cannot be read ({why[:160]})"
-    text = (str(chain[0]).splitlines() or [type(chain[0]).__name__])[0]
-    text = re.split(r"\s*See full TensorStore|\s*<bound method", text)[0]
-    return text[:200] or type(chain[0]).__name__
-
-
-def drop_closed_loop_errors(unraisable) -> None:
-    """A sys.unraisablehook for restoring a checkpoint: when one read fails, tensorstore finishes the
-    other parallel reads on orbax's already closed asyncio loop, and each would print an 'Event
-    loop is closed' traceback that buries the one-line error. Drop exactly those."""
-    if not (unraisable.exc_type is RuntimeError and "Event loop is closed" in str(unraisable.exc_value)):
-        sys.__unraisablehook__(unraisable)
-
-
-def checkpoint_steps(run_dir) -> list[int]:
-    """The steps of a run directory's saved checkpoints, oldest first ([] when there are none)."""
-    from etils import epath  # orbax's own path layer: local, or gs:// as orbax itself reaches it
-
-    ckpt = epath.Path(_run(run_dir).checkpoint_dir())
-    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
-
-
-def load_run_params(run_dir, step: int | None = None) -> tuple[dict, int]:
-    """(params, step) of a run directory's checkpoint, the last one by default.
-
-    params is a pure dict of numpy arrays with integer block indices, as `nnx.to_pure_dict`
-    gives them (orbax hands dict keys back as strings). For init_from, export, eval and sampling.
-    """
-    import numpy as np
-    import orbax.checkpoint as ocp
-
-    ckpt_dir = _run(run_dir).checkpoint_dir()
-    steps = checkpoint_steps(run_dir)
-    if not steps:
-        raise ConfigError(f"no checkpoint in {ckpt_dir}")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise ConfigError(f"no checkpoint for step {step} in {ckpt_dir}; saved steps: {', '.join(map(str, steps))}")
-    with ocp.CheckpointManager(ckpt_dir) as mngr:
-        try:
-            state = mngr.restore(step, args=ocp.args.StandardRestore())
-        except Exception as e:  # a damaged checkpoint
-            sys.unraisablehook = drop_closed_loop_errors  # the failed read's other reads end on a closed loop
-            logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
-            raise ConfigError(f"checkpoint {step} in {ckpt_dir} cannot be read: {checkpoint_problem(e)}") from None
-
-    def numpy_tree(tree):
-        if not isinstance(tree, dict):
-            return np.asarray(tree)
-        return {int(k) if isinstance(k, str) and k.isdigit() else k: numpy_tree(v) for k, v in tree.items()}
-
-    return numpy_tree(state["params"]), step

@@ -57,13 +57,15 @@ WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 TOKENIZER_NAME = "tokenizer.json"
 PADDED_LOGIT = -1e9  # the logit of the embedding's padding rows, as model.PADDED_LOGIT
-EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]")  # as data.py
-# GPTConfig fields that change the parameters or the function they compute
-ARCH_FIELDS = ("vocab_size", "block_size", "embedding_dim", "num_head", "N", "alibi_attn", "bias",
-               "embed_norm", "gelu_approximate", "layer_norm_epsilon")
 
 
-class ConvertError(Exception):
+try:  # in the repository, the project's user-error base class; alone beside an export, not needed
+    from errors import UserError
+except ImportError:
+    UserError = Exception
+
+
+class ConvertError(UserError):
     """A user-caused problem (paths, steps, unsupported layouts, key mismatches); str(e) is one line."""
 
 
@@ -484,29 +486,23 @@ def _torch_load_reason(e: Exception) -> str:
 
 def read_run(run_dir, step: int | None = None):
     """(Config, params pure dict of numpy arrays, step) of a run directory's checkpoint (the last by default)."""
-    import config as config_lib  # brings in JAX: only the converter needs it, not `GPT.from_pretrained`
+    import rundir  # brings in JAX: only the converter needs it, not `GPT.from_pretrained`
 
-    import storage
-
-    if not storage.is_url(run_dir) and not pathlib.Path(run_dir).is_dir():  # a URL: load_run_config checks
-        raise ConvertError(f"run directory {run_dir} not found")
-    try:
-        cfg = config_lib.load_run_config(run_dir)
-        params, step = config_lib.load_run_params(run_dir, step)
-    except config_lib.ConfigError as e:
-        raise ConvertError(str(e)) from None
+    run = rundir.existing(run_dir)
+    cfg = run.config()
+    params, step = run.load_params(step)
     return cfg, params, step
 
 
-def _eot_id(tokenizer_path: pathlib.Path) -> tuple[int | None, str | None]:
+def _eot(tokenizer_path: pathlib.Path) -> tuple[int | None, str | None]:
+    """(id, text) of a tokenizer.json's end-of-text token, (None, None) without one."""
+    import shards
+
     if not tokenizer_path.is_file():
         return None, None
-    vocab = json.loads(tokenizer_path.read_text()).get("model", {}).get("vocab", {})
-    added = {t["content"]: t["id"] for t in json.loads(tokenizer_path.read_text()).get("added_tokens", [])}
-    for t in EOT_CANDIDATES:
-        if t in added or (isinstance(vocab, dict) and t in vocab):
-            return added.get(t, vocab.get(t) if isinstance(vocab, dict) else None), t
-    return None, None
+    tok = shards.load_tokenizer_file(tokenizer_path)
+    eot_id = shards.eot_id_of(tok)
+    return (None, None) if eot_id is None else (eot_id, tok.id_to_token(eot_id))
 
 
 def _check_out(out, source, overwrite: bool) -> None:
@@ -557,7 +553,7 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         tok = pathlib.Path(tokenizer) if tokenizer else None
-        eot_id, eot = _eot_id(tok) if tok else (None, None)
+        eot_id, eot = _eot(tok) if tok else (None, None)
         meta = {"format": "torch"} if layout == "torch" else hf_config(c, layout, eot_id)
         meta["gpt_jax"] = full
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
@@ -580,8 +576,8 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     """A transformers GPT-2 (or BLOOM, or our own hf export) directory -> a run directory with
     config.yaml, tokenizer.json (when the directory has a tokenizer) and a step-0 checkpoint of params."""
     import config as config_lib
-    import jax
-    import orbax.checkpoint as ocp
+    import rundir
+    import shards
     from model import GPTConfig
 
     hf_dir, out = pathlib.Path(hf_dir), pathlib.Path(out)
@@ -603,8 +599,8 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     gcfg = GPTConfig(**dataclasses.asdict(c))
     tmp = _prepare_out(out, overwrite)
     try:
-        cfg = config_lib.Config(run_dir=str(out), model_name=f"imported-{layout}", model=gcfg)
-        config_lib.save_run_config(cfg, tmp)
+        run = rundir.Run(tmp)
+        run.save_config(config_lib.Config(run_dir=str(out), model_name=f"imported-{layout}", model=gcfg))
         if (hf_dir / TOKENIZER_NAME).is_file():
             shutil.copyfile(hf_dir / TOKENIZER_NAME, tmp / TOKENIZER_NAME)
         elif (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
@@ -613,12 +609,9 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
             tok = Tokenizer(models.BPE.from_file(str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt")))
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
             tok.decoder = decoders.ByteLevel()
-            tok.add_special_tokens([t for t in EOT_CANDIDATES[:1] if t in tok.get_vocab()])
+            tok.add_special_tokens([t for t in shards.EOT_CANDIDATES[:1] if t in tok.get_vocab()])
             tok.save(str(tmp / TOKENIZER_NAME))
-        state = {"params": jax.tree.map(np.asarray, params), "step": np.zeros((), np.int32)}
-        with ocp.CheckpointManager((tmp / "checkpoints").resolve()) as mngr:
-            mngr.save(0, args=ocp.args.StandardSave(state), force=True)
-            mngr.wait_until_finished()
+        run.save_params(params, step=0)
         _finish_out(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -677,10 +670,10 @@ def main(argv=None) -> int:
 def cli(argv=None) -> int:
     """main() with user errors as one `error: ...` line on stderr and exit status 2."""
     try:
+        import errors
+    except ImportError:  # this file alone, beside an export: --help works, a conversion needs the repository
         return main(argv)
-    except ConvertError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return errors.run_cli(main, argv)
 
 
 if __name__ == "__main__":

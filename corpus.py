@@ -15,7 +15,7 @@ LISTED of them, with the reason) named, or with strict=True stops preparation. T
 this Python's standard-library sources (`default_corpus_files`), with its own byte-balanced held-out
 set (`default_held_out`).
 
-This module imports nothing of the project; data.py tokenizes what it yields.
+This module imports nothing of the project but errors.py; data.py tokenizes what it yields.
 """
 from __future__ import annotations
 
@@ -31,10 +31,12 @@ import pathlib
 import sysconfig
 from typing import Iterator
 
+from errors import UserError
+
 DEFAULT_VAL_FRACTION = 0.04  # of the stdlib's bytes: about 37 files, 150k tokens held out
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A problem the user can fix (a path, a file, a setting); str() is one line naming it."""
 
 

@@ -12,12 +12,12 @@ rename into place. The pipeline in between does the heavy part:
     sources (input order) ─Reshuffle─▶ tokenize one source ─▶ DIR.tmp-<pid>/pieces/<source>.<split>.{bin,ends}
         │ all pieces' token counts (one small list)
         ▼ plan: shard j of a split = stream[j*S : (j+1)*S], S = --shard-tokens, as (piece, start, stop) ranges
-    ─Reshuffle─▶ write shard j with data.ShardWriter ─▶ DIR.tmp-<pid>/<split>_<j>.bin
+    ─Reshuffle─▶ write shard j with shards.ShardWriter ─▶ DIR.tmp-<pid>/<split>_<j>.bin
         │ shard entries, token frequencies summed per split
         ▼ DIR.tmp-<pid>/beam_manifest.json, written once every shard is complete
 
 What is guaranteed: the same tokenizer, documents (corpus.Reader on each source), split decision
-(the same is_val), encoding (data.encode_texts) and shard writer as the default runner, and a split's
+(the same is_val), encoding (shards.encode_texts) and shard writer as the default runner, and a split's
 stream ordered by input order (sources as corpus.expand lists them, records in file order). So each
 split's token stream, its shard files (same boundaries, every --shard-tokens tokens) and every index
 field are the same as the default runner's, byte for byte; only the Beam runner's work is spread over
@@ -25,8 +25,8 @@ workers, one input file per task (a single huge file is one task).
 
 Workers read the inputs and write into DIR.tmp-<pid>, so --out and the inputs must be on a file
 system that the launcher and every worker see at the same paths (NFS, Filestore, a FUSE mount), and
-the workers must be able to import data.py, corpus.py and this file (e.g. a worker image holding the
-checkout). Files are written under temporary names and renamed when complete, so a retried task
+the workers must be able to import this file, corpus.py, shards.py, storage.py and errors.py (e.g. a
+worker image holding the checkout). Files are written under temporary names and renamed when complete, so a retried task
 never leaves half a file; the launcher writes the index only after checking every shard's size.
 An input error (a corrupt file with --strict, a missing text field) is carried to the launcher as
 data and reported as the one error line; the directory is then removed.
@@ -45,7 +45,7 @@ import uuid
 import numpy as np
 
 import corpus
-import data
+import shards
 from corpus import DataError
 
 _root = logging.getLogger()
@@ -82,7 +82,7 @@ def _tokenize_source(item: tuple[int, tuple], tmp: pathlib.Path, tok, eot: int, 
     little = np.dtype(dtype).newbyteorder("<")
 
     def flush(split: str, texts: list[str]) -> None:
-        ids, ends, nbytes = data.encode_texts(tok, texts, eot, vocab_size, dtype)
+        ids, ends, nbytes = shards.encode_texts(tok, texts, eot, vocab_size, dtype)
         if split not in files:
             files[split] = [open(_piece(tmp, number, split, f"{s}.{tag}"), "wb") for s in ("bin", "ends")]
         files[split][0].write(ids.astype(little).tobytes())
@@ -99,7 +99,7 @@ def _tokenize_source(item: tuple[int, tuple], tmp: pathlib.Path, tok, eot: int, 
             texts, size = chunks[split]
             texts.append(text)
             chunks[split] = (texts, size + len(text))
-            if size + len(text) >= data.CHUNK_BYTES:
+            if size + len(text) >= shards.CHUNK_BYTES:
                 flush(split, texts)
                 chunks[split] = ([], 0)
         for split, (texts, _) in chunks.items():
@@ -161,13 +161,13 @@ def plan_shards(results: list[dict], shard_tokens: int):
 # ---------------------------------------------------------------------------------------------
 # Step 3: one shard, written by the default runner's shard writer
 
-def _write_shard(task, tmp: pathlib.Path, dtype: str, shard_tokens: int, vocab_size: int):
-    """Copies a shard's piece ranges through data.ShardWriter; returns (split, j, shard entry, frequencies)."""
+def write_shard(task, tmp: pathlib.Path, dtype: str, shard_tokens: int, vocab_size: int):
+    """Copies a shard's piece ranges through shards.ShardWriter; returns (split, j, shard entry, frequencies)."""
     split, j, ranges = task
     little = np.dtype(dtype).newbyteorder("<")
     part = tmp / f"{split}_{j:05d}.{uuid.uuid4().hex}"  # written apart, then renamed into place
     part.mkdir()
-    writer = data.ShardWriter(part, split, dtype, shard_tokens, vocab_size, first_shard=j)
+    writer = shards.ShardWriter(part, split, dtype, shard_tokens, vocab_size, first_shard=j)
     for source, start, stop in ranges:
         tokens = np.fromfile(_piece(tmp, source, split, "bin"), little, count=stop - start,
                              offset=start * little.itemsize)
@@ -186,7 +186,7 @@ class _WriteShard(beam.DoFn):
         self.kwargs = kwargs
 
     def process(self, task):
-        yield _write_shard(task, **self.kwargs)
+        yield write_shard(task, **self.kwargs)
 
 
 def _sum_counts(arrays) -> np.ndarray:
@@ -196,9 +196,9 @@ def _sum_counts(arrays) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # Step 4: the manifest, once every shard is written
 
-def _write_manifest(results: list[dict], shards: list, counts: dict, tmp: pathlib.Path) -> None:
+def _write_manifest(results: list[dict], entries: list, counts: dict, tmp: pathlib.Path) -> None:
     manifest = {"sources": sorted(results, key=lambda r: r["source"]),
-                "shards": {s: [entry for _, _, entry in sorted(x for x in shards if x[0] == s)]
+                "shards": {s: [entry for _, _, entry in sorted(x for x in entries if x[0] == s)]
                            for s in ("train", "val")},
                 "counts": {s: np.asarray(c).tolist() for s, c in counts.items()}}
     part = tmp / f"{MANIFEST}.{uuid.uuid4().hex}"
@@ -221,9 +221,9 @@ def build(pipeline, sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, 
                | "SpreadShards" >> beam.Reshuffle()
                | "WriteShards" >> beam.ParDo(_WriteShard(tmp=tmp, dtype=dtype, shard_tokens=shard_tokens,
                                                          vocab_size=vocab_size)))
-    shards = written | "Entries" >> beam.Map(lambda w: w[:3]) | "AllShards" >> beam.combiners.ToList()
+    entries = written | "Entries" >> beam.Map(lambda w: w[:3]) | "AllShards" >> beam.combiners.ToList()
     counts = written | "Frequencies" >> beam.Map(lambda w: (w[0], w[3])) | "PerSplit" >> beam.CombinePerKey(_sum_counts)
-    _ = results | "Manifest" >> beam.Map(_write_manifest, shards=beam.pvalue.AsSingleton(shards),
+    _ = results | "Manifest" >> beam.Map(_write_manifest, entries=beam.pvalue.AsSingleton(entries),
                                          counts=beam.pvalue.AsDict(counts), tmp=tmp)
 
 
@@ -259,14 +259,14 @@ def tokenize(sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, is_val,
         raise DataError(f"beam pipeline read {len(manifest['sources'])} of {len(sources)} inputs")
     splits, itemsize = {}, np.dtype(dtype).itemsize
     for split in ("train", "val"):
-        shards = manifest["shards"][split]
+        files = manifest["shards"][split]
         pieces = [r["pieces"][split] for r in manifest["sources"]]
-        for j, shard in enumerate(shards):  # the index may name only complete shards
+        for j, shard in enumerate(files):  # the index may name only complete shards
             size = (tmp / shard["file"]).stat().st_size if (tmp / shard["file"]).is_file() else None
             if shard["file"] != f"{split}_{j:05d}.bin" or size != shard["tokens"] * itemsize:
                 raise DataError(f"beam pipeline left shard {shard['file']} incomplete ({size} bytes)")
         counts = np.asarray(manifest["counts"].get(split, np.zeros(vocab_size, np.int64)), np.int64)
-        splits[split] = data.split_summary(shards, counts, sum(p["bytes"] for p in pieces))
+        splits[split] = shards.split_summary(files, counts, sum(p["bytes"] for p in pieces))
         if (splits[split]["tokens"], splits[split]["documents"]) != \
                 (sum(p["tokens"] for p in pieces), sum(p["documents"] for p in pieces)):
             raise DataError(f"beam pipeline: the {split} shards do not hold every tokenized document")

@@ -44,10 +44,15 @@ from flax import nnx
 from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
-import config as config_lib
 import data
+import errors
+import loader
+import rundir
 import sample
+import shards
 import storage
+from corpus import DataError
+from errors import UserError
 from model import GPT
 
 DEFAULT_LENGTHS = "1x,2x,4x,8x"
@@ -59,7 +64,7 @@ REFERENCE_COLUMNS = (("lambada_openai", "perplexity", "LAMBADA ppl"), ("lambada_
 MIN_BUCKET = 16  # the shortest padded request length; buckets double from here up to max_length
 
 
-class EvalError(Exception):
+class EvalError(UserError):
     """A user-caused problem with an evaluation request; str(e) is one line."""
 
 
@@ -137,11 +142,11 @@ def perplexity_table(scorer, data_dir, lengths: Sequence[int], train_len: int, *
         rows = max(1, batch_tokens // length)
         max_windows = None if max_tokens is None else max(1, max_tokens // length)
         try:
-            split_tokens = data.load_index(data_dir)["splits"].get(split, {}).get("tokens", 0)
+            split_tokens = shards.load_index(data_dir)["splits"].get(split, {}).get("tokens", 0)
             n_windows = min((split_tokens - 1) // length, max_windows or 1 << 62)  # for the progress bar
-            batches = data.eval_batches(data_dir, split, length, rows, max_windows=max_windows)
+            batches = loader.eval_windows(data_dir, split, length, rows, max_windows=max_windows)
             nll, n = window_loss(scorer, batches, rows, total=n_windows, desc=f"ppl @ {length}" if progress else None)
-        except data.DataError as e:
+        except DataError as e:
             raise EvalError(str(e)) from None
         loss = nll / n
         table.append({"length": length, "multiple": length / train_len, "tokens": n, "windows": n // length,
@@ -197,7 +202,7 @@ class JaxLM(TemplateLM):
         self.model, self.tokenizer, self.eot_id = model, tokenizer, eot_id
         cfg = model.config
         self.max_length = max_length or cfg.block_size
-        if not cfg.alibi_attn and self.max_length > cfg.block_size:
+        if cfg.max_length is not None and self.max_length > cfg.max_length:
             raise EvalError(f"--max-length {self.max_length} exceeds block_size {cfg.block_size} of this "
                             "learned-position model")
         self.batch_tokens, self.max_gen_toks, self.progress = batch_tokens, max_gen_toks, progress
@@ -300,7 +305,7 @@ class JaxLM(TemplateLM):
             new = int(kwargs["max_gen_toks"])
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
             ids = self.tok_encode(context) or [self.eot_id]
-            if not self.model.config.alibi_attn:  # keep room for the new tokens inside block_size
+            if self.model.config.max_length is not None:  # keep room for the new tokens inside block_size
                 if new >= self.max_length:
                     raise EvalError(f"max_gen_toks {new} leaves no room for context in max_length {self.max_length}")
                 ids = ids[-(self.max_length - new):]
@@ -411,13 +416,13 @@ def parse_args(argv):
     return args
 
 
-def run_data_dir(run: storage.RunDir, cfg, override: str | None) -> str:
+def run_data_dir(run: rundir.Run, cfg, override: str | None) -> str:
     """The prepared data to score: --data, else the directory the run trained on, with the run's tokenizer."""
-    recorded = json.loads(run.read_text("data.json")) if run.is_file("data.json") else {}
+    recorded = run.data()
     location = str(override or recorded.get("dir") or cfg.data.dir or data.DEFAULT_DATA_DIR)
     try:
-        index = data.load_index(location)
-    except data.DataError as e:
+        index = shards.load_index(location)
+    except DataError as e:
         raise EvalError(f"{e} (point --data at the run's prepared data)") from None
     if index.get("kind", "text") != "text":
         raise EvalError(f"{location} holds {index['kind']} data, not running text: train.py's validation loss "
@@ -428,7 +433,7 @@ def run_data_dir(run: storage.RunDir, cfg, override: str | None) -> str:
     return location if storage.is_url(location) else str(pathlib.Path(location).resolve())
 
 
-def read_results(run: storage.RunDir, name: str) -> dict:
+def read_results(run: rundir.Run, name: str) -> dict:
     """The run's JSON results file `name` ({} if there is none yet), checked to be one that eval.py can add to."""
     if not run.is_file(name):
         return {}
@@ -476,7 +481,7 @@ def merge_perplexity(section: dict | None, rows: list[dict], data_dir: str, spli
     return {"train_len": train_len, "rows": [merged[key] for key in sorted(merged)]}
 
 
-def write_results(run: storage.RunDir, name: str, section: str, merge: Callable[[object], object]) -> object:
+def write_results(run: rundir.Run, name: str, section: str, merge: Callable[[object], object]) -> object:
     """Replace one section of the run's JSON results file `name` by merge(its current value or None),
     keeping the other sections; the file is re-read first and replaced at once. Returns the new section."""
     results = read_results(run, name)
@@ -486,7 +491,7 @@ def write_results(run: storage.RunDir, name: str, section: str, merge: Callable[
     return results[section]
 
 
-def log_wandb(cfg, run: storage.RunDir, step: int, table: list[dict] | None, tasks: dict | None,
+def log_wandb(cfg, run: rundir.Run, step: int, table: list[dict] | None, tasks: dict | None,
               png: bytes | None) -> None:
     """Into the training run's wandb run (resumed by its id) when it had one, else a new `eval` run."""
     import io
@@ -496,7 +501,7 @@ def log_wandb(cfg, run: storage.RunDir, step: int, table: list[dict] | None, tas
 
     wandb_run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, mode=cfg.wandb.mode,
                            dir=None if run.remote else run.location, resume="allow", job_type="eval",
-                           id=run.read_text("wandb_id.txt").strip() if run.is_file("wandb_id.txt") else None,
+                           id=run.wandb_id(),
                            name=cfg.wandb.name or run.name)
     summary = {}
     if table:
@@ -516,20 +521,17 @@ def log_wandb(cfg, run: storage.RunDir, step: int, table: list[dict] | None, tas
 def main(argv=None) -> int:
     args = parse_args(argv)
     run_dir = args.checkpoint
-    if not storage.is_url(run_dir) and not pathlib.Path(run_dir).is_dir():
-        raise EvalError(f"run directory {run_dir} not found")
-    run = storage.RunDir(run_dir)
-    cfg = config_lib.load_run_config(run_dir)
+    run = rundir.existing(run_dir)
+    cfg = run.config()
     model_cfg, train_len = cfg.model, cfg.seq_len
-    tokenizer = sample.load_tokenizer(run_dir)
-    eot_id = next((tokenizer.token_to_id(t) for t in data.EOT_CANDIDATES if tokenizer.token_to_id(t) is not None),
-                  None)
+    tokenizer = run.tokenizer()
+    eot_id = shards.eot_id_of(tokenizer)
 
     lengths = []
     if not args.no_perplexity:
         data_dir = run_data_dir(run, cfg, args.data)
         lengths = parse_lengths(args.lengths or DEFAULT_LENGTHS, train_len)
-        if not model_cfg.alibi_attn and lengths[-1] > model_cfg.block_size:
+        if model_cfg.max_length is not None and lengths[-1] > model_cfg.max_length:
             if args.lengths is not None:
                 raise EvalError(f"length {lengths[-1]} exceeds block_size {model_cfg.block_size}: a learned-position "
                                 "model has no position embedding past it (ALiBi models extrapolate)")
@@ -541,16 +543,13 @@ def main(argv=None) -> int:
     if args.tasks is not None and not task_names:
         raise EvalError("--tasks is empty")
     if task_names and eot_id is None:
-        raise EvalError(f"{run.show('tokenizer.json')} has no end-of-text token ({', '.join(data.EOT_CANDIDATES)}), "
+        raise EvalError(f"{run.show(rundir.TOKENIZER)} has no end-of-text token ({', '.join(shards.EOT_CANDIDATES)}), "
                         "which lm-eval's adapter needs as its prefix token")
 
-    try:
-        model, step = sample.load_model(run_dir, args.step)
-    except sample.SampleError as e:
-        raise EvalError(str(e)) from None
+    model, step = run.load_model(args.step)
     if not run.remote:
         (pathlib.Path(run.location) / "eval").mkdir(exist_ok=True)
-    results_name = f"eval/step{step}.json"
+    results_name = rundir.eval_results_name(step)
     read_results(run, results_name)  # a file eval.py cannot add to stops the run before any work
     print(f"{run_dir} step {step}: {model_cfg.N} layers, d={model_cfg.embedding_dim}, "
           f"{'ALiBi' if model_cfg.alibi_attn else 'learned positions'}, trained at context {train_len}; "
@@ -600,11 +599,7 @@ def main(argv=None) -> int:
 
 def cli(argv=None) -> int:
     """main() with user errors as one `error: ...` line on stderr and exit status 2."""
-    try:
-        return main(argv)
-    except (EvalError, sample.SampleError, config_lib.ConfigError, data.DataError, storage.StorageError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return errors.run_cli(main, argv)
 
 
 if __name__ == "__main__":

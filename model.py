@@ -77,6 +77,13 @@ class GPTConfig:
     remat: str = "none"  # rematerialisation per block: none | full | save_matmuls
     attention: str = "auto"  # auto (fastest for the backend) | xla (reference) | dot_product | cudnn (GPU) | pallas
 
+    # (class attributes, not fields) what a mapping `model: {...}` without a named size must set
+    REQUIRED_FIELDS = ("vocab_size", "block_size", "embedding_dim", "num_head", "N")
+    # the fields that change the parameters or the function they compute: what training.init_from, an
+    # import and an export must agree on; the rest say how it is computed (dropout, dtype, remat, attention)
+    PARAMETER_FIELDS = ("vocab_size", "block_size", "embedding_dim", "num_head", "N", "alibi_attn", "bias",
+                        "embed_norm", "gelu_approximate", "layer_norm_epsilon")
+
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "embedding_dim", "num_head", "N"):
             if getattr(self, name) < 1:
@@ -107,6 +114,12 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.embedding_dim // self.num_head
+
+    @property
+    def max_length(self) -> int | None:
+        """The longest sequence the model takes: block_size with learned positions; None (no limit) with
+        ALiBi, whose biases are defined at every distance."""
+        return None if self.alibi_attn else self.block_size
 
 
 # ----------------------------------------------------------------------------------------------
@@ -478,7 +491,7 @@ class GPT(nnx.Module):
         cfg = self.config
         x = jnp.take(self.wte[...], tokens, axis=0)  # (B, T, d)
         if self.wpe is not None:
-            if length > cfg.block_size:
+            if length > cfg.max_length:
                 raise ValueError(
                     f"a sequence of {length} tokens is longer than block_size {cfg.block_size} of a learned-position "
                     f"model; only ALiBi models (alibi_attn: true) run beyond their training context"

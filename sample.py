@@ -27,7 +27,6 @@ learned-position request) end in one `error: ...` line on stderr and exit status
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 import time
 from typing import Callable
@@ -37,13 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import config as config_lib
-import data
-import storage
+import errors
+import rundir
+import shards
+from errors import UserError
 from model import GPT, GPTConfig, init_cache
 
 
-class SampleError(Exception):
+class SampleError(UserError):
     """A user-caused problem with a sampling request; str(e) is one line."""
 
 
@@ -140,43 +140,6 @@ def truncate(tokens: np.ndarray, eot_id: int | None) -> list[int]:
 # Command line
 
 
-def load_model(run_dir, step: int | None = None) -> tuple[GPT, int]:
-    """(the run's model with the checkpoint's parameters, the checkpoint step)."""
-    cfg = config_lib.load_run_config(run_dir).model
-    params, step = config_lib.load_run_params(run_dir, step)
-    abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(params=0)))  # shapes only, nothing computed
-    graphdef, state = nnx.split(abstract)
-    try:
-        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
-    except (KeyError, ValueError) as e:
-        raise SampleError(f"checkpoint {step} of {run_dir} does not fit its config.yaml: {e}") from None
-    return nnx.merge(graphdef, state), step
-
-
-def is_finetuned(run_dir) -> bool:
-    """Whether the run trained on prompt/completion pairs (train.py records the data's kind in data.json)."""
-    import json
-
-    path = pathlib.Path(run_dir) / "data.json"
-    try:
-        return json.loads(path.read_text()).get("kind") == "prompt_completion"
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def load_tokenizer(run_dir):
-    from tokenizers import Tokenizer
-
-    run = storage.RunDir(run_dir)  # a local path or a URL (gs://...)
-    if not run.is_file("tokenizer.json"):
-        raise SampleError(f"{run_dir} has no tokenizer.json")
-    try:
-        return Tokenizer.from_str(run.read_text("tokenizer.json"))
-    except Exception as e:  # a damaged file
-        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        raise SampleError(f"cannot load {run.show('tokenizer.json')}: {reason}") from None
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage block
         raise SampleError(f"{message} (see python sample.py --help)")
@@ -212,24 +175,22 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     run_dir = args.checkpoint
-    if not storage.is_url(run_dir) and not pathlib.Path(run_dir).is_dir():
-        raise SampleError(f"run directory {run_dir} not found")
-    cfg = config_lib.load_run_config(run_dir).model
-    tokenizer = load_tokenizer(run_dir)
-    finetuned = is_finetuned(run_dir)
+    run = rundir.existing(run_dir)
+    cfg = run.config().model
+    tokenizer = run.tokenizer()
+    finetuned = run.is_finetuned()
     prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
     if not prompt_ids:
         raise SampleError(f"--prompt {args.prompt!r} encodes to no tokens")
     if max(prompt_ids) >= cfg.vocab_size:
         raise SampleError(f"the tokenizer gives id {max(prompt_ids)}, beyond the model's vocab_size {cfg.vocab_size}")
     total = len(prompt_ids) + args.max_new_tokens
-    if not cfg.alibi_attn and total > cfg.block_size:
+    if cfg.max_length is not None and total > cfg.max_length:
         raise SampleError(
             f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) = {total} exceeds "
             f"block_size {cfg.block_size} of this learned-position model")
-    eot_id = next((tokenizer.token_to_id(t) for t in data.EOT_CANDIDATES if tokenizer.token_to_id(t) is not None),
-                  None)
-    model, step = load_model(run_dir, args.step)
+    eot_id = shards.eot_id_of(tokenizer)
+    model, step = run.load_model(args.step)
 
     graphdef, state = nnx.split(model)
     prompt = jnp.asarray(np.tile(np.asarray(prompt_ids, np.int32), (args.num_samples, 1)))  # (M, T0)
@@ -255,11 +216,7 @@ def main(argv=None) -> int:
 
 def cli(argv=None) -> int:
     """main() with user errors as one `error: ...` line on stderr and exit status 2."""
-    try:
-        return main(argv)
-    except (SampleError, config_lib.ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return errors.run_cli(main, argv)
 
 
 if __name__ == "__main__":

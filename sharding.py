@@ -39,9 +39,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from errors import UserError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch is split over both data-parallel axes
 ZERO_AXES = ("data", "fsdp")  # ZeRO shards state over the same devices
+ZERO_STAGES = (0, 1, 2, 3)  # 0 replicated | 1 optimizer state | 2 + gradients | 3 + parameters sharded
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv", "mlp")  # the names model.py puts on weights
 
 # The rules table: (logical axis name, mesh axes or None). Tensor parallelism comes first, then
@@ -58,7 +61,7 @@ ACTIVATION_RULES = {"batch": BATCH_AXES, "heads": "tensor", "mlp": "tensor", "vo
                     "length": None, "embed": None, "kv": None}
 
 
-class ShardingError(Exception):
+class ShardingError(UserError):
     """A mesh or sharding the configuration asks for cannot be built; str(e) is one line."""
 
 
@@ -95,15 +98,27 @@ def initialize_distributed() -> bool:
 # Mesh
 
 
+def check_sizes(data: int, fsdp: int, tensor: int) -> None:
+    """The mesh sizes a config gives: positive, at most one of them -1 (the devices the others leave)."""
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+    if any(v < 1 and v != -1 for v in sizes.values()) or list(sizes.values()).count(-1) > 1:
+        raise ShardingError(f"sharding.data, sharding.fsdp and sharding.tensor must be positive, at most one of them "
+                            f"-1 (the rest of the devices); got {', '.join(f'{k}={v}' for k, v in sizes.items())}")
+
+
+def check_zero_stage(zero_stage: int) -> None:
+    if zero_stage not in ZERO_STAGES:
+        raise ShardingError(f"sharding.zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+
+
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> jax.sharding.Mesh:
     """A (data, fsdp, tensor) mesh over all devices (of every process); one size may be -1 for the rest."""
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
+    check_sizes(data, fsdp, tensor)
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     desc = " x ".join(f"{k}={v}" for k, v in sizes.items())
     free = [k for k, v in sizes.items() if v == -1]
-    if len(free) > 1 or any(v < 1 and v != -1 for v in sizes.values()):
-        raise ShardingError(f"sharding mesh {desc}: sizes must be positive, with at most one -1")
     fixed = math.prod(v for v in sizes.values() if v != -1)
     if free:
         if n % fixed:
@@ -153,8 +168,7 @@ def check_batch(mesh, batch_size: int, micro_batches: int) -> None:
 
 def rules_for(zero_stage: int) -> dict[str, tuple]:
     """The ordered rules for each part of the state at a ZeRO stage: {'params', 'grads', 'opt_state'}."""
-    if zero_stage not in (0, 1, 2, 3):
-        raise ShardingError(f"sharding.zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    check_zero_stage(zero_stage)
     zero = {"params": zero_stage >= 3, "grads": zero_stage >= 2, "opt_state": zero_stage >= 1}
     return {part: TENSOR_RULES + (ZERO_RULES if z else ()) + REPLICATED_RULES for part, z in zero.items()}
 

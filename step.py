@@ -1,8 +1,8 @@
-"""The training step: the optimizer, its learning-rate schedule, the initial state, and the update.
+"""The training step: the optimizer, its learning-rate schedule, the initial state, the update, and
+`build`, the one place where they are placed on a mesh and jitted.
 
-train.py jits `make_train_step(...)` with its shardings and runs it; bench.py jits the very same
-function and times it, so the benchmark measures what training runs. Nothing here reads files or
-knows about meshes beyond the shardings and activation rules it is handed.
+train.py runs what `build(...)` returns; bench.py times the very same jitted step, so the benchmark
+measures what training runs. Nothing here reads files.
 
     state = {params, opt_state, step, rng}          one pytree; `step` is also the loader position
     train_step(state, batch) -> (new state, {"loss", "grad_norm"})
@@ -11,12 +11,17 @@ knows about meshes beyond the shardings and activation rules it is handed.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
 import model as model_lib
+import sharding as sharding_lib
 
 # Peak dense bf16 FLOP/s per device, for MFU; matched against jax.devices()[0].device_kind.
 # Devices not listed (the CPU) show no MFU.
@@ -198,3 +203,70 @@ def make_train_step(apply, tx, micro_batches: int, grad_sharding=None, activatio
         return new_state, {"loss": loss_sum / n, "grad_norm": grad_norm}
 
     return train_step
+
+
+# ---------------------------------------------------------------------------------------------
+# Placed on a mesh and jitted
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """The jitted functions of a training run on a mesh, and the shardings they were built with."""
+
+    init: Callable  # () -> the initial state, made directly in place (never whole on one device first)
+    train_step: Callable  # (state, batch) -> (state, {"loss", "grad_norm"}); the state is donated
+    eval_step: Callable  # (params, batch {tokens, weights[, segments]}) -> (summed loss, counted tokens)
+    all_finite: Callable  # (tree) -> whether every element is finite
+    schedule: Callable  # optax count -> learning rate
+    abstract_state: dict  # shapes, dtypes and shardings of the state: what a checkpoint restores into
+    state_sharding: dict
+    batch_sharding: jax.sharding.NamedSharding
+    description: str  # the mesh and how much of params and optimizer state each device holds
+
+
+def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) -> Built:
+    """Everything a run on `mesh` at `zero_stage` executes, for the model `mcfg` and the
+    config.TrainingConfig `t`: the model's shapes first (no memory), then the shardings from
+    sharding.py's rules, then jax.jit with them. Checks that tensor parallelism divides the model."""
+    sharding_lib.check_model(mesh, num_head=mcfg.num_head, mlp_dim=4 * mcfg.embedding_dim,
+                             vocab=mcfg.padded_vocab_size)
+    apply, abstract_vars = make_apply(mcfg)  # the model's shapes and axis names, no memory
+    tx, schedule = make_optimizer(t)
+    init_key, train_key = jax.random.split(jax.random.key(seed))
+    init_state = make_init_state(mcfg, tx)
+    abstract_state = jax.eval_shape(init_state, init_key, train_key)
+    axes = nnx.to_pure_dict(model_lib.param_axes(abstract_vars))
+    state_sharding, grad_sharding, fallbacks = sharding_lib.state_shardings(abstract_state, axes, mesh, zero_stage)
+    batch_sharding = sharding_lib.batch_sharding(mesh)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    activations = sharding_lib.activation_rules(mesh)
+    # gradient accumulation over micro-batches inside one jitted, state-donating step; at ZeRO stages
+    # 2 and 3 the gradients' shardings make the data-parallel reduction a reduce-scatter
+    train_step = make_train_step(apply, tx, t.micro_batches, grad_sharding, activations, fcm_max_ratio=t.fcm_max_ratio)
+    masked_loss = make_masked_loss(apply)  # validation of prompt/completion data: no FCM
+
+    @functools.partial(jax.jit, in_shardings=(state_sharding["params"], batch_sharding), out_shardings=replicated)
+    def eval_step(params, batch):
+        """Summed loss and count of a validation batch: no dropout, no FCM; segments kept apart."""
+        with model_lib.activation_sharding(activations):
+            if "segments" in batch:
+                loss, n = masked_loss(params, batch)
+            else:
+                loss, n = model_lib.cross_entropy(apply(params, batch["tokens"][:, :-1]), batch["tokens"][:, 1:],
+                                                  batch["weights"])
+        return loss * n, n
+
+    @functools.partial(jax.jit, out_shardings=replicated)
+    def all_finite(tree):
+        return jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+    init = jax.jit(init_state, out_shardings=state_sharding)
+    return Built(
+        init=lambda: init(init_key, train_key),
+        train_step=jax.jit(train_step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding),
+                           out_shardings=(state_sharding, replicated)),
+        eval_step=eval_step, all_finite=all_finite, schedule=schedule,
+        abstract_state=sharding_lib.with_shardings(abstract_state, state_sharding),
+        state_sharding=state_sharding, batch_sharding=batch_sharding,
+        description=sharding_lib.describe(abstract_state, state_sharding, mesh, zero_stage, fallbacks),
+    )

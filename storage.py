@@ -5,7 +5,8 @@
                         which reaches gs:// itself (etils.epath for its files, tensorstore for the arrays).
     data directory DIR  a local path is used in place. A URL is copied once into a local cache, every file
                         checked against DIR/index.json (shard sizes and sha256, the tokenizer's sha256),
-                        and the loader memory-maps the local copy: local_data_dir(DIR).
+                        and the loader memory-maps the local copy: local_copy(DIR, ...), which
+                        shards.local_dir calls with the files the index names.
 
 The cache is $GPT_DATA_CACHE (default ~/.cache/gpt-jax/data, or under $XDG_CACHE_HOME), one
 subdirectory per URL. A file is
@@ -13,7 +14,8 @@ copied to NAME.part-PID and renamed to NAME only once its size and hash match, s
 is never read; a later run reuses the files it verified and copies again those missing or damaged.
 gs:// needs `pip install gcsfs` (prepareTPUVM.sh installs it), s3:// `pip install s3fs`.
 
-Imports nothing of the project but corpus.DataError (data.py's error type).
+Knows nothing of the data format or of models; imports nothing of the project but errors.py's base class
+and corpus.DataError.
 """
 from __future__ import annotations
 
@@ -25,9 +27,9 @@ import re
 import time
 
 import fsspec
-import numpy as np
 from tqdm import tqdm
 
+from errors import UserError
 from corpus import DataError
 
 CACHE_ENV = "GPT_DATA_CACHE"
@@ -37,7 +39,7 @@ FLUSH_SECONDS = 30.0  # a remote metrics.jsonl is uploaded at least this often w
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-class StorageError(Exception):
+class StorageError(UserError):
     """A run directory's storage cannot be reached (no filesystem package, no access); str(e) is one line."""
 
 
@@ -211,11 +213,12 @@ def cache_dir_for(url: str, cache: str | os.PathLike | None = None) -> pathlib.P
     return root / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
 
 
-def local_data_dir(location, cache: str | os.PathLike | None = None) -> pathlib.Path:
+def local_copy(location, list_files, cache: str | os.PathLike | None = None) -> pathlib.Path:
     """A data directory on the local disk: `location` itself, or for a URL its verified copy in the cache.
 
-    index.json is read from the URL each time (once per process); the tokenizer and the shards are
-    copied when the cache lacks them or holds a copy that does not match the index. Raises DataError.
+    index.json is read from the URL each time (once per process); `list_files(index)` names the files
+    it records, [(name, bytes or None, sha256 or None)] (shards.py knows the format). They are copied
+    when the cache lacks them or holds a copy that does not match. Raises DataError.
     """
     if not is_url(location):
         return pathlib.Path(_local(location))
@@ -231,13 +234,7 @@ def local_data_dir(location, cache: str | os.PathLike | None = None) -> pathlib.
     except Exception as e:  # no access, no network
         raise DataError(f"{url}/index.json cannot be read: {_one_line(e)}") from None
     try:
-        index = json.loads(raw)
-        itemsize = np.dtype(index["dtype"]).itemsize
-        files = [(index["tokenizer"], None, index["tokenizer_sha256"])]
-        files += [(s["file"], int(s["tokens"]) * itemsize, s.get("sha256"))
-                  for split in index["splits"].values() for s in split["shards"]]
-        files += [(s["file"], int(s["tokens"]), s.get("sha256"))  # prompt/completion loss masks: a byte a token
-                  for split in index["splits"].values() for s in split.get("mask_shards", [])]
+        files = list_files(json.loads(raw))
         bad = [name for name, _, _ in files if not isinstance(name, str) or "/" in name or name in ("", ".", "..")]
         if bad:
             raise ValueError(f"file name {bad[0]!r} outside the directory")
@@ -252,7 +249,7 @@ def local_data_dir(location, cache: str | os.PathLike | None = None) -> pathlib.
     total = sum(size or 0 for _, size, _ in todo)
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"copying {url}", disable=not todo, leave=False) as bar:
         for name, size, sha in todo:
-            stamps[name] = _copy(fs, f"{root}/{name}", f"{url}/{name}", local / name, size, sha, bar)
+            stamps[name] = copy_file(fs, f"{root}/{name}", f"{url}/{name}", local / name, size, sha, bar)
             _write_stamps(local, stamps)
     tmp = local / f"index.json.part-{os.getpid()}"
     tmp.write_bytes(raw)
@@ -280,7 +277,7 @@ def _cached(path: pathlib.Path, size: int | None, sha: str | None, stamps: dict)
     return True
 
 
-def _copy(fs, remote: str, url: str, path: pathlib.Path, size: int | None, sha: str | None, bar) -> list:
+def copy_file(fs, remote: str, url: str, path: pathlib.Path, size: int | None, sha: str | None, bar) -> list:
     """Copy one file into the cache through NAME.part-PID, hashing as it goes; rename only if it checks out."""
     tmp = path.with_name(f"{path.name}.part-{os.getpid()}")
     digest, copied = hashlib.sha256(), 0

@@ -257,13 +257,13 @@ def test_bench_train_profile_records_device_time_per_operation(tmp_path, capsys)
 
 def test_bench_train_errors_are_one_line(tmp_path, capsys):
     out = tmp_path / "bench"
-    assert bench.main(["train", "--model", "nope", "--out", str(out)]) == 2
+    assert bench.cli(["train", "--model", "nope", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown --model 'nope'" in err and "124m" in err
-    assert bench.main(["train", "--model", "test", "--seq", "65", "--no-alibi", "--out", str(out)]) == 2
+    assert bench.cli(["train", "--model", "test", "--seq", "65", "--no-alibi", "--out", str(out)]) == 2
     assert "longer than block_size 64" in capsys.readouterr().err
     if not ON_GPU:
-        assert bench.main(["train", "--model", "test", "--attention", "cudnn", "--out", str(out)]) == 2
+        assert bench.cli(["train", "--model", "test", "--attention", "cudnn", "--out", str(out)]) == 2
         assert "needs an NVIDIA GPU" in capsys.readouterr().err
         # train.py refuses it the same way, before preparing data or making the run directory
         run_dir = tmp_path / "run"
@@ -308,7 +308,7 @@ def test_bench_attention_compares_kernel_settings(tmp_path, capsys):
            "xla:16x16": "only pallas takes settings", "pallas:16": "only pallas takes settings",
            "flash": "unknown --impls entry 'flash'"}
     for impl, message in bad.items():
-        assert bench.main(["attention", "--impls", impl, "--out", str(tmp_path / "none")]) == 2
+        assert bench.cli(["attention", "--impls", impl, "--out", str(tmp_path / "none")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, impl
     assert not (tmp_path / "none").exists()

@@ -25,9 +25,11 @@ from safetensors.numpy import load_file, save_file
 
 import config
 import convert_torch as ct
-import data
 import eval as E
+import loader
 import model
+import rundir
+import shards
 import train
 from test_train import corpus, restore, rows, tiny  # noqa: F401  (corpus is a fixture)
 
@@ -374,7 +376,7 @@ def test_cli_exports_a_run_to_transformers(trained_run, tmp_path):
     assert result.returncode == 0, result.stderr
     params = restore(trained_run, 1)["params"]
     params = ct.unflatten(ct.flatten(params))
-    mcfg = model_fields(config.load_run_config(trained_run))
+    mcfg = model_fields(rundir.Run(trained_run).config())
     toks = tokens(48)
     got, hf = hf_logits(out, toks)
     assert type(hf).__name__ == "BloomForCausalLM" and hf.config.vocab_size == 300
@@ -461,12 +463,12 @@ def test_imported_gpt2_gives_transformers_loss_in_training_and_eval(corpus, tmp_
         return float(out.loss)
 
     # (a) training: the loss logged at step 1 is that of the first batch, before any update
-    first = data.Loader(corpus, "train", 32, 8, seed=config.load_run_config(run).seed).get_batch(0)
+    first = loader.TextLoader(corpus, "train", 32, 8, seed=rundir.Run(run).config().seed).get_batch(0)
     assert rows(run)[0]["step"] == 1 and rows(run)[0]["loss"] == pytest.approx(hf_loss(first), abs=1e-4)
     # (b) eval.py: perplexity at length 32 over the first 8 windows of the validation split
     assert E.cli(["--checkpoint", str(run), "--lengths", "32", "--max-tokens", "256", "--batch-tokens", "256"]) == 0
     table = json.loads((run / "eval" / "step1.json").read_text())["perplexity"]["rows"]
-    index = data.load_index(corpus)
+    index = shards.load_index(corpus)
     val = np.concatenate([np.fromfile(corpus / s["file"], dtype=np.dtype(index["dtype"]).newbyteorder("<"))
                           for s in index["splits"]["val"]["shards"]]).astype(np.int64)
     windows = np.stack([val[i * 32: i * 32 + 33] for i in range(8)])

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 import data
+import loader
+import shards
 import train
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture: a prepared directory train.py runs on)
 
@@ -106,7 +108,7 @@ def test_round_trip_and_index(prepared):
     assert train == [d for d in docs if d in set(train)] and val == [d for d in docs if d in set(val)]
     assert 0 < len(val) < len(docs) // 2
 
-    index = data.load_index(out)
+    index = shards.load_index(out)
     from tokenizers import Tokenizer
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     assert index["eot_id"] == tokenizer.token_to_id("<|endoftext|>")
@@ -132,7 +134,7 @@ def test_split_is_deterministic_and_given_tokenizer_is_kept(prepared, tmp_path):
     write_text_files(tmp_path / "corpus", docs)
     again = prep([tmp_path / "corpus" / "*.txt"], tmp_path / "again", tokenizer=str(out / "tokenizer.json"))
     assert (tmp_path / "again" / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
-    assert again["splits"]["val"]["documents"] == data.load_index(out)["splits"]["val"]["documents"]
+    assert again["splits"]["val"]["documents"] == shards.load_index(out)["splits"]["val"]["documents"]
     for split in ("train", "val"):  # same tokenizer, same documents held out: the same streams
         np.testing.assert_array_equal(split_stream(tmp_path / "again", split), split_stream(out, split))
 
@@ -246,7 +248,7 @@ def test_cli_prepares_and_summarises(tmp_path):
                      cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "20 documents" in result.stdout and "unigram entropy" in result.stdout
-    assert data.load_index(tmp_path / "out")["documents"] == 20
+    assert shards.load_index(tmp_path / "out")["documents"] == 20
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,12 +256,12 @@ def test_cli_prepares_and_summarises(tmp_path):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 1000, 4097])
 def test_permutation_is_a_bijection_that_changes_with_the_epoch(n):
-    first = data.permute(np.arange(n), n, seed=7, epoch=0)
+    first = loader.permute(np.arange(n), n, seed=7, epoch=0)
     assert sorted(first.tolist()) == list(range(n))
-    assert sorted(data.permute(np.arange(n), n, seed=7, epoch=1).tolist()) == list(range(n))
+    assert sorted(loader.permute(np.arange(n), n, seed=7, epoch=1).tolist()) == list(range(n))
     if n >= 64:
-        assert not np.array_equal(first, data.permute(np.arange(n), n, seed=7, epoch=1))
-        assert not np.array_equal(first, data.permute(np.arange(n), n, seed=8, epoch=0))
+        assert not np.array_equal(first, loader.permute(np.arange(n), n, seed=7, epoch=1))
+        assert not np.array_equal(first, loader.permute(np.arange(n), n, seed=8, epoch=0))
         assert not np.array_equal(first, np.arange(n))
 
 
@@ -269,10 +271,10 @@ def test_an_epoch_visits_every_window_once(prepared):
     stream = split_stream(out, "train")
     n = (len(stream) - 1) // seq_len
     expected = sorted(stream[i * seq_len:i * seq_len + seq_len + 1].tobytes() for i in range(n))
-    loader = data.Loader(out, "train", seq_len, batch, seed=3)
-    assert loader.num_windows == n and loader.local_batch_size == batch
+    train_loader = loader.TextLoader(out, "train", seq_len, batch, seed=3)
+    assert train_loader.num_windows == n and train_loader.local_batch_size == batch
     steps = -(-2 * n // batch)  # two epochs
-    rows = np.concatenate([loader.get_batch(s) for s in range(steps)]).astype(np.int64)
+    rows = np.concatenate([train_loader.get_batch(s) for s in range(steps)]).astype(np.int64)
     assert rows.shape[1] == seq_len + 1
     assert sorted(r.tobytes() for r in rows[:n]) == expected
     assert sorted(r.tobytes() for r in rows[n:2 * n]) == expected
@@ -281,20 +283,20 @@ def test_an_epoch_visits_every_window_once(prepared):
 
 def test_fresh_loaders_agree_and_seeds_differ(prepared):
     out, _ = prepared
-    a, b = data.Loader(out, "train", 32, 4, seed=1), data.Loader(out, "train", 32, 4, seed=1)
+    a, b = loader.TextLoader(out, "train", 32, 4, seed=1), loader.TextLoader(out, "train", 32, 4, seed=1)
     for step in (0, 1, 17, 10_000):
         batch = a.get_batch(step)
         assert batch.dtype == np.int32 and batch.shape == (4, 33)
         np.testing.assert_array_equal(batch, b.get_batch(step))
-    assert not np.array_equal(a.get_batch(0), data.Loader(out, "train", 32, 4, seed=2).get_batch(0))
+    assert not np.array_equal(a.get_batch(0), loader.TextLoader(out, "train", 32, 4, seed=2).get_batch(0))
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_resume_at_step_s_equals_uninterrupted_iteration(prepared, prefetch):
     out, _ = prepared
-    straight = list(itertools.islice(data.Loader(out, "train", 16, 4, seed=5).iterate(0, prefetch), 12))
+    straight = list(itertools.islice(loader.TextLoader(out, "train", 16, 4, seed=5).iterate(0, prefetch), 12))
     for s in (0, 5, 11):
-        resumed = data.Loader(out, "train", 16, 4, seed=5).iterate(start_step=s, prefetch=prefetch)
+        resumed = loader.TextLoader(out, "train", 16, 4, seed=5).iterate(start_step=s, prefetch=prefetch)
         np.testing.assert_array_equal(next(resumed), straight[s])
         np.testing.assert_array_equal(next(resumed), straight[s + 1]) if s + 1 < 12 else None
         resumed.close()
@@ -303,8 +305,8 @@ def test_resume_at_step_s_equals_uninterrupted_iteration(prepared, prefetch):
 @pytest.mark.parametrize("processes", [2, 4])
 def test_process_slices_concatenate_to_the_global_batch(prepared, processes):
     out, _ = prepared
-    whole = data.Loader(out, "train", 8, 8, seed=9)
-    parts = [data.Loader(out, "train", 8, 8, seed=9, process_index=p, process_count=processes)
+    whole = loader.TextLoader(out, "train", 8, 8, seed=9)
+    parts = [loader.TextLoader(out, "train", 8, 8, seed=9, process_index=p, process_count=processes)
              for p in range(processes)]
     assert all(p.local_batch_size == 8 // processes for p in parts)
     for step in (0, 3, 250):
@@ -317,13 +319,13 @@ def prefetchers() -> list[threading.Thread]:
 
 def test_prefetch_thread_stops_when_the_consumer_stops(prepared):
     out, _ = prepared
-    loader = data.Loader(out, "train", 16, 4)
-    batches = loader.iterate(prefetch=3)
+    train_loader = loader.TextLoader(out, "train", 16, 4)
+    batches = train_loader.iterate(prefetch=3)
     next(batches)
     assert len(prefetchers()) == 1
     batches.close()
     assert prefetchers() == []
-    batches = loader.iterate(prefetch=3)
+    batches = train_loader.iterate(prefetch=3)
     next(batches)
     del batches
     gc.collect()
@@ -336,10 +338,10 @@ def test_eval_batches_cover_the_split_in_order(prepared, seq_len):
     stream = split_stream(out, "val")
     n = (len(stream) - 1) // seq_len
     expected = np.stack([stream[i * seq_len:i * seq_len + seq_len + 1] for i in range(n)])
-    batches = list(data.eval_batches(out, "val", seq_len, 5))
+    batches = list(loader.eval_windows(out, "val", seq_len, 5))
     assert all(b.dtype == np.int32 and len(b) == 5 for b in batches[:-1]) and 1 <= len(batches[-1]) <= 5
     np.testing.assert_array_equal(np.concatenate(batches), expected)
-    limited = np.concatenate(list(data.eval_batches(out, "val", seq_len, 5, max_windows=3)))
+    limited = np.concatenate(list(loader.eval_windows(out, "val", seq_len, 5, max_windows=3)))
     np.testing.assert_array_equal(limited, expected[:3])
 
 
@@ -401,7 +403,7 @@ def test_token_id_that_does_not_fit_the_dtype(tmp_path, monkeypatch):
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(tmp_path / "tok.json"))
     (tmp_path / "a.txt").write_text("big big small")
-    monkeypatch.setattr(data, "dtype_for", lambda vocab_size: "uint16")  # as if the dtype were chosen wrongly
+    monkeypatch.setattr(shards, "dtype_for", lambda vocab_size: "uint16")  # as if the dtype were chosen wrongly
     with pytest.raises(data.DataError, match="token id 70000 does not fit.*uint16"):
         prep([tmp_path / "a.txt"], tmp_path / "out", tokenizer=str(tmp_path / "tok.json"))
     assert not (tmp_path / "out").exists()
@@ -412,7 +414,7 @@ def test_token_id_that_does_not_fit_the_dtype(tmp_path, monkeypatch):
     # a damaged uint32 id past 2^31 is a negative int32 in a batch: the vocabulary check still catches it
     overwrite_token(tmp_path / "out" / "train_00000.bin", 1, 2**32 - 16, "<u4")
     with pytest.raises(data.DataError, match=r"train_00000\.bin: token 1 \(at byte 4\) is id 4294967280, outside"):
-        data.Loader(tmp_path / "out", "train", 1, 3).get_batch(0)  # the batch holds all three windows
+        loader.TextLoader(tmp_path / "out", "train", 1, 3).get_batch(0)  # the batch holds all three windows
 
 
 def test_bad_tokenizer_file(tmp_path):
@@ -428,40 +430,40 @@ def test_missing_corrupt_or_mismatched_index(prepared, tmp_path):
     out = tmp_path / "d"
     shutil.copytree(prepared[0], out)
     with pytest.raises(data.DataError, match="not found"):
-        data.load_index(tmp_path)
+        shards.load_index(tmp_path)
     shard = out / json.loads((out / "index.json").read_text())["splits"]["train"]["shards"][1]["file"]
     shard.write_bytes(shard.read_bytes()[:-2])  # one token short
     with pytest.raises(data.DataError, match=f"{shard.name}: expected 514 bytes .*found 512 bytes"):
-        data.Loader(out, "train", 8, 2)
+        loader.TextLoader(out, "train", 8, 2)
     shard.write_bytes(shard.read_bytes() + b"\0\0\0\0")  # one token long
     with pytest.raises(data.DataError, match=rf"{shard.name}: expected 514 bytes \(257 uint16 tokens\), found 516"):
-        data.eval_batches(out, "val", 8, 2).__next__()
+        loader.eval_windows(out, "val", 8, 2).__next__()
     shard.unlink()
     with pytest.raises(data.DataError, match=f"{shard.name}.*missing"):
-        data.load_index(out)
+        shards.load_index(out)
     shutil.rmtree(out)
     shutil.copytree(prepared[0], out)
     with open(out / "tokenizer.json", "a") as f:
         f.write(" ")
     with pytest.raises(data.DataError, match="sha256"):
-        data.load_index(out)
+        shards.load_index(out)
     (out / "index.json").write_text('{"format_version": 1, "dtype": ')
     with pytest.raises(data.DataError, match="corrupt"):
-        data.eval_batches(out, "val", 8, 2).__next__()
+        loader.eval_windows(out, "val", 8, 2).__next__()
     with pytest.raises(data.DataError, match="no split 'test'"):
-        data.Loader(prepared[0], "test", 8, 2)
+        loader.TextLoader(prepared[0], "test", 8, 2)
 
 
 def test_window_longer_than_the_split_and_bad_batch_shapes(prepared):
     out, _ = prepared
-    tokens = data.load_index(out)["splits"]["val"]["tokens"]
+    tokens = shards.load_index(out)["splits"]["val"]["tokens"]
     with pytest.raises(data.DataError, match=f"window of {tokens + 1} tokens is longer than the split"):
-        data.Loader(out, "val", tokens, 2)
+        loader.TextLoader(out, "val", tokens, 2)
     with pytest.raises(data.DataError, match="longer than the split"):
-        next(data.eval_batches(out, "val", tokens, 2))
-    data.Loader(out, "val", tokens - 1, 2)  # exactly one window
+        next(loader.eval_windows(out, "val", tokens, 2))
+    loader.TextLoader(out, "val", tokens - 1, 2)  # exactly one window
     with pytest.raises(data.DataError, match="batch size 6 does not divide by 4"):
-        data.Loader(out, "train", 8, 6, process_index=0, process_count=4)
+        loader.TextLoader(out, "train", 8, 6, process_index=0, process_count=4)
 
 
 def test_existing_directory_needs_overwrite_and_inputs_are_never_touched(tmp_path):
@@ -480,15 +482,15 @@ def test_existing_directory_needs_overwrite_and_inputs_are_never_touched(tmp_pat
 
 def test_interrupted_prepare_leaves_nothing_and_a_rerun_completes(tmp_path, monkeypatch):
     write_text_files(tmp_path / "c", make_docs(30, seed=6))
-    real_write, calls = data.ShardWriter.write, []
+    real_write, calls = shards.ShardWriter.write, []
 
     def failing_write(self, tokens, ends):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt  # as if the user pressed Ctrl-C midway
         real_write(self, tokens, ends)
-    monkeypatch.setattr(data.ShardWriter, "write", failing_write)
-    monkeypatch.setattr(data, "CHUNK_BYTES", 500)  # many chunks, so the failure lands midway
+    monkeypatch.setattr(shards.ShardWriter, "write", failing_write)
+    monkeypatch.setattr(shards, "CHUNK_BYTES", 500)  # many chunks, so the failure lands midway
     with pytest.raises(KeyboardInterrupt):
         prep([tmp_path / "c"], tmp_path / "out", shard_tokens=100)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
@@ -500,7 +502,7 @@ def test_interrupted_prepare_leaves_nothing_and_a_rerun_completes(tmp_path, monk
     (leftover / "index.json").write_text('{"format_version": 1, "splits": {"train": {"shards": [{"file"')
     prep([tmp_path / "c"], tmp_path / "out", shard_tokens=100)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "out"]
-    assert data.load_index(tmp_path / "out")["documents"] == 30
+    assert shards.load_index(tmp_path / "out")["documents"] == 30
     assert sorted(decode_documents(tmp_path / "out", "train") + decode_documents(tmp_path / "out", "val")) \
         == sorted(make_docs(30, seed=6))
 
@@ -528,7 +530,7 @@ def test_killed_prepare_is_cleaned_up_by_the_next_run(tmp_path):
     result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "out"]
-    assert data.load_index(tmp_path / "out")["documents"] == 16
+    assert shards.load_index(tmp_path / "out")["documents"] == 16
 
 
 # ------------------------------------------------------------------------------------------------
@@ -544,15 +546,15 @@ def test_an_id_outside_the_vocabulary_stops_the_loaders_naming_shard_and_positio
     overwrite_token(shard, 5, 65535)
     message = rf"{shard.name}: token 5 \(at byte 10\) is id 65535, outside the vocabulary of {vocab}"
     with pytest.raises(data.DataError, match=message):
-        list(data.eval_batches(out, "train", 16, 4))
+        list(loader.eval_windows(out, "train", 16, 4))
     # the training loader meets it within an epoch, in its prefetch thread; the consumer gets the DataError
     # (pulled on a helper thread, so that a loader that hangs fails the test instead of stalling it)
-    loader = data.Loader(out, "train", 16, 4, seed=3)
+    train_loader = loader.TextLoader(out, "train", 16, 4, seed=3)
     outcome = []
 
     def consume() -> None:
         try:
-            for _ in zip(range(-(-loader.num_windows // 4)), loader.iterate(0, prefetch=2)):
+            for _ in zip(range(-(-train_loader.num_windows // 4)), train_loader.iterate(0, prefetch=2)):
                 pass
             outcome.append("no error")
         except BaseException as e:  # noqa: B036  (whatever it is, the test reports it)
@@ -628,10 +630,10 @@ def test_verify_an_index_without_hashes_checks_sizes_and_ids(prepared, tmp_path)
         for shard in split["shards"]:
             del shard["sha256"]  # as an index written before shards had hashes
     (out / "index.json").write_text(json.dumps(index))
-    problems, summary = data.verify(out)
+    problems, summary = shards.verify(out)
     assert problems == [] and "intact" in summary and "no sha256" in summary and "token ids checked only" in summary
     overwrite_token(shard_path(out, "val", 0), 4, 65535)
-    problems, summary = data.verify(out)
+    problems, summary = shards.verify(out)
     assert problems == [f"{shard_path(out, 'val', 0)}: token 4 is id 65535, outside the vocabulary of "
                         f"{index['vocab_size']}"]
     assert "1 of" in summary

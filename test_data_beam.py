@@ -9,6 +9,8 @@ import pytest
 
 import corpus
 import data
+import loader
+import shards
 from test_data import assert_one_line_error, make_docs, run_cli, split_stream
 
 SHARD_TOKENS = 300  # small, so splits have several shards and shards cut through documents
@@ -74,20 +76,20 @@ def test_beam_and_default_runner_write_the_same_directory(mixed, both):
     _, named = mixed
     local_dir, beam_dir, local, beam = both
     assert beam == local  # every index field: tokens, documents, bytes, entropy, shard names and sizes
-    assert data.load_index(beam_dir) == beam
+    assert shards.load_index(beam_dir) == beam
     assert sorted(p.name for p in beam_dir.iterdir()) == sorted(p.name for p in local_dir.iterdir())
     for path in local_dir.iterdir():  # tokenizer.json, index.json and every shard, byte for byte
         assert (beam_dir / path.name).read_bytes() == path.read_bytes(), path.name
     for split in ("train", "val"):
         stream = split_stream(beam_dir, split)
         np.testing.assert_array_equal(stream, expected_stream(beam_dir, named, split, 0.3))
-        shards = beam["splits"][split]["shards"]
-        assert [s["tokens"] for s in shards[:-1]] == [SHARD_TOKENS] * (len(shards) - 1)
-        assert 0 < shards[-1]["tokens"] <= SHARD_TOKENS
+        files = beam["splits"][split]["shards"]
+        assert [s["tokens"] for s in files[:-1]] == [SHARD_TOKENS] * (len(files) - 1)
+        assert 0 < files[-1]["tokens"] <= SHARD_TOKENS
         # a shard's documents are those whose end-of-text falls inside it
         eot_at = np.flatnonzero(stream == beam["eot_id"])
-        assert [s["documents"] for s in shards] == \
-            np.bincount(eot_at // SHARD_TOKENS, minlength=len(shards)).tolist()
+        assert [s["documents"] for s in files] == \
+            np.bincount(eot_at // SHARD_TOKENS, minlength=len(files)).tolist()
     assert len(beam["splits"]["train"]["shards"]) > 5 and beam["splits"]["val"]["documents"] > 3
     assert beam["documents"] == len(named)
 
@@ -95,15 +97,15 @@ def test_beam_and_default_runner_write_the_same_directory(mixed, both):
 def test_loader_reads_beam_output(both):
     local_dir, beam_dir, _, _ = both
     seq_len = 16
-    from_beam = data.Loader(beam_dir, "train", seq_len, 4, seed=3)
-    from_local = data.Loader(local_dir, "train", seq_len, 4, seed=3)
+    from_beam = loader.TextLoader(beam_dir, "train", seq_len, 4, seed=3)
+    from_local = loader.TextLoader(local_dir, "train", seq_len, 4, seed=3)
     stream = split_stream(beam_dir, "train")
     windows = {tuple(stream[i * seq_len:i * seq_len + seq_len + 1]) for i in range(from_beam.num_windows)}
     for step in range(5):
         batch = from_beam.get_batch(step)
         np.testing.assert_array_equal(batch, from_local.get_batch(step))
         assert all(tuple(row) in windows for row in batch.tolist())
-    (first,) = data.eval_batches(beam_dir, "val", seq_len, 1, max_windows=1)
+    (first,) = loader.eval_windows(beam_dir, "val", seq_len, 1, max_windows=1)
     np.testing.assert_array_equal(first[0], split_stream(beam_dir, "val")[:seq_len + 1])
 
 
@@ -168,14 +170,14 @@ def test_failed_pipeline_leaves_no_index_and_keeps_the_old_directory(mixed, both
     out.mkdir()
     for name, content in old.items():
         (out / name).write_bytes(content)
-    real, written = data_beam._write_shard, []
+    real, written = data_beam.write_shard, []
 
     def crash_after_two(task, **kw):
         if len(written) == 2:
             raise OSError("disk full")
         written.append(real(task, **kw))
         return written[-1]
-    monkeypatch.setattr(data_beam, "_write_shard", crash_after_two)
+    monkeypatch.setattr(data_beam, "write_shard", crash_after_two)
     with pytest.raises(data.DataError, match="beam pipeline failed: .*disk full"):
         prep([root / "c"], out, runner="beam", overwrite=True, tokenizer=str(out / "tokenizer.json"))
     assert len(written) == 2  # shards were written, yet no index names them: the old directory is intact

@@ -18,9 +18,10 @@ import pytest
 from flax import nnx
 from lm_eval.api.instance import Instance
 
-import data
 import eval as E
+import rundir
 import sample
+import shards
 import train
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 
@@ -47,9 +48,9 @@ def learned_run(tmp_path_factory, corpus):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def loaded(run):
-    model, _ = sample.load_model(run)
-    tokenizer = sample.load_tokenizer(run)
-    eot = next(tokenizer.token_to_id(t) for t in data.EOT_CANDIDATES if tokenizer.token_to_id(t) is not None)
+    model, _ = rundir.Run(run).load_model()
+    tokenizer = rundir.Run(run).tokenizer()
+    eot = next(tokenizer.token_to_id(t) for t in shards.EOT_CANDIDATES if tokenizer.token_to_id(t) is not None)
     return model, tokenizer, eot
 
 
@@ -157,7 +158,7 @@ def test_rolling_loglikelihood_equals_the_perplexity_computation(loaded):
 
 def test_perplexity_table_scores_every_validation_token_once(run, loaded, corpus):  # noqa: F811
     model = loaded[0]
-    index = data.load_index(corpus)
+    index = shards.load_index(corpus)
     stream = np.concatenate([np.fromfile(corpus / s["file"], dtype=np.dtype(index["dtype"]).newbyteorder("<"))
                              for s in index["splits"]["val"]["shards"]]).astype(np.int32)
     table = E.perplexity_table(E.make_scorer(model), corpus, [32, 48], 32, batch_tokens=200, progress=False)
@@ -221,8 +222,8 @@ def test_loglikelihoods_equal_lm_evals_hf_backend_on_the_export(layout, run, lea
 
     run_dir = {"bloom": run, "gpt2": learned_run}[layout]
     assert convert_torch.cli(["--checkpoint", str(run_dir), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
-    model, _ = sample.load_model(run_dir)
-    tokenizer = sample.load_tokenizer(run_dir)
+    model, _ = rundir.Run(run_dir).load_model()
+    tokenizer = rundir.Run(run_dir).tokenizer()
     eot = tokenizer.token_to_id("<|endoftext|>")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.model_type == layout
@@ -445,9 +446,9 @@ def test_alibi_perplexity_at_twice_the_training_context(tmp_path, corpus):  # no
     assert train.main([f"run_dir={run_dir}", f"data.dir={corpus}", "model=small", "training.steps=200",
                        "training.batch_size=8", "training.seq_len=64", "training.warmup_steps=30",
                        "training.eval_every=200", "training.eval_windows=8", "checkpoint.every=200"]) == 0
-    model, _ = sample.load_model(run_dir)
+    model, _ = rundir.Run(run_dir).load_model()
     one, two = E.perplexity_table(E.make_scorer(model), corpus, [64, 128], 64, progress=False)
-    assert one["ppl"] < 0.5 * data.load_index(corpus)["vocab_size"]  # it learned something
+    assert one["ppl"] < 0.5 * shards.load_index(corpus)["vocab_size"]  # it learned something
     assert two["ppl"] <= 1.1 * one["ppl"], (one, two)
 
 

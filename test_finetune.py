@@ -18,8 +18,11 @@ from tokenizers import Tokenizer
 import config
 import data
 import finetune_data
+import loader
 import model as model_lib
+import rundir
 import sample
+import shards
 import train
 from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
 
@@ -70,7 +73,7 @@ def test_mask_covers_completion_and_end_of_text(tmp_path):
 
     # the expectation, from the tokenizer alone
     tok = Tokenizer.from_file(str(tmp_path / "d" / "tokenizer.json"))
-    eot = tok.token_to_id(data.EOT_TOKEN)
+    eot = tok.token_to_id(shards.EOT_TOKEN)
     want_tokens, want_mask, want_targets, truncated, skipped = [], [], [], 0, 0
     for r in records:
         p, c = tok.encode(r["q"], add_special_tokens=False).ids, tok.encode(r["a"], add_special_tokens=False).ids
@@ -94,15 +97,15 @@ def test_mask_covers_completion_and_end_of_text(tmp_path):
     # the loader's weights pick exactly each example's completion and end-of-text, as targets
     for batching in ("packing", "padding"):
         got = []
-        for batch in finetune_data.eval_batches(tmp_path / "d", "train", seq_len, 4, batching=batching):
+        for batch in loader.eval_examples(tmp_path / "d", "train", seq_len, 4, batching=batching):
             for toks, w, seg in zip(batch["tokens"], batch["weights"], batch["segments"]):
                 targets, tseg = toks[1:], seg
                 for s in range(1, seg.max() + 1):
                     got.append(targets[(w > 0) & (tseg == s)].tolist())
         assert got == want_targets, batching
-    rows_padding = sum(len(b["tokens"]) for b in finetune_data.eval_batches(tmp_path / "d", "train", seq_len, 4,
+    rows_padding = sum(len(b["tokens"]) for b in loader.eval_examples(tmp_path / "d", "train", seq_len, 4,
                                                                               batching="padding"))
-    rows_packing = sum(len(b["tokens"]) for b in finetune_data.eval_batches(tmp_path / "d", "train", seq_len, 4))
+    rows_packing = sum(len(b["tokens"]) for b in loader.eval_examples(tmp_path / "d", "train", seq_len, 4))
     greedy, used = 1, 0  # rows when whole examples fill rows of seq_len + 1 tokens in order
     for n in np.diff(np.flatnonzero(np.asarray(want_mask) == 2), prepend=-1).tolist():
         greedy, used = (greedy + 1, n) if used + n > seq_len + 1 else (greedy, used + n)
@@ -121,7 +124,7 @@ def test_a_few_pairs_always_get_a_validation_example(tmp_path):
     assert (index["splits"]["train"]["examples"], index["splits"]["val"]["examples"]) == (2, 1)
     tok = Tokenizer.from_file(str(tmp_path / "d" / "tokenizer.json"))
     held = pairs[ranks[0][1] - 1]
-    (val,) = finetune_data.eval_batches(tmp_path / "d", "val", 32, 1)
+    (val,) = loader.eval_examples(tmp_path / "d", "val", 32, 1)
     assert tok.decode(val["tokens"][0].tolist()).startswith(held["in_text"] + held["out_text"])
     with pytest.raises(data.DataError, match="one document.*--val-fraction"):
         finetune_data.prepare([str(write_jsonl(tmp_path / "one.jsonl", pairs[:1]))], tmp_path / "e", seq_len=16,
@@ -131,15 +134,15 @@ def test_a_few_pairs_always_get_a_validation_example(tmp_path):
 
 def test_loader_is_a_function_of_the_step(reversal):
     root, _ = reversal
-    a = finetune_data.Loader(root / "data", "train", 32, 8, seed=3)
-    b = finetune_data.Loader(root / "data", "train", 32, 8, seed=3)
+    a = loader.PromptCompletionLoader(root / "data", "train", 32, 8, seed=3)
+    b = loader.PromptCompletionLoader(root / "data", "train", 32, 8, seed=3)
     later = a.get_batch(57)  # several epochs in, computed first
     for step in (0, 1, 57):
         for k, v in a.get_batch(step).items():
             np.testing.assert_array_equal(v, b.get_batch(step)[k])
     np.testing.assert_array_equal(later["tokens"], b.get_batch(57)["tokens"])
     # an epoch shows every example exactly once (one a row with padding; these examples are distinct)
-    padded = finetune_data.Loader(root / "data", "train", 32, 1, seed=3, batching="padding")
+    padded = loader.PromptCompletionLoader(root / "data", "train", 32, 1, seed=3, batching="padding")
     ex = padded.examples
     assert set(ex.lengths.tolist()) == {8}  # three words, " =", three words, end-of-text
     every = sorted(tuple(ex.stream.shards[0][s:s + 8].tolist()) for s in ex.starts)
@@ -171,23 +174,23 @@ def test_damaged_prompt_completion_data_is_named(reversal, tmp_path):
     tokens = shard_path(out, "train", 0)
     overwrite_token(tokens, 3, 65535)
     message = rf"{tokens.name}: token 3 \(at byte 6\) is id 65535, outside the vocabulary of {vocab}"
-    loader = finetune_data.Loader(out, "train", 32, 8, seed=0)
+    train_loader = loader.PromptCompletionLoader(out, "train", 32, 8, seed=0)
     with pytest.raises(data.DataError, match=message):
-        for step in range(len(loader.examples)):  # more than an epoch's rows
-            loader.get_batch(step)
+        for step in range(len(train_loader.examples)):  # more than an epoch's rows
+            train_loader.get_batch(step)
     with pytest.raises(data.DataError, match=message):
-        list(finetune_data.eval_batches(out, "train", 32, 8))
+        list(loader.eval_examples(out, "train", 32, 8))
 
     mask = shard_path(out, "val", 0, "mask_shards")
     mask_bytes = mask.read_bytes()
     mask.write_bytes(mask_bytes[:4] + b"\x09" + mask_bytes[5:])
     with pytest.raises(data.DataError, match=rf"{mask.name}: byte 4 is 9, not a loss-mask value"):
-        list(finetune_data.eval_batches(out, "val", 32, 8))
-    assert [line.split(":")[0] for line in data.verify(out)[0]] == [str(tokens), str(mask)]
+        list(loader.eval_examples(out, "val", 32, 8))
+    assert [line.split(":")[0] for line in shards.verify(out)[0]] == [str(tokens), str(mask)]
     mask.write_bytes(mask_bytes[:-1])
     with pytest.raises(data.DataError, match=rf"{mask.name}: expected {len(mask_bytes)} bytes "
                                              rf"\({len(mask_bytes)} loss-mask bytes\), found {len(mask_bytes) - 1}"):
-        data.load_index(out)  # what train.py opens first: every shard's size, loss masks included
+        shards.load_index(out)  # what train.py opens first: every shard's size, loss masks included
 
 
 def test_train_refuses_examples_longer_than_the_context(reversal, tmp_path, capsys):
@@ -253,9 +256,9 @@ def test_finetuned_model_reverses_held_out_lists(reversal, tmp_path, capsys):
                            "training.log_every=10", "training.eval_every=200", "checkpoint.every=400")) == 0
     metrics = rows(run_dir)
     assert metrics[-1]["val_loss"] < 0.05 < metrics[0]["loss"]  # completion tokens only: nearly certain
-    model, _ = sample.load_model(run_dir)
-    tok = sample.load_tokenizer(run_dir)
-    eot = tok.token_to_id(data.EOT_TOKEN)
+    model, _ = rundir.Run(run_dir).load_model()
+    tok = rundir.Run(run_dir).tokenizer()
+    eot = tok.token_to_id(shards.EOT_TOKEN)
     prompts = np.asarray([tok.encode(p["in_text"], add_special_tokens=False).ids for p in held])  # (40, 4)
     out = sample.generate(model, prompts, 6, temperature=0, eot_id=eot)  # greedy, one batch
     right = sum(tok.decode(sample.truncate(row, eot)) == p["out_text"] for row, p in zip(out, held))
@@ -334,14 +337,14 @@ def test_fcm_training_learns_and_evaluation_is_unaffected(corpus, tmp_path):  # 
     # and the model still learns
     assert np.mean([r["loss"] for r in got[-5:]]) < got[0]["loss"] - 1.0
     # the validation loss is the plain model's: recomputed here without any mask
-    cfg = config.load_run_config(fcm)
-    params, _ = config.load_run_params(fcm)
+    cfg = rundir.Run(fcm).config()
+    params, _ = rundir.Run(fcm).load_params()
     model = nnx.eval_shape(lambda: model_lib.GPT(cfg.model, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
     model = nnx.merge(graphdef, state)
     losses, counts = [], []
-    for tokens in data.eval_batches(corpus, "val", cfg.seq_len, 8, max_windows=cfg.training.eval_windows):
+    for tokens in loader.eval_windows(corpus, "val", cfg.seq_len, 8, max_windows=cfg.training.eval_windows):
         logits = model(jnp.asarray(tokens[:, :-1]))
         loss, n = model_lib.cross_entropy(logits, jnp.asarray(tokens[:, 1:]))
         losses.append(float(loss) * float(n))

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 import model as M
+import rundir
 import sample
 import train
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
@@ -242,7 +243,7 @@ def test_cli_greedy_continues_the_prompt_past_the_context(runs, capsys):
     assert texts[0] == texts[1]  # greedy: both samples alike
     assert "new tokens/s" in err
     # the same text from the full forward pass recomputed at every step (64 + ... : beyond block_size 64)
-    m, _ = sample.load_model(run_dir)
+    m, _ = rundir.Run(run_dir).load_model()
     tok = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
     ids = tok.encode(prompt).ids
     new = greedy_by_recomputation(m, np.asarray([ids], np.int32), 80, m.config.vocab_size,

@@ -20,11 +20,12 @@ import pytest
 import safetensors.numpy
 from fsspec.implementations.memory import MemoryFileSystem
 
-import config
 import convert_torch
 import data
 import finetune_data
-import sample
+import loader
+import rundir
+import shards
 import storage
 import train
 from test_train import WORDS, deterministic, tiny
@@ -71,27 +72,28 @@ def shard_names(prepared) -> list[str]:
 
 
 def record_copies(monkeypatch) -> list[str]:
-    copied, real = [], storage._copy
-    monkeypatch.setattr(storage, "_copy", lambda fs, remote, url, path, *a: (copied.append(path.name),
-                                                                           real(fs, remote, url, path, *a))[1])
+    copied, real = [], storage.copy_file
+    monkeypatch.setattr(storage, "copy_file", lambda fs, remote, url, path, *a: (copied.append(path.name),
+                                                                              real(fs, remote, url, path, *a))[1])
     return copied
 
 
 def test_remote_data_is_copied_verified_and_read_like_the_local_directory(prepared, bucket, tmp_path, monkeypatch):
     url = f"{bucket}/corpus"
     upload(prepared, url)
-    remote = data.Loader(url, "train", 16, 4, seed=3)
-    local = data.Loader(prepared, "train", 16, 4, seed=3)
+    remote = loader.TextLoader(url, "train", 16, 4, seed=3)
+    local = loader.TextLoader(prepared, "train", 16, 4, seed=3)
     for step in (0, 1, 7):
         np.testing.assert_array_equal(remote.get_batch(step), local.get_batch(step))
-    assert data.load_tokenizer(url).encode("the cat sat").ids == data.load_tokenizer(prepared).encode("the cat sat").ids
+    text = "the cat sat"
+    assert shards.load_tokenizer(url).encode(text).ids == shards.load_tokenizer(prepared).encode(text).ids
 
     cache = storage.cache_dir_for(url)
     assert cache.parent == tmp_path / "cache"  # $GPT_DATA_CACHE
     for name in ["index.json", "tokenizer.json", *shard_names(prepared)]:
         assert (cache / name).read_bytes() == (prepared / name).read_bytes(), name
     # the index records each shard's sha256, as hashlib computes it from the file
-    index = data.load_index(url)
+    index = shards.load_index(url)
     for split in index["splits"].values():
         for s in split["shards"]:
             assert s["sha256"] == hashlib.sha256((prepared / s["file"]).read_bytes()).hexdigest()
@@ -99,14 +101,14 @@ def test_remote_data_is_copied_verified_and_read_like_the_local_directory(prepar
     # a later process reuses the verified copy; a cached shard damaged in place is copied again, alone
     monkeypatch.setattr(storage, "_verified", {})
     copied = record_copies(monkeypatch)
-    data.load_index(url)
+    shards.load_index(url)
     assert copied == []
     victim = cache / shard_names(prepared)[1]
     raw = bytearray(victim.read_bytes())
     raw[10] ^= 0xFF
     victim.write_bytes(bytes(raw))  # same size, other content
     monkeypatch.setattr(storage, "_verified", {})
-    data.load_index(url)
+    shards.load_index(url)
     assert copied == [victim.name]
     assert victim.read_bytes() == (prepared / victim.name).read_bytes()
 
@@ -141,7 +143,7 @@ def test_interrupted_copy_then_clean_retry(prepared, bucket, monkeypatch):
 
     monkeypatch.setattr(MemoryFileSystem, "_open", flaky_open)
     with pytest.raises(data.DataError) as err:
-        data.Loader(url, "train", 16, 4)
+        loader.TextLoader(url, "train", 16, 4)
     assert str(err.value) == (f"copying {url}/{failing} failed (connection reset by peer); "
                               f"run again to finish the copy")
     cache = storage.cache_dir_for(url)
@@ -157,10 +159,10 @@ def test_interrupted_copy_then_clean_retry(prepared, bucket, monkeypatch):
 
     broken["on"] = False
     copied = record_copies(monkeypatch)
-    remote = data.Loader(url, "train", 16, 4, seed=1)
+    remote = loader.TextLoader(url, "train", 16, 4, seed=1)
     # copied again: the cut shard and every shard from the failed one on; kept: the tokenizer and shards[1]
     assert copied == [shards[0], *shards[2:]]
-    np.testing.assert_array_equal(remote.get_batch(5), data.Loader(prepared, "train", 16, 4, seed=1).get_batch(5))
+    np.testing.assert_array_equal(remote.get_batch(5), loader.TextLoader(prepared, "train", 16, 4, seed=1).get_batch(5))
     for name in ["tokenizer.json", *shards]:
         assert (cache / name).read_bytes() == (prepared / name).read_bytes(), name
     assert not list(cache.glob("*.part-*"))
@@ -217,9 +219,9 @@ def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeyp
     assert train.main(["--resume", f"run_dir={run_url}"]) == 0
     assert [deterministic(r) for r in rows()] == [deterministic(r) for r in straight]
 
-    cfg = config.load_run_config(run_url)  # what eval, sample and convert read
+    cfg = rundir.Run(run_url).config()  # what eval, sample and convert read
     assert cfg.run_dir == run_url and cfg.data.dir == data_url and cfg.model.vocab_size == 300
-    params, step = config.load_run_params(run_url)
+    params, step = rundir.Run(run_url).load_params()
     assert step == 8
     with ocp.CheckpointManager(ckpt) as mngr:  # orbax directly, no project code
         direct = mngr.restore(8, args=ocp.args.StandardRestore())["params"]
@@ -228,8 +230,8 @@ def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeyp
                  sorted(jax.tree.leaves(direct), key=np.size))
 
     # sample.py's tokenizer and convert_torch.py's export, from the run in the store
-    local_tok = data.load_tokenizer(prepared)
-    assert sample.load_tokenizer(run_url).encode("the cat sat").ids == local_tok.encode("the cat sat").ids
+    local_tok = shards.load_tokenizer(prepared)
+    assert rundir.Run(run_url).tokenizer().encode("the cat sat").ids == local_tok.encode("the cat sat").ids
     out = tmp_path / "export"
     assert convert_torch.main(["--checkpoint", run_url, "--out", str(out)]) == 0
     assert (out / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
@@ -254,7 +256,7 @@ def test_an_index_naming_files_outside_its_directory_is_refused(prepared, bucket
     index["splits"]["train"]["shards"][0]["file"] = "../../outside.bin"
     fs.pipe_file(f"{root}/index.json", json.dumps(index).encode())
     with pytest.raises(data.DataError) as err:
-        data.load_index(url)
+        shards.load_index(url)
     assert str(err.value) == (f"{url}/index.json is corrupt (ValueError: file name '../../outside.bin' "
                               f"outside the directory)")
     assert not list((tmp_path / "cache").rglob("*.bin"))  # nothing copied anywhere
@@ -302,12 +304,12 @@ def test_an_index_without_shard_hashes_is_checked_by_size(prepared, bucket):
     size = index["splits"]["val"]["shards"][0]["tokens"] * np.dtype(index["dtype"]).itemsize
     fs.pipe_file(f"{root}/{name}", (prepared / name).read_bytes()[:-2])  # one token short
     with pytest.raises(data.DataError) as err:
-        data.load_index(url)
+        shards.load_index(url)
     assert str(err.value) == (f"{url}/{name}: {size - 2} bytes, index.json records {size}; "
                               f"the remote directory is damaged, prepare it again")
     fs.pipe_file(f"{root}/{name}", (prepared / name).read_bytes())
-    np.testing.assert_array_equal(data.Loader(url, "val", 16, 2).get_batch(3),
-                                  data.Loader(prepared, "val", 16, 2).get_batch(3))
+    np.testing.assert_array_equal(loader.TextLoader(url, "val", 16, 2).get_batch(3),
+                                  loader.TextLoader(prepared, "val", 16, 2).get_batch(3))
 
 
 def test_remote_prompt_completion_data_brings_its_loss_masks(bucket, tmp_path):
@@ -323,11 +325,41 @@ def test_remote_prompt_completion_data_brings_its_loss_masks(bucket, tmp_path):
     assert masks and all(s.get("sha256") for split in index["splits"].values() for s in split["mask_shards"])
     url = f"{bucket}/pairs"
     upload(local, url)
-    cached = storage.local_data_dir(url)
+    cached = shards.local_dir(url)
     for name in masks:
         assert (cached / name).read_bytes() == (local / name).read_bytes()
-    a = finetune_data.Loader(url, "train", 24, 4, seed=1)
-    b = finetune_data.Loader(local, "train", 24, 4, seed=1)
+    a = loader.PromptCompletionLoader(url, "train", 24, 4, seed=1)
+    b = loader.PromptCompletionLoader(local, "train", 24, 4, seed=1)
     for step in (0, 5):
         for key, value in b.get_batch(step).items():
             np.testing.assert_array_equal(a.get_batch(step)[key], value)
+
+
+def test_a_remote_finetuned_run_samples_only_the_completion(bucket, tmp_path, monkeypatch, capsys):
+    """A run in the store that fine-tuned on prompt/completion pairs is used as it was trained: sample.py
+    prints the completion alone, as greedy decoding of the model (a second code path) gives it."""
+    import sample
+
+    records = [{"in_text": " " + " ".join(random.Random(i).choices(WORDS, k=4)) + " =",
+                "out_text": " " + " ".join(random.Random(-i).choices(WORDS, k=3))} for i in range(60)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    finetune_data.prepare([str(tmp_path / "pairs.jsonl")], tmp_path / "pairs", seq_len=32, vocab_size=300,
+                          val_fraction=0.2, progress=False)
+    ckpt, run_url = tmp_path / "ckpt", f"{bucket}/runs/pairs"
+    real_ckpt = storage.RunDir.checkpoint_dir
+    monkeypatch.setattr(storage.RunDir, "checkpoint_dir",  # orbax cannot reach memory://: see the docstring
+                        lambda self: ckpt if self.remote else real_ckpt(self))
+    assert train.main(tiny(run_url, tmp_path / "pairs")) == 0
+    run = rundir.Run(run_url)
+    assert run.is_finetuned()
+
+    prompt = records[0]["in_text"]
+    model, _ = run.load_model()
+    tok = run.tokenizer()
+    eot = tok.token_to_id(shards.EOT_TOKEN)
+    out = sample.generate(model, [tok.encode(prompt, add_special_tokens=False).ids], 5, temperature=0, eot_id=eot)
+    capsys.readouterr()
+    assert sample.cli(["--checkpoint", run_url, "--prompt", prompt, "--temperature", "0",
+                       "--max-new-tokens", "5"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["---------- sample 1/1 ----------", tok.decode(sample.truncate(out[0], eot))]

@@ -21,6 +21,8 @@ import pytest
 
 import config
 import data
+import rundir
+import shards
 import train
 
 REPO = pathlib.Path(__file__).resolve().parent
@@ -79,7 +81,7 @@ def finished_run(corpus, tmp_path_factory):
 
 def test_end_to_end_run(finished_run, corpus):
     run_dir = finished_run
-    index = data.load_index(corpus)
+    index = shards.load_index(corpus)
     # metrics: one row per step, tokens counted, validation on evaluation steps
     r = rows(run_dir)
     assert [row["step"] for row in r] == list(range(1, 9))
@@ -104,7 +106,7 @@ def test_end_to_end_run(finished_run, corpus):
     assert summary["unigram_entropy"] == index["unigram_entropy"]
     assert summary["checkpoint"] == str((run_dir / "checkpoints" / "8").resolve())
     # the run directory is self-contained: config (vocabulary from the data), data reference, tokenizer
-    cfg = config.load_run_config(run_dir)
+    cfg = rundir.Run(run_dir).config()
     assert cfg.model.vocab_size == index["vocab_size"] == 300
     assert (cfg.model_name, cfg.model.N, cfg.model.embedding_dim, cfg.model.dropout) == ("test", 2, 32, 0.1)
     assert cfg.training.micro_batches == 2 and pathlib.Path(cfg.data.dir) == corpus.resolve()
@@ -155,7 +157,7 @@ def test_gradient_accumulation_matches_one_big_batch(corpus, tmp_path):
 
 def test_existing_run_dir_is_protected(finished_run, corpus):
     before = {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()}
-    with pytest.raises(train.RunError, match="already exists.*--resume"):
+    with pytest.raises(rundir.RunError, match="already exists.*--resume"):
         train.main(tiny(finished_run, corpus))
     assert {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()} == before
 
@@ -217,9 +219,9 @@ def test_no_intact_checkpoint_is_one_error_line(finished_run, tmp_path):
     assert err.startswith("error: checkpoint 8 in") and "cannot be restored" in err and "\n" not in err
     assert "cannot be read" in err and "TensorStore" not in err and "<bound method" not in err
     assert {p: p.read_bytes() for p in broken.rglob("*") if p.is_file()} == before  # nothing changed
-    # eval.py, sample.py and convert_torch.py read checkpoints through config.load_run_params: the same terms
-    with pytest.raises(config.ConfigError) as e:
-        config.load_run_params(broken)
+    # eval.py, sample.py and convert_torch.py read checkpoints through rundir.Run.load_params: the same terms
+    with pytest.raises(rundir.RunError) as e:
+        rundir.Run(broken).load_params()
     assert "cannot be read: array " in str(e.value) and "TensorStore" not in str(e.value)
     assert "DATA_LOSS" not in str(e.value) and "zarr" not in str(e.value)
 
@@ -272,11 +274,12 @@ def test_weight_decay_mask():
     from flax import nnx
 
     import model
+    import step
 
     cfg = config.load_config(overrides=["model=test", "model.alibi_attn=false"])
     params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: model.GPT(cfg.model, rngs=nnx.Rngs(0)))))
     for decay_embeddings in (False, True):
-        mask = train.decay_mask(params, decay_embeddings)
+        mask = step.decay_mask(params, decay_embeddings)
         for path, decayed in jax.tree_util.tree_flatten_with_path(mask)[0]:
             name = str(path[-1].key)
             expected = name == "kernel" or (decay_embeddings and name in ("wte", "wpe"))
@@ -298,8 +301,8 @@ def test_config_overrides_and_round_trip(tmp_path):
     # the effective config reads back to the same config
     run_dir = tmp_path / "r"
     run_dir.mkdir()
-    config.save_run_config(cfg, run_dir)
-    assert config.load_run_config(run_dir) == cfg
+    rundir.Run(run_dir).save_config(cfg)
+    assert rundir.Run(run_dir).config() == cfg
     # the example full-scale config: ~0.5M tokens per update, the reference schedule
     big = config.load_config(REPO / "conf" / "760m.yaml")
     t = big.training

@@ -1,0 +1,478 @@
+"""The step-deterministic loaders: batches of a prepared data directory (shards.py) as a pure
+function of the step.
+
+    loader = open_loader(DIR, "train", seq_len, batch_size, seed=..., process_index=p, process_count=P)
+    batches = loader.iterate(start_step)      # get_batch(start_step), get_batch(start_step + 1), ... prefetched
+
+Text data (`TextLoader`): training window i covers stream[i*T : i*T + T + 1] (inputs and targets
+overlap by one token, so every token after the first is a target exactly once per epoch); windows
+cross document and shard boundaries, as in GPT-2 style pre-training. Global sample
+g = step * batch_size + row is window permute(g % n, seed, g // n) of the n windows: a keyed
+Feistel permutation per epoch, computed index by index, so the batch at any step costs the same
+and resuming at step s replays the batches exactly. A batch is int32 tokens (B, T+1).
+
+Prompt/completion data (`PromptCompletionLoader`, from finetune_data.py): every epoch takes the
+examples in the order of the same keyed permutation, then packs consecutive whole examples into
+rows of T + 1 tokens (`packing`, the default: few padding tokens) or puts one example per row
+(`padding`). A row's unused tail is end-of-text padding with weight 0. A batch is {"tokens": int32
+(B, T+1), "weights": float32 (B, T), "segments": int32 (B, T)}: weights[t] = 1 iff target t+1 is a
+completion or closing token of the same example as input t; segments number the examples of a row
+1, 2, ... (0 = padding), and the model's attention never crosses segments.
+
+Process p of P computes only rows [p*B/P, (p+1)*B/P) of each global batch. Every batch is checked
+against the vocabulary (one max per batch), so a flipped byte in a shard is named by file, position
+and id instead of indexing the embedding out of range. `validation_sample` is the fixed sample
+train.py evaluates on, padded to whole batches so evaluation compiles once.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import functools
+import queue
+import threading
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+import shards
+from corpus import DataError
+
+BATCHING = ("packing", "padding")  # how prompt/completion examples fill rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Window permutation: a keyed Feistel network on [0, 2^bits) made a bijection on [0, n) by cycle
+# walking. It maps index by index in O(1) memory, vectorised over a batch.
+
+FEISTEL_ROUNDS = 6
+_MASK64 = 2**64 - 1
+_MIX1, _MIX2, _GOLDEN = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15
+
+
+def _u64(value: int) -> np.ndarray:
+    """A 0-d uint64 array: numpy applies it to a small array about twice as fast as a np.uint64 scalar,
+    which matters here, where a batch of 32 windows costs a few hundred tiny array operations."""
+    return np.array(value & _MASK64, np.uint64)
+
+
+_SHIFT30, _SHIFT27, _SHIFT31, _MUL1, _MUL2 = _u64(30), _u64(27), _u64(31), _u64(_MIX1), _u64(_MIX2)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fast 64-bit hash (uint64 arithmetic wraps)."""
+    x = (x ^ (x >> _SHIFT30)) * _MUL1
+    x = (x ^ (x >> _SHIFT27)) * _MUL2
+    return x ^ (x >> _SHIFT31)
+
+
+def _mix64_int(x: int) -> int:
+    """_mix64 on one Python int."""
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
+    return x ^ (x >> 31)
+
+
+@functools.lru_cache(maxsize=256)
+def _round_keys(seed: int, epoch: int) -> tuple[np.ndarray, ...]:
+    """The Feistel round keys of the permutation chosen by (seed, epoch), computed once per epoch."""
+    key = _mix64_int(_mix64_int(seed & _MASK64) ^ epoch)
+    return tuple(_u64(_mix64_int((key + (r + 1) * _GOLDEN) & _MASK64)) for r in range(FEISTEL_ROUNDS))
+
+
+def permute(indices: np.ndarray, n: int, seed: int, epoch) -> np.ndarray:
+    """Position -> window under the permutation of [0, n) chosen by (seed, epoch); epoch may vary per element."""
+    x = np.asarray(indices, np.uint64).copy()
+    epoch = np.broadcast_to(np.asarray(epoch, np.uint64), x.shape)
+    bits = max(1, (n - 1).bit_length())
+    lo_bits = bits // 2
+    shift, lo_mask, hi_mask = _u64(lo_bits), _u64((1 << lo_bits) - 1), _u64((1 << (bits - lo_bits)) - 1)
+    limit = _u64(n)
+
+    def rounds(v: np.ndarray, keys: tuple[np.ndarray, ...]) -> np.ndarray:
+        hi, lo = v >> shift, v & lo_mask
+        for r, round_key in enumerate(keys):  # each round xors one half with a keyed hash of the other: invertible
+            if r % 2 == 0:
+                hi = hi ^ (_mix64(lo ^ round_key) & hi_mask)
+            else:
+                lo = lo ^ (_mix64(hi ^ round_key) & lo_mask)
+        return (hi << shift) | lo
+
+    # a batch spans one epoch, or two at an epoch's end: one pass per epoch, with that epoch's keys
+    first = int(epoch.flat[0]) if x.size else 0
+    groups = [(first, None)] if (epoch == first).all() else \
+        [(int(e), epoch == e) for e in np.unique(epoch)]
+    for e, where in groups:
+        keys = _round_keys(int(seed), e)
+        y = x if where is None else x[where]
+        y = rounds(y, keys)
+        outside = y >= limit
+        while outside.any():  # 2^bits < 2n, so on average fewer than two walks
+            y[outside] = rounds(y[outside], keys)
+            outside = y >= limit
+        if where is None:
+            x = y
+        else:
+            x[where] = y
+    return x.astype(np.int64)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Text data
+
+class Stream:
+    """One split's shards as a single logical token stream, read through numpy.memmap.
+
+    `check` tests a batch read from it against the vocabulary: a flipped byte in a shard gives an id
+    that would index the embedding out of range, so it is caught here and named, not met as a NaN loss."""
+
+    def __init__(self, data_dir, split: str):
+        self.index = shards.load_index(data_dir)
+        splits = self.index["splits"]
+        if split not in splits:
+            raise DataError(f"{data_dir}: no split {split!r} (has: {', '.join(splits)})")
+        self.split, self.vocab_size = split, int(self.index["vocab_size"])
+        dtype, self.directory = np.dtype(self.index["dtype"]).newbyteorder("<"), shards.local_dir(data_dir)
+        self.shards, self.files, self.itemsize = [], [], dtype.itemsize
+        for shard in splits[split]["shards"]:
+            if int(shard["tokens"]):
+                mapped = np.memmap(self.directory / shard["file"], dtype, "r", shape=(int(shard["tokens"]),))
+                self.shards.append(np.asarray(mapped))  # a plain ndarray view: cheaper to slice than a memmap
+                self.files.append(self.directory / shard["file"])
+        self.starts = [0]
+        for shard in self.shards:
+            self.starts.append(self.starts[-1] + len(shard))
+        self.tokens = self.starts[-1]
+
+    def windows(self, seq_len: int, what: str) -> int:
+        n = (self.tokens - 1) // seq_len if self.tokens else 0
+        if n < 1:
+            hint = "; prepare it with a larger --val-fraction" if self.split == "val" else ""
+            raise DataError(f"{what}: a window of {seq_len + 1} tokens is longer than the split "
+                            f"({self.tokens} tokens){hint}")
+        return n
+
+    def read(self, start: int, out: np.ndarray) -> None:
+        """out[:] = stream[start : start + len(out)], across shard boundaries."""
+        i = bisect.bisect_right(self.starts, start) - 1
+        pos, n = start - self.starts[i], len(out)
+        done = 0
+        while done < n:
+            piece = self.shards[i][pos:pos + n - done]
+            out[done:done + len(piece)] = piece
+            done += len(piece)
+            i, pos = i + 1, 0
+
+    def check(self, tokens: np.ndarray, spans: Callable[[], Iterable[tuple[int, int]]]) -> None:
+        """Raises DataError if an id in `tokens` (int32, read from this stream) is outside the vocabulary.
+
+        One max over the batch (and for uint32 shards one min: an id past 2^31 is a negative int32); only
+        then are the stream spans (start, length) the batch was read from searched, to name the shard
+        file, the token's position in it and the id."""
+        if not tokens.size or tokens.max() < self.vocab_size and (self.itemsize < 4 or tokens.min() >= 0):
+            return
+        for start, n in spans():
+            span = np.empty(n, self.shards[0].dtype)  # the shards' own dtype: no id wraps
+            self.read(start, span)
+            bad = np.flatnonzero(span >= self.vocab_size)
+            if len(bad):
+                at = start + int(bad[0])  # in the stream, then in its shard
+                i = bisect.bisect_right(self.starts, at) - 1
+                offset = at - self.starts[i]
+                raise DataError(f"{self.files[i]}: token {offset} (at byte {offset * span.dtype.itemsize}) is id "
+                                f"{int(span[bad[0]])}, outside the vocabulary of {self.vocab_size}: the shard is "
+                                f"corrupt; `python data.py --verify {self.directory}` checks every file")
+        raise DataError(f"{self.directory} split {self.split!r}: a batch holds token ids outside the vocabulary "
+                        f"of {self.vocab_size} (from {int(tokens.min())} to {int(tokens.max())})")
+
+
+class Loader:
+    """What both loaders share: this process's rows of each global batch, and iteration with prefetching.
+
+    A subclass's get_batch(step) is a pure function of (seed, step, shape, process)."""
+
+    def __init__(self, seq_len: int, batch_size: int, *, seed: int, process_index: int, process_count: int):
+        if seq_len < 1 or batch_size < 1:
+            raise DataError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise DataError(f"process index {process_index} is outside process count {process_count}")
+        if batch_size % process_count:
+            raise DataError(f"global batch size {batch_size} does not divide by {process_count} processes")
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.local_batch_size = batch_size // process_count
+        self.rows = np.arange(process_index * self.local_batch_size,
+                              (process_index + 1) * self.local_batch_size, dtype=np.int64)
+
+    def get_batch(self, step: int):
+        raise NotImplementedError
+
+    def iterate(self, start_step: int = 0, prefetch: int = 2) -> Iterator:
+        """get_batch(start_step), get_batch(start_step + 1), ...; prefetch > 0 fills a queue from a thread."""
+        return self._prefetched(start_step, prefetch) if prefetch > 0 else self._plain(start_step)
+
+    def _plain(self, step: int) -> Iterator:
+        while True:
+            yield self.get_batch(step)
+            step += 1
+
+    def _prefetched(self, step: int, depth: int) -> Iterator:
+        batches: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+
+        def produce(step: int) -> None:
+            while not stop.is_set():
+                try:
+                    item: object = self.get_batch(step)
+                except BaseException as e:  # handed to the consumer, which re-raises it
+                    item = e
+                while not stop.is_set():  # a timed put, so a stopped consumer never leaves it blocked
+                    try:
+                        batches.put(item, timeout=0.05)
+                        break
+                    except queue.Full:
+                        pass
+                if isinstance(item, BaseException):
+                    return
+                step += 1
+
+        thread = threading.Thread(target=produce, args=(step,), name="data-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = batches.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:  # generator closed or collected: stop the producer and wait for it
+            stop.set()
+            thread.join()
+
+
+def open_loader(data_dir, split: str, seq_len: int, batch_size: int, *, seed: int = 0, process_index: int = 0,
+                process_count: int = 1, batching: str = "packing") -> Loader:
+    """The loader for the directory's kind: a TextLoader, or a PromptCompletionLoader (with `batching`)."""
+    rows = dict(seed=seed, process_index=process_index, process_count=process_count)
+    if shards.is_prompt_completion(shards.load_index(data_dir)):
+        return PromptCompletionLoader(data_dir, split, seq_len, batch_size, batching=batching, **rows)
+    return TextLoader(data_dir, split, seq_len, batch_size, **rows)
+
+
+class TextLoader(Loader):
+    """Batches of training windows, int32 (local_batch_size, seq_len + 1).
+
+    Global sample g = step * batch_size + row falls in epoch g // num_windows, where it is window
+    permute(g % num_windows, seed, epoch). Process p computes only rows [p*B/P, (p+1)*B/P).
+    """
+
+    def __init__(self, data_dir, split: str, seq_len: int, batch_size: int, *, seed: int = 0,
+                 process_index: int = 0, process_count: int = 1):
+        super().__init__(seq_len, batch_size, seed=seed, process_index=process_index, process_count=process_count)
+        self.stream = Stream(data_dir, split)
+        self.index = self.stream.index
+        self.num_windows = self.stream.windows(seq_len, f"{data_dir} split {split!r}")
+
+    def get_batch(self, step: int) -> np.ndarray:
+        """int32 [local_batch_size, seq_len + 1]: this process's rows of the global batch at `step`."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        g = step * self.batch_size + self.rows
+        windows = permute(g % self.num_windows, self.num_windows, self.seed, g // self.num_windows)
+        batch = np.empty((self.local_batch_size, self.seq_len + 1), np.int32)
+        for row, window in zip(batch, windows.tolist()):
+            self.stream.read(window * self.seq_len, row)
+        self.stream.check(batch, lambda: ((window * self.seq_len, self.seq_len + 1) for window in windows.tolist()))
+        return batch
+
+
+def eval_windows(data_dir, split: str, seq_len: int, batch_size: int, *,
+                 max_windows: int | None = None) -> Iterator[np.ndarray]:
+    """Every non-overlapping window stream[i*T : i*T + T + 1] of the split once, in order, in batches."""
+    if seq_len < 1 or batch_size < 1:
+        raise DataError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
+    stream = Stream(data_dir, split)
+    n = stream.windows(seq_len, f"{data_dir} split {split!r}")
+    n = n if max_windows is None else min(n, max_windows)
+    for first in range(0, n, batch_size):
+        batch = np.empty((min(batch_size, n - first), seq_len + 1), np.int32)
+        for row, window in enumerate(range(first, first + len(batch))):
+            stream.read(window * seq_len, batch[row])
+        stream.check(batch, lambda: [(first * seq_len, len(batch) * seq_len + 1)])  # the rows' windows, in order
+        yield batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt/completion data
+
+class Examples:
+    """One split's examples: the token stream, its mask stream, and where each example starts."""
+
+    def __init__(self, data_dir, split: str):
+        self.stream = Stream(data_dir, split)  # validates the index and the token shards
+        self.index = index = self.stream.index
+        if not shards.is_prompt_completion(index):
+            raise DataError(f"{data_dir} is not prompt/completion data (prepare it with --format prompt_completion)")
+        directory, masks = self.stream.directory, []  # a URL: its verified local copy, sizes checked
+        for shard in index["splits"][split]["mask_shards"]:
+            file, n = directory / shard["file"], int(shard["tokens"])
+            if n:
+                masks.append(np.asarray(np.memmap(file, np.uint8, "r", shape=(n,))))
+                if int(masks[-1].max()) > shards.END:  # a corrupt byte: weights and example bounds would be wrong
+                    at = int(np.flatnonzero(masks[-1] > shards.END)[0])
+                    raise DataError(f"{file}: byte {at} is {int(masks[-1][at])}, not a loss-mask value "
+                                    f"({shards.PROMPT}, {shards.COMPLETION} or {shards.END}): the shard is corrupt")
+        self.mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
+        if len(self.mask) != self.stream.tokens:
+            raise DataError(f"{data_dir}: split {split!r} has {len(self.mask)} mask bytes for "
+                            f"{self.stream.tokens} tokens; re-run data.py")
+        ends = np.flatnonzero(self.mask == shards.END) + 1  # (n,) one past each example's last token
+        self.starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        self.lengths = (ends - self.starts).astype(np.int64)
+        self.eot = int(index["eot_id"])
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def fill(self, examples, tokens: np.ndarray, weights: np.ndarray, segments: np.ndarray) -> None:
+        """Writes examples (ids) one after another into one row: tokens (T+1,), weights (T,), segments (T,)."""
+        T = len(weights)
+        mask = np.zeros(T + 1, np.uint8)
+        seg = np.zeros(T + 1, np.int32)
+        tokens[:] = self.eot
+        pos = 0
+        for k, e in enumerate(examples, 1):
+            start, n = int(self.starts[e]), int(self.lengths[e])
+            self.stream.read(start, tokens[pos:pos + n])
+            mask[pos:pos + n] = self.mask[start:start + n]
+            seg[pos:pos + n] = k
+            pos += n
+        segments[:] = seg[:-1]
+        weights[:] = (mask[1:] > 0) & (seg[1:] == seg[:-1]) & (seg[1:] > 0)
+
+    def batch(self, rows: list, seq_len: int) -> dict:
+        """A batch of len(rows) rows, row i holding the examples rows[i] (ids), its token ids checked against
+        the vocabulary (one max; a corrupt shard is a DataError naming it)."""
+        batch = empty_batch(len(rows), seq_len)
+        for i, examples in enumerate(rows):
+            self.fill(examples, batch["tokens"][i], batch["weights"][i], batch["segments"][i])
+        self.stream.check(batch["tokens"], lambda: ((int(self.starts[e]), int(self.lengths[e]))
+                                                    for examples in rows for e in examples))
+        return batch
+
+
+def _plan(lengths: np.ndarray, order: np.ndarray, row_tokens: int, packing: bool) -> np.ndarray:
+    """Row boundaries (R + 1,) into `order`: row r holds examples order[b[r]:b[r + 1]]."""
+    if not packing:
+        return np.arange(len(order) + 1, dtype=np.int64)
+    bounds, used = [0], 0
+    for i, n in enumerate(lengths[order].tolist()):
+        if used + n > row_tokens:
+            bounds.append(i)
+            used = 0
+        used += n
+    bounds.append(len(order))
+    return np.asarray(bounds, np.int64)
+
+
+class PromptCompletionLoader(Loader):
+    """Batches of prompt/completion rows: {tokens (b, T+1), weights (b, T), segments (b, T)}.
+
+    Epoch e's rows are the examples in the order permute(., seed, e), packed (or one a row); global
+    row g = step * batch_size + row is row g - (rows of epochs before) of the epoch it falls in.
+    """
+
+    def __init__(self, data_dir, split: str, seq_len: int, batch_size: int, *, seed: int = 0,
+                 process_index: int = 0, process_count: int = 1, batching: str = "packing"):
+        super().__init__(seq_len, batch_size, seed=seed, process_index=process_index, process_count=process_count)
+        if batching not in BATCHING:
+            raise DataError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
+        self.examples = _checked(data_dir, split, seq_len)
+        self.index = self.examples.index
+        self.packing = batching == "packing"
+        self._epoch_rows: list[int] = []  # rows of each epoch planned so far
+        self._plans: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # epoch -> (order, bounds)
+
+    def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        if e not in self._plans:
+            n = len(self.examples)
+            order = permute(np.arange(n), n, self.seed, e)
+            self._plans[e] = (order, _plan(self.examples.lengths, order, self.seq_len + 1, self.packing))
+            while len(self._plans) > 3:  # keep the most recently used few
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(e)
+        return self._plans[e]
+
+    def _locate(self, g: int) -> tuple[int, int]:
+        """(epoch, row within it) of global row g."""
+        e, before = 0, 0
+        while True:
+            if e == len(self._epoch_rows):
+                self._epoch_rows.append(len(self._epoch(e)[1]) - 1)
+            if g < before + self._epoch_rows[e]:
+                return e, g - before
+            before += self._epoch_rows[e]
+            e += 1
+
+    def get_batch(self, step: int) -> dict:
+        """This process's rows of the global batch at `step`: {tokens (b, T+1), weights (b, T), segments (b, T)}."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        rows = []  # each row's examples
+        for g in (step * self.batch_size + self.rows).tolist():
+            e, r = self._locate(g)
+            order, bounds = self._epoch(e)
+            rows.append(order[bounds[r]:bounds[r + 1]])
+        return self.examples.batch(rows, self.seq_len)
+
+
+def _checked(data_dir, split: str, seq_len: int) -> Examples:
+    examples = Examples(data_dir, split)
+    if len(examples) == 0:
+        hint = "; prepare with a larger --val-fraction" if split == "val" else ""
+        raise DataError(f"{data_dir}: split {split!r} has no examples{hint}")
+    longest = int(examples.lengths.max())
+    if longest > seq_len + 1:
+        raise DataError(f"{data_dir}: an example of {longest} tokens does not fit training.seq_len {seq_len} "
+                        f"(prepared for seq_len {examples.index.get('seq_len')}); re-prepare with --seq-len {seq_len}")
+    return examples
+
+
+def empty_batch(rows: int, seq_len: int) -> dict:
+    """All-zero batch arrays: tokens (rows, T+1), weights (rows, T), segments (rows, T)."""
+    return {"tokens": np.zeros((rows, seq_len + 1), np.int32), "weights": np.zeros((rows, seq_len), np.float32),
+            "segments": np.zeros((rows, seq_len), np.int32)}
+
+
+def eval_examples(data_dir, split: str, seq_len: int, batch_size: int, *, batching: str = "packing",
+                 max_rows: int | None = None) -> Iterator[dict]:
+    """The split's examples once, in order, in rows as the Loader builds them, batch_size rows a batch."""
+    examples = _checked(data_dir, split, seq_len)
+    bounds = _plan(examples.lengths, np.arange(len(examples)), seq_len + 1, batching == "packing")
+    n = len(bounds) - 1 if max_rows is None else min(len(bounds) - 1, max_rows)
+    for first in range(0, n, batch_size):
+        yield examples.batch([range(bounds[r], bounds[r + 1]) for r in range(first, min(first + batch_size, n))],
+                             seq_len)
+
+
+def validation_sample(data_dir, seq_len: int, batch_size: int, max_rows: int, batching: str = "packing"):
+    """The fixed sample train.py evaluates on: the first max_rows windows (text) or rows of examples
+    (prompt/completion) of the val split, as (batches, rows, tokens counted). Every batch is whole
+    (batch_size rows; the rows that pad the last one weigh 0), so evaluation compiles once; each is
+    {tokens (B, T+1), weights (B, T)[, segments (B, T)]}."""
+    batches = []
+    if shards.is_prompt_completion(shards.load_index(data_dir)):
+        for batch in eval_examples(data_dir, "val", seq_len, batch_size, batching=batching, max_rows=max_rows):
+            padded = empty_batch(batch_size, seq_len)  # zero weights on the rows that pad the batch
+            for k, v in batch.items():
+                padded[k][: len(v)] = v
+            batches.append(padded)
+    else:
+        for tokens in eval_windows(data_dir, "val", seq_len, batch_size, max_windows=max_rows):
+            padded = {"tokens": np.zeros((batch_size, seq_len + 1), np.int32),
+                      "weights": np.zeros((batch_size, seq_len), np.float32)}
+            padded["tokens"][: len(tokens)] = tokens
+            padded["weights"][: len(tokens)] = 1.0
+            batches.append(padded)
+    rows = sum(int((batch["weights"].sum(axis=1) > 0).sum()) for batch in batches)
+    tokens = int(sum(batch["weights"].sum() for batch in batches))
+    return batches, rows, tokens

@@ -1,0 +1,376 @@
+"""The run directory: every file of a run, wherever it lives, and loading what a run holds.
+
+    RUN/config.yaml             the effective config (config.py's dataclasses, the model fully resolved)
+    RUN/data.json               the data it trained on: dir, index, tokenizer and its sha256, vocab_size, kind
+    RUN/tokenizer.json          a copy of the data's tokenizer, so the run decodes without the corpus
+    RUN/metrics.jsonl           one JSON object per logged step
+    RUN/summary.json            where training ended
+    RUN/wandb_id.txt            the W&B run id: a resume and eval.py log into the same W&B run
+    RUN/eval/step<N>.json       eval.py's results for checkpoint N
+    RUN/checkpoints/<step>/     orbax checkpoints of the state {params, opt_state, step, rng}
+    RUN/checkpoints-damaged/    checkpoints a resume could not restore, moved aside (never deleted)
+
+`Run` is a storage.RunDir (a local path, or a URL such as gs://bucket/runs/x, whose files go
+through fsspec and whose checkpoints orbax writes itself) that knows these files. train.py writes a
+run; eval.py, sample.py and convert_torch.py read it through `Run.config`, `Run.load_model`,
+`Run.load_params` and `Run.tokenizer`; convert_torch.py's import writes one with `Run.save_params`.
+
+A run directory a user points at that is not one, a checkpoint that cannot be read (its arrays,
+its metadata) or that does not fit the model: a RunError, one line in the user's terms.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import re
+import sys
+import typing
+
+import yaml
+
+import config as config_lib
+import shards
+import storage
+from errors import UserError
+
+CONFIG = "config.yaml"
+DATA = "data.json"
+TOKENIZER = "tokenizer.json"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+WANDB_ID = "wandb_id.txt"
+CHECKPOINTS = "checkpoints"
+DAMAGED = "checkpoints-damaged"
+
+
+class RunError(UserError):
+    """A user-caused problem with a run directory or its checkpoints; str(e) is one line."""
+
+
+def eval_results_name(step: int) -> str:
+    """eval.py's results file for checkpoint `step`."""
+    return f"eval/step{step}.json"
+
+
+class Run(storage.RunDir):
+    """A run directory and the files in it (see the module docstring)."""
+
+    # ------------------------------------------------------------------------------------------
+    # config.yaml
+
+    def config(self, overrides: typing.Sequence[str] = ()) -> config_lib.Config:
+        """The run's effective config (with `overrides`), for resume, eval, sample and convert."""
+        if not self.is_file(CONFIG):
+            raise RunError(f"{self} is not a run directory: {CONFIG} not found in it")
+        text = self.read_text(CONFIG)
+        raw = config_lib.apply_overrides(config_lib.parse_yaml(text, self.show(CONFIG)), overrides)
+        sizes = config_lib.load_model_sizes() if config_lib.MODEL_SIZES.is_file() else {}  # the model is resolved
+        return config_lib.from_dict(raw, sizes=sizes)
+
+    def save_config(self, cfg: config_lib.Config) -> str:
+        """Write config.yaml at once (a crash never leaves half a config); returns how it is named."""
+        header = "# The effective config of this run (written by train.py); `python train.py --resume` reads it.\n"
+        self.write_text(CONFIG, header + yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
+        return self.show(CONFIG)
+
+    def check_new(self) -> None:
+        """A new run may start here: nothing is in the directory yet."""
+        if self.is_empty():
+            return
+        if self.is_file(CONFIG) and not self.checkpoint_steps():
+            raise RunError(f"run directory {self} holds a run stopped before its first checkpoint; continue it "
+                           f"with --resume (from step 0, with its saved config), or remove the directory to start anew")
+        raise RunError(f"run directory {self} already exists; continue it with --resume, "
+                       f"or start a new run elsewhere with run_dir=PATH")
+
+    # ------------------------------------------------------------------------------------------
+    # The data: data.json and tokenizer.json
+
+    def save_data(self, data_dir: str, index: dict) -> None:
+        """Record the prepared data the run trains on (`data_dir` as the config holds it: a URL or a
+        resolved path), and copy its tokenizer."""
+        local = shards.local_dir(data_dir)
+        remote = storage.is_url(data_dir)
+        ref = {
+            "dir": data_dir,
+            "index": f"{data_dir}/index.json" if remote else str(local / "index.json"),
+            "tokenizer": f"{data_dir}/{index['tokenizer']}" if remote else str(local / index["tokenizer"]),
+            "tokenizer_sha256": index.get("tokenizer_sha256"),
+            "vocab_size": index["vocab_size"],
+            "kind": index.get("kind", "text"),  # prompt_completion: sample.py completes prompts like training
+        }
+        self.write_text(DATA, json.dumps(ref, indent=2) + "\n")
+        self.write_bytes(TOKENIZER, (local / index["tokenizer"]).read_bytes())
+
+    def data(self) -> dict:
+        """data.json ({} for a run without one, e.g. an import)."""
+        if not self.is_file(DATA):
+            return {}
+        try:
+            recorded = json.loads(self.read_text(DATA))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RunError(f"{self.show(DATA)} is not JSON ({e})") from None
+        if not isinstance(recorded, dict):
+            raise RunError(f"{self.show(DATA)} is not a JSON object")
+        return recorded
+
+    def is_finetuned(self) -> bool:
+        """Whether the run trained on prompt/completion pairs."""
+        return shards.is_prompt_completion(self.data())
+
+    def tokenizer(self):
+        """The run's tokenizers.Tokenizer."""
+        from tokenizers import Tokenizer
+
+        if not self.is_file(TOKENIZER):
+            raise RunError(f"{self} has no {TOKENIZER}")
+        try:
+            return Tokenizer.from_str(self.read_text(TOKENIZER))
+        except Exception as e:  # a damaged file
+            reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise RunError(f"cannot load {self.show(TOKENIZER)}: {reason}") from None
+
+    # ------------------------------------------------------------------------------------------
+    # Logs
+
+    def metrics(self, start_step: int) -> storage.JsonLines:
+        """metrics.jsonl, continued after `start_step` (the rows of later steps are dropped)."""
+        return storage.JsonLines(self, METRICS, keep=lambda row: row["step"] <= start_step)
+
+    def wandb_id(self, new: str | None = None) -> str | None:
+        """The run's W&B id; when it has none and `new` is given, `new` becomes it."""
+        if self.is_file(WANDB_ID):
+            return self.read_text(WANDB_ID).strip()
+        if new is not None:
+            self.write_text(WANDB_ID, new + "\n")
+        return new
+
+    def save_summary(self, summary: dict) -> None:
+        self.write_text(SUMMARY, json.dumps(summary, indent=2) + "\n")
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints
+
+    def checkpoint_steps(self) -> list[int]:
+        """The steps of the saved checkpoints, oldest first ([] when there are none)."""
+        from etils import epath  # orbax's own path layer: local, or gs:// as orbax itself reaches it
+
+        ckpt = epath.Path(self.checkpoint_dir())
+        return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
+
+    def checkpoint_manager(self, keep: int | None = None, async_save: bool = False):
+        """An orbax CheckpointManager of RUN/checkpoints: a step directory appears only once complete."""
+        import orbax.checkpoint as ocp
+
+        logging.getLogger("absl").setLevel(logging.WARNING)
+        return ocp.CheckpointManager(
+            self.checkpoint_dir(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save),
+            item_handlers=ocp.StandardCheckpointHandler(),  # so that a checkpoint's tree can be read before restoring
+        )
+
+    def restore(self, mngr, abstract_state, say):
+        """(state, step) from the newest checkpoint that restores. Damaged newer ones are moved aside to
+        checkpoints-damaged/ (never deleted), saying which and why; a checkpoint whose tree differs from
+        this run's (another model or optimizer) is a RunError naming the differing keys."""
+        import orbax.checkpoint as ocp
+        from etils import epath
+
+        ckpt_dir = self.checkpoint_dir()
+        default_hook, sys.unraisablehook = sys.unraisablehook, drop_closed_loop_errors
+        damaged = []
+        for step in sorted(mngr.all_steps(), reverse=True):
+            try:
+                saved = mngr.item_metadata(step)
+                saved = getattr(saved, "tree", saved)  # the checkpoint's own description of its arrays
+            except Exception as e:
+                damaged.append((step, checkpoint_problem(e)))
+                continue
+            if saved is None:
+                damaged.append((step, "its description of the arrays (_METADATA) is missing or unreadable"))
+                continue
+            mismatch = tree_mismatch(saved, abstract_state)
+            if mismatch:
+                raise RunError(f"checkpoint {step} in {ckpt_dir} does not fit this run's model and optimizer "
+                               f"({mismatch}); resume with the run's own model settings")
+            try:
+                state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
+            except Exception as e:  # a damaged checkpoint: a file missing, an array unreadable
+                damaged.append((step, checkpoint_problem(e)))
+                continue
+            sys.unraisablehook = default_hook
+            if damaged:
+                aside = epath.Path(ckpt_dir).parent / DAMAGED
+                aside.mkdir(parents=True, exist_ok=True)
+                for bad, _ in damaged:  # a new save at that step must not meet the damaged directory
+                    (epath.Path(ckpt_dir) / str(bad)).rename(aside / str(bad))
+                mngr.reload()
+                say(f"checkpoint {', '.join(str(d) for d, _ in damaged)} cannot be restored "
+                    f"({'; '.join(f'{d}: {why}' for d, why in damaged)}); moved to {aside}; "
+                    f"resuming from checkpoint {step}, the newest intact one")
+            return state, step
+        # (the hook stays: the caller exits)
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
+        step, why = damaged[0]
+        raise RunError(f"checkpoint {step} in {ckpt_dir} cannot be restored: {why}" +
+                       (f"; nor can the {len(damaged) - 1} older one(s)" if len(damaged) > 1 else ""))
+
+    def load_params(self, step: int | None = None) -> tuple[dict, int]:
+        """(params, step) of a checkpoint, the last one by default: a pure dict of numpy arrays with
+        integer block indices, as `nnx.to_pure_dict` gives them (orbax hands dict keys back as strings).
+        For init_from, export, eval and sampling."""
+        import numpy as np
+        import orbax.checkpoint as ocp
+
+        ckpt_dir = self.checkpoint_dir()
+        steps = self.checkpoint_steps()
+        if not steps:
+            raise RunError(f"no checkpoint in {ckpt_dir}")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise RunError(f"no checkpoint for step {step} in {ckpt_dir}; saved steps: {', '.join(map(str, steps))}")
+        with ocp.CheckpointManager(ckpt_dir) as mngr:
+            try:
+                state = mngr.restore(step, args=ocp.args.StandardRestore())
+            except Exception as e:  # a damaged checkpoint
+                sys.unraisablehook = drop_closed_loop_errors  # the failed read's other reads end on a closed loop
+                logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
+                raise RunError(f"checkpoint {step} in {ckpt_dir} cannot be read: {checkpoint_problem(e)}") from None
+
+        def numpy_tree(tree):
+            if not isinstance(tree, dict):
+                return np.asarray(tree)
+            return {int(k) if isinstance(k, str) and k.isdigit() else k: numpy_tree(v) for k, v in tree.items()}
+
+        return numpy_tree(state["params"]), step
+
+    def save_params(self, params: dict, step: int = 0) -> None:
+        """A checkpoint holding only parameters (an import): what init_from, eval, sample and export read."""
+        import jax
+        import numpy as np
+        import orbax.checkpoint as ocp
+
+        state = {"params": jax.tree.map(np.asarray, params), "step": np.zeros((), np.int32) + step}
+        with ocp.CheckpointManager(self.checkpoint_dir()) as mngr:
+            mngr.save(step, args=ocp.args.StandardSave(state), force=True)
+            mngr.wait_until_finished()
+
+    def load_model(self, step: int | None = None):
+        """(the run's model.GPT with the checkpoint's parameters, the checkpoint step)."""
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from model import GPT
+
+        cfg = self.config().model
+        params, step = self.load_params(step)
+        abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(params=0)))  # shapes only, nothing computed
+        graphdef, state = nnx.split(abstract)
+        try:
+            nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+        except (KeyError, ValueError) as e:
+            raise RunError(f"checkpoint {step} of {self} does not fit its config.yaml: {e}") from None
+        return nnx.merge(graphdef, state), step
+
+
+def open_run(location) -> Run:
+    """The run directory at a local path or URL; a `Run` is passed through."""
+    return location if isinstance(location, Run) else Run(location)
+
+
+def existing(location) -> Run:
+    """A run directory to read (eval, sample, convert): a local one must exist; one at a URL is
+    checked when its config is read."""
+    if not storage.is_url(location) and not pathlib.Path(location).is_dir():
+        raise RunError(f"run directory {location} not found")
+    return Run(location)
+
+
+# ----------------------------------------------------------------------------------------------
+# Starting from another run's parameters (training.init_from)
+
+
+def check_init_from(location, mcfg) -> None:
+    """training.init_from: a run directory with a checkpoint and this run's model, or a RunError (one line)."""
+    try:
+        src = open_run(location)
+        src_model = src.config().model
+        has_checkpoint = bool(src.checkpoint_steps())
+    except UserError as e:
+        raise RunError(f"training.init_from: {e}") from None
+    if not has_checkpoint:
+        raise RunError(f"training.init_from={location}: no checkpoint in it to start from")
+    # an ALiBi model may change its context: only the parameters' fields must agree
+    diffs = [f"{f} {getattr(src_model, f)} there, {getattr(mcfg, f)} here" for f in mcfg.PARAMETER_FIELDS
+             if getattr(src_model, f) != getattr(mcfg, f) and not (f == "block_size" and mcfg.max_length is None)]
+    if diffs:
+        raise RunError(f"training.init_from={location}: its model differs from this run's ({'; '.join(diffs)}); "
+                       f"set the same model (and prepare the data with its tokenizer)")
+
+
+def load_init_params(location, shardings):
+    """training.init_from: the parameters of a run directory's last checkpoint, placed with `shardings`."""
+    import jax
+
+    try:
+        params, _ = open_run(location).load_params()
+    except UserError as e:
+        raise RunError(f"training.init_from: {e}") from None
+    return jax.device_put(params, shardings)
+
+
+# ----------------------------------------------------------------------------------------------
+# What is wrong with a checkpoint, in the user's terms
+
+
+def tree_mismatch(saved, abstract_state) -> str | None:
+    """How a checkpoint's tree (its metadata) and this run's state differ: keys on one side only and
+    arrays of another shape, the first few of each; None when they agree."""
+    import jax
+
+    def shapes(tree) -> dict[str, tuple | None]:
+        name = lambda k: getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))  # noqa: E731  (dict, list, attr)
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {"/".join(str(name(k)) for k in path): getattr(leaf, "shape", None) for path, leaf in flat}
+
+    def show(names) -> str:  # the parameters first: they say what differs in the model
+        first = sorted(names, key=lambda n: (not n.startswith("params/"), n))[:4]
+        return ", ".join(first) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+    there, here = shapes(saved), shapes(abstract_state)
+    resized = [f"{k} {tuple(there[k])} there, {tuple(here[k])} here" for k in sorted(
+        there.keys() & here.keys(), key=lambda n: (not n.startswith("params/"), n))
+        if None not in (there[k], here[k]) and tuple(there[k]) != tuple(here[k])]
+    parts = ([f"only in the checkpoint: {show(there.keys() - here.keys())}"] if there.keys() - here.keys() else []) + \
+            ([f"only in this run: {show(here.keys() - there.keys())}"] if here.keys() - there.keys() else []) + \
+            ([f"other shapes: {', '.join(resized[:3])}" + (f" and {len(resized) - 3} more" if len(resized) > 3 else "")]
+             if resized else [])
+    return "; ".join(parts) or None
+
+
+def checkpoint_problem(error: BaseException) -> str:
+    """Why a checkpoint cannot be restored, in one line of the user's terms (an array's name, a
+    missing file), without the storage library's internals."""
+    chain = []
+    while error is not None and len(chain) < 10:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for e in reversed(chain):  # the innermost cause names the array: Error reading "params.wte/0.0" ...: why
+        match = re.search(r'Error reading "([^"/]+)[^"]*".*?: ([^;]+)', str(e))
+        if match:
+            why = match.group(2).split(" [tensorstore_spec")[0].strip()
+            return f"array {match.group(1)} cannot be read ({why[:160]})"
+    text = (str(chain[0]).splitlines() or [type(chain[0]).__name__])[0]
+    text = re.split(r"\s*See full TensorStore|\s*<bound method", text)[0]
+    return text[:200] or type(chain[0]).__name__
+
+
+def drop_closed_loop_errors(unraisable) -> None:
+    """A sys.unraisablehook for restoring a checkpoint: when one read fails, tensorstore finishes the
+    other parallel reads on orbax's already closed asyncio loop, and each would print an 'Event
+    loop is closed' traceback that buries the one-line error. Drop exactly those."""
+    if not (unraisable.exc_type is RuntimeError and "Event loop is closed" in str(unraisable.exc_value)):
+        sys.__unraisablehook__(unraisable)

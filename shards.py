@@ -1,0 +1,391 @@
+"""The on-disk token format of a prepared data directory: everything preparation and loading share.
+
+A data directory DIR (FORMAT_VERSION 1):
+
+    DIR/tokenizer.json        the `tokenizers` tokenizer that produced the ids (a copy, so DIR describes itself)
+    DIR/train_00000.bin ...   raw little-endian uint16 token ids (uint32 if the vocabulary needs it), no header
+    DIR/val_00000.bin ...
+    DIR/index.json            written last: format_version, tokenizer, tokenizer_sha256, vocab_size, eot_id,
+                              dtype, tokens, documents, bytes_per_token, unigram_entropy (nats per token of
+                              the train split), skipped inputs, the inputs, and per split its tokens,
+                              documents, bytes, unigram_entropy and shards [{file, tokens, documents, sha256}]
+
+Every document is followed by the end-of-text id. A split is one logical token stream: its shards
+concatenated in order. Prompt/completion data (finetune_data.py) is the same format with
+`kind: "prompt_completion"` and `seq_len` in the index and, per split, `mask_shards`: parallel uint8
+files {split}_mask_NNNNN.bin, one byte per token (PROMPT, COMPLETION, or END for the end-of-text
+token that closes an example).
+
+Writing: `ShardWriter` cuts a split's tokens into shards, hashing each; `Staged` is the sibling
+DIR.tmp-<pid> a directory is built in, renamed into place only when complete, so an interrupted
+preparation never leaves an index naming missing or partial shards. Reading: `load_index` checks
+the index, the tokenizer's sha256 and every shard's size (truncated, extended, missing); `verify`
+reads every file against its sha256. A directory at a URL (gs://...) is read through its verified
+local copy (`local_dir`, storage.py's cache).
+
+Knows nothing of models or of how documents are found (corpus.py) or batched (loader.py).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+from typing import Iterator, NamedTuple
+
+import numpy as np
+
+import storage
+from corpus import DataError
+
+FORMAT_VERSION = 1
+EOT_TOKEN = "<|endoftext|>"
+EOT_CANDIDATES = (EOT_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
+CHUNK_BYTES = 1 << 20  # text per encode_batch call: large enough to amortise, small enough to bound memory
+PROMPT_COMPLETION = "prompt_completion"  # index["kind"] of prompt/completion data; text data has no kind
+PROMPT, COMPLETION, END = 0, 1, 2  # loss-mask byte values of prompt/completion data
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer: a given tokenizer.json, or a byte-level BPE trained on the train documents.
+
+def train_tokenizer(docs: Iterator[str], vocab_size: int):
+    """A byte-level BPE of vocab_size (EOT_TOKEN its one special token) trained on the documents."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # exact round trip
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(docs, trainer)
+    return tokenizer
+
+
+def load_tokenizer_file(path: str | os.PathLike):
+    """A tokenizers Tokenizer from tokenizer.json; a missing or malformed file is a DataError."""
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises a bare Exception for both missing and malformed files
+        reason = "file not found" if not os.path.exists(path) else str(e).splitlines()[0][:200]
+        raise DataError(f"cannot load tokenizer {path}: {reason}")
+
+
+def install_tokenizer(path, directory: pathlib.Path):
+    """The tokenizer of tokenizer.json `path`, copied into directory/tokenizer.json (as it is, or saved
+    with an end-of-text token added where it lacks one)."""
+    tok = load_tokenizer_file(path)
+    if eot_id_of(tok) is None:
+        tok.add_special_tokens([EOT_TOKEN])
+        tok.save(str(directory / "tokenizer.json"))
+    else:
+        shutil.copyfile(path, directory / "tokenizer.json")
+    return tok
+
+
+def eot_id_of(tokenizer) -> int | None:
+    """The id of the tokenizer's end-of-text token (the first of EOT_CANDIDATES it has), or None."""
+    vocab = tokenizer.get_vocab()
+    return next((vocab[t] for t in EOT_CANDIDATES if t in vocab), None)
+
+
+def file_sha256(path: pathlib.Path) -> str:
+    """The hex sha256 of a file's bytes, as index.json records it."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def dtype_for(vocab_size: int) -> str:
+    """The smallest shard dtype that holds every id of the vocabulary."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def encode_texts(tokenizer, texts: list[str], eot: int, vocab_size: int, dtype: str):
+    """One chunk of documents to (ids with an end-of-text after each document, document ends, bytes)."""
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # no offsets: faster
+    flat: list[int] = []
+    ends = np.empty(len(texts), np.int64)
+    for i, encoding in enumerate(encode(texts, add_special_tokens=False)):
+        flat += encoding.ids
+        flat.append(eot)
+        ends[i] = len(flat)
+    ids = np.array(flat, np.int64)
+    top = int(ids.max())
+    if top >= vocab_size or top > np.iinfo(dtype).max:
+        raise DataError(f"token id {top} does not fit: vocabulary size {vocab_size}, dtype {dtype}")
+    return ids, ends, sum(len(t.encode("utf-8")) for t in texts)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+class ShardWriter:
+    """Appends tokens of one split to fixed-size shards, counting the documents that end in each.
+
+    Shards are numbered from `first_shard` (0 for a whole split; data_beam.py writes one shard a task)."""
+
+    def __init__(self, directory: pathlib.Path, split: str, dtype: str, shard_tokens: int, vocab_size: int,
+                 first_shard: int = 0):
+        self.directory, self.split, self.shard_tokens, self.first_shard = directory, split, shard_tokens, first_shard
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.shards: list[dict] = []
+        self.counts = np.zeros(vocab_size, np.int64)
+        self.bytes = 0
+        self.file, self.hash = None, None
+
+    def write(self, tokens: np.ndarray, doc_ends: np.ndarray) -> None:
+        self.counts += np.bincount(tokens, minlength=len(self.counts))
+        pos = 0
+        while pos < len(tokens):
+            if self.file is None:
+                name = f"{self.split}_{self.first_shard + len(self.shards):05d}.bin"
+                self.file = open(self.directory / name, "wb")
+                self.hash = hashlib.sha256()
+                self.shards.append({"file": name, "tokens": 0, "documents": 0})
+            shard = self.shards[-1]
+            piece = tokens[pos:pos + self.shard_tokens - shard["tokens"]]
+            raw = piece.astype(self.dtype, copy=False).tobytes()
+            self.file.write(raw)
+            self.hash.update(raw)
+            # documents whose end-of-text token lands in this piece: ends in (pos, pos + len(piece)]
+            shard["documents"] += int(np.searchsorted(doc_ends, pos + len(piece), "right")
+                                      - np.searchsorted(doc_ends, pos, "right"))
+            shard["tokens"] += len(piece)
+            pos += len(piece)
+            if shard["tokens"] == self.shard_tokens:
+                self.close()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+            self.shards[-1]["sha256"] = self.hash.hexdigest()  # checked when a remote copy is fetched
+
+    def summary(self) -> dict:
+        return split_summary(self.shards, self.counts, self.bytes)
+
+
+def split_summary(shards: list[dict], counts: np.ndarray, nbytes: int) -> dict:
+    """A split's entry in the index, from its shards in order and its token frequencies."""
+    return {"tokens": int(counts.sum()), "documents": sum(s["documents"] for s in shards), "bytes": nbytes,
+            "unigram_entropy": _entropy(counts), "shards": shards}
+
+
+def _entropy(counts: np.ndarray) -> float:
+    """Unigram entropy in nats per token: H = -sum p log p over the observed token frequencies."""
+    total = counts.sum()
+    if total == 0:
+        return 0.0
+    p = counts[counts > 0] / total
+    return float(-(p * np.log(p)).sum())
+
+
+def check_out(out: pathlib.Path, overwrite: bool, inputs: list[str]) -> None:
+    """A directory may be written at `out`: new, or replaced with --overwrite, and holding no input
+    (--overwrite must never delete one)."""
+    if out.exists() and not overwrite:
+        raise DataError(f"{out} exists; pass --overwrite to replace it")
+    for location in inputs:
+        if out.resolve() in pathlib.Path(location).resolve().parents:
+            raise DataError(f"input {location} lies inside the output directory {out}")
+
+
+class Staged:
+    """The sibling directory DIR.tmp-<pid> a data directory is built in, renamed to DIR when complete.
+
+        with shards.Staged(out) as staged:   # a fresh, empty staged.path (leftovers of dead runs removed)
+            ... write staged.path / files ...
+            staged.commit(index)              # index.json written last, then the swap into place
+
+    Leaving the block without commit (an error, Ctrl-C) removes the staged directory and leaves
+    DIR as it was; with --overwrite the old DIR goes only once the new one is complete."""
+
+    def __init__(self, out):
+        self.out = pathlib.Path(out)
+        self.path = self.out.parent / f"{self.out.name}.tmp-{os.getpid()}"
+
+    def __enter__(self) -> "Staged":
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self._clean_leftovers()
+        self.reset()
+        return self
+
+    def reset(self) -> None:
+        """Empty the staged directory, to build it again."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.path.mkdir()
+
+    def commit(self, index: dict) -> None:
+        (self.path / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+        if self.out.exists():
+            old = self.out.parent / f"{self.out.name}.tmp-{os.getpid()}-old"
+            self.out.rename(old)
+            self.path.rename(self.out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            self.path.rename(self.out)
+
+    def __exit__(self, *exc) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)  # after commit: nothing left there
+
+    def _clean_leftovers(self) -> None:
+        """Removes DIR.tmp-<pid> directories of earlier runs that are no longer running."""
+        out = self.out
+        for tmp in out.parent.glob(glob.escape(out.name) + ".tmp-*"):
+            pid = tmp.name[len(out.name) + len(".tmp-"):].split("-")[0]
+            if pid.isdigit() and int(pid) != os.getpid():
+                try:
+                    os.kill(int(pid), 0)
+                    continue  # still running: another preparation into the same DIR owns it
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    continue
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: the index and the files it names
+
+
+def is_prompt_completion(index: dict) -> bool:
+    return index.get("kind") == PROMPT_COMPLETION
+
+
+def local_dir(location, cache: str | os.PathLike | None = None) -> pathlib.Path:
+    """A data directory on the local disk: `location` itself, or for a URL its copy in storage.py's
+    cache, every file the index names checked against its recorded size and sha256."""
+    return storage.local_copy(location, lambda index: [(f.file, f.size, f.sha256) for f in index_files(index)],
+                              cache)
+
+
+class IndexedFile(NamedTuple):
+    """A file that index.json names, with what it records about it."""
+    file: str  # its name inside the directory
+    kind: str  # "tokenizer", "tokens" (a token shard) or "mask" (a prompt/completion loss-mask shard)
+    size: int | None  # bytes; None for the tokenizer, whose sha256 is always recorded
+    sha256: str | None  # None in an index written before shards had hashes
+    what: str  # its recorded content, for messages: "257 uint16 tokens", "257 loss-mask bytes", "tokenizer"
+
+
+def index_files(index: dict) -> list[IndexedFile]:
+    """The tokenizer, then every split's token shards and (prompt/completion data) loss-mask shards."""
+    dtype = index["dtype"]
+    itemsize = np.dtype(dtype).itemsize
+    files = [IndexedFile(index["tokenizer"], "tokenizer", None, index["tokenizer_sha256"], "tokenizer")]
+    for split in index["splits"].values():
+        files += [IndexedFile(s["file"], "tokens", int(s["tokens"]) * itemsize, s.get("sha256"),
+                              f"{s['tokens']} {dtype} tokens") for s in split["shards"]]
+        files += [IndexedFile(s["file"], "mask", int(s["tokens"]), s.get("sha256"), f"{s['tokens']} loss-mask bytes")
+                  for s in split.get("mask_shards", [])]
+    return files
+
+
+def read_index(data_dir) -> tuple[pathlib.Path, dict, list[IndexedFile]]:
+    """(local directory, index, the files it names) of a data directory, the index's own fields checked
+    but not the files. A URL is first copied into the local cache and verified (local_dir)."""
+    data_dir = local_dir(data_dir)
+    path = data_dir / "index.json"
+    if not path.is_file():
+        raise DataError(f"{path} not found; prepare the data with `python data.py`")
+    try:
+        index = json.loads(path.read_text())
+        version = index["format_version"]
+        if version != FORMAT_VERSION:
+            raise DataError(f"{path}: format version {version}, this data.py reads {FORMAT_VERSION}")
+        dtype, vocab = index["dtype"], int(index["vocab_size"])
+        if dtype not in ("uint16", "uint32") or vocab > np.iinfo(dtype).max + 1:
+            raise DataError(f"{path}: dtype {dtype!r} cannot hold vocabulary size {vocab}")
+        for name, split in index["splits"].items():
+            if sum(int(s["tokens"]) for s in split["shards"]) != int(split["tokens"]):
+                raise DataError(f"{path}: split {name!r} shard token counts do not add up to {split['tokens']}")
+        return data_dir, index, index_files(index)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise DataError(f"{path} is corrupt ({type(e).__name__}: {e}); re-run data.py with --overwrite")
+
+
+def _size(path: pathlib.Path) -> int | None:
+    return path.stat().st_size if path.is_file() else None
+
+
+def _size_problem(path: pathlib.Path, entry: IndexedFile) -> str | None:
+    """A shard whose size is not the recorded one: missing, truncated or extended."""
+    size = _size(path)
+    if size == entry.size:
+        return None
+    return f"{path}: expected {entry.size} bytes ({entry.what}), found " + ("none: missing" if size is None
+                                                                          else f"{size} bytes")
+
+
+def load_index(data_dir) -> dict:
+    """The validated index of a data directory: the tokenizer matches its sha256, and every shard (loss-mask
+    shards included) exists with the recorded size; hashes of the shards are `verify`'s to check.
+
+    A URL (gs://...) is first copied into the local cache and verified there (local_dir)."""
+    data_dir, index, files = read_index(data_dir)
+    tokenizer = data_dir / files[0].file
+    if not tokenizer.is_file():
+        raise DataError(f"{data_dir / 'index.json'}: tokenizer {tokenizer} is missing")
+    if file_sha256(tokenizer) != files[0].sha256:
+        raise DataError(f"{data_dir / 'index.json'}: {tokenizer} does not match the recorded sha256; re-run data.py")
+    for entry in files[1:]:
+        problem = _size_problem(data_dir / entry.file, entry)
+        if problem:
+            raise DataError(problem)
+    return index
+
+
+def verify(data_dir) -> tuple[list[str], str]:
+    """Checks every file of a data directory against its index.json, reading each whole: the size and
+    sha256 of every token and loss-mask shard and of the tokenizer. A shard for which the index records
+    no sha256 (an index written before shards had hashes) gets its size checked, and for a token shard
+    its ids against the vocabulary. Returns (one line per problem, a one-line summary)."""
+    directory, index, files = read_index(data_dir)
+    problems, nbytes, unhashed = [], 0, 0
+    for entry in files:
+        path = directory / entry.file
+        if entry.size is not None:
+            problem = _size_problem(path, entry)
+        else:
+            problem = None if path.is_file() else f"{path}: missing"
+        if problem is None and entry.sha256 is not None:
+            digest = file_sha256(path)
+            if digest != entry.sha256:
+                problem = f"{path}: sha256 {digest[:16]}..., index.json records {entry.sha256[:16]}...: changed"
+        elif problem is None:
+            unhashed += 1
+            if entry.kind == "tokens" and entry.size:
+                problem = _id_problem(path, index)
+        if problem is None:
+            nbytes += path.stat().st_size
+        else:
+            problems.append(problem)
+    masks = sum(f.kind == "mask" for f in files)
+    kinds = f"{len(files) - 1 - masks} token shards" + (f", {masks} loss-mask shards" if masks else "")
+    if problems:
+        return problems, (f"{directory}: {len(problems)} of {len(files)} files damaged or missing ({kinds}, "
+                          f"the tokenizer); restore them or prepare the directory again")
+    checked = "sizes and sha256 match index.json"
+    if unhashed:
+        checked += (f"; {unhashed} shards have no sha256 in index.json (written by an older data.py): "
+                    f"their sizes and token ids checked only")
+    return [], f"{directory}: intact, {len(files)} files ({kinds}, the tokenizer), {nbytes / 1e6:.1f} MB; {checked}"
+
+
+def _id_problem(path: pathlib.Path, index: dict) -> str | None:
+    """The first token id of a shard that is outside the vocabulary, if any."""
+    vocab = int(index["vocab_size"])
+    tokens = np.memmap(path, np.dtype(index["dtype"]).newbyteorder("<"), "r")
+    if int(tokens.max()) < vocab:
+        return None
+    at = int(np.flatnonzero(tokens >= vocab)[0])
+    return f"{path}: token {at} is id {int(tokens[at])}, outside the vocabulary of {vocab}"
+
+
+def load_tokenizer(data_dir):
+    """The tokenizer of a prepared data directory (for decoding samples)."""
+    return load_tokenizer_file(local_dir(data_dir) / load_index(data_dir)["tokenizer"])
+
