@@ -182,20 +182,10 @@ def _tokenize_local(sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, 
                 bar.set_postfix_str(f"{tokens / 1e6:.1f}M tokens, "
                                     f"{done_bytes / 1e6 / (time.perf_counter() - start):.1f} MB/s")
 
-        chunks = {"train": ([], 0), "val": ([], 0)}
         try:
-            for key, text in reader:
-                split = "val" if is_val(key) else "train"
-                texts, size = chunks[split]
-                texts.append(text)
-                chunks[split] = (texts, size + len(text))
-                if size + len(text) >= shards.CHUNK_BYTES:
-                    pending.append((split, pool.submit(shards.encode_texts, tok, texts, eot, vocab_size, dtype)))
-                    chunks[split] = ([], 0)
-                    drain(2 * workers)
-            for split, (texts, _) in chunks.items():
-                if texts:
-                    pending.append((split, pool.submit(shards.encode_texts, tok, texts, eot, vocab_size, dtype)))
+            for split, texts in shards.chunks(reader, is_val):
+                pending.append((split, pool.submit(shards.encode_texts, tok, texts, eot, vocab_size, dtype)))
+                drain(2 * workers)
             drain(0)
         except BaseException:  # stop at once: chunks not yet started are dropped
             for _, future in pending:

@@ -93,18 +93,8 @@ def _tokenize_source(item: tuple[int, tuple], tmp: pathlib.Path, tok, eot: int, 
 
     error = None
     try:
-        chunks = {"train": ([], 0), "val": ([], 0)}
-        for key, text in reader:
-            split = "val" if is_val(key) else "train"
-            texts, size = chunks[split]
-            texts.append(text)
-            chunks[split] = (texts, size + len(text))
-            if size + len(text) >= shards.CHUNK_BYTES:
-                flush(split, texts)
-                chunks[split] = ([], 0)
-        for split, (texts, _) in chunks.items():
-            if texts:
-                flush(split, texts)
+        for split, texts in shards.chunks(reader, is_val):
+            flush(split, texts)
     except DataError as e:  # the user's to fix: carried to the launcher, which reports it
         error = str(e)
     finally:

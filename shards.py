@@ -33,7 +33,7 @@ import json
 import os
 import pathlib
 import shutil
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -100,6 +100,24 @@ def file_sha256(path: pathlib.Path) -> str:
 def dtype_for(vocab_size: int) -> str:
     """The smallest shard dtype that holds every id of the vocabulary."""
     return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def chunks(documents: Iterable[tuple[str, str]], is_val: Callable[[str], bool]) -> Iterator[tuple[str, list[str]]]:
+    """(split, texts): the (key, text) documents in order, split by is_val(key) and gathered per split into
+    chunks of CHUNK_BYTES of text or more (one encode_texts call each); each split's last chunk comes at the end."""
+    pending = {"train": ([], 0), "val": ([], 0)}
+    for key, text in documents:
+        split = "val" if is_val(key) else "train"
+        texts, size = pending[split]
+        texts.append(text)
+        if size + len(text) >= CHUNK_BYTES:
+            yield split, texts
+            pending[split] = ([], 0)
+        else:
+            pending[split] = (texts, size + len(text))
+    for split, (texts, _) in pending.items():
+        if texts:
+            yield split, texts
 
 
 def encode_texts(tokenizer, texts: list[str], eot: int, vocab_size: int, dtype: str):
