@@ -230,7 +230,7 @@ def check_settings(block_fwd: int, block_bwd: int, num_warps: int, num_stages: i
         raise ValueError(f"num_stages must be at least 1, got {num_stages}")
 
 
-def _interpret_by_default() -> bool:
+def interpret_by_default() -> bool:
     """Interpret mode everywhere but on an NVIDIA GPU (tests replace this to lower for CUDA on a CPU)."""
     return jax.default_backend() != "gpu"
 
@@ -256,7 +256,7 @@ def flash_alibi_attention(q, k, v, slopes=None, *, block_fwd: int = BLOCK_FWD, b
         raise ValueError("the Pallas flash-attention kernel is written for NVIDIA GPUs (Triton); on a TPU "
                          "use model.attention=xla or dot_product")
     if interpret is None:
-        interpret = _interpret_by_default()
+        interpret = interpret_by_default()
     slopes = np.zeros(H, np.float32) if slopes is None else slopes
     slopes = jnp.broadcast_to(jnp.asarray(slopes, jnp.float32)[:, None], (H, SLOPE_LANES))
 

@@ -204,7 +204,7 @@ class JsonLines:
 # ----------------------------------------------------------------------------------------------
 # Data directories: a verified local copy of a remote one
 
-_verified: dict[str, pathlib.Path] = {}  # URL -> its cache directory, checked in this process
+verified: dict[str, pathlib.Path] = {}  # URL -> its cache directory, checked in this process
 
 
 def cache_dir_for(url: str, cache: str | os.PathLike | None = None) -> pathlib.Path:
@@ -223,8 +223,8 @@ def local_copy(location, list_files, cache: str | os.PathLike | None = None) -> 
     if not is_url(location):
         return pathlib.Path(_local(location))
     url = str(location).rstrip("/")
-    if url in _verified and cache is None:
-        return _verified[url]
+    if url in verified and cache is None:
+        return verified[url]
     fs, root = _filesystem(url, DataError)
     try:
         raw = fs.cat_file(f"{root}/index.json")
@@ -254,7 +254,7 @@ def local_copy(location, list_files, cache: str | os.PathLike | None = None) -> 
     tmp = local / f"index.json.part-{os.getpid()}"
     tmp.write_bytes(raw)
     tmp.replace(local / "index.json")  # last: the copy's index names only verified files
-    _verified[url] = local
+    verified[url] = local
     return local
 
 

@@ -100,7 +100,7 @@ def triton_calls(lowered_text: str, with_warps: bool = False) -> list[tuple]:
 def test_flash_kernel_lowers_to_triton_for_cuda(monkeypatch, B, T, H, D, dtype, settings):
     """The kernels pass Pallas's Triton lowering (every tile a power of two, every operation one
     Triton has), checked from any machine by lowering the gradient for CUDA."""
-    monkeypatch.setattr(flash_alibi, "_interpret_by_default", lambda: False)
+    monkeypatch.setattr(flash_alibi, "interpret_by_default", lambda: False)
     x = jax.ShapeDtypeStruct((B, T, H, D), dtype)
 
     def loss(q, k, v):
@@ -137,7 +137,7 @@ def test_pallas_attention_runs_per_device_under_a_mesh(monkeypatch, data, fsdp):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, err_msg=f"d{name}")
 
     # for CUDA, every Triton call takes one device's block: B/4 rows, T padded to 64, H/2 heads
-    monkeypatch.setattr(flash_alibi, "_interpret_by_default", lambda: False)
+    monkeypatch.setattr(flash_alibi, "interpret_by_default", lambda: False)
     text = grad_fn("pallas").trace(*placed).lower(lowering_platforms=("cuda",)).as_text()
     calls = triton_calls(text)
     assert sorted(name for name, _ in calls) == ["flash_alibi_dkv", "flash_alibi_dq", "flash_alibi_fwd"]
@@ -149,7 +149,7 @@ def test_pallas_attention_runs_per_device_under_a_mesh(monkeypatch, data, fsdp):
 def test_zero3_train_step_with_pallas_lowers_for_cuda(monkeypatch):
     """train.py's step (ZeRO-3 over data=4, heads over tensor=2, bfloat16, attention=pallas) lowers
     for CUDA with the kernels on per-device blocks, forward (recomputed under remat) and backward."""
-    monkeypatch.setattr(flash_alibi, "_interpret_by_default", lambda: False)
+    monkeypatch.setattr(flash_alibi, "interpret_by_default", lambda: False)
     mcfg = M.GPTConfig(vocab_size=256, block_size=64, embedding_dim=64, num_head=4, N=2, dtype="bfloat16",
                        attention="pallas", remat="full")
     mesh = sharding.make_mesh(4, 1, 2)

@@ -52,7 +52,7 @@ def bucket(monkeypatch, tmp_path):
     """A fresh memory:// location, a fresh cache, and no memory of earlier verification."""
     url = f"memory://bucket-{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(storage, "_verified", {})
+    monkeypatch.setattr(storage, "verified", {})
     yield url
     fs, root = fsspec.core.url_to_fs(url)
     if fs.exists(root):
@@ -99,7 +99,7 @@ def test_remote_data_is_copied_verified_and_read_like_the_local_directory(prepar
             assert s["sha256"] == hashlib.sha256((prepared / s["file"]).read_bytes()).hexdigest()
 
     # a later process reuses the verified copy; a cached shard damaged in place is copied again, alone
-    monkeypatch.setattr(storage, "_verified", {})
+    monkeypatch.setattr(storage, "verified", {})
     copied = record_copies(monkeypatch)
     shards.load_index(url)
     assert copied == []
@@ -107,7 +107,7 @@ def test_remote_data_is_copied_verified_and_read_like_the_local_directory(prepar
     raw = bytearray(victim.read_bytes())
     raw[10] ^= 0xFF
     victim.write_bytes(bytes(raw))  # same size, other content
-    monkeypatch.setattr(storage, "_verified", {})
+    monkeypatch.setattr(storage, "verified", {})
     shards.load_index(url)
     assert copied == [victim.name]
     assert victim.read_bytes() == (prepared / victim.name).read_bytes()

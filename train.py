@@ -66,6 +66,31 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 700.0))
 
 
+def start_wandb(cfg, run_dir: rundir.Run):
+    """The run's W&B run: a resume (and eval.py) continues the one whose id the run directory keeps."""
+    import wandb
+
+    return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name,
+                      id=run_dir.wandb_id(new=uuid.uuid4().hex[:8]), resume="allow", mode=cfg.wandb.mode,
+                      dir=None if run_dir.remote else str(run_dir), config=config_lib.to_dict(cfg))
+
+
+def report(summary: dict) -> str:
+    """The lines train.py ends with, from its summary.json."""
+    fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
+    gap = summary.get("val_loss_below_unigram")
+    return (
+        f"done: {summary['steps']} steps, {summary['tokens'] / 1e6:.2f}M tokens in {summary['wall_time_s']:.0f}s\n"
+        f"  train loss {fmt(summary['train_loss'], '.4f')} (ppl {fmt(summary['train_ppl'], '.2f')}), "
+        f"val loss {fmt(summary['val_loss'], '.4f')} (ppl {fmt(summary['val_ppl'], '.2f')}) on a fixed sample of "
+        f"{summary['val_sample_windows']} windows, {summary['val_sample_tokens']:,} tokens "
+        f"(python eval.py measures the whole split)\n"
+        f"  unigram entropy of the corpus {fmt(summary['unigram_entropy'], '.4f')} nats/token"
+        + (f"; the val loss is {abs(gap):.3f} nats {'below' if gap >= 0 else 'above'} it" if gap is not None else "")
+        + f"\n  checkpoint {summary['checkpoint']}"
+    )
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         description="Train a GPT. Without --resume, run_dir must not exist yet (or be empty); with --resume, "
@@ -238,16 +263,7 @@ def run(argv, stop: dict) -> int:
             clock = float(metrics_file.rows[-1].get("time_s", 0.0))
         if args.resume:  # restored and its log read: the effective config (with this command's overrides) is the run's
             run_dir.save_config(cfg)
-    wandb_run = None
-    if is_main and cfg.wandb.mode != "disabled":
-        import wandb
-
-        wandb_run = wandb.init(
-            project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name,
-            id=run_dir.wandb_id(new=uuid.uuid4().hex[:8]), resume="allow", mode=cfg.wandb.mode,
-            dir=None if run_dir.remote else str(run_dir),
-            config=config_lib.to_dict(cfg),
-        )
+    wandb_run = start_wandb(cfg, run_dir) if is_main and cfg.wandb.mode != "disabled" else None
 
     n_params = model_lib.param_count(mcfg)
     tokens_per_step = t.batch_size * seq_len
@@ -380,17 +396,7 @@ def run(argv, stop: dict) -> int:
         if wandb_run is not None:
             wandb_run.summary.update(summary)
             wandb_run.finish()
-    fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
-    say(
-        f"done: {summary['steps']} steps, {summary['tokens'] / 1e6:.2f}M tokens in {summary['wall_time_s']:.0f}s\n"
-        f"  train loss {fmt(train_loss, '.4f')} (ppl {fmt(summary['train_ppl'], '.2f')}), "
-        f"val loss {fmt(summary['val_loss'], '.4f')} (ppl {fmt(summary['val_ppl'], '.2f')}) on a fixed sample of "
-        f"{val_windows} windows, {val_tokens:,} tokens (python eval.py measures the whole split)\n"
-        f"  unigram entropy of the corpus {fmt(entropy, '.4f')} nats/token"
-        + (f"; the val loss is {abs(gap):.3f} nats {'below' if gap >= 0 else 'above'} it"
-           if (gap := summary.get("val_loss_below_unigram")) is not None else "")
-        + f"\n  checkpoint {summary['checkpoint']}"
-    )
+    say(report(summary))
     return 0
 
 
