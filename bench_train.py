@@ -256,7 +256,7 @@ def resolve(args):
     if seq < 1 or args.batch < 1 or args.steps < 1 or args.warmup < 1:
         raise TrainBenchError("--seq, --batch, --steps and --warmup must be at least 1")
     if seq > mcfg.block_size:
-        if not mcfg.alibi_attn:
+        if mcfg.max_length is not None:
             raise TrainBenchError(f"--seq {seq} is longer than block_size {mcfg.block_size} of the learned-position "
                                   f"model {name}")
         mcfg = dataclasses.replace(mcfg, block_size=seq)  # ALiBi: the context is what is fed
