@@ -192,6 +192,7 @@ class Run(storage.RunDir):
                 continue
             mismatch = tree_mismatch(saved, abstract_state)
             if mismatch:
+                logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # as below: the caller exits
                 raise RunError(f"checkpoint {step} in {ckpt_dir} does not fit this run's model and optimizer "
                                f"({mismatch}); resume with the run's own model settings")
             try:
