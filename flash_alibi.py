@@ -2,11 +2,11 @@
 
     flash_alibi_attention(q, k, v, slopes)     q, k, v (B, T, H, D) -> (B, T, H, D)
 
-The same function as model._attend for self-attention: query i sees key j <= i with the score
-q_i . k_j / sqrt(D) - slope_h * (i - j), softmax in float32. No (T, T) array is ever stored:
-the forward pass walks the key blocks of each query block with an online softmax and keeps only
-the output and the log-sum-exp per row (O(T) memory); the bias is rebuilt from the head's slope
-and the block positions wherever a score is formed.
+The same function as model.attention's reference path (`attention: xla`) for self-attention: query
+i sees key j <= i with the score q_i . k_j / sqrt(D) - slope_h * (i - j), softmax in float32. No
+(T, T) array is ever stored: the forward pass walks the key blocks of each query block with an
+online softmax and keeps only the output and the log-sum-exp per row (O(T) memory); the bias is
+rebuilt from the head's slope and the block positions wherever a score is formed.
 
 The backward pass is two Pallas kernels (as FlashAttention-2 splits it), both recomputing the
 probabilities from q, k and the saved log-sum-exp:

@@ -253,7 +253,7 @@ class Run(storage.RunDir):
         import numpy as np
         import orbax.checkpoint as ocp
 
-        state = {"params": jax.tree.map(np.asarray, params), "step": np.zeros((), np.int32) + step}
+        state = {"params": jax.tree.map(np.asarray, params), "step": np.asarray(step, np.int32)}
         with ocp.CheckpointManager(self.checkpoint_dir()) as mngr:
             mngr.save(step, args=ocp.args.StandardSave(state), force=True)
             mngr.wait_until_finished()

@@ -136,7 +136,6 @@ def encode_texts(tokenizer, texts: list[str], eot: int, vocab_size: int, dtype: 
     return ids, ends, sum(len(t.encode("utf-8")) for t in texts)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Writing
 

@@ -141,10 +141,6 @@ def run(argv, stop: dict) -> int:
     is_main = jax.process_index() == 0  # only process 0 writes files and logs
     say = print if is_main else (lambda *args, **kwargs: None)
 
-    def check_stop():  # a signal before the first step: nothing to save
-        if stop["signal"] is not None:
-            raise Interrupted(stop["signal"])
-
     # ------------------------------------------------------------------------------------------
     # Config and run directory: a resume reads the run's own config (command-line overrides still
     # apply, e.g. training.steps); a new run needs an empty directory
@@ -192,7 +188,8 @@ def run(argv, stop: dict) -> int:
         cfg.data.dir, seq_len, t.batch_size // t.micro_batches, t.eval_windows, cfg.data.batching)
     if t.init_from:  # its model must be this one: checked before anything is written
         rundir.check_init_from(t.init_from, mcfg)
-    check_stop()
+    if stop["signal"] is not None:  # a signal before the first step: nothing to save
+        raise Interrupted(stop["signal"])
 
     # ------------------------------------------------------------------------------------------
     # Model, optimizer and placement (step.py): shapes first, shardings from sharding.py's rules for
