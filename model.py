@@ -1,8 +1,21 @@
-"""A GPT decoder with ALiBi attention, in Flax NNX.
+"""A GPT decoder with ALiBi attention, in Flax NNX, with the switches of the other decoder families.
 
-    tokens (B, T) -> embedding [+ learned positions] [-> LayerNorm] -> N x Block -> LayerNorm
+    tokens (B, T) -> embedding [+ learned positions] [-> LayerNorm] -> N x Block -> norm
                   -> logits (B, T, V_padded) through the transposed token embedding (tied weights)
-    Block: x + Attention(LayerNorm(x)), then x + MLP(LayerNorm(x))   (pre-LayerNorm, GPT-2 layout)
+                     or a separate lm_head [+ bias]
+    Block: x + Attention(norm(x)), then x + MLP(norm(x))   (pre-norm, GPT-2 layout; or parallel, below)
+
+Layout switches in GPTConfig cover the decoder families people bring from transformers, so their
+weights import exactly (convert_torch.py):
+
+    GPT-2        learned positions, LayerNorm, GELU (tanh), tied output
+    BLOOM        ALiBi, LayerNorm after the embedding, GELU (tanh), tied output
+    GPT-J        rotary (interleaved, part of each head), parallel residual with one norm, GELU (tanh),
+                 no attention biases, separate output with a bias
+    GPT-NeoX     rotary (half-split, part of each head), parallel residual with two norms, exact GELU,
+                 separate output (Pythia)
+    OPT          learned positions read at an offset of 2, ReLU, tied output
+    LLaMA        rotary (half-split, whole head), RMSNorm, SwiGLU, grouped-query attention, no biases
 
 Written against Flax NNX, Flax's current API. The model holds parameters only: dropout draws
 from an explicit key passed to `__call__` (folded per layer and site), so the training step stays
@@ -73,6 +86,21 @@ class GPTConfig:
     embed_norm: bool = False  # LayerNorm right after the embedding (BLOOM's layout)
     gelu_approximate: bool = True  # tanh approximation of GELU (GPT-2, BLOOM) or exact erf
     layer_norm_epsilon: float = 1e-5
+    # The switches of the other decoder families (GPT-J, GPT-NeoX/Pythia, OPT, LLaMA); the defaults are the
+    # GPT-2/BLOOM layout above, so a config that does not name them means what it always meant.
+    rotary_dim: int = 0  # rotary embedding on the first rotary_dim dims of every head (needs alibi_attn false); 0: none
+    rotary_interleaved: bool = False  # rotate dims (2i, 2i+1) (GPT-J) rather than (i, i + rotary_dim/2) (NeoX, LLaMA)
+    rotary_base: float = 10000.0  # the rotary wavelengths: base^(-2i/rotary_dim)
+    position_offset: int = 0  # learned positions: position p reads row p + offset of the table (OPT: 2)
+    # sequential | parallel (NeoX: attention and MLP from the same input) | parallel_shared (GPT-J: one norm for both)
+    residual: str = "sequential"
+    norm: str = "layernorm"  # layernorm | rmsnorm (LLaMA: no mean, no bias)
+    activation: str = "gelu"  # MLP: gelu (gelu_approximate: tanh or erf) | relu (OPT) | swiglu (LLaMA: silu(gate) * up)
+    mlp_dim: int | None = None  # the MLP width; None: 4 * embedding_dim
+    num_kv_head: int | None = None  # key/value heads, dividing num_head (grouped-query attention); None: num_head
+    attention_bias: bool | None = None  # biases of the q, k, v and output projections; None: as `bias`
+    tie_embeddings: bool = True  # output projection = the token embedding, transposed; false: a separate lm_head
+    head_bias: bool = False  # a bias on the output logits (GPT-J's lm_head)
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16
     remat: str = "none"  # rematerialisation per block: none | full | save_matmuls
     attention: str = "auto"  # auto (fastest for the backend) | xla (reference) | dot_product | cudnn (GPU) | pallas
@@ -82,16 +110,47 @@ class GPTConfig:
     # the fields that change the parameters or the function they compute: what training.init_from, an
     # import and an export must agree on; the rest say how it is computed (dropout, dtype, remat, attention)
     PARAMETER_FIELDS = ("vocab_size", "block_size", "embedding_dim", "num_head", "N", "alibi_attn", "bias",
-                        "embed_norm", "gelu_approximate", "layer_norm_epsilon")
+                        "embed_norm", "gelu_approximate", "layer_norm_epsilon", "rotary_dim", "rotary_interleaved",
+                        "rotary_base", "position_offset", "residual", "norm", "activation", "mlp_dim", "num_kv_head",
+                        "attention_bias", "tie_embeddings", "head_bias")
+    RESIDUALS = ("sequential", "parallel", "parallel_shared")
+    NORMS = ("layernorm", "rmsnorm")
+    ACTIVATIONS = ("gelu", "relu", "swiglu")
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "embedding_dim", "num_head", "N"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
+        # one spelling per model: a value equal to its default's meaning is stored as the default (null),
+        # so configs, init_from and imports compare equal whenever the models are the same
+        for name, same in (("mlp_dim", 4 * self.embedding_dim), ("num_kv_head", self.num_head),
+                           ("attention_bias", self.bias)):
+            if getattr(self, name) == same:
+                object.__setattr__(self, name, None)
         if self.embedding_dim % self.num_head:
             raise ValueError(
                 f"model.embedding_dim ({self.embedding_dim}) must be divisible by model.num_head ({self.num_head})"
             )
+        for name, allowed in (("residual", self.RESIDUALS), ("norm", self.NORMS), ("activation", self.ACTIVATIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"model.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        for name in ("mlp_dim", "num_kv_head"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be a positive integer or null, got {getattr(self, name)}")
+        if self.num_head % self.kv_heads:
+            raise ValueError(f"model.num_kv_head ({self.kv_heads}) must divide model.num_head ({self.num_head})")
+        if self.rotary_dim:
+            if self.alibi_attn:
+                raise ValueError("model.rotary_dim > 0 needs model.alibi_attn: false (one position scheme: ALiBi "
+                                 "biases or rotary embeddings)")
+            if self.rotary_dim < 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+                raise ValueError(f"model.rotary_dim must be even and in 0..head size ({self.head_dim}), "
+                                 f"got {self.rotary_dim}")
+        if not self.rotary_base > 0:
+            raise ValueError(f"model.rotary_base must be positive, got {self.rotary_base}")
+        if self.position_offset < 0 or (self.position_offset and self.positions != "learned"):
+            raise ValueError(f"model.position_offset ({self.position_offset}) must be >= 0, and 0 unless the model "
+                             f"has learned positions (alibi_attn: false, rotary_dim: 0)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.dtype not in DTYPES:
@@ -116,10 +175,27 @@ class GPTConfig:
         return self.embedding_dim // self.num_head
 
     @property
+    def positions(self) -> str:
+        """How the model knows where a token is: 'alibi', 'rotary' or 'learned'."""
+        return "alibi" if self.alibi_attn else "rotary" if self.rotary_dim else "learned"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_head if self.num_kv_head is None else self.num_kv_head
+
+    @property
+    def ffn_dim(self) -> int:
+        return 4 * self.embedding_dim if self.mlp_dim is None else self.mlp_dim
+
+    @property
+    def attn_bias(self) -> bool:
+        return self.bias if self.attention_bias is None else self.attention_bias
+
+    @property
     def max_length(self) -> int | None:
         """The longest sequence the model takes: block_size with learned positions; None (no limit) with
-        ALiBi, whose biases are defined at every distance."""
-        return None if self.alibi_attn else self.block_size
+        ALiBi and rotary embeddings, which are defined at every distance and position."""
+        return self.block_size if self.positions == "learned" else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,6 +266,37 @@ def alibi_bias_at(n_head: int, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------------------------
+# Rotary position embeddings (Su et al., "RoFormer", 2021; GPT-J, GPT-NeoX, LLaMA)
+
+
+def rotary_angles(cfg: GPTConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array] | None:
+    """(cos, sin) float32 (T, rotary_dim/2) of the angles p * base^(-2i/rotary_dim) at positions p (T,);
+    None without rotary embeddings. Computed once per forward pass and shared by every layer."""
+    if not cfg.rotary_dim:
+        return None
+    exponents = jnp.arange(0, cfg.rotary_dim, 2, dtype=jnp.float32) / cfg.rotary_dim
+    inv_freq = 1.0 / (jnp.float32(cfg.rotary_base) ** exponents)  # (rotary_dim/2,)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, rotary_dim/2)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rotary(x: jax.Array, rope: tuple[jax.Array, jax.Array], interleaved: bool) -> jax.Array:
+    """Rotate the first rotary_dim dims of every head of x (B, T, H, D) by the angles of `rope`, in float32.
+
+    Dim pairs (a, b) turn into (a cos - b sin, b cos + a sin): pairs (2i, 2i+1) when interleaved
+    (GPT-J), (i, i + rotary_dim/2) otherwise (GPT-NeoX, LLaMA). The other dims pass unchanged.
+    """
+    cos, sin = (r[None, :, None, :] for r in rope)  # (1, T, 1, rotary_dim/2)
+    half = cos.shape[-1]
+    xf = x.astype(jnp.float32)
+    rot, rest = xf[..., : 2 * half], xf[..., 2 * half:]
+    a, b = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :half], rot[..., half:])
+    a, b = a * cos - b * sin, b * cos + a * sin
+    rot = jnp.stack([a, b], axis=-1).reshape(rot.shape) if interleaved else jnp.concatenate([a, b], axis=-1)
+    return jnp.concatenate([rot, rest], axis=-1).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
 # Layers
 
 
@@ -220,8 +327,11 @@ class Dense(nnx.Module):
         return y if self.bias is None else y + self.bias[...].astype(self.dtype)
 
 
-def _layer_norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+def _norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm | nnx.RMSNorm:
     # Flax computes the mean and variance in float32 even when `dtype` is bfloat16.
+    if cfg.norm == "rmsnorm":
+        return nnx.RMSNorm(cfg.embedding_dim, epsilon=cfg.layer_norm_epsilon, dtype=DTYPES[cfg.dtype],
+                           param_dtype=jnp.float32, scale_metadata={"axes": ("embed",)}, rngs=rngs)
     return nnx.LayerNorm(
         cfg.embedding_dim,
         epsilon=cfg.layer_norm_epsilon,
@@ -235,7 +345,9 @@ def _layer_norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
 
 
 def attention(q, k, v, cfg: GPTConfig, dropout_key=None, mask=None) -> jax.Array:
-    """Causal attention of q, k, v (B, T, H, D) -> (B, T, H, D), with the ALiBi bias when configured.
+    """Causal attention of q (B, T, H, D) over k, v (B, T, K, D) -> (B, T, H, D), with the ALiBi bias
+    when configured. K key/value heads divide the H query heads: query head h reads key/value head
+    h // (H / K) (grouped-query attention; K = H is plain multi-head attention).
 
     `mask` (B, T, T) bool, optional: query i may see key j only where mask[b, i, j] is also true
     (packed segments, forgetful causal masking; see `attention_mask`). A masked call always takes
@@ -246,6 +358,8 @@ def attention(q, k, v, cfg: GPTConfig, dropout_key=None, mask=None) -> jax.Array
         return _attend(q, k, v, jnp.arange(T), jnp.arange(T), cfg, dropout_key, mask)
     impl = resolve_attention(cfg)
     if impl == "pallas":  # O(T) memory: the bias is made inside the kernel from the slopes
+        group = H // k.shape[2]  # the kernel takes as many key/value heads as query heads
+        k, v = (jnp.repeat(x, group, axis=2) if group > 1 else x for x in (k, v))
         return _pallas_attention(q, k, v, cfg)
     if impl == "cudnn":
         check_attention_backend(dataclasses.replace(cfg, attention=impl))
@@ -293,14 +407,17 @@ def resolve_attention(cfg: GPTConfig, backend: str | None = None) -> str:
     `auto` is the fastest correct one measured there (bench/RESULTS.md, `python bench.py attention`
     and `train`): on an NVIDIA GPU in bfloat16 or float16, `pallas` for ALiBi models (the bias is
     made in-kernel; cuDNN takes 1.25x its time at 760m's shape, 1.7x at T=8192, and O(T^2) memory
-    for its bias gradient) and `cudnn` for learned positions (no bias; 3% ahead of pallas on 124m's
-    step). Everywhere else `xla`: the CPU, TPUs, float32 (not measured on a GPU) and attention
-    dropout (only xla has it)."""
+    for its bias gradient) and `cudnn` for learned positions and rotary models (no bias; 3% ahead of
+    pallas on 124m's step), whose heads cuDNN's fused kernel takes: a size of at most 128, a multiple
+    of 8 (GPT-J's 256 is not). Everywhere else `xla`: the CPU, TPUs, float32 (not measured on a GPU)
+    and attention dropout (only xla has it)."""
     if cfg.attention != "auto":
         return cfg.attention
     backend = backend or jax.default_backend()
     if backend == "gpu" and cfg.dtype != "float32" and cfg.dropout == 0:
-        return "pallas" if cfg.alibi_attn else "cudnn"
+        if cfg.alibi_attn:
+            return "pallas"
+        return "cudnn" if cfg.head_dim <= 128 and cfg.head_dim % 8 == 0 else "xla"
     return "xla"
 
 
@@ -328,11 +445,13 @@ def cached_attention(q, k_cache, v_cache, pos, cfg: GPTConfig) -> jax.Array:
 
 def _attend(q, k, v, q_pos, k_pos, cfg: GPTConfig, dropout_key=None, mask=None) -> jax.Array:
     """The reference attention: queries q (B, Tq, H, D) at positions q_pos (Tq,), keys and values
-    (B, Tk, H, D) at k_pos (Tk,); query i sees key j iff j <= i (and mask[b, i, j], when a (B, Tq, Tk)
-    mask is given), with -slope * (i - j) under ALiBi."""
-    H, D = q.shape[2], q.shape[3]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)  # (B, H, Tq, Tk)
-    scores = scores * (1.0 / math.sqrt(D))
+    (B, Tk, K, D) at k_pos (Tk,); query i sees key j iff j <= i (and mask[b, i, j], when a (B, Tq, Tk)
+    mask is given), with -slope * (i - j) under ALiBi. Query head h reads key/value head h // (H / K)."""
+    B, Tq, H, D = q.shape
+    K, Tk = k.shape[2], k.shape[1]
+    qg = q.reshape(B, Tq, K, H // K, D)  # the query heads in groups, one per key/value head
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)  # (B, K, G, Tq, Tk)
+    scores = scores.reshape(B, H, Tq, Tk) * (1.0 / math.sqrt(D))
     if cfg.alibi_attn:
         scores = scores + alibi_bias_at(H, q_pos, k_pos)[None]  # (1, H, Tq, Tk)
     causal = k_pos[None, :] <= q_pos[:, None]  # (Tq, Tk)
@@ -340,41 +459,56 @@ def _attend(q, k, v, q_pos, k_pos, cfg: GPTConfig, dropout_key=None, mask=None) 
         causal = (causal[None] & mask)[:, None]  # (B, 1, Tq, Tk)
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)  # float32, always: a bf16 softmax destabilises training
-    probs = _dropout(probs, cfg.dropout, dropout_key).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)  # (B, Tq, H, D)
+    probs = _dropout(probs, cfg.dropout, dropout_key).astype(v.dtype).reshape(B, K, H // K, Tq, Tk)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(B, Tq, H, D)
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-        d, H, D, dtype = cfg.embedding_dim, cfg.num_head, cfg.head_dim, DTYPES[cfg.dtype]
-        # q, k and v in one weight: (d, 3, H, D)
-        self.c_attn = Dense((d, 3, H, D), ("embed", None, "heads", "kv"), 1, std=0.02, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        d, H, K, D, dtype = cfg.embedding_dim, cfg.num_head, cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype]
+        dense = functools.partial(Dense, bias=cfg.attn_bias, dtype=dtype, rngs=rngs)
+        if K == H:  # q, k and v in one weight: (d, 3, H, D)
+            self.c_attn = dense((d, 3, H, D), ("embed", None, "heads", "kv"), 1, std=0.02)
+            self.c_q = self.c_kv = None
+        else:  # grouped-query attention: q (d, H, D), and k and v (d, 2, K, D)
+            self.c_attn = None
+            self.c_q = dense((d, H, D), ("embed", "heads", "kv"), 1, std=0.02)
+            self.c_kv = dense((d, 2, K, D), ("embed", None, "heads", "kv"), 1, std=0.02)
         # residual projection, scaled down by depth as in GPT-2: (H, D, d)
-        proj_std = 0.02 / math.sqrt(2 * cfg.N)
-        self.c_proj = Dense((H, D, d), ("heads", "kv", "embed"), 2, std=proj_std, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        self.c_proj = dense((H, D, d), ("heads", "kv", "embed"), 2, std=0.02 / math.sqrt(2 * cfg.N))
         self.cfg = cfg
 
-    def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The query, key and value projections of x (B, T, d), each (B, T, H, D) in the compute dtype."""
-        qkv = self.c_attn("btd,dshc->btshc", x)  # (B, T, 3, H, D)
-        qkv = logical_constraint(qkv, ("batch", "length", None, "heads", "kv"))
-        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (B, T, H, D)
+    def qkv(self, x: jax.Array, rope=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The query (B, T, H, D), key and value (B, T, K, D) projections of x (B, T, d) in the compute dtype;
+        q and k rotated by `rope` (`rotary_angles` at these tokens' positions) when given."""
+        if self.c_attn is not None:
+            qkv = self.c_attn("btd,dshc->btshc", x)  # (B, T, 3, H, D)
+            qkv = logical_constraint(qkv, ("batch", "length", None, "heads", "kv"))
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (B, T, H, D)
+        else:
+            q = logical_constraint(self.c_q("btd,dhc->bthc", x), ("batch", "length", "heads", "kv"))  # (B, T, H, D)
+            kv = self.c_kv("btd,dshc->btshc", x)  # (B, T, 2, K, D)
+            kv = logical_constraint(kv, ("batch", "length", None, "heads", "kv"))
+            k, v = kv[:, :, 0], kv[:, :, 1]
+        if rope is not None:
+            q, k = (apply_rotary(a, rope, self.cfg.rotary_interleaved) for a in (q, k))
+        return q, k, v
 
     def out(self, y: jax.Array) -> jax.Array:
         """The output projection of the attended values y (B, T, H, D) -> (B, T, d)."""
         y = logical_constraint(y, ("batch", "length", "heads", "kv"))
         return self.c_proj("bthc,hcd->btd", y)  # (B, T, d)
 
-    def __call__(self, x: jax.Array, dropout_key=None, mask=None) -> jax.Array:
-        q, k, v = self.qkv(x)
+    def __call__(self, x: jax.Array, rope=None, dropout_key=None, mask=None) -> jax.Array:
+        q, k, v = self.qkv(x, rope)
         return self.out(attention(q, k, v, self.cfg, dropout_key, mask))  # (B, T, d)
 
-    def decode(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array):
-        """Attention of x (B, T, d) at positions pos..pos+T-1 over a cache (B, L, H, D) of earlier keys.
+    def decode(self, x: jax.Array, rope, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array):
+        """Attention of x (B, T, d) at positions pos..pos+T-1 over a cache (B, L, K, D) of earlier keys.
 
         Writes this input's keys and values into the caches at pos and returns (y (B, T, d), k_cache, v_cache).
         """
-        q, k, v = self.qkv(x)
+        q, k, v = self.qkv(x, rope)
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, pos, 0, 0))
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, pos, 0, 0))
         y = cached_attention(q, k_cache, v_cache, pos, self.cfg)  # (B, T, H, D)
@@ -383,43 +517,61 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-        d, dtype = cfg.embedding_dim, DTYPES[cfg.dtype]
-        self.c_fc = Dense((d, 4 * d), ("embed", "mlp"), 1, std=0.02, bias=cfg.bias, dtype=dtype, rngs=rngs)
-        proj_std = 0.02 / math.sqrt(2 * cfg.N)
-        self.c_proj = Dense((4 * d, d), ("mlp", "embed"), 1, std=proj_std, bias=cfg.bias, dtype=dtype, rngs=rngs)
-        self.approximate = cfg.gelu_approximate
+        d, f = cfg.embedding_dim, cfg.ffn_dim
+        dense = functools.partial(Dense, n_in=1, bias=cfg.bias, dtype=DTYPES[cfg.dtype], rngs=rngs)
+        self.c_fc = dense((d, f), ("embed", "mlp"), std=0.02)  # SwiGLU's "up" projection
+        self.c_gate = dense((d, f), ("embed", "mlp"), std=0.02) if cfg.activation == "swiglu" else None
+        self.c_proj = dense((f, d), ("mlp", "embed"), std=0.02 / math.sqrt(2 * cfg.N))
+        self.activation, self.approximate = cfg.activation, cfg.gelu_approximate
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.gelu(self.c_fc("btd,df->btf", x), approximate=self.approximate)  # (B, T, 4d)
+        h = self.c_fc("btd,df->btf", x)  # (B, T, F)
+        if self.activation == "swiglu":
+            h = jax.nn.silu(self.c_gate("btd,df->btf", x)) * h
+        elif self.activation == "relu":
+            h = jax.nn.relu(h)
+        else:
+            h = jax.nn.gelu(h, approximate=self.approximate)
         h = logical_constraint(h, ("batch", "length", "mlp"))
         return self.c_proj("btf,fd->btd", h)  # (B, T, d)
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-        self.ln_1 = _layer_norm(cfg, rngs)
-        self.attn = Attention(cfg, rngs=rngs)
-        self.ln_2 = _layer_norm(cfg, rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
-        self.dropout = cfg.dropout
+    """x + Attention(norm_1(x)), then x + MLP(norm_2(x)) (sequential, GPT-2); or, with a parallel
+    residual, x + Attention(norm_1(x)) + MLP(norm_2(x)) (GPT-NeoX), or MLP(norm_1(x)) (GPT-J: one norm)."""
 
-    def __call__(self, x: jax.Array, dropout_key=None, mask=None) -> jax.Array:
-        x = x + _dropout(self.attn(self.ln_1(x), _fold(dropout_key, 0), mask), self.dropout, _fold(dropout_key, 1))
-        x = x + _dropout(self.mlp(self.ln_2(x)), self.dropout, _fold(dropout_key, 2))
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        self.ln_1 = _norm(cfg, rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.ln_2 = None if cfg.residual == "parallel_shared" else _norm(cfg, rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+        self.dropout, self.sequential = cfg.dropout, cfg.residual == "sequential"
+
+    def _residual(self, x: jax.Array, h: jax.Array, a: jax.Array, dropout_key) -> jax.Array:
+        """The block's output from its input x, x's first norm h and the attention output a."""
+        a = _dropout(a, self.dropout, _fold(dropout_key, 1))
+        if self.sequential:
+            x, a = x + a, 0.0
+        m = self.mlp(h if self.ln_2 is None else self.ln_2(x))
+        return x + a + _dropout(m, self.dropout, _fold(dropout_key, 2))
+
+    def __call__(self, x: jax.Array, rope=None, dropout_key=None, mask=None) -> jax.Array:
+        h = self.ln_1(x)
+        x = self._residual(x, h, self.attn(h, rope, _fold(dropout_key, 0), mask), dropout_key)
         return logical_constraint(x, ("batch", "length", "embed"))
 
-    def decode(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array):
+    def decode(self, x: jax.Array, rope, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array):
         """The block at positions pos..pos+T-1 with a KV cache (no dropout): (x, k_cache, v_cache)."""
-        y, k_cache, v_cache = self.attn.decode(self.ln_1(x), k_cache, v_cache, pos)
-        x = x + y
-        x = x + self.mlp(self.ln_2(x))
-        return x, k_cache, v_cache
+        h = self.ln_1(x)
+        y, k_cache, v_cache = self.attn.decode(h, rope, k_cache, v_cache, pos)
+        return self._residual(x, h, y, None), k_cache, v_cache
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def tied_logits(x: jax.Array, wte: jax.Array, dtype) -> jax.Array:
-    """The tied output projection x (B, T, d) @ wte (V, d).T in the compute dtype, with float32
-    accumulation and result (the loss needs it): float32 (B, T, V).
+    """The output projection x (B, T, d) @ wte (V, d).T (the tied token embedding, or a separate
+    lm_head) in the compute dtype, with float32 accumulation and result (the loss needs it):
+    float32 (B, T, V).
 
     The backward pass takes the logits' float32 gradient in the compute dtype, as every other
     activation gradient of the model: left to autodiff, a float32 cotangent against bfloat16
@@ -444,8 +596,8 @@ def _tied_logits_bwd(dtype, residuals, g):
 tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
 
 
-def _block_forward(block: Block, x: jax.Array, dropout_key, mask=None):
-    return block(x, dropout_key, mask)
+def _block_forward(block: Block, x: jax.Array, rope, dropout_key, mask=None):
+    return block(x, rope, dropout_key, mask)
 
 
 class GPT(nnx.Module):
@@ -454,10 +606,15 @@ class GPT(nnx.Module):
         d = cfg.embedding_dim
         init = lambda shape: 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)  # noqa: E731
         self.wte = nnx.Param(init((cfg.padded_vocab_size, d)), axes=("vocab", "embed"))
-        self.wpe = None if cfg.alibi_attn else nnx.Param(init((cfg.block_size, d)), axes=(None, "embed"))
-        self.embed_norm = _layer_norm(cfg, rngs) if cfg.embed_norm else None
+        learned = cfg.positions == "learned"
+        self.wpe = nnx.Param(init((cfg.block_size + cfg.position_offset, d)), axes=(None, "embed")) if learned else None
+        self.embed_norm = _norm(cfg, rngs) if cfg.embed_norm else None
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.N)])
-        self.ln_f = _layer_norm(cfg, rngs)
+        self.ln_f = _norm(cfg, rngs)
+        untied = not cfg.tie_embeddings
+        self.lm_head = nnx.Param(init((cfg.padded_vocab_size, d)), axes=("vocab", "embed")) if untied else None
+        self.head_bias = nnx.Param(jnp.zeros(cfg.padded_vocab_size, jnp.float32), axes=("vocab",)) \
+            if cfg.head_bias else None
         policy = REMAT_POLICIES[cfg.remat]
         self._block_forward = _block_forward if cfg.remat == "none" else nnx.remat(_block_forward, policy=policy)
 
@@ -469,17 +626,20 @@ class GPT(nnx.Module):
 
         mask (B, T, T) bool, optional: an attention mask on top of the causal one (`attention_mask`).
         segment_ids (B, T) int, optional, for packed examples: learned positions restart at 0 at
-        each segment's first token (ALiBi needs nothing: it sees only distances within a segment).
+        each segment's first token (ALiBi and rotary embeddings need nothing: within a segment they
+        see only distances).
         """
         cfg = self.config
-        x = self._embed(tokens, 0, tokens.shape[1], segment_ids)
+        T = tokens.shape[1]
+        x = self._embed(tokens, 0, T, segment_ids)
         x = _dropout(x, cfg.dropout, _fold(dropout_key, cfg.N))
         x = logical_constraint(x, ("batch", "length", "embed"))
+        rope = rotary_angles(cfg, jnp.arange(T))
         for i, block in enumerate(self.blocks):
             if mask is None:
-                x = self._block_forward(block, x, _fold(dropout_key, i))
+                x = self._block_forward(block, x, rope, _fold(dropout_key, i))
             else:
-                x = self._block_forward(block, x, _fold(dropout_key, i), mask)
+                x = self._block_forward(block, x, rope, _fold(dropout_key, i), mask)
         return self._logits(x)
 
     def _embed(self, tokens: jax.Array, pos, length: int, segment_ids=None) -> jax.Array:
@@ -494,22 +654,26 @@ class GPT(nnx.Module):
             if length > cfg.max_length:
                 raise ValueError(
                     f"a sequence of {length} tokens is longer than block_size {cfg.block_size} of a learned-position "
-                    f"model; only ALiBi models (alibi_attn: true) run beyond their training context"
+                    f"model; only ALiBi and rotary models run beyond their training context"
                 )
-            if segment_ids is None:
-                x = x + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens.shape[1])  # (T, d) over the batch
+            offset = cfg.position_offset
+            if segment_ids is None:  # (T, d) over the batch
+                x = x + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos + offset, tokens.shape[1])
             else:
-                x = x + jnp.take(self.wpe[...], segment_positions(segment_ids), axis=0)  # (B, T, d)
+                x = x + jnp.take(self.wpe[...], segment_positions(segment_ids) + offset, axis=0)  # (B, T, d)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         return x.astype(DTYPES[cfg.dtype])
 
     def _logits(self, x: jax.Array) -> jax.Array:
-        """Final LayerNorm and the tied output projection: (B, T, d) -> float32 (B, T, V_padded), with
+        """Final norm and the output projection: (B, T, d) -> float32 (B, T, V_padded), with
         PADDED_LOGIT on the padding rows (ids >= vocab_size)."""
         x = self.ln_f(x)
         cfg = self.config
-        logits = tied_logits(x, self.wte[...], DTYPES[cfg.dtype])  # (B, T, V_padded)
+        head = self.wte if self.lm_head is None else self.lm_head
+        logits = tied_logits(x, head[...], DTYPES[cfg.dtype])  # (B, T, V_padded)
+        if self.head_bias is not None:
+            logits = logits + self.head_bias[...]
         if cfg.padded_vocab_size > cfg.vocab_size:  # the padding rows never take probability
             logits = jnp.where(jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size, logits, PADDED_LOGIT)
         return logical_constraint(logits, ("batch", "length", "vocab"))  # (B, T, V_padded)
@@ -517,7 +681,7 @@ class GPT(nnx.Module):
     def decode(self, tokens: jax.Array, cache: dict, pos) -> tuple[jax.Array, dict]:
         """Logits for tokens (B, T) at positions pos..pos+T-1, given a KV cache of the pos tokens before.
 
-        `cache` is `init_cache(...)` or a previous decode's: {"k", "v"}: (N, B, L, H, D). Returns
+        `cache` is `init_cache(...)` or a previous decode's: {"k", "v"}: (N, B, L, K, D). Returns
         (float32 logits (B, T, V_padded), the cache with these tokens' keys and values at pos..pos+T-1).
         The caller keeps pos + T <= L (nothing is checked on traced positions). Prefill a prompt with
         one call at pos 0, then feed one token per call: the logits equal `__call__`'s on the whole
@@ -525,9 +689,10 @@ class GPT(nnx.Module):
         """
         pos = jnp.asarray(pos, jnp.int32)
         x = self._embed(tokens, pos, cache["k"].shape[2])  # the cache's length bounds the positions
-        k_all, v_all = cache["k"], cache["v"]  # (N, B, L, H, D)
+        rope = rotary_angles(self.config, pos + jnp.arange(tokens.shape[1]))
+        k_all, v_all = cache["k"], cache["v"]  # (N, B, L, K, D)
         for i, block in enumerate(self.blocks):
-            x, k, v = block.decode(x, k_all[i], v_all[i], pos)
+            x, k, v = block.decode(x, rope, k_all[i], v_all[i], pos)
             k_all, v_all = k_all.at[i].set(k), v_all.at[i].set(v)
         return self._logits(x), {"k": k_all, "v": v_all}
 
@@ -576,8 +741,9 @@ def attention_mask(batch: int, length: int, *, segment_ids: jax.Array | None = N
 
 
 def init_cache(config: GPTConfig, batch: int, max_len: int) -> dict:
-    """An empty KV cache for `GPT.decode`: {"k", "v"}: zeros (N, batch, max_len, H, D) in the compute dtype."""
-    shape = (config.N, batch, max_len, config.num_head, config.head_dim)
+    """An empty KV cache for `GPT.decode`: {"k", "v"}: zeros (N, batch, max_len, K, D) in the compute dtype,
+    K the key/value heads (num_kv_head)."""
+    shape = (config.N, batch, max_len, config.kv_heads, config.head_dim)
     dtype = DTYPES[config.dtype]
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
@@ -603,13 +769,22 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | No
 def param_count(cfg: GPTConfig) -> int:
     """Exact number of parameters, the padded embedding rows included.
 
-    Per block: 12 d^2 weights (qkv 3d^2, attention projection d^2, MLP 8d^2) and 2d LayerNorm
-    scales, plus 11d biases when `bias` (qkv 3d, projection d, MLP 4d + d, LayerNorm 2d).
+    Per block, with width d, H query and K key/value heads of size D, MLP width F: attention
+    d * (H + 2K) * D + H * D * d weights (+ (H + 2K) * D + d biases with attention biases); MLP
+    2 d F weights, 3 d F with SwiGLU's gate (+ F (2F with the gate) + d biases with `bias`); each
+    norm d scales (+ d biases for a LayerNorm with `bias`). GPT-2's layout gives the familiar
+    12 d^2 + 13 d per block.
     """
-    d = cfg.embedding_dim
-    per_block = 12 * d * d + 2 * d + (11 * d if cfg.bias else 0)
-    norm = d + (d if cfg.bias else 0)
-    embeddings = cfg.padded_vocab_size * d + (0 if cfg.alibi_attn else cfg.block_size * d)
+    d, H, K, D, F = cfg.embedding_dim, cfg.num_head, cfg.kv_heads, cfg.head_dim, cfg.ffn_dim
+    gated = cfg.activation == "swiglu"
+    norm = d + (d if cfg.bias and cfg.norm == "layernorm" else 0)
+    attention = d * (H + 2 * K) * D + H * D * d + ((H + 2 * K) * D + d if cfg.attn_bias else 0)
+    mlp = (3 if gated else 2) * d * F + ((2 if gated else 1) * F + d if cfg.bias else 0)
+    per_block = attention + mlp + norm * (1 if cfg.residual == "parallel_shared" else 2)
+    V = cfg.padded_vocab_size
+    embeddings = V * d * (1 if cfg.tie_embeddings else 2) + (V if cfg.head_bias else 0)
+    if cfg.positions == "learned":
+        embeddings += (cfg.block_size + cfg.position_offset) * d
     return embeddings + cfg.N * per_block + norm * (2 if cfg.embed_norm else 1)
 
 

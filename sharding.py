@@ -143,11 +143,12 @@ def _mesh_entry(mesh, axes):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def check_model(mesh, *, num_head: int, mlp_dim: int, vocab: int) -> None:
-    """Tensor parallelism must split heads, the MLP width and the padded vocabulary evenly."""
+def check_model(mesh, *, num_head: int, mlp_dim: int, vocab: int, num_kv_head: int | None = None) -> None:
+    """Tensor parallelism must split the query and key/value heads, the MLP width and the padded vocabulary evenly."""
     t = mesh.shape["tensor"]
-    for what, size in (("model.num_head", num_head), ("the MLP width (4 x embedding_dim)", mlp_dim),
-                       ("the padded vocabulary", vocab)):
+    kv = () if num_kv_head is None or num_kv_head == num_head else (("model.num_kv_head", num_kv_head),)
+    mlp = ("the MLP width (model.mlp_dim or 4 x embedding_dim)", mlp_dim)
+    for what, size in (("model.num_head", num_head), *kv, mlp, ("the padded vocabulary", vocab)):
         if size % t:
             raise ShardingError(f"{what} ({size}) is not divisible by the tensor axis (sharding.tensor={t})")
 

@@ -228,8 +228,8 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
     """Everything a run on `mesh` at `zero_stage` executes, for the model `mcfg` and the
     config.TrainingConfig `t`: the model's shapes first (no memory), then the shardings from
     sharding.py's rules, then jax.jit with them. Checks that tensor parallelism divides the model."""
-    sharding_lib.check_model(mesh, num_head=mcfg.num_head, mlp_dim=4 * mcfg.embedding_dim,
-                             vocab=mcfg.padded_vocab_size)
+    sharding_lib.check_model(mesh, num_head=mcfg.num_head, mlp_dim=mcfg.ffn_dim, vocab=mcfg.padded_vocab_size,
+                             num_kv_head=mcfg.kv_heads)
     apply, abstract_vars = make_apply(mcfg)  # the model's shapes and axis names, no memory
     tx, schedule = make_optimizer(t)
     init_key, train_key = jax.random.split(jax.random.key(seed))

@@ -279,6 +279,10 @@ def test_auto_attention_picks_the_measured_fastest_per_backend():
     bf16 = dataclasses.replace(cfg, dtype="bfloat16")
     assert M.resolve_attention(bf16, "gpu") == "pallas"  # ALiBi: the bias made in-kernel
     assert M.resolve_attention(dataclasses.replace(bf16, alibi_attn=False), "gpu") == "cudnn"
+    rotary = dataclasses.replace(bf16, alibi_attn=False, rotary_dim=16)
+    assert M.resolve_attention(rotary, "gpu") == "cudnn"  # head size 64
+    gptj_heads = dataclasses.replace(rotary, embedding_dim=256 * 12)  # head size 256: past cuDNN's 128
+    assert M.resolve_attention(gptj_heads, "gpu") == "xla"
     assert M.resolve_attention(dataclasses.replace(bf16, dtype="float16"), "gpu") == "pallas"
     for other in ("cpu", "tpu"):
         assert M.resolve_attention(bf16, other) == "xla"
