@@ -1,4 +1,4 @@
-"""Hand a trained model to PyTorch and Hugging Face, and bring GPT-2 weights into a run.
+"""Hand a trained model to PyTorch and Hugging Face, and bring transformers checkpoints into a run.
 
     python convert_torch.py --checkpoint RUN_DIR [--step N] --out DIR [--format torch|hf] [--overwrite]
     python convert_torch.py --import-hf HF_DIR --out RUN_DIR [--overwrite]
@@ -9,24 +9,35 @@ Export writes `model.safetensors`, `config.json` and the run's `tokenizer.json` 
     from convert_torch import GPT
     model = GPT.from_pretrained(DIR)          # torch and safetensors only; no JAX needed
 
-`--format hf` writes transformers' own layouts, for `AutoModelForCausalLM.from_pretrained(DIR)`:
-GPT-2 for a learned-position model, BLOOM (an ALiBi GPT with a LayerNorm after the embedding) for
-an ALiBi model with `embed_norm`. A model a layout cannot express exactly is refused, never
-exported approximately. A model without biases is written with zero biases, which is exact.
+`--format hf` writes the transformers layout of the model's family, for
+`AutoModelForCausalLM.from_pretrained(DIR)`:
+
+    ALiBi, LayerNorm after the embedding           BLOOM      (BloomForCausalLM)
+    learned positions                              GPT-2      (GPT2LMHeadModel)
+    learned positions read at offset 2             OPT        (OPTForCausalLM)
+    rotary, interleaved pairs, parallel block      GPT-J      (GPTJForCausalLM)
+    rotary, half-split, LayerNorm                  GPT-NeoX   (GPTNeoXForCausalLM; Pythia)
+    rotary, half-split, RMSNorm, SwiGLU            LLaMA      (LlamaForCausalLM; grouped-query attention)
+
+A model its family's layout cannot express exactly is refused with the reasons, never exported
+approximately. Biases a layout always has are written as zeros when the model has none, which is exact.
 Exports carry the real vocabulary: `vocab_size` is the tokenizer's and the embedding has that many
 rows. model.py pads its embedding to a multiple of 128 and gives the padding rows the logit
 PADDED_LOGIT, so a softmax over the real rows alone is the same distribution.
 
-Import (`--import-hf`) turns a local transformers GPT-2 (or BLOOM) directory into a run directory
-whose step-0 checkpoint holds the parameters (the embedding padded with zero rows);
-`training.init_from=RUN_DIR` starts a fine-tuning run from it. Every config.json we write also
-carries the JAX model's config under `gpt_jax`, so JAX -> PyTorch -> JAX returns the identical
-config and parameters (the embedding's padding rows, which no logit depends on, as zeros).
+Import (`--import-hf`) turns a local transformers directory of any of those six families into a
+run directory whose step-0 checkpoint holds the parameters (the embedding padded with zero rows),
+reading the architecture from config.json and refusing, with the reasons, what model.py cannot
+express (post-LayerNorm OPT, scaled rotary embeddings, ...). `training.init_from=RUN_DIR` starts a
+fine-tuning run from it. Every config.json we write also carries the JAX model's config under
+`gpt_jax`, so JAX -> PyTorch -> JAX returns the identical config and parameters (the embedding's
+padding rows, which no logit depends on, as zeros).
 
 Every tensor is mapped exactly once in both directions; missing, unexpected and mis-shaped keys
-are listed in the error. The PyTorch module reproduces model.py: the same LayerNorm epsilon, the
-same GELU (tanh or erf), ALiBi `-slope_h * (i - j)` with model.py's slopes, scores scaled by
-1/sqrt(D), tied output embedding, logits over the padded vocabulary (PADDED_LOGIT on the padding).
+are listed in the error. The PyTorch module reproduces model.py and follows the same switches: the
+same norms and epsilon, activations, ALiBi `-slope_h * (i - j)` with model.py's slopes, rotary
+embeddings, grouped-query attention, parallel residual, tied or separate output, scores scaled by
+1/sqrt(D), logits over the padded vocabulary (PADDED_LOGIT on the padding).
 
 Exporting needs numpy and safetensors only; the GPT module and reading pytorch_model.bin need torch.
 This file imports nothing of the project at its top, so a copy of it alone next to an export is
@@ -85,7 +96,8 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class TorchGPTConfig:
-    """The architecture fields of model.GPTConfig (dtype, remat and attention are JAX-side only)."""
+    """The architecture fields of model.GPTConfig (dtype, remat and attention are JAX-side only), with
+    the same meanings and defaults; see model.py."""
 
     vocab_size: int
     block_size: int
@@ -98,6 +110,18 @@ class TorchGPTConfig:
     embed_norm: bool = False
     gelu_approximate: bool = True
     layer_norm_epsilon: float = 1e-5
+    rotary_dim: int = 0
+    rotary_interleaved: bool = False
+    rotary_base: float = 10000.0
+    position_offset: int = 0
+    residual: str = "sequential"
+    norm: str = "layernorm"
+    activation: str = "gelu"
+    mlp_dim: int | None = None
+    num_kv_head: int | None = None
+    attention_bias: bool | None = None
+    tie_embeddings: bool = True
+    head_bias: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "TorchGPTConfig":
@@ -108,35 +132,115 @@ class TorchGPTConfig:
     def padded_vocab_size(self) -> int:
         return -(-self.vocab_size // 128) * 128
 
+    @property
+    def head_dim(self) -> int:
+        return self.embedding_dim // self.num_head
+
+    @property
+    def positions(self) -> str:
+        return "alibi" if self.alibi_attn else "rotary" if self.rotary_dim else "learned"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_head if self.num_kv_head is None else self.num_kv_head
+
+    @property
+    def ffn_dim(self) -> int:
+        return 4 * self.embedding_dim if self.mlp_dim is None else self.mlp_dim
+
+    @property
+    def attn_bias(self) -> bool:
+        return self.bias if self.attention_bias is None else self.attention_bias
+
+
+def _norm(c: TorchGPTConfig):
+    if c.norm == "rmsnorm":
+        return nn.RMSNorm(c.embedding_dim, eps=c.layer_norm_epsilon)
+    return nn.LayerNorm(c.embedding_dim, eps=c.layer_norm_epsilon, bias=c.bias)
+
+
+def rotary_angles(c: TorchGPTConfig, positions: torch.Tensor):
+    """model.rotary_angles in torch: (cos, sin) float32 (T, rotary_dim/2) at positions (T,), or None."""
+    if not c.rotary_dim:
+        return None
+    inv_freq = 1.0 / (torch.tensor(c.rotary_base, dtype=torch.float32)
+                      ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float32) / c.rotary_dim))
+    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, rope, interleaved: bool) -> torch.Tensor:
+    """model.apply_rotary in torch, for x (B, H, T, D): pairs (2i, 2i+1) or (i, i + rotary_dim/2) rotated."""
+    cos, sin = rope  # (T, r)
+    r = cos.shape[-1]
+    rot, rest = x[..., : 2 * r], x[..., 2 * r:]
+    a, b = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :r], rot[..., r:])
+    a, b = a * cos - b * sin, b * cos + a * sin
+    rot = torch.stack([a, b], dim=-1).flatten(-2) if interleaved else torch.cat([a, b], dim=-1)
+    return torch.cat([rot, rest], dim=-1)
+
+
+class MLP(_Module):
+    def __init__(self, c: TorchGPTConfig):
+        super().__init__()
+        d, f = c.embedding_dim, c.ffn_dim
+        self.c_fc = nn.Linear(d, f, bias=c.bias)
+        if c.activation == "swiglu":
+            self.c_gate = nn.Linear(d, f, bias=c.bias)
+        self.c_proj = nn.Linear(f, d, bias=c.bias)
+        self.c = c
+
+    def forward(self, x):
+        h = self.c_fc(x)
+        if self.c.activation == "swiglu":
+            h = F.silu(self.c_gate(x)) * h
+        elif self.c.activation == "relu":
+            h = F.relu(h)
+        else:
+            h = F.gelu(h, approximate="tanh" if self.c.gelu_approximate else "none")
+        return self.c_proj(h)
+
 
 class Block(_Module):
     def __init__(self, c: TorchGPTConfig):
         super().__init__()
-        d = c.embedding_dim
-        self.c, self.H, self.D = c, c.num_head, d // c.num_head
-        self.ln_1 = nn.LayerNorm(d, eps=c.layer_norm_epsilon, bias=c.bias)
+        d, H, K, D = c.embedding_dim, c.num_head, c.kv_heads, c.head_dim
+        self.c, self.H, self.K, self.D = c, H, K, D
+        self.ln_1 = _norm(c)
         self.attn = nn.Module()
-        self.attn.c_attn = nn.Linear(d, 3 * d, bias=c.bias)  # output rows ordered (3, H, D)
-        self.attn.c_proj = nn.Linear(d, d, bias=c.bias)  # input columns ordered (H, D)
-        self.ln_2 = nn.LayerNorm(d, eps=c.layer_norm_epsilon, bias=c.bias)
-        self.mlp = nn.Module()
-        self.mlp.c_fc = nn.Linear(d, 4 * d, bias=c.bias)
-        self.mlp.c_proj = nn.Linear(4 * d, d, bias=c.bias)
+        if K == H:
+            self.attn.c_attn = nn.Linear(d, 3 * d, bias=c.attn_bias)  # output rows ordered (3, H, D)
+        else:
+            self.attn.c_q = nn.Linear(d, H * D, bias=c.attn_bias)  # rows (H, D)
+            self.attn.c_kv = nn.Linear(d, 2 * K * D, bias=c.attn_bias)  # rows (2, K, D)
+        self.attn.c_proj = nn.Linear(H * D, d, bias=c.attn_bias)  # input columns ordered (H, D)
+        self.ln_2 = None if c.residual == "parallel_shared" else _norm(c)
+        self.mlp = MLP(c)
         self.drop = nn.Dropout(c.dropout)
 
-    def forward(self, x, mask, cache=None):
-        """x (B, T, d); mask (H or 1, T, Tk) float, added to the scores; cache: (k, v) of earlier positions or None."""
+    def forward(self, x, mask, rope, cache=None):
+        """x (B, T, d); mask (H or 1, T, Tk) float, added to the scores; rope: (cos, sin) or None; cache: (k, v)
+        of earlier positions or None."""
         B, T, d = x.shape
-        qkv = self.attn.c_attn(self.ln_1(x)).view(B, T, 3, self.H, self.D).permute(2, 0, 3, 1, 4)  # (3, B, H, T, D)
-        q, k, v = qkv[0], qkv[1], qkv[2]
+        H, K, D = self.H, self.K, self.D
+        h = self.ln_1(x)
+        if K == H:
+            q, k, v = self.attn.c_attn(h).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
+        else:
+            q = self.attn.c_q(h).view(B, T, H, D).transpose(1, 2)
+            k, v = self.attn.c_kv(h).view(B, T, 2, K, D).permute(2, 0, 3, 1, 4)  # each (B, K, T, D)
+        if rope is not None:
+            q, k = apply_rotary(q, rope, self.c.rotary_interleaved), apply_rotary(k, rope, self.c.rotary_interleaved)
         if cache is not None:
-            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # (B, H, Tk, D)
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # (B, K, Tk, D)
         p = self.c.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)  # scale 1/sqrt(D)
-        y = y.transpose(1, 2).reshape(B, T, d)  # (B, T, H*D)
-        x = x + self.drop(self.attn.c_proj(y))
-        h = F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh" if self.c.gelu_approximate else "none")
-        return x + self.drop(self.mlp.c_proj(h)), (k, v)
+        kk, vv = (k, v) if K == H else (k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1))
+        y = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, dropout_p=p)  # scale 1/sqrt(D)
+        a = self.drop(self.attn.c_proj(y.transpose(1, 2).reshape(B, T, H * D)))
+        if self.c.residual == "sequential":
+            x, a = x + a, 0.0
+        m = self.mlp(h if self.ln_2 is None else self.ln_2(x))
+        return x + a + self.drop(m), (k, v)
 
 
 class GPT(_Module):
@@ -149,13 +253,15 @@ class GPT(_Module):
             raise ImportError("convert_torch.GPT needs PyTorch: pip install torch")
         super().__init__()
         c = self.config = config if isinstance(config, TorchGPTConfig) else TorchGPTConfig.from_dict(config)
-        d = c.embedding_dim
-        self.wte = nn.Embedding(c.padded_vocab_size, d)  # also the output projection (tied)
-        self.wpe = None if c.alibi_attn else nn.Embedding(c.block_size, d)
-        self.embed_norm = nn.LayerNorm(d, eps=c.layer_norm_epsilon, bias=c.bias) if c.embed_norm else None
+        d, V = c.embedding_dim, c.padded_vocab_size
+        self.wte = nn.Embedding(V, d)  # also the output projection when tied
+        self.wpe = nn.Embedding(c.block_size + c.position_offset, d) if c.positions == "learned" else None
+        self.embed_norm = _norm(c) if c.embed_norm else None
         self.drop = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList([Block(c) for _ in range(c.N)])
-        self.ln_f = nn.LayerNorm(d, eps=c.layer_norm_epsilon, bias=c.bias)
+        self.ln_f = _norm(c)
+        self.lm_head = None if c.tie_embeddings else nn.Linear(d, V, bias=False)
+        self.head_bias = nn.Parameter(torch.zeros(V)) if c.head_bias else None
         self.register_buffer("slopes", alibi_slopes(c.num_head), persistent=False)
 
     @classmethod
@@ -170,9 +276,11 @@ class GPT(_Module):
                                f"transformers.AutoModelForCausalLM.from_pretrained")
         model = cls(meta["gpt_jax"])
         tensors = load_file(str(directory / WEIGHTS_NAME), device=str(map_location))
-        c, wte = model.config, tensors.get("wte.weight")
-        if wte is not None and wte.shape[0] == c.vocab_size:  # the real rows; the padding rows stay zero
-            tensors["wte.weight"] = F.pad(wte, (0, 0, 0, c.padded_vocab_size - c.vocab_size))
+        c = model.config
+        for key in VOCAB_ROWS:  # the real rows; the padding rows stay zero
+            t = tensors.get(key)
+            if t is not None and t.shape[0] == c.vocab_size:
+                tensors[key] = F.pad(t, (0, 0) * (t.dim() - 1) + (0, c.padded_vocab_size - c.vocab_size))
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         _check_keys({k: tuple(v.shape) for k, v in tensors.items()}, expected, str(directory / WEIGHTS_NAME))
         model.load_state_dict(tensors, strict=True)
@@ -191,22 +299,27 @@ class GPT(_Module):
         """Logits (B, T, padded_vocab) for tokens (B, T) at positions start..start+T-1; with `caches`
         (a list, one (k, v) or None per block) returns (logits, new caches)."""
         B, T = tokens.shape
+        c = self.config
+        positions = torch.arange(start, start + T, device=tokens.device)
         x = self.wte(tokens)  # (B, T, d)
         if self.wpe is not None:
-            if start + T > self.config.block_size:
-                raise ValueError(f"input of {start + T} tokens is longer than block_size {self.config.block_size} "
+            if start + T > c.block_size:
+                raise ValueError(f"input of {start + T} tokens is longer than block_size {c.block_size} "
                                  f"of a learned-position model")
-            x = x + self.wpe(torch.arange(start, start + T, device=tokens.device))
+            x = x + self.wpe(positions + c.position_offset)
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         x = self.drop(x)
-        mask = self._mask(T, start + T, tokens.device)
+        mask, rope = self._mask(T, start + T, tokens.device), rotary_angles(c, positions)
         new = []
         for n, block in enumerate(self.blocks):
-            x, kv = block(x, mask, None if caches is None else caches[n])
+            x, kv = block(x, mask, rope, None if caches is None else caches[n])
             new.append(kv)
-        logits = self.ln_f(x) @ self.wte.weight.T  # (B, T, V_padded), tied
-        padding = torch.arange(logits.shape[-1], device=logits.device) >= self.config.vocab_size
+        head = self.wte.weight if self.lm_head is None else self.lm_head.weight
+        logits = self.ln_f(x) @ head.T  # (B, T, V_padded)
+        if self.head_bias is not None:
+            logits = logits + self.head_bias
+        padding = torch.arange(logits.shape[-1], device=logits.device) >= c.vocab_size
         logits = logits.masked_fill(padding, PADDED_LOGIT)  # the padding rows never take probability
         return logits if caches is None else (logits, new)
 
@@ -237,75 +350,132 @@ class GPT(_Module):
 # ----------------------------------------------------------------------------------------------
 # Layouts: each entry maps one JAX parameter (a dotted path into the pure dict) to one tensor.
 # (jax_path or None, key, to_torch(array) -> array, from_torch(array) -> array, torch shape).
-# A None path is a zero tensor the layout needs but the model does not have (bias=False).
+# A None path is a zero tensor the layout needs but the model does not have (bias=False). A path
+# ending in #i is part i of a fused weight (q, k, v of c_attn; k, v of c_kv): its index along the
+# fused axis (1 of a kernel, 0 of a bias), for layouts that keep them as separate tensors.
+
+# the keys whose rows are the vocabulary: written with the real rows only, padded back on reading
+VOCAB_ROWS = ("wte.weight", "lm_head.weight", "head_bias")
+
+# Per layout: the key prefix of the body, the names of its parts, and how q, k, v are stored:
+# "3hd" one fused weight, rows (3, H, D); "h3d" one fused weight, rows (H, 3, D); "split" three.
+LAYOUTS = {
+    "torch": dict(P="", wte="wte", wpe="wpe", en="embed_norm", h="blocks", ln1="ln_1", ln2="ln_2",
+                  qkv="attn.c_attn", q="attn.c_q", kv="attn.c_kv", proj="attn.c_proj", fc="mlp.c_fc",
+                  gate="mlp.c_gate", fc2="mlp.c_proj", lnf="ln_f", head="lm_head", fused="3hd"),
+    "gpt2": dict(P="transformer.", wte="wte", wpe="wpe", h="h", ln1="ln_1", ln2="ln_2", qkv="attn.c_attn",
+                 proj="attn.c_proj", fc="mlp.c_fc", fc2="mlp.c_proj", lnf="ln_f", head="lm_head", fused="3hd"),
+    "bloom": dict(P="transformer.", wte="word_embeddings", en="word_embeddings_layernorm", h="h",
+                  ln1="input_layernorm", ln2="post_attention_layernorm", qkv="self_attention.query_key_value",
+                  proj="self_attention.dense", fc="mlp.dense_h_to_4h", fc2="mlp.dense_4h_to_h", lnf="ln_f",
+                  head="lm_head", fused="h3d"),
+    "gptj": dict(P="transformer.", wte="wte", h="h", ln1="ln_1", q="attn.q_proj", k="attn.k_proj",
+                 v="attn.v_proj", proj="attn.out_proj", fc="mlp.fc_in", fc2="mlp.fc_out", lnf="ln_f",
+                 head="lm_head", fused="split"),
+    "gpt_neox": dict(P="gpt_neox.", wte="embed_in", h="layers", ln1="input_layernorm",
+                     ln2="post_attention_layernorm", qkv="attention.query_key_value", proj="attention.dense",
+                     fc="mlp.dense_h_to_4h", fc2="mlp.dense_4h_to_h", lnf="final_layer_norm", head="embed_out",
+                     fused="h3d"),
+    "opt": dict(P="model.decoder.", wte="embed_tokens", wpe="embed_positions", h="layers", ln1="self_attn_layer_norm",
+                ln2="final_layer_norm", q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj",
+                proj="self_attn.out_proj", fc="fc1", fc2="fc2", lnf="final_layer_norm", head="lm_head",
+                fused="split"),
+    "llama": dict(P="model.", wte="embed_tokens", h="layers", ln1="input_layernorm", ln2="post_attention_layernorm",
+                  q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", proj="self_attn.o_proj",
+                  fc="mlp.up_proj", gate="mlp.gate_proj", fc2="mlp.down_proj", lnf="norm", head="lm_head",
+                  fused="split"),
+}
+# The biases a layout always has, written as zeros when the model has none (which is exact); a
+# layout's other biases follow switches in its config.
+ALWAYS_BIASED = {"torch": (), "gpt2": ("bias", "attn_bias", "norm_bias"), "bloom": ("bias", "attn_bias", "norm_bias"),
+                 "gptj": ("bias", "norm_bias", "head_bias"), "gpt_neox": ("bias", "norm_bias"),
+                 "opt": ("norm_bias",), "llama": ()}
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM", "gptj": "GPTJForCausalLM",
+              "gpt_neox": "GPTNeoXForCausalLM", "opt": "OPTForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def head_key(fmt: str) -> str:
+    """The key of a layout's output projection (untied, or a tied copy some checkpoints carry)."""
+    return f"{LAYOUTS[fmt]['head']}.weight"
+
+
+def embedding_key(fmt: str) -> str:
+    n = LAYOUTS[fmt]
+    return f"{n['P']}{n['wte']}.weight"
 
 
 def _layout(c: TorchGPTConfig, fmt: str) -> list[tuple]:
-    d, H, D, F4 = c.embedding_dim, c.num_head, c.embedding_dim // c.num_head, 4 * c.embedding_dim
+    if fmt not in LAYOUTS:
+        raise ConvertError(f"unknown format {fmt!r}")
+    d, H, K, D, Fw = c.embedding_dim, c.num_head, c.kv_heads, c.head_dim, c.ffn_dim
+    n, P, conv1d = LAYOUTS[fmt], LAYOUTS[fmt]["P"], fmt == "gpt2"  # GPT-2's Conv1D weights are (in, out)
+    always = ALWAYS_BIASED[fmt] + (("bias", "attn_bias") if fmt == "opt" and (c.bias or c.attn_bias) else ())
+    has = {None: True, "bias": c.bias, "attn_bias": c.attn_bias, "norm_bias": c.bias and c.norm == "layernorm",
+           "head_bias": c.head_bias}
     same = (lambda a: a, lambda a: a)
-    tr = (lambda a: a.T, lambda a: a.T)
     entries = []
 
-    def add(path, key, fns, shape, is_bias=False):
-        if is_bias and not c.bias:
-            if fmt == "torch":
-                return  # the torch module has no biases either
+    def add(path, key, fns, shape, gate=None):
+        if not has[gate]:
+            if gate not in always:
+                return  # neither the model nor the layout has it
             path = None
         entries.append((path, key, fns[0], fns[1], shape))
 
     def norm(path, key):
         add(f"{path}.scale", f"{key}.weight", same, (d,))
-        add(f"{path}.bias", f"{key}.bias", same, (d,), True)
+        add(f"{path}.bias", f"{key}.bias", same, (d,), "norm_bias")
 
-    qkv_flat = (lambda a: a.reshape(3 * d), lambda a: a.reshape(3, H, D))
-    if fmt == "torch":
-        P, names = "", dict(wte="wte", wpe="wpe", en="embed_norm", h="blocks", ln1="ln_1", ln2="ln_2",
-                            qkv="attn.c_attn", proj="attn.c_proj", fc="mlp.c_fc", fc2="mlp.c_proj", lnf="ln_f")
-        qkv_w = (lambda a: a.reshape(d, 3 * d).T, lambda a: a.T.reshape(d, 3, H, D))  # (3HD, d)
-        qkv_b, proj_w = qkv_flat, (lambda a: a.reshape(d, d).T, lambda a: a.T.reshape(H, D, d))
-        fc_w, shapes = tr, dict(qkv=(3 * d, d), fc=(F4, d), fc2=(d, F4))
-    elif fmt == "gpt2":
-        P, names = "transformer.", dict(wte="wte", wpe="wpe", h="h", ln1="ln_1", ln2="ln_2", qkv="attn.c_attn",
-                                        proj="attn.c_proj", fc="mlp.c_fc", fc2="mlp.c_proj", lnf="ln_f")
-        # Conv1D weights are (in, out); c_attn's output columns are [q | k | v], each (H, D)
-        qkv_w = (lambda a: a.reshape(d, 3 * d), lambda a: a.reshape(d, 3, H, D))
-        qkv_b, proj_w = qkv_flat, (lambda a: a.reshape(d, d), lambda a: a.reshape(H, D, d))
-        fc_w, shapes = same, dict(qkv=(d, 3 * d), fc=(d, F4), fc2=(F4, d))
-    elif fmt == "bloom":
-        P, names = "transformer.", dict(wte="word_embeddings", en="word_embeddings_layernorm", h="h",
-                                        ln1="input_layernorm", ln2="post_attention_layernorm",
-                                        qkv="self_attention.query_key_value", proj="self_attention.dense",
-                                        fc="mlp.dense_h_to_4h", fc2="mlp.dense_4h_to_h", lnf="ln_f")
-        # nn.Linear weights are (out, in); query_key_value's output rows are ordered (H, 3, D)
-        qkv_w = (lambda a: a.transpose(2, 1, 3, 0).reshape(3 * d, d),
-                 lambda a: a.reshape(H, 3, D, d).transpose(3, 1, 0, 2))
-        qkv_b = (lambda a: a.transpose(1, 0, 2).reshape(3 * d), lambda a: a.reshape(H, 3, D).transpose(1, 0, 2))
-        proj_w = (lambda a: a.reshape(d, d).T, lambda a: a.T.reshape(H, D, d))
-        fc_w, shapes = tr, dict(qkv=(3 * d, d), fc=(F4, d), fc2=(d, F4))
-    else:
-        raise ConvertError(f"unknown format {fmt!r}")
+    def linear(path, key, jax_shape, n_in, gate, part=""):
+        """A Dense of model.py (kernel jax_shape, its first n_in dims the input) as a Linear (or Conv1D)."""
+        i, o = math.prod(jax_shape[:n_in]), math.prod(jax_shape[n_in:])
+        if conv1d:
+            fns, shape = (lambda a: a.reshape(i, o), lambda a: a.reshape(jax_shape)), (i, o)
+        else:
+            fns, shape = (lambda a: a.reshape(i, o).T, lambda a: a.T.reshape(jax_shape)), (o, i)
+        add(f"{path}.kernel{part}", f"{key}.weight", fns, shape)
+        out = jax_shape[n_in:]
+        add(f"{path}.bias{part}", f"{key}.bias", (lambda a: a.reshape(-1), lambda a: a.reshape(out)), (o,), gate)
 
     V, pad = c.vocab_size, c.padded_vocab_size - c.vocab_size
     # the files hold the real vocabulary's rows; model.py's padding rows (no logit depends on them) come back zero
-    real_rows = (lambda a: a[:V], lambda a: np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]))
-    add("wte", f"{P}{names['wte']}.weight", real_rows, (V, d))
-    if not c.alibi_attn:
-        add("wpe", f"{P}{names['wpe']}.weight", same, (c.block_size, d))
+    real_rows = (lambda a: a[:V], lambda a: np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)]))
+    add("wte", f"{P}{n['wte']}.weight", real_rows, (V, d))
+    if c.positions == "learned":
+        add("wpe", f"{P}{n['wpe']}.weight", same, (c.block_size + c.position_offset, d))
     if c.embed_norm:
-        norm("embed_norm", f"{P}{names['en']}")
+        norm("embed_norm", f"{P}{n['en']}")
     for i in range(c.N):
-        j, k = f"blocks.{i}", f"{P}{names['h']}.{i}"
-        norm(f"{j}.ln_1", f"{k}.{names['ln1']}")
-        add(f"{j}.attn.c_attn.kernel", f"{k}.{names['qkv']}.weight", qkv_w, shapes["qkv"])
-        add(f"{j}.attn.c_attn.bias", f"{k}.{names['qkv']}.bias", qkv_b, (3 * d,), True)
-        add(f"{j}.attn.c_proj.kernel", f"{k}.{names['proj']}.weight", proj_w, (d, d))
-        add(f"{j}.attn.c_proj.bias", f"{k}.{names['proj']}.bias", same, (d,), True)
-        norm(f"{j}.ln_2", f"{k}.{names['ln2']}")
-        add(f"{j}.mlp.c_fc.kernel", f"{k}.{names['fc']}.weight", fc_w, shapes["fc"])
-        add(f"{j}.mlp.c_fc.bias", f"{k}.{names['fc']}.bias", same, (F4,), True)
-        add(f"{j}.mlp.c_proj.kernel", f"{k}.{names['fc2']}.weight", fc_w, shapes["fc2"])
-        add(f"{j}.mlp.c_proj.bias", f"{k}.{names['fc2']}.bias", same, (d,), True)
-    norm("ln_f", f"{P}{names['lnf']}")
+        j, k = f"blocks.{i}", f"{P}{n['h']}.{i}"
+        norm(f"{j}.ln_1", f"{k}.{n['ln1']}")
+        if n["fused"] == "split":  # q, k and v as three tensors, from c_attn (or c_q and c_kv) in parts
+            parts = [(f"{j}.attn.c_attn", "#0", H), (f"{j}.attn.c_attn", "#1", H), (f"{j}.attn.c_attn", "#2", H)] \
+                if K == H else [(f"{j}.attn.c_q", "", H), (f"{j}.attn.c_kv", "#0", K), (f"{j}.attn.c_kv", "#1", K)]
+            for (path, part, heads), name in zip(parts, ("q", "k", "v")):
+                linear(path, f"{k}.{n[name]}", (d, heads, D), 1, "attn_bias", part)
+        elif K != H:
+            linear(f"{j}.attn.c_q", f"{k}.{n['q']}", (d, H, D), 1, "attn_bias")
+            linear(f"{j}.attn.c_kv", f"{k}.{n['kv']}", (d, 2, K, D), 1, "attn_bias")
+        elif n["fused"] == "3hd":
+            linear(f"{j}.attn.c_attn", f"{k}.{n['qkv']}", (d, 3, H, D), 1, "attn_bias")
+        else:  # "h3d": the output rows ordered (H, 3, D)
+            add(f"{j}.attn.c_attn.kernel", f"{k}.{n['qkv']}.weight",
+                (lambda a: a.transpose(2, 1, 3, 0).reshape(3 * d, d),
+                 lambda a: a.reshape(H, 3, D, d).transpose(3, 1, 0, 2)), (3 * d, d))
+            add(f"{j}.attn.c_attn.bias", f"{k}.{n['qkv']}.bias",
+                (lambda a: a.transpose(1, 0, 2).reshape(3 * d), lambda a: a.reshape(H, 3, D).transpose(1, 0, 2)),
+                (3 * d,), "attn_bias")
+        linear(f"{j}.attn.c_proj", f"{k}.{n['proj']}", (H, D, d), 2, "attn_bias")
+        if c.residual != "parallel_shared":
+            norm(f"{j}.ln_2", f"{k}.{n['ln2']}")
+        linear(f"{j}.mlp.c_fc", f"{k}.{n['fc']}", (d, Fw), 1, "bias")
+        if c.activation == "swiglu":
+            linear(f"{j}.mlp.c_gate", f"{k}.{n['gate']}", (d, Fw), 1, "bias")
+        linear(f"{j}.mlp.c_proj", f"{k}.{n['fc2']}", (Fw, d), 1, "bias")
+    norm("ln_f", f"{P}{n['lnf']}")
+    if not c.tie_embeddings:
+        add("lm_head", f"{n['head']}.weight", real_rows, (V, d))
+    add("head_bias", "head_bias" if fmt == "torch" else f"{n['head']}.bias", real_rows, (V,), "head_bias")
     return entries
 
 
@@ -343,9 +513,18 @@ def unflatten(flat: dict[str, np.ndarray]) -> dict:
     return tree
 
 
+def _part_axis(path: str) -> int:
+    return 1 if path.endswith("kernel") else 0  # a fused kernel (d, 3 or 2, heads, D); a bias (3 or 2, heads, D)
+
+
 def to_torch_tensors(params: dict, c: TorchGPTConfig, fmt: str) -> dict[str, np.ndarray]:
     """JAX parameters (a pure dict) -> {key: array} in a layout; every parameter used exactly once."""
     flat, entries = flatten(params), _layout(c, fmt)
+    split = {p.split("#")[0] for p, *_ in entries if p is not None and "#" in p}
+    for base in split & set(flat):  # fused weights the layout stores in parts
+        whole = flat.pop(base)
+        for i in range(whole.shape[_part_axis(base)]):
+            flat[f"{base}#{i}"] = np.take(whole, i, axis=_part_axis(base))
     expected = {path: inv(np.zeros(shape, np.float32)).shape for path, _, _, inv, shape in entries if path is not None}
     _check_keys({p: a.shape for p, a in flat.items()}, expected, "the checkpoint's parameters")
     out = {}
@@ -358,86 +537,222 @@ def from_torch_tensors(tensors: dict[str, np.ndarray], c: TorchGPTConfig, fmt: s
     """{key: array} in a layout -> JAX parameters (a pure dict); every tensor used exactly once."""
     entries = _layout(c, fmt)
     _check_keys({k: tuple(v.shape) for k, v in tensors.items()}, {k: s for _, k, _, _, s in entries}, where)
-    flat = {}
+    flat, parts = {}, {}
     for path, key, _, inv, _ in entries:
         a = np.asarray(tensors[key], np.float32)
         if path is None:
             if np.any(a != 0):
-                raise ConvertError(f"{key} in {where} is not zero, but the model has no biases (bias: false)")
+                raise ConvertError(f"{key} in {where} is not zero, but the model has no such bias")
             continue
-        flat[path] = np.ascontiguousarray(inv(a))
+        if "#" in path:
+            base, i = path.split("#")
+            parts.setdefault(base, {})[int(i)] = inv(a)
+        else:
+            flat[path] = np.ascontiguousarray(inv(a))
+    for base, pieces in parts.items():  # k and v (and q) back into one fused weight
+        flat[base] = np.stack([pieces[i] for i in sorted(pieces)], axis=_part_axis(base))
     return unflatten(flat)
 
 
 # ----------------------------------------------------------------------------------------------
 # Hugging Face configs
 
+GELU_NAMES = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": None, "gelu": False}  # -> gelu_approximate
+
 
 def hf_format(c: TorchGPTConfig) -> str:
-    """'gpt2' or 'bloom', or a ConvertError saying why neither layout expresses the model exactly."""
-    if not c.alibi_attn:
-        if c.embed_norm:
-            raise ConvertError("cannot export to --format hf: GPT-2 (the layout for learned positions) has no "
-                               "LayerNorm after the embedding (embed_norm: true); use --format torch")
-        return "gpt2"
-    if not c.embed_norm:
-        raise ConvertError("cannot export to --format hf: an ALiBi model maps to BLOOM, which always has a "
-                           "LayerNorm after the embedding, and this model has embed_norm: false; use --format torch")
-    if not c.gelu_approximate:
-        raise ConvertError("cannot export to --format hf: BLOOM's GELU is the tanh approximation and this model "
-                           "uses the exact erf GELU (gelu_approximate: false); use --format torch")
-    return "bloom"
+    """The transformers layout that expresses the model exactly ('gpt2', 'bloom', 'gptj', 'gpt_neox',
+    'opt' or 'llama'), or a ConvertError saying why none does."""
+    if c.positions == "alibi":
+        fmt, family = "bloom", "an ALiBi model maps to BLOOM"
+    elif c.positions == "learned":
+        fmt, family = ("opt", "a model with learned positions at offset 2 maps to OPT") if c.position_offset == 2 \
+            else ("gpt2", "a model with learned positions maps to GPT-2")
+    elif c.rotary_interleaved:
+        fmt, family = "gptj", "a model with interleaved rotary embeddings maps to GPT-J"
+    elif c.norm == "rmsnorm":
+        fmt, family = "llama", "a rotary model with RMSNorm maps to LLaMA"
+    else:
+        fmt, family = "gpt_neox", "a rotary model with LayerNorm maps to GPT-NeoX"
+    gelu = c.activation == "gelu"
+    why = [
+        (c.position_offset not in (0, 2) and fmt in ("gpt2", "opt"), f"position_offset: {c.position_offset}"),
+        (c.embed_norm != (fmt == "bloom"), f"embed_norm: {str(c.embed_norm).lower()}"),
+        (fmt != "llama" and c.norm != "layernorm", f"norm: {c.norm}"),
+        (fmt == "llama" and c.activation != "swiglu", f"activation: {c.activation}"),
+        (fmt != "llama" and c.activation == "swiglu", "activation: swiglu"),
+        (fmt == "bloom" and not gelu, f"activation: {c.activation}"),
+        (fmt == "bloom" and gelu and not c.gelu_approximate, "gelu_approximate: false (BLOOM's GELU is the tanh one)"),
+        (fmt == "gptj" and not gelu, f"activation: {c.activation}"),
+        (fmt == "gptj" and c.residual != "parallel_shared", f"residual: {c.residual} (GPT-J's is parallel_shared)"),
+        (fmt in ("gpt2", "bloom", "opt", "llama") and c.residual != "sequential", f"residual: {c.residual}"),
+        (fmt == "gpt_neox" and c.residual == "parallel_shared", "residual: parallel_shared"),
+        (fmt != "llama" and c.kv_heads != c.num_head, f"num_kv_head: {c.kv_heads} (fewer than the query heads)"),
+        (fmt == "bloom" and c.mlp_dim not in (None, 4 * c.embedding_dim), f"mlp_dim: {c.mlp_dim}"),
+        (fmt != "gptj" and c.head_bias, "head_bias: true"),
+        (fmt in ("gpt2", "bloom") and not c.tie_embeddings, "tie_embeddings: false"),
+        (fmt in ("gptj", "gpt_neox") and c.tie_embeddings, "tie_embeddings: true"),
+        (fmt == "gptj" and c.attn_bias, "attention biases (GPT-J has none)"),
+        (fmt == "gptj" and c.rotary_base != 10000, f"rotary_base: {c.rotary_base} (GPT-J's is 10000)"),
+        (fmt == "llama" and c.rotary_dim != c.head_dim, f"rotary_dim: {c.rotary_dim} (LLaMA rotates whole heads)"),
+        (fmt == "gpt_neox" and int(c.head_dim * (c.rotary_dim / c.head_dim)) != c.rotary_dim,
+         f"rotary_dim: {c.rotary_dim}"),
+        (fmt == "opt" and c.layer_norm_epsilon != 1e-5, f"layer_norm_epsilon: {c.layer_norm_epsilon} (OPT's is 1e-5)"),
+    ]
+    why = [msg for bad, msg in why if bad]
+    if why:
+        raise ConvertError(f"cannot export to --format hf: {family}, which cannot express {', '.join(why)}; "
+                           f"use --format torch")
+    return fmt
 
 
 def hf_config(c: TorchGPTConfig, fmt: str, eot_id: int | None) -> dict:
-    common = {"vocab_size": c.vocab_size, "layer_norm_epsilon": c.layer_norm_epsilon,
-              "tie_word_embeddings": True, "bos_token_id": eot_id, "eos_token_id": eot_id, "use_cache": True,
-              "dtype": "float32", "initializer_range": 0.02}
+    common = {"architectures": [HF_CLASSES[fmt]], "model_type": fmt, "vocab_size": c.vocab_size,
+              "tie_word_embeddings": c.tie_embeddings, "bos_token_id": eot_id, "eos_token_id": eot_id,
+              "use_cache": True, "dtype": "float32", "initializer_range": 0.02}
+    act = {"gelu": "gelu_new" if c.gelu_approximate else "gelu", "relu": "relu", "swiglu": "silu"}[c.activation]
+    rope = {"rope_type": "default", "rope_theta": c.rotary_base}
     if fmt == "gpt2":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common, "n_positions": c.block_size,
-                "n_embd": c.embedding_dim, "n_layer": c.N, "n_head": c.num_head, "n_inner": None,
-                "activation_function": "gelu_new" if c.gelu_approximate else "gelu",
+        return {**common, "n_positions": c.block_size, "n_embd": c.embedding_dim, "n_layer": c.N, "n_head": c.num_head,
+                "n_inner": c.mlp_dim, "activation_function": act, "layer_norm_epsilon": c.layer_norm_epsilon,
                 "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout,
-                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-                "reorder_and_upcast_attn": False}
-    return {"architectures": ["BloomForCausalLM"], "model_type": "bloom", **common, "hidden_size": c.embedding_dim,
-            "n_layer": c.N, "n_head": c.num_head, "hidden_dropout": c.dropout, "attention_dropout": c.dropout,
-            "apply_residual_connection_post_layernorm": False, "pretraining_tp": 1, "slow_but_exact": False,
-            "seq_length": c.block_size}
+                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+    if fmt == "bloom":
+        return {**common, "hidden_size": c.embedding_dim, "n_layer": c.N, "n_head": c.num_head,
+                "layer_norm_epsilon": c.layer_norm_epsilon, "hidden_dropout": c.dropout,
+                "attention_dropout": c.dropout, "apply_residual_connection_post_layernorm": False,
+                "pretraining_tp": 1, "slow_but_exact": False, "seq_length": c.block_size}
+    if fmt == "gptj":
+        return {**common, "n_positions": c.block_size, "n_embd": c.embedding_dim, "n_layer": c.N, "n_head": c.num_head,
+                "rotary_dim": c.rotary_dim, "n_inner": c.mlp_dim, "activation_function": act,
+                "layer_norm_epsilon": c.layer_norm_epsilon, "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
+                "attn_pdrop": c.dropout}
+    if fmt == "gpt_neox":
+        factor = c.rotary_dim / c.head_dim
+        return {**common, "hidden_size": c.embedding_dim, "num_hidden_layers": c.N, "num_attention_heads": c.num_head,
+                "intermediate_size": c.ffn_dim, "hidden_act": act, "max_position_embeddings": c.block_size,
+                "layer_norm_eps": c.layer_norm_epsilon, "use_parallel_residual": c.residual == "parallel",
+                "attention_bias": c.attn_bias, "rope_parameters": {**rope, "partial_rotary_factor": factor},
+                "rotary_pct": factor, "rotary_emb_base": c.rotary_base,  # the same, for older transformers
+                "hidden_dropout": c.dropout, "attention_dropout": c.dropout}
+    if fmt == "opt":
+        return {**common, "hidden_size": c.embedding_dim, "num_hidden_layers": c.N, "num_attention_heads": c.num_head,
+                "ffn_dim": c.ffn_dim, "max_position_embeddings": c.block_size, "activation_function": act,
+                "do_layer_norm_before": True, "_remove_final_layer_norm": False,
+                "word_embed_proj_dim": c.embedding_dim, "enable_bias": c.bias or c.attn_bias,
+                "layer_norm_elementwise_affine": True, "pad_token_id": eot_id, "dropout": c.dropout,
+                "attention_dropout": c.dropout, "layerdrop": 0.0}
+    return {**common, "hidden_size": c.embedding_dim, "num_hidden_layers": c.N, "num_attention_heads": c.num_head,
+            "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim, "intermediate_size": c.ffn_dim,
+            "hidden_act": act, "max_position_embeddings": c.block_size, "rms_norm_eps": c.layer_norm_epsilon,
+            "rope_parameters": rope, "rope_theta": c.rotary_base, "attention_bias": c.attn_bias, "mlp_bias": c.bias,
+            "attention_dropout": c.dropout, "pretraining_tp": 1}
+
+
+def _rope(get, where: str, family: str, head_dim: int, default_factor: float) -> tuple[float, float]:
+    """(base, fraction of the head rotated) of a config.json, old keys or new; plain rotary only."""
+    params = dict(get("rope_parameters") or get("rope_scaling") or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise ConvertError(f"{where}: this {family} cannot be expressed by model.py: rope_type {kind!r} "
+                           f"(only plain rotary embeddings)")
+    base = params.get("rope_theta", get("rope_theta", get("rotary_emb_base", 10000.0)))
+    return float(base), float(params.get("partial_rotary_factor", get("rotary_pct", default_factor)))
 
 
 def config_from_hf(meta: dict, where: str) -> tuple[TorchGPTConfig, str]:
-    """(config, layout) of a transformers GPT-2 or BLOOM config.json; refuses what model.py cannot express."""
+    """(config, layout) of a transformers config.json; refuses, with the reasons, what model.py cannot express."""
     kind = meta.get("model_type")
     if "gpt_jax" in meta:  # written by this file: the exact original config
         return TorchGPTConfig.from_dict(meta["gpt_jax"]), kind
     get = lambda key, default=None: meta.get(key, default)  # noqa: E731
-    if kind == "gpt2":
-        act = get("activation_function", "gelu_new")
-        approx = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}.get(act)
-        d = get("n_embd", 768)
-        why = [msg for bad, msg in (
-            (approx is None, f"activation_function {act!r} (only gelu_new, gelu_pytorch_tanh, gelu)"),
-            (get("n_inner") not in (None, 4 * d), f"n_inner {get('n_inner')} (only 4 * n_embd)"),
-            (not get("scale_attn_weights", True), "scale_attn_weights false"),
-            (get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx true"),
-            (get("add_cross_attention", False), "cross-attention"),
-            (not get("tie_word_embeddings", True), "untied output embedding")) if bad]
+    names = {"gpt2": "GPT-2", "bloom": "BLOOM", "gptj": "GPT-J", "gpt_neox": "GPT-NeoX", "opt": "OPT",
+             "llama": "LLaMA"}
+    if kind not in names:
+        raise ConvertError(f"{where}: model_type {kind!r} is not supported; import reads the decoder-only "
+                           f"{', '.join(names.values())} layouts (model_type {', '.join(names)})")
+
+    def refuse_if(*checks):
+        why = [msg for bad, msg in checks if bad]
         if why:
-            raise ConvertError(f"{where}: this GPT-2 cannot be expressed by model.py: {', '.join(why)}")
+            raise ConvertError(f"{where}: this {names[kind]} cannot be expressed by model.py: {', '.join(why)}")
+
+    def activation(key, default):
+        act = get(key, default)
+        if act in ("relu", "silu"):
+            return {"activation": "relu" if act == "relu" else "swiglu"}
+        return {"activation": "gelu", "gelu_approximate": GELU_NAMES.get(act)}
+
+    if kind == "gpt2":
+        d, act = get("n_embd", 768), activation("activation_function", "gelu_new")
+        refuse_if((act.get("gelu_approximate", True) is None or act["activation"] == "swiglu",
+                   f"activation_function {get('activation_function')!r} (only gelu_new, gelu_pytorch_tanh, gelu, "
+                   f"relu)"),
+                  (not get("scale_attn_weights", True), "scale_attn_weights false"),
+                  (get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx true"),
+                  (get("add_cross_attention", False), "cross-attention"),
+                  (not get("tie_word_embeddings", True), "untied output embedding"))
         return TorchGPTConfig(vocab_size=get("vocab_size", 50257), block_size=get("n_positions", 1024),
-                              embedding_dim=d, num_head=get("n_head", 12), N=get("n_layer", 12),
-                              alibi_attn=False, bias=True, embed_norm=False, gelu_approximate=approx,
-                              layer_norm_epsilon=get("layer_norm_epsilon", 1e-5)), "gpt2"
+                              embedding_dim=d, num_head=get("n_head", 12), N=get("n_layer", 12), alibi_attn=False,
+                              mlp_dim=get("n_inner"), layer_norm_epsilon=get("layer_norm_epsilon", 1e-5), **act), kind
     if kind == "bloom":
-        if get("apply_residual_connection_post_layernorm", False) or not get("tie_word_embeddings", True):
-            raise ConvertError(f"{where}: this BLOOM cannot be expressed by model.py (post-LayerNorm residual "
-                               f"or untied output embedding)")
+        refuse_if((get("apply_residual_connection_post_layernorm", False), "post-LayerNorm residual"),
+                  (not get("tie_word_embeddings", True), "untied output embedding"))
         return TorchGPTConfig(vocab_size=get("vocab_size", 250880), block_size=get("seq_length", 2048),
                               embedding_dim=get("hidden_size", 64), num_head=get("n_head", 8),
                               N=get("n_layer", 2), alibi_attn=True, bias=True, embed_norm=True,
-                              gelu_approximate=True, layer_norm_epsilon=get("layer_norm_epsilon", 1e-5)), "bloom"
-    raise ConvertError(f"{where}: model_type {kind!r} is not supported; import reads GPT-2 (and BLOOM) checkpoints")
+                              gelu_approximate=True, layer_norm_epsilon=get("layer_norm_epsilon", 1e-5)), kind
+    if kind == "gptj":
+        act = activation("activation_function", "gelu_new")
+        refuse_if((act.get("gelu_approximate", True) is None or act["activation"] != "gelu",
+                   f"activation_function {get('activation_function')!r} (only gelu_new, gelu_pytorch_tanh, gelu)"),
+                  (get("rotary_dim", 64) is None, "rotary_dim null (rotary over the whole model width)"))
+        return TorchGPTConfig(vocab_size=get("vocab_size", 50400), block_size=get("n_positions", 2048),
+                              embedding_dim=get("n_embd", 4096), num_head=get("n_head", 16), N=get("n_layer", 28),
+                              alibi_attn=False, rotary_dim=get("rotary_dim", 64), rotary_interleaved=True,
+                              residual="parallel_shared", attention_bias=False, mlp_dim=get("n_inner"),
+                              tie_embeddings=get("tie_word_embeddings", False), head_bias=True,
+                              layer_norm_epsilon=get("layer_norm_epsilon", 1e-5), **act), kind
+    d, H = get("hidden_size", 768), get("num_attention_heads", 12)
+    if kind == "gpt_neox":
+        act = activation("hidden_act", "gelu")
+        base, factor = _rope(get, where, names[kind], d // H, 0.25)
+        rotary_dim = int(d // H * factor)
+        refuse_if((act.get("gelu_approximate", True) is None or act["activation"] == "swiglu",
+                   f"hidden_act {get('hidden_act')!r} (only gelu, gelu_new, gelu_pytorch_tanh, relu)"),
+                  (rotary_dim < 2 or rotary_dim % 2, f"{rotary_dim} rotary dims per head (an even number from 2)"),
+                  (get("head_dim") not in (None, d // H), f"head_dim {get('head_dim')} (not hidden_size / heads)"))
+        return TorchGPTConfig(vocab_size=get("vocab_size", 50432), block_size=get("max_position_embeddings", 2048),
+                              embedding_dim=d, num_head=H, N=get("num_hidden_layers", 12), alibi_attn=False,
+                              rotary_dim=rotary_dim, rotary_base=base,
+                              residual="parallel" if get("use_parallel_residual", True) else "sequential",
+                              attention_bias=get("attention_bias", True), mlp_dim=get("intermediate_size"),
+                              tie_embeddings=get("tie_word_embeddings", False),
+                              layer_norm_epsilon=get("layer_norm_eps", 1e-5), **act), kind
+    if kind == "opt":
+        act = activation("activation_function", "relu")
+        refuse_if((act.get("gelu_approximate", True) is None or act["activation"] == "swiglu",
+                   f"activation_function {get('activation_function')!r} (only relu, gelu, gelu_new)"),
+                  (not get("do_layer_norm_before", True), "post-LayerNorm blocks (do_layer_norm_before false)"),
+                  (get("_remove_final_layer_norm", False), "no final LayerNorm"),
+                  (get("word_embed_proj_dim") not in (None, d), "an embedding projection (word_embed_proj_dim)"),
+                  (not get("layer_norm_elementwise_affine", True), "LayerNorms without scales"))
+        bias = get("enable_bias", True)
+        return TorchGPTConfig(vocab_size=get("vocab_size", 50272), block_size=get("max_position_embeddings", 2048),
+                              embedding_dim=d, num_head=H, N=get("num_hidden_layers", 12), alibi_attn=False,
+                              position_offset=2, bias=bias, attention_bias=bias, mlp_dim=get("ffn_dim"),
+                              tie_embeddings=get("tie_word_embeddings", True), layer_norm_epsilon=1e-5, **act), kind
+    base, factor = _rope(get, where, names[kind], d // H, 1.0)
+    refuse_if((get("hidden_act", "silu") != "silu", f"hidden_act {get('hidden_act')!r} (only silu: SwiGLU)"),
+              (factor != 1.0, f"partial_rotary_factor {factor} (LLaMA rotates whole heads)"),
+              (get("head_dim") not in (None, d // H), f"head_dim {get('head_dim')} (not hidden_size / heads)"))
+    return TorchGPTConfig(vocab_size=get("vocab_size", 32000), block_size=get("max_position_embeddings", 2048),
+                          embedding_dim=d, num_head=H, N=get("num_hidden_layers", 32), alibi_attn=False,
+                          rotary_dim=d // H, rotary_base=base, norm="rmsnorm", activation="swiglu",
+                          num_kv_head=get("num_key_value_heads"), bias=get("mlp_bias", False),
+                          attention_bias=get("attention_bias", False), mlp_dim=get("intermediate_size", 11008),
+                          tie_embeddings=get("tie_word_embeddings", False),
+                          layer_norm_epsilon=get("rms_norm_eps", 1e-6)), kind
 
 
 def read_hf_tensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
@@ -538,7 +853,7 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
            source=None) -> str:
     """Write params (a pure dict) of a model.GPTConfig (or dict) into `out` in `fmt` ('torch' or 'hf').
     `source`: the run directory they came from, which `out` must not overlap. Returns the layout
-    written: 'torch', 'gpt2' or 'bloom'."""
+    written: 'torch' or the transformers model_type (`hf_format`)."""
     from safetensors.numpy import save_file
 
     full = dataclasses.asdict(gpt_config) if dataclasses.is_dataclass(gpt_config) else dict(gpt_config)
@@ -561,8 +876,10 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
             shutil.copyfile(tok, tmp / TOKENIZER_NAME)
             if layout != "torch":  # what AutoTokenizer needs besides tokenizer.json
                 special = {f"{k}_token": eot for k in ("bos", "eos", "unk")} if eot else {}
-                # a learned-position model stops at block_size; ALiBi has no limit (transformers' default)
-                limit = {} if c.alibi_attn else {"model_max_length": c.block_size}
+                # learned positions (and GPT-J's table of rotary angles) stop at block_size; ALiBi and the
+                # other rotary layouts have no limit (transformers' default)
+                bounded = c.positions == "learned" or layout == "gptj"
+                limit = {"model_max_length": c.block_size} if bounded else {}
                 (tmp / "tokenizer_config.json").write_text(json.dumps(
                     {"tokenizer_class": "PreTrainedTokenizerFast", **limit, "add_prefix_space": False, **special},
                     indent=2) + "\n")
@@ -573,8 +890,8 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
 
 
 def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
-    """A transformers GPT-2 (or BLOOM, or our own hf export) directory -> a run directory with
-    config.yaml, tokenizer.json (when the directory has a tokenizer) and a step-0 checkpoint of params."""
+    """A transformers directory (GPT-2, BLOOM, GPT-J, GPT-NeoX, OPT, LLaMA, or our own hf export) -> a run directory
+    with config.yaml, tokenizer.json (when the directory has a tokenizer) and a step-0 checkpoint of params."""
     import config as config_lib
     import rundir
     import shards
@@ -587,16 +904,22 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     meta = json.loads((hf_dir / CONFIG_NAME).read_text())
     c, layout = config_from_hf(meta, str(hf_dir))
     tensors = read_hf_tensors(hf_dir)
-    wte_key = "transformer.wte.weight" if layout == "gpt2" else "transformer.word_embeddings.weight"
-    lm_head = tensors.pop("lm_head.weight", None)  # saved by some versions; must equal the tied embedding
-    if lm_head is not None and wte_key in tensors and not np.array_equal(lm_head, tensors[wte_key]):
-        raise ConvertError(f"{hf_dir}: lm_head.weight differs from {wte_key}; model.py ties them")
-    for k in [k for k in tensors if k.endswith((".attn.bias", ".attn.masked_bias"))]:
-        tensors.pop(k)  # causal-mask buffers of older GPT-2 checkpoints, not parameters
-    if wte_key in tensors and tensors[wte_key].shape[0] == c.padded_vocab_size > c.vocab_size:
-        tensors[wte_key] = tensors[wte_key][: c.vocab_size]  # an export that kept model.py's padding rows
+    wte_key, lm_key = embedding_key(layout), head_key(layout)
+    if c.tie_embeddings and lm_key in tensors:  # saved by some versions; must equal the tied embedding
+        lm_head = tensors.pop(lm_key)
+        if wte_key in tensors and not np.array_equal(lm_head, tensors[wte_key]):
+            raise ConvertError(f"{hf_dir}: {lm_key} differs from {wte_key}, but config.json ties them")
+    buffers = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
+    for k in [k for k in tensors if k.endswith(buffers)]:
+        tensors.pop(k)  # causal masks and rotary frequencies of older checkpoints: buffers, not parameters
+    for key in (wte_key, lm_key, lm_key.replace(".weight", ".bias")):
+        if key in tensors and tensors[key].shape[0] == c.padded_vocab_size > c.vocab_size:
+            tensors[key] = tensors[key][: c.vocab_size]  # an export that kept model.py's padding rows
+    try:
+        gcfg = GPTConfig(**dataclasses.asdict(c))
+    except ValueError as e:
+        raise ConvertError(f"{hf_dir}: config.json gives a model that model.py refuses: {e}") from None
     params = from_torch_tensors(tensors, c, layout, str(hf_dir))
-    gcfg = GPTConfig(**dataclasses.asdict(c))
     tmp = _prepare_out(out, overwrite)
     try:
         run = rundir.Run(tmp)
@@ -626,11 +949,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="RUN_DIR", help="export this run directory's checkpoint")
-    src.add_argument("--import-hf", metavar="HF_DIR", help="import a transformers GPT-2 directory into a run directory")
+    src.add_argument("--import-hf", metavar="HF_DIR", help="import a transformers directory (GPT-2, BLOOM, GPT-J, "
+                     "GPT-NeoX, OPT or LLaMA) into a run directory")
     parser.add_argument("--step", type=int, help="the checkpoint step to export (default: the last)")
     parser.add_argument("--out", required=True, help="the directory to write (an export, or a run for --import-hf)")
     parser.add_argument("--format", default="torch", choices=("torch", "hf"),
-                        help="torch: this file's GPT module; hf: transformers GPT-2 / BLOOM (default: %(default)s)")
+                        help="torch: this file's GPT module; hf: the transformers layout of the model's family "
+                             "(default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
     def error(message):

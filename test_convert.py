@@ -163,11 +163,11 @@ def test_import_gpt2_gives_the_same_logits(tmp_path):
 
 
 def test_import_refuses_what_model_py_cannot_express(tmp_path, capsys):
-    random_gpt2(tmp_path / "relu", activation_function="relu")
+    random_gpt2(tmp_path / "silu", activation_function="silu")
     capsys.readouterr()  # transformers' progress bars
-    assert ct.cli(["--import-hf", str(tmp_path / "relu"), "--out", str(tmp_path / "run")]) == 2
+    assert ct.cli(["--import-hf", str(tmp_path / "silu"), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and "activation_function 'relu'" in err and "\n" not in err
+    assert err.startswith("error:") and "activation_function 'silu'" in err and "\n" not in err
     assert not (tmp_path / "run").exists()
 
 
