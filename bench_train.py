@@ -340,7 +340,7 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
     mfu = lambda r: "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"  # noqa: E731
     rows = [("model", f"{name}: {results['parameters'] / 1e6:.1f}M parameters, {mcfg.N} blocks, "
-                      f"d={mcfg.embedding_dim}, {'ALiBi' if mcfg.alibi_attn else 'learned positions'}"),
+                      f"d={mcfg.embedding_dim}, {mcfg.positions} positions"),
             ("shape", f"batch {args.batch} x context {seq} = {args.batch * seq} tokens/step, {mcfg.dtype}, "
                       f"remat {mcfg.remat}, attention {attention}"),
             ("device", f"{ours['device_kind']} ({ours['platform']})"),

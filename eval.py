@@ -552,7 +552,7 @@ def main(argv=None) -> int:
     results_name = rundir.eval_results_name(step)
     read_results(run, results_name)  # a file eval.py cannot add to stops the run before any work
     print(f"{run_dir} step {step}: {model_cfg.N} layers, d={model_cfg.embedding_dim}, "
-          f"{'ALiBi' if model_cfg.alibi_attn else 'learned positions'}, trained at context {train_len}; "
+          f"{model_cfg.positions} positions, trained at context {train_len}; "
           f"{jax.devices()[0].platform} x{jax.device_count()}", file=sys.stderr)
 
     table, png = None, None

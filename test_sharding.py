@@ -31,8 +31,8 @@ REPO = pathlib.Path(__file__).resolve().parent
 Z = ("data", "fsdp")  # the ZeRO / data-parallel axes as a PartitionSpec entry
 
 
-def tiny_model():
-    cfg = config.load_config(overrides=["model=test", "model.vocab_size=300"]).model
+def tiny_model(cfg=None):
+    cfg = cfg or config.load_config(overrides=["model=test", "model.vocab_size=300"]).model
     abstract = nnx.eval_shape(lambda: model.GPT(cfg, rngs=nnx.Rngs(0)))
     graphdef, variables = nnx.split(abstract)
     return cfg, graphdef, variables
@@ -45,13 +45,14 @@ def loss_fn(graphdef, variables, params, tokens):
     return model.cross_entropy(logits, tokens[:, 1:])[0]
 
 
-def one_step(mesh, stage, params, opt_state, tokens):
-    """Loss, gradients and one AdamW update, placed by sharding.py for `stage` on `mesh`.
+def one_step(mesh, stage, params, opt_state, tokens, cfg=None):
+    """Loss, gradients and one AdamW update of the `test` size (or `cfg`), placed by sharding.py for
+    `stage` on `mesh`.
 
     A large epsilon keeps Adam's first update smooth in the gradient (with 1e-8 it is lr * sign(g),
     which rounding-level gradients flip between one device and eight).
     """
-    cfg, graphdef, variables = tiny_model()
+    cfg, graphdef, variables = tiny_model(cfg)
     tx = optax.adamw(1e-2, eps=1e-3, weight_decay=0.1)
     abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p)}, params)
     axes = nnx.to_pure_dict(model.param_axes(variables))
