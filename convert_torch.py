@@ -238,9 +238,9 @@ class Block(_Module):
         y = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, dropout_p=p)  # scale 1/sqrt(D)
         a = self.drop(self.attn.c_proj(y.transpose(1, 2).reshape(B, T, H * D)))
         if self.c.residual == "sequential":
-            x, a = x + a, 0.0
-        m = self.mlp(h if self.ln_2 is None else self.ln_2(x))
-        return x + a + self.drop(m), (k, v)
+            x = x + a
+            return x + self.drop(self.mlp(self.ln_2(x))), (k, v)
+        return x + a + self.drop(self.mlp(h if self.ln_2 is None else self.ln_2(x))), (k, v)
 
 
 class GPT(_Module):
@@ -557,7 +557,9 @@ def from_torch_tensors(tensors: dict[str, np.ndarray], c: TorchGPTConfig, fmt: s
 # ----------------------------------------------------------------------------------------------
 # Hugging Face configs
 
-GELU_NAMES = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": None, "gelu": False}  # -> gelu_approximate
+# transformers' activation names -> (model.py's activation, gelu_approximate); silu is LLaMA's gated MLP
+ACTIVATION_NAMES = {"gelu_new": ("gelu", True), "gelu_pytorch_tanh": ("gelu", True), "gelu": ("gelu", False),
+                    "relu": ("relu", None), "silu": ("swiglu", None)}
 
 
 def hf_format(c: TorchGPTConfig) -> str:
@@ -677,17 +679,17 @@ def config_from_hf(meta: dict, where: str) -> tuple[TorchGPTConfig, str]:
         if why:
             raise ConvertError(f"{where}: this {names[kind]} cannot be expressed by model.py: {', '.join(why)}")
 
-    def activation(key, default):
-        act = get(key, default)
-        if act in ("relu", "silu"):
-            return {"activation": "relu" if act == "relu" else "swiglu"}
-        return {"activation": "gelu", "gelu_approximate": GELU_NAMES.get(act)}
+    def activation(key, default, allowed):
+        """(the MLP switches for config.json's activation name, the check refusing it unless its kind is allowed)"""
+        name = get(key, default)
+        kind, approximate = ACTIVATION_NAMES.get(name, (None, None))
+        known = [n for n, (k, _) in ACTIVATION_NAMES.items() if k in allowed]
+        switches = {"activation": kind or "gelu", **({} if approximate is None else {"gelu_approximate": approximate})}
+        return switches, (kind not in allowed, f"{key} {name!r} (only {', '.join(known)})")
 
     if kind == "gpt2":
-        d, act = get("n_embd", 768), activation("activation_function", "gelu_new")
-        refuse_if((act.get("gelu_approximate", True) is None or act["activation"] == "swiglu",
-                   f"activation_function {get('activation_function')!r} (only gelu_new, gelu_pytorch_tanh, gelu, "
-                   f"relu)"),
+        d, (act, bad_act) = get("n_embd", 768), activation("activation_function", "gelu_new", ("gelu", "relu"))
+        refuse_if(bad_act,
                   (not get("scale_attn_weights", True), "scale_attn_weights false"),
                   (get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx true"),
                   (get("add_cross_attention", False), "cross-attention"),
@@ -703,9 +705,8 @@ def config_from_hf(meta: dict, where: str) -> tuple[TorchGPTConfig, str]:
                               N=get("n_layer", 2), alibi_attn=True, bias=True, embed_norm=True,
                               gelu_approximate=True, layer_norm_epsilon=get("layer_norm_epsilon", 1e-5)), kind
     if kind == "gptj":
-        act = activation("activation_function", "gelu_new")
-        refuse_if((act.get("gelu_approximate", True) is None or act["activation"] != "gelu",
-                   f"activation_function {get('activation_function')!r} (only gelu_new, gelu_pytorch_tanh, gelu)"),
+        act, bad_act = activation("activation_function", "gelu_new", ("gelu",))
+        refuse_if(bad_act,
                   (get("rotary_dim", 64) is None, "rotary_dim null (rotary over the whole model width)"))
         return TorchGPTConfig(vocab_size=get("vocab_size", 50400), block_size=get("n_positions", 2048),
                               embedding_dim=get("n_embd", 4096), num_head=get("n_head", 16), N=get("n_layer", 28),
@@ -715,11 +716,10 @@ def config_from_hf(meta: dict, where: str) -> tuple[TorchGPTConfig, str]:
                               layer_norm_epsilon=get("layer_norm_epsilon", 1e-5), **act), kind
     d, H = get("hidden_size", 768), get("num_attention_heads", 12)
     if kind == "gpt_neox":
-        act = activation("hidden_act", "gelu")
+        act, bad_act = activation("hidden_act", "gelu", ("gelu", "relu"))
         base, factor = _rope(get, where, names[kind], d // H, 0.25)
         rotary_dim = int(d // H * factor)
-        refuse_if((act.get("gelu_approximate", True) is None or act["activation"] == "swiglu",
-                   f"hidden_act {get('hidden_act')!r} (only gelu, gelu_new, gelu_pytorch_tanh, relu)"),
+        refuse_if(bad_act,
                   (rotary_dim < 2 or rotary_dim % 2, f"{rotary_dim} rotary dims per head (an even number from 2)"),
                   (get("head_dim") not in (None, d // H), f"head_dim {get('head_dim')} (not hidden_size / heads)"))
         return TorchGPTConfig(vocab_size=get("vocab_size", 50432), block_size=get("max_position_embeddings", 2048),
@@ -730,9 +730,8 @@ def config_from_hf(meta: dict, where: str) -> tuple[TorchGPTConfig, str]:
                               tie_embeddings=get("tie_word_embeddings", False),
                               layer_norm_epsilon=get("layer_norm_eps", 1e-5), **act), kind
     if kind == "opt":
-        act = activation("activation_function", "relu")
-        refuse_if((act.get("gelu_approximate", True) is None or act["activation"] == "swiglu",
-                   f"activation_function {get('activation_function')!r} (only relu, gelu, gelu_new)"),
+        act, bad_act = activation("activation_function", "relu", ("gelu", "relu"))
+        refuse_if(bad_act,
                   (not get("do_layer_norm_before", True), "post-LayerNorm blocks (do_layer_norm_before false)"),
                   (get("_remove_final_layer_norm", False), "no final LayerNorm"),
                   (get("word_embed_proj_dim") not in (None, d), "an embedding projection (word_embed_proj_dim)"),
@@ -743,12 +742,13 @@ def config_from_hf(meta: dict, where: str) -> tuple[TorchGPTConfig, str]:
                               position_offset=2, bias=bias, attention_bias=bias, mlp_dim=get("ffn_dim"),
                               tie_embeddings=get("tie_word_embeddings", True), layer_norm_epsilon=1e-5, **act), kind
     base, factor = _rope(get, where, names[kind], d // H, 1.0)
-    refuse_if((get("hidden_act", "silu") != "silu", f"hidden_act {get('hidden_act')!r} (only silu: SwiGLU)"),
+    act, bad_act = activation("hidden_act", "silu", ("swiglu",))
+    refuse_if(bad_act,
               (factor != 1.0, f"partial_rotary_factor {factor} (LLaMA rotates whole heads)"),
               (get("head_dim") not in (None, d // H), f"head_dim {get('head_dim')} (not hidden_size / heads)"))
     return TorchGPTConfig(vocab_size=get("vocab_size", 32000), block_size=get("max_position_embeddings", 2048),
                           embedding_dim=d, num_head=H, N=get("num_hidden_layers", 32), alibi_attn=False,
-                          rotary_dim=d // H, rotary_base=base, norm="rmsnorm", activation="swiglu",
+                          rotary_dim=d // H, rotary_base=base, norm="rmsnorm", **act,
                           num_kv_head=get("num_key_value_heads"), bias=get("mlp_bias", False),
                           attention_bias=get("attention_bias", False), mlp_dim=get("intermediate_size", 11008),
                           tie_embeddings=get("tie_word_embeddings", False),

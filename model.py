@@ -550,9 +550,10 @@ class Block(nnx.Module):
     def _residual(self, x: jax.Array, h: jax.Array, a: jax.Array, dropout_key) -> jax.Array:
         """The block's output from its input x, x's first norm h and the attention output a."""
         a = _dropout(a, self.dropout, _fold(dropout_key, 1))
-        if self.sequential:
-            x, a = x + a, 0.0
-        m = self.mlp(h if self.ln_2 is None else self.ln_2(x))
+        if self.sequential:  # the MLP reads the stream after attention
+            x = x + a
+            return x + _dropout(self.mlp(self.ln_2(x)), self.dropout, _fold(dropout_key, 2))
+        m = self.mlp(h if self.ln_2 is None else self.ln_2(x))  # parallel: from the block's input
         return x + a + _dropout(m, self.dropout, _fold(dropout_key, 2))
 
     def __call__(self, x: jax.Array, rope=None, dropout_key=None, mask=None) -> jax.Array:

@@ -175,7 +175,8 @@ def test_export_to_transformers_and_back_is_exact(tmp_path, family):
     assert jax.tree.structure(back) == jax.tree.structure(params)
     # identical, but for the vocabulary's padding rows: not exported (no logit depends on them), back as zeros
     padded = {"wte", "lm_head", "head_bias"}
-    expected = {k: (np.concatenate([v[:V], np.zeros((128 * 3 - V,) + v.shape[1:], np.float32)]) if k in padded else v)
+    pad = m.config.padded_vocab_size - V
+    expected = {k: (np.concatenate([v[:V], np.zeros((pad,) + v.shape[1:], np.float32)]) if k in padded else v)
                 for k, v in params.items()}
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(a, b)
