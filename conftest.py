@@ -17,3 +17,44 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # lm-eval's local test tasks are built by `datasets`, whose cache goes to a throwaway directory.
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="hf-datasets-"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Disks that fail as a user's do: a small full one and a read-only one, real tmpfs mounts (the
+# suite runs as root, as CI does, where a chmod alone does not stop a write).
+
+import contextlib  # noqa: E402
+import pathlib  # noqa: E402
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@contextlib.contextmanager
+def _tmpfs(path: pathlib.Path, options: str):
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs for the disk tests (they need root): {done.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A directory on a 256 KiB file system: anything larger than that fails with ENOSPC."""
+    with _tmpfs(tmp_path / "full", "size=256k") as path:
+        yield path
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory on a read-only file system, holding one file `kept.txt` (every write is EROFS)."""
+    path = tmp_path / "ro"
+    with _tmpfs(path, "size=64k") as mounted:
+        (mounted / "kept.txt").write_text("kept\n")
+        subprocess.run(["mount", "-o", "remount,ro", str(mounted)], check=True)
+        yield mounted
