@@ -16,6 +16,7 @@ Every user mistake (unknown key, wrong type, unknown model size, a missing file)
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 import types
 import typing
@@ -295,6 +296,8 @@ def from_dict(raw: dict, *, sizes: dict[str, dict] | None = None) -> Config:
 def validate(cfg: Config) -> None:
     """Cross-field checks that a single type check cannot make."""
     t, c = cfg.training, cfg.checkpoint
+    if not -2**63 <= cfg.seed < 2**63:  # JAX's keys and the loader's permutation take a 64-bit seed
+        raise ConfigError(f"seed must be a 64-bit integer (between -2**63 and 2**63 - 1), got {cfg.seed}")
     for key in ("steps", "batch_size", "micro_batches", "log_every", "eval_every", "eval_windows"):
         if getattr(t, key) < 1:
             raise ConfigError(f"training.{key} must be >= 1, got {getattr(t, key)}")
@@ -309,6 +312,8 @@ def validate(cfg: Config) -> None:
         )
     if t.seq_len is not None and not 1 <= t.seq_len <= cfg.model.block_size:
         raise ConfigError(f"training.seq_len must be in 1..model.block_size ({cfg.model.block_size}), got {t.seq_len}")
+    if not (math.isfinite(t.lr) and t.lr > 0):
+        raise ConfigError(f"training.lr must be a positive number, got {t.lr}")
     if not 0.0 <= t.min_lr <= t.lr:
         raise ConfigError(f"training.min_lr ({t.min_lr}) must be in [0, training.lr ({t.lr})]")
     try:
@@ -316,6 +321,16 @@ def validate(cfg: Config) -> None:
         sharding.check_zero_stage(cfg.sharding.zero_stage)
     except sharding.ShardingError as e:
         raise ConfigError(str(e)) from None
+    if t.grad_clip is not None and not (math.isfinite(t.grad_clip) and t.grad_clip > 0):
+        raise ConfigError(f"training.grad_clip must be a positive gradient norm, or null for no clipping; "
+                          f"got {t.grad_clip}")
+    for key in ("b1", "b2"):  # AdamW's decay rates of the moments
+        if not 0.0 <= getattr(t, key) < 1.0:
+            raise ConfigError(f"training.{key} must be in [0, 1), got {getattr(t, key)}")
+    if not (math.isfinite(t.eps) and t.eps > 0):
+        raise ConfigError(f"training.eps must be a positive number, got {t.eps}")
+    if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
+        raise ConfigError(f"training.weight_decay must be >= 0, got {t.weight_decay}")
     if not 0.0 <= t.fcm_max_ratio < 1.0:
         raise ConfigError(f"training.fcm_max_ratio must be in [0, 1), got {t.fcm_max_ratio}")
     if cfg.data.batching not in BATCHING:
@@ -328,13 +343,20 @@ def read_yaml(path) -> dict:
     path = pathlib.Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} not found")
-    return parse_yaml(path.read_text(), path)
+    try:
+        return parse_yaml(path.read_bytes(), path)
+    except OSError as e:  # unreadable: a permission, an I/O error
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
 
 
-def parse_yaml(text: str, path) -> dict:
-    """The mapping of a config file's text; `path` names it in errors."""
+def parse_yaml(text: str | bytes, path) -> dict:
+    """The mapping of a config file's text (bytes: UTF-8 or UTF-16, as YAML allows); `path` names it in
+    errors, among them bytes that are no text (yaml's ReaderError)."""
     try:
         raw = yaml.safe_load(text)
+    except yaml.reader.ReaderError as e:  # bytes that are not text, or a control character
+        what = f"byte 0x{e.character:02x}" if isinstance(e.character, int) else f"character {e.character!r}"
+        raise ConfigError(f"{path} is not UTF-8 text ({what} at offset {e.position})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
     if raw is None:

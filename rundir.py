@@ -63,7 +63,7 @@ class Run(storage.RunDir):
         """The run's effective config (with `overrides`), for resume, eval, sample and convert."""
         if not self.is_file(CONFIG):
             raise RunError(f"{self} is not a run directory: {CONFIG} not found in it")
-        text = self.read_text(CONFIG)
+        text = self.read_bytes(CONFIG)
         raw = config_lib.apply_overrides(config_lib.parse_yaml(text, self.show(CONFIG)), overrides)
         sizes = config_lib.load_model_sizes() if config_lib.MODEL_SIZES.is_file() else {}  # the model is resolved
         return config_lib.from_dict(raw, sizes=sizes)

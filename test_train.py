@@ -326,6 +326,14 @@ def test_default_config_has_a_comment_on_every_key():
     ("checkpoint.async_save=maybe", ["checkpoint.async_save", "bool"]),
     ("wandb.mode=cloud", ["wandb.mode", "disabled", "offline", "online"]),
     ("training.batch_size=10", ["batch_size", "micro_batches"]),
+    # values of the right type that would train wrongly or crash later: refused when the config is read
+    ("training.grad_clip=-1", ["training.grad_clip", "positive", "null", "-1.0"]),  # the update would flip sign
+    ("training.grad_clip=.nan", ["training.grad_clip", "nan"]),
+    (f"seed={2**70}", ["seed", "64-bit", str(2**70)]),
+    ("training.b2=1.0", ["training.b2", "[0, 1)"]),
+    ("training.lr=0", ["training.lr", "positive"]),
+    ("training.eps=-1e-8", ["training.eps", "positive"]),
+    ("training.weight_decay=-0.1", ["training.weight_decay", ">= 0"]),
 ])
 def test_config_errors_name_key_and_choices(override, words):
     extra = ["training.micro_batches=4"] if "batch_size" in override else []
@@ -334,6 +342,16 @@ def test_config_errors_name_key_and_choices(override, words):
     for word in words:
         assert word in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_config_file_that_is_not_text_is_one_line(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("run_dir: runs/caf\u00e9\n".encode("latin-1"))  # 0xe9 alone is no UTF-8
+    with pytest.raises(config.ConfigError, match=r"latin1.yaml is not UTF-8 text \(byte 0xe9 at offset 17\)"):
+        config.load_config(bad)
+    good = tmp_path / "utf8.yaml"
+    good.write_bytes("run_dir: runs/caf\u00e9\n".encode())
+    assert config.load_config(good).run_dir == "runs/caf\u00e9"
 
 
 def test_cli_errors_are_one_line_exit_2(tmp_path):
