@@ -23,6 +23,11 @@ memory, time of forward + backward), to choose the fastest correct one on a GPU.
 """
 from __future__ import annotations
 
+import errors  # light: nothing but the standard library
+
+if __name__ == "__main__":
+    errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
+
 import argparse
 import datetime
 import json
@@ -38,7 +43,6 @@ import time
 import numpy as np
 
 import data  # imports no tokenizer yet: the library's thread pool starts at the first batch encoding
-import errors
 import loader as loader_lib
 from errors import UserError
 

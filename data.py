@@ -28,6 +28,11 @@ DIR`): the loader reads its verified local copy (shards.local_dir).
 """
 from __future__ import annotations
 
+import errors  # light: nothing but the standard library
+
+if __name__ == "__main__":
+    errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
+
 import argparse
 import collections
 import os
@@ -38,7 +43,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
-import errors
 import corpus
 import finetune_data
 import shards

@@ -13,6 +13,8 @@ Imports nothing of the project.
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from typing import Callable, Sequence
 
@@ -23,10 +25,31 @@ class UserError(Exception):
     exit_status = 2
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_at_once_while_loading() -> None:
+    """For a command's first lines, before it imports JAX and the rest: SIGINT or SIGTERM (Ctrl-C)
+    while they load ends it at once with one line and status 128 + N. Nothing is written while
+    modules load, and an interrupted import would otherwise end in a traceback or worse (an abort
+    inside a native library). run_cli puts the usual handling back before the command's work."""
+    def stop(signum, frame):
+        os.write(2, f"error: stopped by {signal.Signals(signum).name} while starting; nothing was done\n".encode())
+        os._exit(128 + signum)
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, stop)
+
+
 def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None, *,
         interrupted: str = "interrupted") -> int:
     """main(argv), with a UserError as one `error: ...` line on stderr and its exit status, and a
     KeyboardInterrupt as `error: <interrupted>` and 130."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread():  # the defaults, after stop_at_once_while_loading
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         return main(argv)
     except UserError as e:

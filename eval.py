@@ -26,6 +26,11 @@ User errors (a missing run, an unknown task, a length the model cannot take) end
 """
 from __future__ import annotations
 
+import errors  # light: nothing but the standard library
+
+if __name__ == "__main__":
+    errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
+
 import argparse
 import datetime
 import difflib
@@ -45,7 +50,6 @@ from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
 import data
-import errors
 import loader
 import rundir
 import sample

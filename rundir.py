@@ -5,9 +5,13 @@
     RUN/tokenizer.json          a copy of the data's tokenizer, so the run decodes without the corpus
     RUN/metrics.jsonl           one JSON object per logged step
     RUN/summary.json            where training ended
+    RUN/.lock                   who writes the run now (train.py, an import): one writer at a time
     RUN/wandb_id.txt            the W&B run id: a resume and eval.py log into the same W&B run
     RUN/eval/step<N>.json       eval.py's results for checkpoint N
-    RUN/checkpoints/<step>/     orbax checkpoints of the state {params, opt_state, step, rng}
+    RUN/checkpoints/<step>/     orbax checkpoints of the state {params, opt_state, step, rng}, each with a
+                                fingerprint of every array in its metadata, checked on every restore
+    RUN/checkpoints/.deleting/  old checkpoints being deleted: renamed here first, so that a kill during
+                                a deletion never leaves half a checkpoint under its step's name
     RUN/checkpoints-damaged/    checkpoints a resume could not restore, moved aside (never deleted)
 
 `Run` is a storage.RunDir (a local path, or a URL such as gs://bucket/runs/x, whose files go
@@ -20,11 +24,18 @@ its metadata) or that does not fit the model: a RunError, one line in the user's
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
+import os
 import pathlib
 import re
+import shutil
+import socket
 import sys
+import threading
+import time
 import typing
 
 import yaml
@@ -42,6 +53,12 @@ SUMMARY = "summary.json"
 WANDB_ID = "wandb_id.txt"
 CHECKPOINTS = "checkpoints"
 DAMAGED = "checkpoints-damaged"
+DELETING = ".deleting"  # inside RUN/checkpoints
+LOCK = ".lock"
+LEASE_RENEW = 10.0  # seconds between a lease's heartbeats (a run directory in an object store)
+LEASE_TTL = 60.0  # a lease whose heartbeat is older than this is free: its holder is gone
+LEASE_SETTLE = 1.0  # seconds between writing a lease and reading it back
+FINGERPRINTS = "fingerprints"  # the key of a checkpoint's custom metadata that holds them
 
 
 class RunError(UserError):
@@ -75,14 +92,115 @@ class Run(storage.RunDir):
         return self.show(CONFIG)
 
     def check_new(self) -> None:
-        """A new run may start here: nothing is in the directory yet."""
-        if self.is_empty():
+        """A new run may start here: nothing is in the directory yet (but perhaps a lock)."""
+        if not set(self.names()) - {LOCK}:
             return
         if self.is_file(CONFIG) and not self.checkpoint_steps():
             raise RunError(f"run directory {self} holds a run stopped before its first checkpoint; continue it "
                            f"with --resume (from step 0, with its saved config), or remove the directory to start anew")
         raise RunError(f"run directory {self} already exists; continue it with --resume, "
                        f"or start a new run elsewhere with run_dir=PATH")
+
+    # ------------------------------------------------------------------------------------------
+    # The lock: one writer at a time
+
+    @contextlib.contextmanager
+    def writer(self, purpose: str):
+        """Hold RUN/.lock while writing the run (`purpose` names the writer to a second one, which gets
+        a RunError naming the first). The directory must exist.
+
+        On a local disk it is an flock, which the system drops when its process ends however it ends,
+        so a killed run never blocks its resume. In an object store, which has no locks, it is a lease:
+        RUN/.lock names its holder and a heartbeat renewed every LEASE_RENEW seconds, and is taken by
+        writing it and reading it back; a holder whose heartbeat has stopped (a killed process) is
+        waited out for at most LEASE_TTL seconds, a live one is refused."""
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "purpose": purpose,
+                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        release = self._lease(holder) if self.remote else self._flock(holder)
+        try:
+            yield
+        finally:
+            release()
+
+    def _flock(self, holder: dict):
+        import fcntl
+
+        path = pathlib.Path(self.root) / LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunError(f"cannot lock the run directory {self}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            other = self._holder(os.pread(fd, 4096, 0))
+            os.close(fd)
+            raise RunError(f"run directory {self} is in use by {other}; one process writes a run at a time "
+                           f"(wait for it to end, or stop it first)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        return lambda: os.close(fd)  # the flock goes with the descriptor; the file stays (no unlink race)
+
+    def _lease(self, holder: dict):
+        holder = {**holder, "token": os.urandom(8).hex()}
+        waited = 0.0
+        while True:
+            try:
+                raw = self.read_bytes(LOCK) if self.is_file(LOCK) else b""
+            except storage.StorageError:
+                raw = b""  # deleted meanwhile by its holder: free
+            other = self._parse_lock(raw)
+            if other and other.get("token") != holder["token"]:
+                age = time.time() - float(other.get("heartbeat", 0))
+                if age < LEASE_TTL:
+                    if age < 2 * LEASE_RENEW or waited >= LEASE_TTL:  # alive: it renews its heartbeat
+                        raise RunError(f"run directory {self} is in use by {self._holder(raw)}; one process writes "
+                                       f"a run at a time (wait for it to end, or stop it first)")
+                    print(f"{self.show(LOCK)}: held by {self._holder(raw)}, whose heartbeat stopped "
+                          f"{age:.0f}s ago; waiting up to {LEASE_TTL - age:.0f}s for it to expire", flush=True)
+                    time.sleep(min(LEASE_RENEW, LEASE_TTL - age + 0.1))
+                    waited += min(LEASE_RENEW, LEASE_TTL - age + 0.1)
+                    continue
+            self.write_text(LOCK, json.dumps({**holder, "heartbeat": time.time()}) + "\n")
+            time.sleep(LEASE_SETTLE)  # a writer racing us has written by now: the store keeps the last write
+            if (self._parse_lock(self.read_bytes(LOCK)) or {}).get("token") == holder["token"]:
+                break
+        stop = threading.Event()
+
+        def renew():
+            while not stop.wait(LEASE_RENEW):
+                try:
+                    self.write_text(LOCK, json.dumps({**holder, "heartbeat": time.time()}) + "\n")
+                except storage.StorageError:
+                    pass  # a lost write: the next one renews it
+
+        thread = threading.Thread(target=renew, name="run-dir-lease", daemon=True)
+        thread.start()
+
+        def release():
+            stop.set()
+            thread.join()
+            try:
+                if (self._parse_lock(self.read_bytes(LOCK)) or {}).get("token") == holder["token"]:
+                    self.delete(LOCK)
+            except storage.StorageError:
+                pass  # it expires by itself
+        return release
+
+    @staticmethod
+    def _parse_lock(raw: bytes) -> dict | None:
+        try:
+            lock = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        return lock if isinstance(lock, dict) else None
+
+    def _holder(self, raw: bytes) -> str:
+        """The holder of a lock, in words, from the lock file's content."""
+        lock = self._parse_lock(raw) or {}
+        if not lock:
+            return "another process"
+        return f"{lock.get('purpose', 'a process')} (pid {lock.get('pid')} on {lock.get('host')}, since {lock.get('since')})"
 
     # ------------------------------------------------------------------------------------------
     # The data: data.json and tokenizer.json
@@ -160,15 +278,33 @@ class Run(storage.RunDir):
         return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
 
     def checkpoint_manager(self, keep: int | None = None, async_save: bool = False):
-        """An orbax CheckpointManager of RUN/checkpoints: a step directory appears only once complete."""
+        """An orbax CheckpointManager of RUN/checkpoints: a step directory appears only once complete,
+        and (on a local disk) an old one is renamed into .deleting/ before it is deleted."""
         import orbax.checkpoint as ocp
 
         logging.getLogger("absl").setLevel(logging.WARNING)
+        self.purge_deleted()
         return ocp.CheckpointManager(
             self.checkpoint_dir(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                                 todelete_subdir=DELETING),  # object stores delete in place
             item_handlers=ocp.StandardCheckpointHandler(),  # so that a checkpoint's tree can be read before restoring
         )
+
+    def save_checkpoint(self, mngr, step: int, state) -> None:
+        """Save `state` as checkpoint `step` (asynchronously if `mngr` saves so), with the fingerprint of
+        every array in its metadata; then finish deleting the checkpoints that rotation retired."""
+        import orbax.checkpoint as ocp
+
+        mngr.save(step, args=ocp.args.StandardSave(state), force=True,
+                  custom_metadata={FINGERPRINTS: fingerprints(state)})
+        self.purge_deleted()
+
+    def purge_deleted(self) -> None:
+        """Delete what lies in RUN/checkpoints/.deleting/: old checkpoints already renamed out of the
+        way (by orbax's rotation), whole or half deleted by a process that was killed."""
+        if not self.remote:
+            shutil.rmtree(pathlib.Path(self.checkpoint_dir()) / DELETING, ignore_errors=True)
 
     def restore(self, mngr, abstract_state, say):
         """(state, step) from the newest checkpoint that restores. Damaged newer ones are moved aside to
@@ -197,8 +333,12 @@ class Run(storage.RunDir):
                                f"({mismatch}); resume with the run's own model settings")
             try:
                 state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
+                corrupt = fingerprint_problem(mngr, step, state)
             except Exception as e:  # a damaged checkpoint: a file missing, an array unreadable
                 damaged.append((step, checkpoint_problem(e)))
+                continue
+            if corrupt:  # it read, but not as it was written: flipped bits
+                damaged.append((step, corrupt))
                 continue
             sys.unraisablehook = default_hook
             if damaged:
@@ -235,10 +375,13 @@ class Run(storage.RunDir):
         with ocp.CheckpointManager(ckpt_dir) as mngr:
             try:
                 state = mngr.restore(step, args=ocp.args.StandardRestore())
+                corrupt = fingerprint_problem(mngr, step, state)
             except Exception as e:  # a damaged checkpoint
                 sys.unraisablehook = drop_closed_loop_errors  # the failed read's other reads end on a closed loop
                 logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
                 raise RunError(f"checkpoint {step} in {ckpt_dir} cannot be read: {checkpoint_problem(e)}") from None
+        if corrupt:
+            raise RunError(f"checkpoint {step} in {ckpt_dir} is corrupt: {corrupt}")
 
         def numpy_tree(tree):
             if not isinstance(tree, dict):
@@ -255,7 +398,7 @@ class Run(storage.RunDir):
 
         state = {"params": jax.tree.map(np.asarray, params), "step": np.asarray(step, np.int32)}
         with ocp.CheckpointManager(self.checkpoint_dir()) as mngr:
-            mngr.save(step, args=ocp.args.StandardSave(state), force=True)
+            self.save_checkpoint(mngr, step, state)
             mngr.wait_until_finished()
 
     def load_model(self, step: int | None = None):
@@ -327,15 +470,75 @@ def load_init_params(location, shardings):
 # What is wrong with a checkpoint, in the user's terms
 
 
+def named_leaves(tree) -> list[tuple[str, typing.Any]]:
+    """(path/of/the/leaf, leaf) of a state tree; block indices read the same as ints or as orbax's strings."""
+    import jax
+
+    name = lambda k: getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))  # noqa: E731  (dict, list, attr)
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [("/".join(str(name(k)) for k in path), leaf) for path, leaf in flat]
+
+
+def fingerprints(tree) -> dict[str, str]:
+    """A 64-bit fingerprint of every array of a state, as 16 hex digits by leaf name.
+
+    For an array whose elements, read as unsigned integers of their width (widened to uint32; an
+    8-byte element as two), are u_i at row-major position i, it is the pair of uint32 sums (mod 2**32)
+        sum_i u_i * (2*i*0x9E3779B1 + 1)      and      sum_i rotl(u_i, 13) * (2*i*0x85EBCA77 + 0x27D4EB2F)
+    Every multiplier is odd, so any one flipped bit changes both sums; the weights depend on the
+    position, so moved elements change them too. It is computed where the arrays are (a sharded
+    state on its devices, by every process alike), one read of the state, and never gathers an
+    array onto one host."""
+    import jax
+
+    names, leaves = zip(*named_leaves(tree)) if jax.tree.leaves(tree) else ((), ())
+    sums = jax.device_get(_fingerprint_fn()(list(leaves)))
+    return {n: f"{int(a):08x}{int(b):08x}" for n, (a, b) in zip(names, sums)}
+
+
+@functools.cache
+def _fingerprint_fn():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def one(x):
+        x = jnp.asarray(x)
+        if x.dtype == jnp.bool_:
+            u = x.astype(jnp.uint32)
+        else:
+            width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+            u = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)  # 8 bytes: a last axis of 2
+        i = jnp.zeros(u.shape, jnp.uint32)  # the row-major position, without reshaping a sharded array
+        for axis, size in enumerate(u.shape):
+            i = i * np.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, u.shape, axis)
+        a = jnp.sum(u * (i * np.uint32(2 * 0x9E3779B1 % 2**32) + np.uint32(1)), dtype=jnp.uint32)
+        r = (u << np.uint32(13)) | (u >> np.uint32(19))
+        b = jnp.sum(r * (i * np.uint32(2 * 0x85EBCA77 % 2**32) + np.uint32(0x27D4EB2F)), dtype=jnp.uint32)
+        return jnp.stack([a, b])
+
+    return jax.jit(lambda leaves: [one(x) for x in leaves])
+
+
+def fingerprint_problem(mngr, step: int, state) -> str | None:
+    """Which arrays of a restored checkpoint differ from the fingerprints saved with it (None when all
+    agree, or for a checkpoint saved without them)."""
+    saved = (mngr.metadata(step).custom_metadata or {}).get(FINGERPRINTS)
+    if not isinstance(saved, dict):
+        return None
+    now = fingerprints(state)
+    bad = sorted(name for name in saved.keys() & now.keys() if saved[name] != now[name])
+    if not bad:
+        return None
+    return (f"array {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") +
+            " read back other than saved (its fingerprint differs): the files were altered or damaged")
+
+
 def tree_mismatch(saved, abstract_state) -> str | None:
     """How a checkpoint's tree (its metadata) and this run's state differ: keys on one side only and
     arrays of another shape, the first few of each; None when they agree."""
-    import jax
-
     def shapes(tree) -> dict[str, tuple | None]:
-        name = lambda k: getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))  # noqa: E731  (dict, list, attr)
-        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-        return {"/".join(str(name(k)) for k in path): getattr(leaf, "shape", None) for path, leaf in flat}
+        return {name: getattr(leaf, "shape", None) for name, leaf in named_leaves(tree)}
 
     def show(names) -> str:  # the parameters first: they say what differs in the model
         first = sorted(names, key=lambda n: (not n.startswith("params/"), n))[:4]

@@ -26,6 +26,11 @@ learned-position request) end in one `error: ...` line on stderr and exit status
 """
 from __future__ import annotations
 
+import errors  # light: nothing but the standard library
+
+if __name__ == "__main__":
+    errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
+
 import argparse
 import sys
 import time
@@ -36,7 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import errors
 import rundir
 import shards
 from errors import UserError

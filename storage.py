@@ -111,9 +111,15 @@ class RunDir:
     def is_file(self, name: str) -> bool:
         return self._do(name, self.fs.isfile, self._path(name))
 
-    def is_empty(self) -> bool:
-        """No directory there, or nothing in it."""
-        return self._do("", lambda: not self.fs.isdir(self.root) or not self.fs.ls(self.root, detail=False))
+    def names(self) -> list[str]:
+        """The names in the directory ([] when there is none)."""
+        return self._do("", lambda: [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
+                        if self.fs.isdir(self.root) else [])
+
+    def delete(self, name: str) -> None:
+        """Remove RUN/name (a file); nothing when it is not there."""
+        if self.is_file(name):
+            self._do(name, self.fs.rm_file, self._path(name))
 
     def mkdir(self) -> None:
         """Create the directory (and its parents); a place where none can be made is a StorageError."""

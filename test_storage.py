@@ -10,6 +10,7 @@ import os
 import random
 import shutil
 import subprocess
+import time
 import uuid
 
 import fsspec
@@ -363,3 +364,36 @@ def test_a_remote_finetuned_run_samples_only_the_completion(bucket, tmp_path, mo
                        "--max-new-tokens", "5"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed == ["---------- sample 1/1 ----------", tok.decode(sample.truncate(out[0], eot))]
+
+
+def test_a_run_directory_in_the_object_store_has_one_writer(bucket, monkeypatch, capsys):
+    """An object store has no locks: RUN/.lock is a lease with a heartbeat. A live holder is refused;
+    a holder whose heartbeat stopped (a killed process) is waited out until the lease expires; an
+    expired one is taken at once; the lease is renewed while held and removed on release."""
+    monkeypatch.setattr(rundir, "LEASE_RENEW", 0.2)
+    monkeypatch.setattr(rundir, "LEASE_TTL", 1.5)
+    monkeypatch.setattr(rundir, "LEASE_SETTLE", 0.05)
+    run = rundir.Run(f"{bucket}/run")
+    fs, root = fsspec.core.url_to_fs(f"{bucket}/run")
+    lock = f"{root}/{rundir.LOCK}"
+    with run.writer("train.py"):
+        first = json.loads(fs.cat_file(lock))
+        time.sleep(0.5)
+        assert json.loads(fs.cat_file(lock))["heartbeat"] > first["heartbeat"]  # renewed while held
+        with pytest.raises(rundir.RunError, match=r"is in use by train.py \(pid \d+ on .*\); one process"):
+            with run.writer("train.py --resume"):
+                pass
+    assert not fs.exists(lock)  # released
+    # a lease left by a killed process: its heartbeat stopped 1.0 s ago, of the 1.5 s a lease lasts
+    fs.pipe_file(lock, json.dumps({"purpose": "train.py", "pid": 1, "host": "gone", "token": "x",
+                                   "heartbeat": time.time() - 1.0}).encode())
+    start = time.time()
+    with run.writer("train.py --resume"):
+        waited = time.time() - start
+        assert json.loads(fs.cat_file(lock))["purpose"] == "train.py --resume"
+    assert 0.4 < waited < 1.5, waited
+    assert "heartbeat stopped" in capsys.readouterr().out
+    fs.pipe_file(lock, json.dumps({"purpose": "train.py", "token": "y", "heartbeat": time.time() - 60}).encode())
+    start = time.time()
+    with run.writer("train.py --resume"):
+        assert time.time() - start < 0.4  # long expired: taken at once

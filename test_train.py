@@ -3,6 +3,7 @@
 Runs go through `train.main` / `train.cli` in-process (what `python train.py` calls) on a tiny
 model and a tiny corpus; the command-line exit paths and SIGTERM run `python train.py` itself.
 """
+import collections
 import json
 import math
 import os
@@ -57,6 +58,11 @@ def tiny(run_dir, corpus, *extra):
 
 def rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def contents(run_dir) -> dict:
+    """Every file of a run directory with its bytes, but the lock (whose holder a resume records)."""
+    return {p: p.read_bytes() for p in pathlib.Path(run_dir).rglob("*") if p.is_file() and p.name != rundir.LOCK}
 
 
 def deterministic(row: dict) -> dict:
@@ -156,10 +162,10 @@ def test_gradient_accumulation_matches_one_big_batch(corpus, tmp_path):
 
 
 def test_existing_run_dir_is_protected(finished_run, corpus):
-    before = {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()}
+    before = contents(finished_run)
     with pytest.raises(rundir.RunError, match="already exists.*--resume"):
         train.main(tiny(finished_run, corpus))
-    assert {p: p.read_bytes() for p in finished_run.rglob("*") if p.is_file()} == before
+    assert contents(finished_run) == before
 
 
 def test_resume_errors(corpus, tmp_path, capsys):
@@ -211,14 +217,14 @@ def test_no_intact_checkpoint_is_one_error_line(finished_run, tmp_path):
     shutil.copytree(finished_run, broken)
     for step in ("4", "8"):
         damage(broken / "checkpoints" / step)
-    before = {p: p.read_bytes() for p in broken.rglob("*") if p.is_file()}
+    before = contents(broken)
     p = subprocess.run([sys.executable, "train.py", "--resume", f"run_dir={broken}", "training.steps=9"],
                        cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
     assert p.returncode == 2
     err = p.stderr.strip()
     assert err.startswith("error: checkpoint 8 in") and "cannot be restored" in err and "\n" not in err
     assert "cannot be read" in err and "TensorStore" not in err and "<bound method" not in err
-    assert {p: p.read_bytes() for p in broken.rglob("*") if p.is_file()} == before  # nothing changed
+    assert contents(broken) == before  # nothing changed
     # eval.py, sample.py and convert_torch.py read checkpoints through rundir.Run.load_params: the same terms
     with pytest.raises(rundir.RunError) as e:
         rundir.Run(broken).load_params()
@@ -226,10 +232,116 @@ def test_no_intact_checkpoint_is_one_error_line(finished_run, tmp_path):
     assert "DATA_LOSS" not in str(e.value) and "zarr" not in str(e.value)
 
 
+def test_fingerprints_follow_their_formula_on_any_placement():
+    """rundir.fingerprints against the formula written out in numpy, for every dtype a state holds, and
+    the same for an array sharded over the 8 devices as for the whole array."""
+    def formula(x: np.ndarray) -> str:
+        u = (x if x.dtype == bool else x.view(f"u{x.dtype.itemsize}")).astype(np.uint64).reshape(-1)
+        i = np.arange(u.size, dtype=np.uint64)
+        a = int(np.sum((u * ((2 * i * 0x9E3779B1 + 1) % 2**32)) % 2**32) % 2**32)
+        r = ((u << 13) | (u >> 19)) & 0xFFFFFFFF
+        b = int(np.sum((r * ((2 * i * 0x85EBCA77 + 0x27D4EB2F) % 2**32)) % 2**32) % 2**32)
+        return f"{a:08x}{b:08x}"
+
+    rng = np.random.default_rng(0)
+    tree = {
+        "w": rng.normal(size=(16, 24)).astype(np.float32) * 30,  # strongly negative and positive values
+        "bf16": rng.normal(size=(8, 5)).astype(jax.numpy.bfloat16),
+        "step": np.asarray(123456, np.int32),
+        "rng": rng.integers(0, 2**32, size=(2,), dtype=np.uint32),
+        "mask": rng.random(size=(7,)) > 0.5,
+    }
+    got = rundir.fingerprints(tree)
+    assert got == {name: formula(np.asarray(x)) for name, x in tree.items()}
+    mesh = jax.make_mesh((8,), ("d",))
+    sharded = jax.device_put(tree["w"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+    assert rundir.fingerprints({"w": sharded}) == {"w": got["w"]}
+    flipped = tree["w"].copy()
+    flipped.view(np.uint32)[3, 7] ^= 1 << 31  # one bit: the sign of one element
+    assert rundir.fingerprints({"w": flipped})["w"] != got["w"]
+    swapped = tree["w"].copy()
+    swapped[[0, 1]] = swapped[[1, 0]]  # the same numbers in other places
+    assert rundir.fingerprints({"w": swapped})["w"] != got["w"]
+
+
+def flip_bits(run_dir: pathlib.Path, step: int, trials: int, seed: int = 0):
+    """Copies of a run, each with one bit of checkpoint `step`'s array data flipped (a bad disk or a bad
+    copy): yields (copy, what load_params made of it: the params, or the RunError)."""
+    rng = random.Random(seed)
+    files = sorted(f for f in (run_dir / "checkpoints" / str(step)).rglob("*")
+                   if f.is_file() and f.parent.name == "d")  # the array data (zstd-compressed chunks)
+    for trial in range(trials):
+        copy = run_dir.parent / f"{run_dir.name}-flip{trial}"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(run_dir, copy)
+        target = copy / rng.choice(files).relative_to(run_dir)
+        raw = bytearray(target.read_bytes())
+        raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        target.write_bytes(bytes(raw))
+        try:
+            yield copy, rundir.Run(copy).load_params(step)[0]
+        except rundir.RunError as e:
+            yield copy, e
+
+
+def test_a_checkpoint_with_flipped_bits_is_never_read_as_good(finished_run, tmp_path):
+    """Every restore checks the fingerprints saved with the checkpoint: a flipped bit either stops the
+    read with one line or reads back exactly what was saved (it hit a part that was not restored)."""
+    shutil.copytree(finished_run, tmp_path / "run")
+    good = jax.tree.leaves(rundir.Run(tmp_path / "run").load_params(8)[0])
+    outcomes = collections.Counter()
+    for copy, got in flip_bits(tmp_path / "run", 8, trials=40):
+        if isinstance(got, rundir.RunError):
+            assert "\n" not in str(got) and str(got).startswith(f"checkpoint 8 in {copy / 'checkpoints'}")
+            outcomes["corrupt" if "is corrupt: array " in str(got) else "unreadable"] += 1
+        else:
+            for x, y in zip(good, jax.tree.leaves(got), strict=True):
+                np.testing.assert_array_equal(x, y)  # nothing altered passes as good
+            outcomes["intact"] += 1
+        shutil.rmtree(copy)
+    assert outcomes["corrupt"] >= 1, outcomes  # flips that decompress into other numbers were met, and caught
+
+
+def test_resume_skips_a_corrupt_checkpoint(finished_run, tmp_path, capsys):
+    """A checkpoint that reads, but not as saved, is moved aside like an unreadable one."""
+    shutil.copytree(finished_run, tmp_path / "run")
+    corrupt = next(copy for copy, got in flip_bits(tmp_path / "run", 8, trials=200, seed=1)
+                   if isinstance(got, rundir.RunError) and "is corrupt" in str(got))
+    assert train.main(["--resume", f"run_dir={corrupt}"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint 8 cannot be restored (8: array " in out and "fingerprint differs" in out
+    assert "resuming from checkpoint 4" in out
+    assert [deterministic(r) for r in rows(corrupt)] == [deterministic(r) for r in rows(finished_run)]
+    assert sorted(p.name for p in (corrupt / "checkpoints-damaged").iterdir()) == ["8"]
+
+
+def test_old_checkpoints_leave_by_one_rename(tmp_path, monkeypatch):
+    """Rotation renames a retired checkpoint into checkpoints/.deleting/ in one step and deletes it
+    there, so a kill during a deletion never leaves half a checkpoint under a step's name."""
+    run = rundir.Run(tmp_path / "run")
+    state = {"params": {"w": np.arange(6, dtype=np.float32)}, "step": np.asarray(0, np.int32)}
+    monkeypatch.setattr(rundir.Run, "purge_deleted", lambda self: None)  # see what rotation left
+    with run.checkpoint_manager(keep=1) as mngr:
+        for step in (1, 2):
+            run.save_checkpoint(mngr, step, state)
+            mngr.wait_until_finished()
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == [".deleting", "2"]
+    assert (ckpt / ".deleting" / "1" / "commit_success.txt").is_file()  # moved whole, not deleted in place
+    # what a kill in the middle of the deletion leaves: half of it, which nothing reads as a checkpoint
+    for f in sorted((ckpt / ".deleting" / "1").rglob("*"))[::2]:
+        if f.is_file():
+            f.unlink()
+    assert run.checkpoint_steps() == [2] and run.load_params()[1] == 2
+    monkeypatch.undo()
+    run.checkpoint_manager(keep=1).close()  # the next writer clears it away
+    assert sorted(p.name for p in ckpt.iterdir()) == ["2"]
+
+
 def test_resume_with_another_model_names_the_keys_and_changes_nothing(finished_run, tmp_path, capsys):
     run_dir = tmp_path / "other"
     shutil.copytree(finished_run, run_dir)
-    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    before = contents(run_dir)
     assert train.cli(["--resume", f"run_dir={run_dir}", "model.N=3", "training.steps=9"]) == 2
     err = capsys.readouterr().err
     assert "does not fit" in err and "only in this run: params/blocks/2/" in err and err.count("\n") == 1
@@ -237,15 +349,15 @@ def test_resume_with_another_model_names_the_keys_and_changes_nothing(finished_r
     err = capsys.readouterr().err
     assert "other shapes: params/blocks/0/" in err and "(32,) there, (64,) here" in err
     # config.yaml (and everything else) as before: nothing is written until a restore succeeds
-    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    assert contents(run_dir) == before
     # nor when the checkpoint restores but the run's log cannot be read (a line that is not JSON)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     (run_dir / "metrics.jsonl").write_text("\n".join(lines[:2] + ["{garbage"] + lines[3:]) + "\n")
-    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    before = contents(run_dir)
     assert train.cli(["--resume", f"run_dir={run_dir}", "training.steps=9"]) == 2
     err = capsys.readouterr().err
     assert "metrics.jsonl: line 3 is not JSON" in err and err.count("\n") == 1
-    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    assert contents(run_dir) == before
 
 
 def test_nan_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, capsys):
@@ -409,6 +521,73 @@ def test_signal_during_start_up_exits_cleanly(corpus, tmp_path):
     assert p.returncode == 128 + signal.SIGINT, err
     assert "stopped by SIGINT during start-up" in out and "Traceback" not in err and "error" not in err
     assert not (run_dir / "metrics.jsonl").exists() or not rows(run_dir)  # nothing trained
+
+
+def test_one_writer_per_run_directory(corpus, tmp_path, capsys):
+    """While a run trains, a second train.py on its directory (new or --resume) gets one line naming
+    the first and changes nothing; once the first is killed (-9), the resume goes ahead at once."""
+    run_dir = tmp_path / "busy"
+    args = tiny(run_dir, corpus, "training.steps=100000", "checkpoint.every=2", "training.eval_every=100000")
+    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (run_dir / "checkpoints" / "2").is_dir():
+            time.sleep(0.2)
+        assert train.cli(tiny(run_dir, corpus)) == 2  # a new run onto it
+        err = capsys.readouterr().err
+        assert "already exists" in err and err.count("\n") == 1
+        config_before = (run_dir / "config.yaml").read_bytes()
+        assert train.cli(["--resume", f"run_dir={run_dir}", "training.steps=3"]) == 2
+        err = capsys.readouterr().err
+        assert f"run directory {run_dir} is in use by train.py (pid {p.pid} on " in err and err.count("\n") == 1
+        assert (run_dir / "config.yaml").read_bytes() == config_before  # its training.steps stays 100000
+        assert p.poll() is None  # the first goes on
+    finally:
+        p.kill()
+        p.wait(timeout=60)
+    last = max(int(d.name) for d in (run_dir / "checkpoints").iterdir() if d.name.isdigit())
+    assert train.cli(["--resume", f"run_dir={run_dir}", f"training.steps={last + 1}"]) == 0  # no stale lock
+    assert int(restore(run_dir, last + 1)["step"]) == last + 1
+
+
+@pytest.mark.parametrize("sig, delay", [(signal.SIGINT, 0.3), (signal.SIGTERM, 0.6), (signal.SIGINT, 1.2),
+                                        (signal.SIGTERM, 2.0)])
+def test_a_signal_at_any_moment_of_the_start_is_a_clean_stop(sig, delay, corpus, tmp_path):
+    """While Python loads JAX and the rest (the first seconds), then while the run sets up: always
+    status 128 + N and no traceback; a run directory, if one was made, holds no checkpoint."""
+    run_dir = tmp_path / "early"
+    p = subprocess.Popen([sys.executable, "train.py", *tiny(run_dir, corpus)], cwd=REPO,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    time.sleep(delay)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + sig, (out, err)
+    assert "Traceback" not in err and "Exception" not in err
+    assert "stopped by " + sig.name in err + out
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
+def test_a_second_signal_stops_at_once_and_the_run_resumes(corpus, tmp_path):
+    """SIGTERM twice while a run trains and saves asynchronously: status 143 at once, one line, none of
+    the background threads' tracebacks; the newest complete checkpoint resumes."""
+    run_dir = tmp_path / "twice"
+    args = tiny(run_dir, corpus, "training.steps=100000", "checkpoint.every=1", "training.eval_every=100000")
+    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run_dir / "checkpoints" / "3").is_dir():
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "error: stopped at once by a second SIGTERM" in err and "Traceback" not in err and "Exception" not in err
+    steps = sorted(int(d.name) for d in (run_dir / "checkpoints").iterdir() if d.name.isdigit())
+    assert train.main(["--resume", f"run_dir={run_dir}", f"training.steps={steps[-1] + 1}"]) == 0
+    assert int(restore(run_dir, steps[-1] + 1)["step"]) == steps[-1] + 1
 
 
 def test_refused_starts_leave_nothing_behind(finished_run, corpus, tmp_path, capsys):

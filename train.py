@@ -17,8 +17,14 @@ may be a URL too.
 """
 from __future__ import annotations
 
+import errors  # light: nothing but the standard library
+
+if __name__ == "__main__":
+    errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
+
 import argparse
 import collections
+import contextlib
 import dataclasses
 import math
 import os
@@ -30,12 +36,10 @@ import uuid
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 import config as config_lib
 import data
-import errors
 import loader
 import model as model_lib
 import rundir
@@ -113,19 +117,25 @@ def main(argv=None) -> int:
 
     The handlers are installed first, so a signal during start-up (data, compilation) stops the run
     cleanly too: before the first step with nothing saved, after it with a checkpoint of the last step.
-    A second signal stops at once (KeyboardInterrupt)."""
+    A second signal stops the process at once, with 128 + N: the newest complete checkpoint is the
+    one to resume from (a save in flight never appears as a step), and the run directory's lock
+    goes with the process."""
     stop = {"signal": None}
 
     def on_signal(signum, frame):
-        if stop["signal"] is not None:  # a second signal: stop now
-            raise KeyboardInterrupt
+        if stop["signal"] is not None:  # a second signal: stop now, not through orbax's and the loader's threads
+            sys.stdout.flush()
+            os.write(2, f"\nerror: stopped at once by a second {signal.Signals(signum).name}; resume from the "
+                        f"newest checkpoint with --resume\n".encode())
+            os._exit(128 + signum)
         stop["signal"] = signum
 
     handlers = {}
     if threading.current_thread() is threading.main_thread():
         handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return run(argv, stop)
+        with contextlib.ExitStack() as held:  # the run directory's lock, released however run() ends
+            return run(argv, stop, held)
     except Interrupted as e:
         print(f"stopped by {e} during start-up: nothing trained, nothing saved", flush=True)
         return 128 + e.signum
@@ -134,8 +144,9 @@ def main(argv=None) -> int:
             signal.signal(s, h)
 
 
-def run(argv, stop: dict) -> int:
-    """main() without the signal handlers: `stop["signal"]` is set when one arrives."""
+def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
+    """main() without the signal handlers: `stop["signal"]` is set when one arrives; the run directory's
+    lock goes into `held`."""
     t_start = time.perf_counter()
     sharding_lib.initialize_distributed()  # before any other JAX call; a no-op for a single process
     is_main = jax.process_index() == 0  # only process 0 writes files and logs
@@ -150,9 +161,30 @@ def run(argv, stop: dict) -> int:
         run_dir = rundir.Run(cfg.run_dir)  # a local path or a URL (gs://...); str(run_dir) as given
     except storage.StorageError as e:
         raise RunError(f"run_dir: {e}") from None
+
+    def take_lock(new: bool) -> None:
+        """Process 0 holds the run directory's lock (a second writer gets one line naming the first);
+        every process stops if it cannot."""
+        error = None
+        if is_main:
+            try:
+                held.enter_context(run_dir.writer("train.py --resume" if args.resume else "train.py"))
+                if new:
+                    run_dir.check_new()  # under the lock: no other run started here in the meantime
+            except RunError as e:
+                error = e
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.broadcast_one_to_all(np.int32(error is not None)) and error is None:
+                error = RunError(f"process 0 cannot write the run directory {run_dir} (its error says why)")
+        if error is not None:
+            raise error
+
     if args.resume:
         if not run_dir.is_file(rundir.CONFIG):
             raise RunError(f"nothing to resume: {run_dir} is not a run directory (no {rundir.CONFIG})")
+        take_lock(new=False)
         cfg = run_dir.config(args.overrides)
     else:
         run_dir.check_new()
@@ -200,10 +232,13 @@ def run(argv, stop: dict) -> int:
     # ------------------------------------------------------------------------------------------
     # Run directory: the effective config and a reference to the data, once every check has passed.
     # A resumed run's config.yaml is rewritten only once its checkpoint has been restored.
-    if is_main and not args.resume:
-        run_dir.mkdir()
-        run_dir.save_config(cfg)
-        run_dir.save_data(cfg.data.dir, index)
+    if not args.resume:
+        if is_main:
+            run_dir.mkdir()
+        take_lock(new=True)
+        if is_main:
+            run_dir.save_config(cfg)
+            run_dir.save_data(cfg.data.dir, index)
 
     def place_batch(local_rows):
         """A batch (an array, or a dict of arrays with rows first) onto the devices."""
@@ -343,7 +378,7 @@ def run(argv, stop: dict) -> int:
                 if not bool(fns.all_finite(state["params"])):
                     raise Diverged(f"parameters are not finite after step {step}; "
                                    f"last good checkpoint: {last_ckpt} ({run_dir})")
-                mngr.save(step, args=ocp.args.StandardSave(state), force=True)
+                run_dir.save_checkpoint(mngr, step, state)
                 last_ckpt = step
             if is_main:
                 metrics_file.flush()  # a remote metrics.jsonl is uploaded whole; locally a no-op
@@ -357,6 +392,7 @@ def run(argv, stop: dict) -> int:
         batches.close()  # stops the loader's prefetch thread
         mngr.wait_until_finished()  # the last started save completes, even on an error
         mngr.close()
+        run_dir.purge_deleted()  # the checkpoints the last rotation retired
         if metrics_file is not None:
             metrics_file.close()
 
@@ -399,7 +435,7 @@ def run(argv, stop: dict) -> int:
 
 def cli(argv=None) -> int:
     """main() with user errors as one `error: ...` line on stderr: exit 2 for bad input, 1 for divergence,
-    130 for a second SIGINT/SIGTERM (stopped at once, after the last saved checkpoint)."""
+    128 + N for signal N."""
     return errors.run_cli(main, argv)
 
 
