@@ -51,6 +51,18 @@ def full_disk(tmp_path):
 
 
 @pytest.fixture
+def small_disk(tmp_path):
+    """A directory on a file system of `size` (e.g. "1m"): small_disk("1m"), and later
+    small_disk.grow(path, "16m") to free space under a running test, as a user would."""
+    with contextlib.ExitStack() as mounts:
+        def make(size: str) -> pathlib.Path:
+            return mounts.enter_context(_tmpfs(tmp_path / f"disk-{size}", f"size={size}"))
+
+        make.grow = lambda path, size: subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True)
+        yield make
+
+
+@pytest.fixture
 def read_only_dir(tmp_path):
     """A directory on a read-only file system, holding one file `kept.txt` (every write is EROFS)."""
     path = tmp_path / "ro"

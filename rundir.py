@@ -283,7 +283,12 @@ class Run(storage.RunDir):
         import orbax.checkpoint as ocp
 
         logging.getLogger("absl").setLevel(logging.WARNING)
-        self.purge_deleted()
+        if not hasattr(self, "save_errors"):
+            self.save_errors = SaveErrors()  # orbax's own reports of a failed save: kept for our one line
+            logging.getLogger("absl").addFilter(self.save_errors)
+        sys.unraisablehook = drop_closed_loop_errors  # a failed save's reads and writes end on closed loops
+        self.pending_save = None
+        self.purge_deleted(unfinished=True)
         return ocp.CheckpointManager(
             self.checkpoint_dir(),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
@@ -296,15 +301,43 @@ class Run(storage.RunDir):
         every array in its metadata; then finish deleting the checkpoints that rotation retired."""
         import orbax.checkpoint as ocp
 
-        mngr.save(step, args=ocp.args.StandardSave(state), force=True,
-                  custom_metadata={FINGERPRINTS: fingerprints(state)})
+        self.check_saved(mngr)
+        self.pending_save = step
+        try:
+            mngr.save(step, args=ocp.args.StandardSave(state), force=True,
+                      custom_metadata={FINGERPRINTS: fingerprints(state)})
+        except Exception as e:  # a synchronous save that failed
+            self.save_errors.messages.append(str(e))
+            self.check_saved(mngr)
         self.purge_deleted()
 
-    def purge_deleted(self) -> None:
-        """Delete what lies in RUN/checkpoints/.deleting/: old checkpoints already renamed out of the
-        way (by orbax's rotation), whole or half deleted by a process that was killed."""
+    def check_saved(self, mngr) -> None:
+        """Wait for the save in flight; a RunError if it did not complete (a full disk, no access): orbax
+        only logs that, and a run going on would leave the user believing in a checkpoint that is not there."""
+        step, self.pending_save = self.pending_save, None
+        try:
+            mngr.wait_until_finished()
+        except Exception as e:
+            self.save_errors.messages.append(str(e))
+        if step is None or step in self.checkpoint_steps():
+            return
+        self.purge_deleted(unfinished=True)  # the failed save's partial files
+        steps = self.checkpoint_steps()
+        reason = self.save_errors.reason()
+        raise RunError(f"saving checkpoint {step} in {self.checkpoint_dir()} failed ({reason}); "
+                       + (f"the newest complete checkpoint is {steps[-1]}: fix the cause, then continue with "
+                          f"--resume" if steps else "there is no complete checkpoint yet: fix the cause, then --resume "
+                          f"starts the run again from step 0"))
+
+    def purge_deleted(self, unfinished: bool = False) -> None:
+        """Delete what lies in RUN/checkpoints/.deleting/: old checkpoints already renamed out of the way
+        by orbax's rotation, whole or half deleted by a process that was killed. `unfinished`: also the
+        partial files of saves that never completed (none may be in flight). Only the holder of the
+        run's lock calls it."""
         if not self.remote:
-            shutil.rmtree(pathlib.Path(self.checkpoint_dir()) / DELETING, ignore_errors=True)
+            ckpt = pathlib.Path(self.checkpoint_dir())
+            for leftover in [ckpt / DELETING, *(ckpt.glob("*.orbax-checkpoint-tmp*") if unfinished else [])]:
+                shutil.rmtree(leftover, ignore_errors=True)
 
     def restore(self, mngr, abstract_state, say):
         """(state, step) from the newest checkpoint that restores. Damaged newer ones are moved aside to
@@ -572,9 +605,35 @@ def checkpoint_problem(error: BaseException) -> str:
     return text[:200] or type(chain[0]).__name__
 
 
+class SaveErrors(logging.Filter):
+    """On orbax's logger: keeps its error reports (a background save that failed) for the one line
+    check_saved gives, instead of their tracebacks on stderr."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def filter(self, record) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        self.messages.append(record.getMessage())
+        return False
+
+    def reason(self) -> str:
+        """The first failure, in a few words: the system's reason when it gave one."""
+        for message in self.messages:
+            match = re.search(r"Failed to write [^:]*: ([^\[]+)", message) or re.search(r"\[Errno \d+\] ([^:']+)", message)
+            if match:
+                return match.group(1).strip()
+        return (self.messages[0].split("\n")[0][:200] if self.messages else "no reason given")
+
+
 def drop_closed_loop_errors(unraisable) -> None:
-    """A sys.unraisablehook for restoring a checkpoint: when one read fails, tensorstore finishes the
-    other parallel reads on orbax's already closed asyncio loop, and each would print an 'Event
-    loop is closed' traceback that buries the one-line error. Drop exactly those."""
-    if not (unraisable.exc_type is RuntimeError and "Event loop is closed" in str(unraisable.exc_value)):
+    """A sys.unraisablehook for checkpoints: when one read or write fails, tensorstore finishes the
+    other parallel ones on orbax's already closed asyncio loop, and each would print an 'Event loop is
+    closed' traceback (or, at exit, an ImportError of the interpreter shutting down) that buries the
+    one-line error. Drop exactly those."""
+    e = unraisable.exc_value
+    if not ((unraisable.exc_type is RuntimeError and "Event loop is closed" in str(e)) or
+            (unraisable.exc_type is ImportError and "shutting down" in str(e))):
         sys.__unraisablehook__(unraisable)

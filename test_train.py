@@ -590,6 +590,27 @@ def test_a_second_signal_stops_at_once_and_the_run_resumes(corpus, tmp_path):
     assert int(restore(run_dir, steps[-1] + 1)["step"]) == steps[-1] + 1
 
 
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_failed_save_stops_the_run_and_keeps_the_last_good_checkpoint(finished_run, corpus, small_disk, capsys,
+                                                                       async_save):
+    """A disk that fills up under a run: the save that fails stops the run with one line (orbax only
+    logs it), its partial files go, the checkpoint before it stays whole; with space freed, --resume
+    continues from it to the losses of an uninterrupted run."""
+    disk = small_disk("1400k")  # a checkpoint of the test model takes about 600 KiB: one fits, two do not
+    run_dir = disk / "run"
+    args = tiny(run_dir, corpus, "model.dropout=0.1", "training.micro_batches=2", "sharding.data=4",
+                "sharding.tensor=2", f"checkpoint.async_save={str(async_save).lower()}")  # finished_run's
+    assert train.cli(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"error: saving checkpoint 8 in {run_dir / 'checkpoints'} failed (No space left on device); "
+                   f"the newest complete checkpoint is 4: fix the cause, then continue with --resume"), err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["4"]  # no partial save left
+    assert int(restore(run_dir, 4)["step"]) == 4
+    small_disk.grow(disk, "16m")
+    assert train.main(["--resume", f"run_dir={run_dir}"]) == 0
+    assert [deterministic(r) for r in rows(run_dir)] == [deterministic(r) for r in rows(finished_run)]
+
+
 def test_refused_starts_leave_nothing_behind(finished_run, corpus, tmp_path, capsys):
     """Every set-up check runs before the run directory is made."""
     no_ckpt = tmp_path / "no_ckpt"

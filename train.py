@@ -390,11 +390,13 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
     finally:
         bar.close()
         batches.close()  # stops the loader's prefetch thread
-        mngr.wait_until_finished()  # the last started save completes, even on an error
-        mngr.close()
-        run_dir.purge_deleted()  # the checkpoints the last rotation retired
-        if metrics_file is not None:
-            metrics_file.close()
+        try:
+            run_dir.check_saved(mngr)  # the last started save completes, even on an error (or a RunError)
+        finally:
+            mngr.close()
+            if metrics_file is not None:
+                metrics_file.close()
+    run_dir.purge_deleted()  # the checkpoints the last rotation retired
 
     # ------------------------------------------------------------------------------------------
     # Summary
