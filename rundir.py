@@ -405,12 +405,12 @@ class Run(storage.RunDir):
             step = steps[-1]
         elif step not in steps:
             raise RunError(f"no checkpoint for step {step} in {ckpt_dir}; saved steps: {', '.join(map(str, steps))}")
+        sys.unraisablehook = drop_closed_loop_errors  # a failed read's other reads end on a closed loop
         with ocp.CheckpointManager(ckpt_dir) as mngr:
             try:
                 state = mngr.restore(step, args=ocp.args.StandardRestore())
                 corrupt = fingerprint_problem(mngr, step, state)
             except Exception as e:  # a damaged checkpoint
-                sys.unraisablehook = drop_closed_loop_errors  # the failed read's other reads end on a closed loop
                 logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
                 raise RunError(f"checkpoint {step} in {ckpt_dir} cannot be read: {checkpoint_problem(e)}") from None
         if corrupt:
