@@ -628,15 +628,17 @@ def test_refused_starts_leave_nothing_behind(finished_run, corpus, tmp_path, cap
         assert not run_dir.exists(), overrides
 
 
-@pytest.mark.parametrize("where", ["under_a_file", "proc"])
-def test_run_dir_that_cannot_be_made_is_one_line(corpus, tmp_path, capsys, where):
+@pytest.mark.parametrize("where", ["under_a_file", "proc", "read_only"])
+def test_run_dir_that_cannot_be_made_is_one_line(corpus, tmp_path, capsys, where, request):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    run_dir = blocker / "run" if where == "under_a_file" else pathlib.Path("/proc/no-such-dir/run")
+    run_dir = {"under_a_file": blocker / "run", "proc": pathlib.Path("/proc/no-such-dir/run"),
+               "read_only": request.getfixturevalue("read_only_dir") / "run" if where == "read_only" else None}[where]
     assert train.cli(tiny(run_dir, corpus)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot create the run directory") and err.count("\n") == 1
-    assert ("Not a directory" if where == "under_a_file" else "No such file or directory") in err
+    assert {"under_a_file": "Not a directory", "proc": "No such file or directory",
+            "read_only": "Read-only file system"}[where] in err
     assert blocker.read_text() == "not a directory"
 
 
