@@ -651,23 +651,100 @@ def hf_config(c: TorchGPTConfig, fmt: str, eot_id: int | None) -> dict:
             "attention_dropout": c.dropout, "pretraining_tp": 1}
 
 
+# Every config.json field the import reads, and what it must be: one check, so a malformed field is one
+# line naming it and its value. Null only where transformers gives null a meaning (a default size).
+_INT = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731  (JSON true is no size)
+_NUMBER = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+HF_KINDS = {  # kind -> (what the error says the field must be, the check)
+    "size": ("a positive integer", lambda v: _INT(v) and v > 0),
+    "size or null": ("a positive integer or null", lambda v: v is None or _INT(v) and v > 0),
+    "positive": ("a positive number", lambda v: _NUMBER(v) and v > 0),
+    "fraction": ("a number in (0, 1]", lambda v: _NUMBER(v) and 0 < v <= 1),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "string": ("a string", lambda v: isinstance(v, str)),
+    "object or null": ("an object or null", lambda v: v is None or isinstance(v, dict)),
+}
+HF_FIELDS = {
+    **dict.fromkeys(("model_type", "activation_function", "hidden_act", "rope_type", "type"), "string"),
+    **dict.fromkeys(("vocab_size", "n_positions", "max_position_embeddings", "seq_length", "n_embd", "hidden_size",
+                     "n_layer", "num_hidden_layers", "n_head", "num_attention_heads", "intermediate_size", "ffn_dim"),
+                    "size"),
+    **dict.fromkeys(("n_inner", "num_key_value_heads", "head_dim", "rotary_dim", "word_embed_proj_dim"), "size or null"),
+    **dict.fromkeys(("layer_norm_epsilon", "layer_norm_eps", "rms_norm_eps", "rope_theta", "rotary_emb_base"),
+                    "positive"),
+    **dict.fromkeys(("partial_rotary_factor", "rotary_pct"), "fraction"),
+    **dict.fromkeys(("tie_word_embeddings", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+                     "add_cross_attention", "apply_residual_connection_post_layernorm", "use_parallel_residual",
+                     "attention_bias", "mlp_bias", "enable_bias", "do_layer_norm_before", "_remove_final_layer_norm",
+                     "layer_norm_elementwise_affine"), "bool"),
+    **dict.fromkeys(("rope_parameters", "rope_scaling"), "object or null"),
+}
+
+
+def _shown(value) -> str:
+    """A config.json value as JSON spells it (null, true, "768"), cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def hf_field(meta: dict, key: str, default, where: str, within: str = ""):
+    """meta[key] (`default` where it is absent) if it is what HF_FIELDS says, else a ConvertError naming the
+    field (inside `within`, e.g. 'rope_parameters.') and its value."""
+    if key not in meta:
+        return default
+    what, ok = HF_KINDS[HF_FIELDS[key]]
+    if not ok(meta[key]):
+        raise ConvertError(f"{where}: {within}{key} must be {what}, got {_shown(meta[key])}")
+    return meta[key]
+
+
 def _rope(get, where: str, family: str, head_dim: int, default_factor: float) -> tuple[float, float]:
     """(base, fraction of the head rotated) of a config.json, old keys or new; plain rotary only."""
-    params = dict(get("rope_parameters") or get("rope_scaling") or {})
-    kind = params.get("rope_type", params.get("type", "default"))
+    found = {key: get(key) or {} for key in ("rope_parameters", "rope_scaling")}
+    key = "rope_parameters" if found["rope_parameters"] else "rope_scaling"
+    params = found[key]
+    kind = hf_field(params, "rope_type", hf_field(params, "type", "default", where, f"{key}."), where, f"{key}.")
     if kind != "default":
         raise ConvertError(f"{where}: this {family} cannot be expressed by model.py: rope_type {kind!r} "
                            f"(only plain rotary embeddings)")
-    base = params.get("rope_theta", get("rope_theta", get("rotary_emb_base", 10000.0)))
-    return float(base), float(params.get("partial_rotary_factor", get("rotary_pct", default_factor)))
+    base = hf_field(params, "rope_theta", get("rope_theta", get("rotary_emb_base", 10000.0)), where, f"{key}.")
+    factor = hf_field(params, "partial_rotary_factor", get("rotary_pct", default_factor), where, f"{key}.")
+    return float(base), float(factor)
 
 
-def config_from_hf(meta: dict, where: str) -> tuple[TorchGPTConfig, str]:
-    """(config, layout) of a transformers config.json; refuses, with the reasons, what model.py cannot express."""
-    kind = meta.get("model_type")
+def _exported_config(meta: dict, where: str) -> tuple[TorchGPTConfig, str]:
+    """(config, layout) of a config.json written by this file: the JAX model config under `gpt_jax`,
+    checked as config.yaml's model section is, and the layout its tensors are in."""
+    import config as config_lib
+    from model import GPTConfig
+
+    layout = "torch" if meta.get("format") == "torch" else hf_field(meta, "model_type", None, where)
+    if layout not in HF_CLASSES and layout != "torch":
+        raise ConvertError(f"{where}: an export's config.json (it has gpt_jax) with model_type {layout!r}, not one "
+                           f"of the layouts exports write ({', '.join(HF_CLASSES)}), nor format \"torch\"")
+    block = meta["gpt_jax"]
+    if not isinstance(block, dict):
+        raise ConvertError(f"{where}: gpt_jax (the exported JAX model config) must be an object, got {_shown(block)}")
+    missing = [name for name in GPTConfig.REQUIRED_FIELDS if name not in block]
+    if missing:
+        raise ConvertError(f"{where}: gpt_jax (the exported JAX model config) lacks {', '.join(missing)}")
+    try:
+        _, gcfg = config_lib.resolve_model({k: v for k, v in block.items() if k != "name"}, {})
+    except config_lib.ConfigError as e:
+        raise ConvertError(f"{where}: gpt_jax (the exported JAX model config) is not a valid model config: {e}"
+                           ) from None
+    return TorchGPTConfig.from_dict(dataclasses.asdict(gcfg)), layout
+
+
+def config_from_hf(meta, where: str) -> tuple[TorchGPTConfig, str]:
+    """(config, layout) of a transformers config.json (parsed); refuses, with the reasons, what model.py cannot
+    express, and a malformed field (HF_FIELDS) with its name and value. `where` names the file in errors."""
+    if not isinstance(meta, dict):
+        raise ConvertError(f"{where} must hold a JSON object of the model's settings, got {_shown(meta)}")
     if "gpt_jax" in meta:  # written by this file: the exact original config
-        return TorchGPTConfig.from_dict(meta["gpt_jax"]), kind
-    get = lambda key, default=None: meta.get(key, default)  # noqa: E731
+        return _exported_config(meta, where)
+    get = lambda key, default=None: hf_field(meta, key, default, where)  # noqa: E731
+    kind = get("model_type")
     names = {"gpt2": "GPT-2", "bloom": "BLOOM", "gptj": "GPT-J", "gpt_neox": "GPT-NeoX", "opt": "OPT",
              "llama": "LLaMA"}
     if kind not in names:
@@ -901,8 +978,11 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     _check_out(out, hf_dir, overwrite)
     if not (hf_dir / CONFIG_NAME).is_file():
         raise ConvertError(f"{hf_dir} is not a transformers checkpoint directory: no {CONFIG_NAME}")
-    meta = json.loads((hf_dir / CONFIG_NAME).read_text())
-    c, layout = config_from_hf(meta, str(hf_dir))
+    try:
+        meta = json.loads((hf_dir / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConvertError(f"{hf_dir / CONFIG_NAME} is not readable JSON ({e})") from None
+    c, layout = config_from_hf(meta, str(hf_dir / CONFIG_NAME))
     tensors = read_hf_tensors(hf_dir)
     wte_key, lm_key = embedding_key(layout), head_key(layout)
     if c.tie_embeddings and lm_key in tensors:  # saved by some versions; must equal the tied embedding
@@ -918,7 +998,7 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     try:
         gcfg = GPTConfig(**dataclasses.asdict(c))
     except ValueError as e:
-        raise ConvertError(f"{hf_dir}: config.json gives a model that model.py refuses: {e}") from None
+        raise ConvertError(f"{hf_dir / CONFIG_NAME} gives a model that model.py refuses: {e}") from None
     params = from_torch_tensors(tensors, c, layout, str(hf_dir))
     tmp = _prepare_out(out, overwrite)
     try:
