@@ -698,17 +698,23 @@ def hf_field(meta: dict, key: str, default, where: str, within: str = ""):
     return meta[key]
 
 
-def _rope(get, where: str, family: str, head_dim: int, default_factor: float) -> tuple[float, float]:
-    """(base, fraction of the head rotated) of a config.json, old keys or new; plain rotary only."""
-    found = {key: get(key) or {} for key in ("rope_parameters", "rope_scaling")}
-    key = "rope_parameters" if found["rope_parameters"] else "rope_scaling"
-    params = found[key]
-    kind = hf_field(params, "rope_type", hf_field(params, "type", "default", where, f"{key}."), where, f"{key}.")
-    if kind != "default":
-        raise ConvertError(f"{where}: this {family} cannot be expressed by model.py: rope_type {kind!r} "
-                           f"(only plain rotary embeddings)")
-    base = hf_field(params, "rope_theta", get("rope_theta", get("rotary_emb_base", 10000.0)), where, f"{key}.")
-    factor = hf_field(params, "partial_rotary_factor", get("rotary_pct", default_factor), where, f"{key}.")
+def _rope(get, where: str, family: str, theta_key: str, factor_key: str | None, default_factor: float
+          ) -> tuple[float, float]:
+    """(base, fraction of the head rotated) as transformers reads them; plain rotary embeddings only.
+
+    As in transformers, a `rope_scaling` (the older key) that is set replaces `rope_parameters` whole;
+    then the base and fraction come from it, else from the family's own top-level keys. Any rope_type
+    but the default, in either key, is refused: model.py cannot express scaled rotary embeddings."""
+    found = {key: get(key) or {} for key in ("rope_scaling", "rope_parameters")}
+    for key, params in found.items():
+        kind = hf_field(params, "rope_type", hf_field(params, "type", "default", where, f"{key}."), where, f"{key}.")
+        if kind != "default":
+            raise ConvertError(f"{where}: this {family} cannot be expressed by model.py: {key} with rope_type "
+                               f"{kind!r} (scaled rotary embeddings; model.py has the plain ones only)")
+    key = "rope_scaling" if found["rope_scaling"] else "rope_parameters"
+    base = hf_field(found[key], "rope_theta", get(theta_key, 10000.0), where, f"{key}.")
+    factor = hf_field(found[key], "partial_rotary_factor", get(factor_key, default_factor) if factor_key
+                      else default_factor, where, f"{key}.")
     return float(base), float(factor)
 
 
@@ -794,7 +800,7 @@ def config_from_hf(meta, where: str) -> tuple[TorchGPTConfig, str]:
     d, H = get("hidden_size", 768), get("num_attention_heads", 12)
     if kind == "gpt_neox":
         act, bad_act = activation("hidden_act", "gelu", ("gelu", "relu"))
-        base, factor = _rope(get, where, names[kind], d // H, 0.25)
+        base, factor = _rope(get, where, names[kind], "rotary_emb_base", "rotary_pct", 0.25)
         rotary_dim = int(d // H * factor)
         refuse_if(bad_act,
                   (rotary_dim < 2 or rotary_dim % 2, f"{rotary_dim} rotary dims per head (an even number from 2)"),
@@ -818,7 +824,7 @@ def config_from_hf(meta, where: str) -> tuple[TorchGPTConfig, str]:
                               embedding_dim=d, num_head=H, N=get("num_hidden_layers", 12), alibi_attn=False,
                               position_offset=2, bias=bias, attention_bias=bias, mlp_dim=get("ffn_dim"),
                               tie_embeddings=get("tie_word_embeddings", True), layer_norm_epsilon=1e-5, **act), kind
-    base, factor = _rope(get, where, names[kind], d // H, 1.0)
+    base, factor = _rope(get, where, names[kind], "rope_theta", None, 1.0)
     act, bad_act = activation("hidden_act", "silu", ("swiglu",))
     refuse_if(bad_act,
               (factor != 1.0, f"partial_rotary_factor {factor} (LLaMA rotates whole heads)"),
