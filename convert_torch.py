@@ -878,6 +878,35 @@ def _torch_load_reason(e: Exception) -> str:
     return first.split(". ")[0][:200]
 
 
+def read_hf_tokenizer(hf_dir: pathlib.Path):
+    """The tokenizer of a transformers directory, checked to load: the path of its tokenizer.json (copied as it
+    is), else a byte-level BPE tokenizers.Tokenizer built from vocab.json and merges.txt, else None."""
+    import shards
+    from corpus import DataError
+
+    if (hf_dir / TOKENIZER_NAME).is_file():
+        try:
+            shards.load_tokenizer_file(hf_dir / TOKENIZER_NAME)
+        except DataError as e:
+            raise ConvertError(f"{e}; the tokenizers library cannot read it: fix it, or remove it and import "
+                               f"without a tokenizer") from None
+        return hf_dir / TOKENIZER_NAME
+    vocab, merges = hf_dir / "vocab.json", hf_dir / "merges.txt"
+    if not (vocab.is_file() and merges.is_file()):
+        return None
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    try:
+        tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    except Exception as e:  # the library raises a bare Exception for unreadable files
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise ConvertError(f"cannot build a tokenizer from {vocab} and {merges}: {reason}") from None
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([t for t in shards.EOT_CANDIDATES[:1] if t in tok.get_vocab()])
+    return tok
+
+
 # ----------------------------------------------------------------------------------------------
 # Run directories (JAX and orbax are imported only here, so `from convert_torch import GPT` needs torch only)
 
@@ -977,7 +1006,6 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     with config.yaml, tokenizer.json (when the directory has a tokenizer) and a step-0 checkpoint of params."""
     import config as config_lib
     import rundir
-    import shards
     from model import GPTConfig
 
     hf_dir, out = pathlib.Path(hf_dir), pathlib.Path(out)
@@ -989,6 +1017,7 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConvertError(f"{hf_dir / CONFIG_NAME} is not readable JSON ({e})") from None
     c, layout = config_from_hf(meta, str(hf_dir / CONFIG_NAME))
+    tokenizer = read_hf_tokenizer(hf_dir)  # before anything is written: a broken one stops the import
     tensors = read_hf_tensors(hf_dir)
     wte_key, lm_key = embedding_key(layout), head_key(layout)
     if c.tie_embeddings and lm_key in tensors:  # saved by some versions; must equal the tied embedding
@@ -1010,16 +1039,10 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     try:
         run = rundir.Run(tmp)
         run.save_config(config_lib.Config(run_dir=str(out), model_name=f"imported-{layout}", model=gcfg))
-        if (hf_dir / TOKENIZER_NAME).is_file():
-            shutil.copyfile(hf_dir / TOKENIZER_NAME, tmp / TOKENIZER_NAME)
-        elif (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
-            from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-            tok = Tokenizer(models.BPE.from_file(str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt")))
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-            tok.decoder = decoders.ByteLevel()
-            tok.add_special_tokens([t for t in shards.EOT_CANDIDATES[:1] if t in tok.get_vocab()])
-            tok.save(str(tmp / TOKENIZER_NAME))
+        if isinstance(tokenizer, pathlib.Path):  # the directory's tokenizer.json, as it is
+            shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
+        elif tokenizer is not None:
+            tokenizer.save(str(tmp / TOKENIZER_NAME))
         run.save_params(params, step=0)
         _finish_out(tmp, out)
     finally:

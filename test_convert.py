@@ -263,6 +263,34 @@ def test_malformed_config_json_is_one_line_naming_the_field(valid_hf, tmp_path, 
     assert "Traceback" not in err and tree(tmp_path) == before  # nothing written at --out, nothing changed
 
 
+def test_an_unreadable_tokenizer_is_refused_before_anything_is_written(valid_hf, tmp_path, capsys):
+    from tokenizers import Tokenizer, models
+
+    def tokenizers_reads(directory, name) -> bool:
+        try:
+            if name == "tokenizer.json":
+                Tokenizer.from_file(str(directory / name))
+            else:
+                models.BPE.from_file(str(directory / "vocab.json"), str(directory / "merges.txt"))
+            return True
+        except Exception:
+            return False
+
+    for name, content in [("tokenizer.json", b'{"version": "1.0", "model":'), ("tokenizer.json", b'{"version": "1.0"}'),
+                          ("tokenizer.json", b"\xff\xfe"), ("vocab.json", b'{"a": 0, "b":'), ("vocab.json", b'["a"]')]:
+        shutil.rmtree(tmp_path / "hf", ignore_errors=True)
+        shutil.copytree(valid_hf / "gpt2", tmp_path / "hf")
+        (tmp_path / "hf" / name).write_bytes(content)
+        (tmp_path / "hf" / "merges.txt").write_text("#version: 0.2\na b\n")
+        assert not tokenizers_reads(tmp_path / "hf", name)  # the library that would load it cannot
+        before = tree(tmp_path)
+        capsys.readouterr()
+        assert ct.cli(["--import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and str(tmp_path / "hf" / name) in err and err.count("\n") == 1, err
+        assert tree(tmp_path) == before
+
+
 def test_a_pytorch_export_imports_back_identically(valid_hf, tmp_path):
     """--import-hf also reads a --format torch export (its config.json says format: torch, no model_type)."""
     ct.import_hf(valid_hf / "torch-export", tmp_path / "run")
