@@ -988,13 +988,12 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
             shutil.copyfile(tok, tmp / TOKENIZER_NAME)
             if layout != "torch":  # what AutoTokenizer needs besides tokenizer.json
                 special = {f"{k}_token": eot for k in ("bos", "eos", "unk")} if eot else {}
-                # learned positions (and GPT-J's table of rotary angles) stop at block_size; ALiBi and the
-                # other rotary layouts have no limit (transformers' default)
-                bounded = c.positions == "learned" or layout == "gptj"
-                limit = {"model_max_length": c.block_size} if bounded else {}
+                # the training context, for every layout: the length lm-eval's HF backend scores windows of
+                # when config.json names none (BLOOM's), and eval.py's adapter's default; ALiBi and rotary
+                # models still run on longer inputs
                 (tmp / "tokenizer_config.json").write_text(json.dumps(
-                    {"tokenizer_class": "PreTrainedTokenizerFast", **limit, "add_prefix_space": False, **special},
-                    indent=2) + "\n")
+                    {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": c.block_size,
+                     "add_prefix_space": False, **special}, indent=2) + "\n")
         _finish_out(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -7,7 +7,6 @@ logits. Hugging Face models are built locally at random; nothing is downloaded.
 """
 import dataclasses
 import json
-import logging
 import os
 import pathlib
 import shutil
@@ -368,28 +367,24 @@ def test_help_and_export_need_no_torch(tmp_path):
 
 
 @pytest.mark.parametrize("alibi", [False, True], ids=["learned", "alibi"])
-def test_hf_tokenizer_limit_is_the_models(corpus, tmp_path, alibi):  # noqa: F811
-    """transformers warns of "indexing errors" past model_max_length: right at block_size for learned
-    positions (16 here), wrong for an ALiBi model, which runs (and matches JAX) at 180 tokens."""
+def test_hf_length_is_the_training_context_for_every_layout(corpus, tmp_path, alibi):  # noqa: F811
+    """The tokenizer's model_max_length is block_size (16 here) for every layout, so lm-eval's HF backend
+    scores windows of the training context whether config.json names a length (GPT-2's n_positions) or
+    not (BLOOM's); for an ALiBi model it is no limit of the model, which runs (and matches JAX) at 180 tokens."""
+    from lm_eval.models.huggingface import HFLM
+
     m, params = jax_model(alibi_attn=alibi, embed_norm=alibi)
     ct.export(params, m.config, tmp_path / "hf", fmt="hf", tokenizer=corpus / "tokenizer.json")
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("transformers").addHandler(handler)
-    try:
+    assert tok.model_max_length == 16
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert HFLM(pretrained=hf, tokenizer=tok, batch_size=1, device="cpu").max_length == 16
+    if alibi:
         ids = tok(" ".join(["the cat sat on a mat"] * 30))["input_ids"]
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
-    warned = any("longer than the specified maximum" in r.getMessage() for r in records)
-    assert len(ids) >= 180 and warned == (not alibi)
-    if not alibi:
-        assert tok.model_max_length == 16
-        return
-    assert tok.model_max_length > 10 ** 9
-    got, _ = hf_logits(tmp_path / "hf", [ids])
-    np.testing.assert_allclose(got, np.asarray(m(np.asarray([ids])))[..., :300], atol=TOL, rtol=0)
+        assert len(ids) >= 180
+        with torch.no_grad():
+            got = hf(torch.tensor([ids])).logits.numpy()
+        np.testing.assert_allclose(got, np.asarray(m(np.asarray([ids])))[..., :300], atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("overrides", [dict(alibi_attn=False), dict(alibi_attn=True)], ids=["learned", "alibi"])
