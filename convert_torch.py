@@ -27,11 +27,13 @@ PADDED_LOGIT, so a softmax over the real rows alone is the same distribution.
 
 Import (`--import-hf`) turns a local transformers directory of any of those six families into a
 run directory whose step-0 checkpoint holds the parameters (the embedding padded with zero rows),
-reading the architecture from config.json and refusing, with the reasons, what model.py cannot
-express (post-LayerNorm OPT, scaled rotary embeddings, ...). `training.init_from=RUN_DIR` starts a
+reading the architecture from config.json as transformers reads it and refusing, with the reasons,
+what model.py cannot express (post-LayerNorm OPT, scaled rotary embeddings, ...). A field of
+config.json that is not what it must be (HF_FIELDS), or a tokenizer that does not load, is one
+error line naming it, before anything is written. `training.init_from=RUN_DIR` starts a
 fine-tuning run from it. Every config.json we write also carries the JAX model's config under
-`gpt_jax`, so JAX -> PyTorch -> JAX returns the identical config and parameters (the embedding's
-padding rows, which no logit depends on, as zeros).
+`gpt_jax`, so JAX -> PyTorch (either format) -> JAX returns the identical config and parameters
+(the embedding's padding rows, which no logit depends on, as zeros).
 
 Every tensor is mapped exactly once in both directions; missing, unexpected and mis-shaped keys
 are listed in the error. The PyTorch module reproduces model.py and follows the same switches: the
