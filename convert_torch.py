@@ -27,11 +27,13 @@ PADDED_LOGIT, so a softmax over the real rows alone is the same distribution.
 
 Import (`--import-hf`) turns a local transformers directory of any of those six families into a
 run directory whose step-0 checkpoint holds the parameters (the embedding padded with zero rows),
-reading the architecture from config.json and refusing, with the reasons, what model.py cannot
-express (post-LayerNorm OPT, scaled rotary embeddings, ...). `training.init_from=RUN_DIR` starts a
+reading the architecture from config.json as transformers reads it and refusing, with the reasons,
+what model.py cannot express (post-LayerNorm OPT, scaled rotary embeddings, ...). A field of
+config.json that is not what it must be (HF_FIELDS), or a tokenizer that does not load, is one
+error line naming it, before anything is written. `training.init_from=RUN_DIR` starts a
 fine-tuning run from it. Every config.json we write also carries the JAX model's config under
-`gpt_jax`, so JAX -> PyTorch -> JAX returns the identical config and parameters (the embedding's
-padding rows, which no logit depends on, as zeros).
+`gpt_jax`, so JAX -> PyTorch (either format) -> JAX returns the identical config and parameters
+(the embedding's padding rows, which no logit depends on, as zeros).
 
 Every tensor is mapped exactly once in both directions; missing, unexpected and mis-shaped keys
 are listed in the error. The PyTorch module reproduces model.py and follows the same switches: the
@@ -651,23 +653,106 @@ def hf_config(c: TorchGPTConfig, fmt: str, eot_id: int | None) -> dict:
             "attention_dropout": c.dropout, "pretraining_tp": 1}
 
 
-def _rope(get, where: str, family: str, head_dim: int, default_factor: float) -> tuple[float, float]:
-    """(base, fraction of the head rotated) of a config.json, old keys or new; plain rotary only."""
-    params = dict(get("rope_parameters") or get("rope_scaling") or {})
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise ConvertError(f"{where}: this {family} cannot be expressed by model.py: rope_type {kind!r} "
-                           f"(only plain rotary embeddings)")
-    base = params.get("rope_theta", get("rope_theta", get("rotary_emb_base", 10000.0)))
-    return float(base), float(params.get("partial_rotary_factor", get("rotary_pct", default_factor)))
+# Every config.json field the import reads, and what it must be: one check, so a malformed field is one
+# line naming it and its value. Null only where transformers gives null a meaning (a default size).
+_INT = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731  (JSON true is no size)
+_NUMBER = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+HF_KINDS = {  # kind -> (what the error says the field must be, the check)
+    "size": ("a positive integer", lambda v: _INT(v) and v > 0),
+    "size or null": ("a positive integer or null", lambda v: v is None or _INT(v) and v > 0),
+    "positive": ("a positive number", lambda v: _NUMBER(v) and v > 0),
+    "fraction": ("a number in (0, 1]", lambda v: _NUMBER(v) and 0 < v <= 1),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "string": ("a string", lambda v: isinstance(v, str)),
+    "object or null": ("an object or null", lambda v: v is None or isinstance(v, dict)),
+}
+HF_FIELDS = {
+    **dict.fromkeys(("model_type", "activation_function", "hidden_act", "rope_type", "type"), "string"),
+    **dict.fromkeys(("vocab_size", "n_positions", "max_position_embeddings", "seq_length", "n_embd", "hidden_size",
+                     "n_layer", "num_hidden_layers", "n_head", "num_attention_heads", "intermediate_size", "ffn_dim"),
+                    "size"),
+    **dict.fromkeys(("n_inner", "num_key_value_heads", "head_dim", "rotary_dim", "word_embed_proj_dim"), "size or null"),
+    **dict.fromkeys(("layer_norm_epsilon", "layer_norm_eps", "rms_norm_eps", "rope_theta", "rotary_emb_base"),
+                    "positive"),
+    **dict.fromkeys(("partial_rotary_factor", "rotary_pct"), "fraction"),
+    **dict.fromkeys(("tie_word_embeddings", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+                     "add_cross_attention", "apply_residual_connection_post_layernorm", "use_parallel_residual",
+                     "attention_bias", "mlp_bias", "enable_bias", "do_layer_norm_before", "_remove_final_layer_norm",
+                     "layer_norm_elementwise_affine"), "bool"),
+    **dict.fromkeys(("rope_parameters", "rope_scaling"), "object or null"),
+}
 
 
-def config_from_hf(meta: dict, where: str) -> tuple[TorchGPTConfig, str]:
-    """(config, layout) of a transformers config.json; refuses, with the reasons, what model.py cannot express."""
-    kind = meta.get("model_type")
+def _shown(value) -> str:
+    """A config.json value as JSON spells it (null, true, "768"), cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def hf_field(meta: dict, key: str, default, where: str, within: str = ""):
+    """meta[key] (`default` where it is absent) if it is what HF_FIELDS says, else a ConvertError naming the
+    field (inside `within`, e.g. 'rope_parameters.') and its value."""
+    if key not in meta:
+        return default
+    what, ok = HF_KINDS[HF_FIELDS[key]]
+    if not ok(meta[key]):
+        raise ConvertError(f"{where}: {within}{key} must be {what}, got {_shown(meta[key])}")
+    return meta[key]
+
+
+def _rope(get, where: str, family: str, theta_key: str, factor_key: str | None, default_factor: float
+          ) -> tuple[float, float]:
+    """(base, fraction of the head rotated) as transformers reads them; plain rotary embeddings only.
+
+    As in transformers, a `rope_scaling` (the older key) that is set replaces `rope_parameters` whole;
+    then the base and fraction come from it, else from the family's own top-level keys. Any rope_type
+    but the default, in either key, is refused: model.py cannot express scaled rotary embeddings."""
+    found = {key: get(key) or {} for key in ("rope_scaling", "rope_parameters")}
+    for key, params in found.items():
+        kind = hf_field(params, "rope_type", hf_field(params, "type", "default", where, f"{key}."), where, f"{key}.")
+        if kind != "default":
+            raise ConvertError(f"{where}: this {family} cannot be expressed by model.py: {key} with rope_type "
+                               f"{kind!r} (scaled rotary embeddings; model.py has the plain ones only)")
+    key = "rope_scaling" if found["rope_scaling"] else "rope_parameters"
+    base = hf_field(found[key], "rope_theta", get(theta_key, 10000.0), where, f"{key}.")
+    factor = hf_field(found[key], "partial_rotary_factor", get(factor_key, default_factor) if factor_key
+                      else default_factor, where, f"{key}.")
+    return float(base), float(factor)
+
+
+def _exported_config(meta: dict, where: str) -> tuple[TorchGPTConfig, str]:
+    """(config, layout) of a config.json written by this file: the JAX model config under `gpt_jax`,
+    checked as config.yaml's model section is, and the layout its tensors are in."""
+    import config as config_lib
+    from model import GPTConfig
+
+    layout = "torch" if meta.get("format") == "torch" else hf_field(meta, "model_type", None, where)
+    if layout not in HF_CLASSES and layout != "torch":
+        raise ConvertError(f"{where}: an export's config.json (it has gpt_jax) with model_type {layout!r}, not one "
+                           f"of the layouts exports write ({', '.join(HF_CLASSES)}), nor format \"torch\"")
+    block = meta["gpt_jax"]
+    if not isinstance(block, dict):
+        raise ConvertError(f"{where}: gpt_jax (the exported JAX model config) must be an object, got {_shown(block)}")
+    missing = [name for name in GPTConfig.REQUIRED_FIELDS if name not in block]
+    if missing:
+        raise ConvertError(f"{where}: gpt_jax (the exported JAX model config) lacks {', '.join(missing)}")
+    try:
+        _, gcfg = config_lib.resolve_model({k: v for k, v in block.items() if k != "name"}, {})
+    except config_lib.ConfigError as e:
+        raise ConvertError(f"{where}: gpt_jax (the exported JAX model config) is not a valid model config: {e}"
+                           ) from None
+    return TorchGPTConfig.from_dict(dataclasses.asdict(gcfg)), layout
+
+
+def config_from_hf(meta, where: str) -> tuple[TorchGPTConfig, str]:
+    """(config, layout) of a transformers config.json (parsed); refuses, with the reasons, what model.py cannot
+    express, and a malformed field (HF_FIELDS) with its name and value. `where` names the file in errors."""
+    if not isinstance(meta, dict):
+        raise ConvertError(f"{where} must hold a JSON object of the model's settings, got {_shown(meta)}")
     if "gpt_jax" in meta:  # written by this file: the exact original config
-        return TorchGPTConfig.from_dict(meta["gpt_jax"]), kind
-    get = lambda key, default=None: meta.get(key, default)  # noqa: E731
+        return _exported_config(meta, where)
+    get = lambda key, default=None: hf_field(meta, key, default, where)  # noqa: E731
+    kind = get("model_type")
     names = {"gpt2": "GPT-2", "bloom": "BLOOM", "gptj": "GPT-J", "gpt_neox": "GPT-NeoX", "opt": "OPT",
              "llama": "LLaMA"}
     if kind not in names:
@@ -717,7 +802,7 @@ def config_from_hf(meta: dict, where: str) -> tuple[TorchGPTConfig, str]:
     d, H = get("hidden_size", 768), get("num_attention_heads", 12)
     if kind == "gpt_neox":
         act, bad_act = activation("hidden_act", "gelu", ("gelu", "relu"))
-        base, factor = _rope(get, where, names[kind], d // H, 0.25)
+        base, factor = _rope(get, where, names[kind], "rotary_emb_base", "rotary_pct", 0.25)
         rotary_dim = int(d // H * factor)
         refuse_if(bad_act,
                   (rotary_dim < 2 or rotary_dim % 2, f"{rotary_dim} rotary dims per head (an even number from 2)"),
@@ -741,7 +826,7 @@ def config_from_hf(meta: dict, where: str) -> tuple[TorchGPTConfig, str]:
                               embedding_dim=d, num_head=H, N=get("num_hidden_layers", 12), alibi_attn=False,
                               position_offset=2, bias=bias, attention_bias=bias, mlp_dim=get("ffn_dim"),
                               tie_embeddings=get("tie_word_embeddings", True), layer_norm_epsilon=1e-5, **act), kind
-    base, factor = _rope(get, where, names[kind], d // H, 1.0)
+    base, factor = _rope(get, where, names[kind], "rope_theta", None, 1.0)
     act, bad_act = activation("hidden_act", "silu", ("swiglu",))
     refuse_if(bad_act,
               (factor != 1.0, f"partial_rotary_factor {factor} (LLaMA rotates whole heads)"),
@@ -793,6 +878,35 @@ def _torch_load_reason(e: Exception) -> str:
         text = text.split("WeightsUnpickler error:", 1)[1]
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
     return first.split(". ")[0][:200]
+
+
+def read_hf_tokenizer(hf_dir: pathlib.Path):
+    """The tokenizer of a transformers directory, checked to load: the path of its tokenizer.json (copied as it
+    is), else a byte-level BPE tokenizers.Tokenizer built from vocab.json and merges.txt, else None."""
+    import shards
+    from corpus import DataError
+
+    if (hf_dir / TOKENIZER_NAME).is_file():
+        try:
+            shards.load_tokenizer_file(hf_dir / TOKENIZER_NAME)
+        except DataError as e:
+            raise ConvertError(f"{e}; the tokenizers library cannot read it: fix it, or remove it and import "
+                               f"without a tokenizer") from None
+        return hf_dir / TOKENIZER_NAME
+    vocab, merges = hf_dir / "vocab.json", hf_dir / "merges.txt"
+    if not (vocab.is_file() and merges.is_file()):
+        return None
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    try:
+        tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    except Exception as e:  # the library raises a bare Exception for unreadable files
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise ConvertError(f"cannot build a tokenizer from {vocab} and {merges}: {reason}") from None
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([t for t in shards.EOT_CANDIDATES[:1] if t in tok.get_vocab()])
+    return tok
 
 
 # ----------------------------------------------------------------------------------------------
@@ -876,13 +990,12 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
             shutil.copyfile(tok, tmp / TOKENIZER_NAME)
             if layout != "torch":  # what AutoTokenizer needs besides tokenizer.json
                 special = {f"{k}_token": eot for k in ("bos", "eos", "unk")} if eot else {}
-                # learned positions (and GPT-J's table of rotary angles) stop at block_size; ALiBi and the
-                # other rotary layouts have no limit (transformers' default)
-                bounded = c.positions == "learned" or layout == "gptj"
-                limit = {"model_max_length": c.block_size} if bounded else {}
+                # the training context, for every layout: the length lm-eval's HF backend scores windows of
+                # when config.json names none (BLOOM's), and eval.py's adapter's default; ALiBi and rotary
+                # models still run on longer inputs
                 (tmp / "tokenizer_config.json").write_text(json.dumps(
-                    {"tokenizer_class": "PreTrainedTokenizerFast", **limit, "add_prefix_space": False, **special},
-                    indent=2) + "\n")
+                    {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": c.block_size,
+                     "add_prefix_space": False, **special}, indent=2) + "\n")
         _finish_out(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -894,15 +1007,18 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     with config.yaml, tokenizer.json (when the directory has a tokenizer) and a step-0 checkpoint of params."""
     import config as config_lib
     import rundir
-    import shards
     from model import GPTConfig
 
     hf_dir, out = pathlib.Path(hf_dir), pathlib.Path(out)
     _check_out(out, hf_dir, overwrite)
     if not (hf_dir / CONFIG_NAME).is_file():
         raise ConvertError(f"{hf_dir} is not a transformers checkpoint directory: no {CONFIG_NAME}")
-    meta = json.loads((hf_dir / CONFIG_NAME).read_text())
-    c, layout = config_from_hf(meta, str(hf_dir))
+    try:
+        meta = json.loads((hf_dir / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConvertError(f"{hf_dir / CONFIG_NAME} is not readable JSON ({e})") from None
+    c, layout = config_from_hf(meta, str(hf_dir / CONFIG_NAME))
+    tokenizer = read_hf_tokenizer(hf_dir)  # before anything is written: a broken one stops the import
     tensors = read_hf_tensors(hf_dir)
     wte_key, lm_key = embedding_key(layout), head_key(layout)
     if c.tie_embeddings and lm_key in tensors:  # saved by some versions; must equal the tied embedding
@@ -918,22 +1034,16 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     try:
         gcfg = GPTConfig(**dataclasses.asdict(c))
     except ValueError as e:
-        raise ConvertError(f"{hf_dir}: config.json gives a model that model.py refuses: {e}") from None
+        raise ConvertError(f"{hf_dir / CONFIG_NAME} gives a model that model.py refuses: {e}") from None
     params = from_torch_tensors(tensors, c, layout, str(hf_dir))
     tmp = _prepare_out(out, overwrite)
     try:
         run = rundir.Run(tmp)
         run.save_config(config_lib.Config(run_dir=str(out), model_name=f"imported-{layout}", model=gcfg))
-        if (hf_dir / TOKENIZER_NAME).is_file():
-            shutil.copyfile(hf_dir / TOKENIZER_NAME, tmp / TOKENIZER_NAME)
-        elif (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
-            from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-            tok = Tokenizer(models.BPE.from_file(str(hf_dir / "vocab.json"), str(hf_dir / "merges.txt")))
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-            tok.decoder = decoders.ByteLevel()
-            tok.add_special_tokens([t for t in shards.EOT_CANDIDATES[:1] if t in tok.get_vocab()])
-            tok.save(str(tmp / TOKENIZER_NAME))
+        if isinstance(tokenizer, pathlib.Path):  # the directory's tokenizer.json, as it is
+            shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
+        elif tokenizer is not None:
+            tokenizer.save(str(tmp / TOKENIZER_NAME))
         run.save_params(params, step=0)
         _finish_out(tmp, out)
     finally:

@@ -195,9 +195,13 @@ class JaxLM(TemplateLM):
     Face backend: whitespace at the end of a context (spaces, newlines, tabs) moves into the
     continuation, the pair is split where the whole string's tokens split, and an empty context is
     the end-of-text token. So every request is scored on the split `lm_eval --model hf` would use.
-    Requests longer than `max_length` keep their last `max_length` tokens. Scoring is batched in
-    length buckets (16, 32, 64, ... up to max_length), each with a fixed number of rows
-    (batch_tokens // bucket), so the number of compiled shapes is the number of buckets used.
+    Requests longer than `max_length` keep their last `max_length` tokens, and rolling log-likelihoods
+    are scored in windows of `max_length`. It defaults to the model's block_size, the length every
+    `convert_torch.py --format hf` export names as its tokenizer's model_max_length (and as its
+    config.json's position count where the layout has one), so lm-eval's HF backend on the export,
+    at its default, scores the same windows. Scoring is batched in length buckets (16, 32, 64, ... up to max_length), each with a
+    fixed number of rows (batch_tokens // bucket), so the number of compiled shapes is the number of
+    buckets used.
     """
 
     def __init__(self, model: GPT, tokenizer, *, eot_id: int, max_length: int | None = None,
@@ -406,8 +410,9 @@ def parse_args(argv):
     p.add_argument("--include-path", default=None, help="directory of extra lm-eval task YAML files")
     p.add_argument("--limit", type=float, default=None, help="examples per task (a fraction if < 1)")
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
-    p.add_argument("--max-length", type=int, default=None, help="longest request the adapter scores "
-                                                                "(default: the training context)")
+    p.add_argument("--max-length", type=int, default=None, help="longest request the adapter scores, and the "
+                   "window of rolling log-likelihoods (default: the model's block_size, as lm-eval's HF backend "
+                   "reads it from a --format hf export)")
     p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per scoring batch")
     p.add_argument("--seed", type=int, default=0, help="seed for few-shot sampling and sampled generation")
     args = p.parse_args(argv)
@@ -583,8 +588,7 @@ def main(argv=None) -> int:
 
     tasks = None
     if task_names:
-        lm = JaxLM(model, tokenizer, eot_id=eot_id, max_length=args.max_length or train_len,
-                   batch_tokens=args.batch_tokens)
+        lm = JaxLM(model, tokenizer, eot_id=eot_id, max_length=args.max_length, batch_tokens=args.batch_tokens)
         t0 = time.perf_counter()
         tasks = run_tasks(lm, task_names, include_path=args.include_path, limit=args.limit,
                           num_fewshot=args.num_fewshot, seed=args.seed)

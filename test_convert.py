@@ -7,7 +7,6 @@ logits. Hugging Face models are built locally at random; nothing is downloaded.
 """
 import dataclasses
 import json
-import logging
 import os
 import pathlib
 import shutil
@@ -181,6 +180,127 @@ def test_import_without_a_tokenizer_warns_and_says_what_to_pass(tmp_path, capsys
     assert not (tmp_path / "run" / "tokenizer.json").exists() and ct.read_run(tmp_path / "run")[2] == 0
 
 
+@pytest.fixture(scope="module")
+def valid_hf(tmp_path_factory):
+    """Small checkpoints that import, to break one thing in: a GPT-2 and a LLaMA saved by transformers, and
+    our own BLOOM-layout and PyTorch exports (their config.json carries the JAX config under gpt_jax)."""
+    root = tmp_path_factory.mktemp("valid")
+    random_gpt2(root / "gpt2")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, max_position_embeddings=32)).save_pretrained(root / "llama")
+    m, params = jax_model(alibi_attn=True, embed_norm=True)
+    ct.export(params, m.config, root / "bloom-export", fmt="hf")
+    ct.export(params, m.config, root / "torch-export")
+    return root
+
+
+def _with(**fields):
+    return lambda meta: {**meta, **fields}
+
+
+def _with_gpt_jax(**fields):
+    return lambda meta: {**meta, "gpt_jax": {**meta["gpt_jax"], **fields}}
+
+
+BAD_CONFIGS = {  # id: (base, the change to its config.json (raw bytes, or a function of it), the error after PATH: )
+    "not-json": ("gpt2", b'{"model_type": "gpt2",', " is not readable JSON (Expecting property name"),
+    "not-utf8": ("gpt2", b'{"model_type": "gpt2\xff"}', " is not readable JSON ('utf-8' codec can't decode"),
+    "list": ("gpt2", b'[{"model_type": "gpt2"}]', ' must hold a JSON object of the model\'s settings, got '
+                                                   '[{"model_type": "gpt2"}]'),
+    "heads-0": ("llama", _with(num_attention_heads=0), ": num_attention_heads must be a positive integer, got 0"),
+    "hidden-size-string": ("llama", _with(hidden_size="32"), ': hidden_size must be a positive integer, got "32"'),
+    "n-layer-null": ("gpt2", _with(n_layer=None), ": n_layer must be a positive integer, got null"),
+    "n-embd-float": ("gpt2", _with(n_embd=32.0), ": n_embd must be a positive integer, got 32.0"),
+    "vocab-true": ("gpt2", _with(vocab_size=True), ": vocab_size must be a positive integer, got true"),
+    "positions-negative": ("gpt2", _with(n_positions=-1), ": n_positions must be a positive integer, got -1"),
+    "kv-heads-string": ("llama", _with(num_key_value_heads="2"),
+                        ': num_key_value_heads must be a positive integer or null, got "2"'),
+    "mlp-size-null": ("llama", _with(intermediate_size=None), ": intermediate_size must be a positive integer, got null"),
+    "eps-string": ("gpt2", _with(layer_norm_epsilon="1e-5"), ': layer_norm_epsilon must be a positive number, got "1e-5"'),
+    "eps-nan": ("llama", _with(rms_norm_eps=float("nan")), ": rms_norm_eps must be a positive number, got NaN"),
+    "activation-list": ("gpt2", _with(activation_function=["gelu"]), ': activation_function must be a string, got ["gelu"]'),
+    "tie-string": ("llama", _with(tie_word_embeddings="false"), ': tie_word_embeddings must be true or false, got "false"'),
+    "model-type-number": ("gpt2", _with(model_type=2), ": model_type must be a string, got 2"),
+    "rope-scaling-string": ("llama", _with(rope_scaling="linear"), ': rope_scaling must be an object or null, got "linear"'),
+    "rope-parameters-list": ("llama", _with(rope_parameters=[10000.0]),
+                             ": rope_parameters must be an object or null, got [10000.0]"),
+    "rope-theta-string": ("llama", _with(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}),
+                          ': rope_parameters.rope_theta must be a positive number, got "1e4"'),
+    "rope-type-null": ("llama", _with(rope_parameters={"rope_type": None, "rope_theta": 1e4}),
+                       ": rope_parameters.rope_type must be a string, got null"),
+    "gpt-jax-string": ("bloom-export", _with(gpt_jax="small"),
+                       ': gpt_jax (the exported JAX model config) must be an object, got "small"'),
+    "gpt-jax-unknown-key": ("bloom-export", _with_gpt_jax(heads=4),
+                            ": gpt_jax (the exported JAX model config) is not a valid model config: unknown key "
+                            "model.heads; valid keys of model: vocab_size, block_size,"),
+    "gpt-jax-wrong-type": ("bloom-export", _with_gpt_jax(num_head="4"),
+                           ": gpt_jax (the exported JAX model config) is not a valid model config: model.num_head "
+                           "must be int, got '4' (str)"),
+    "gpt-jax-zero": ("torch-export", _with_gpt_jax(N=0), ": gpt_jax (the exported JAX model config) is not a valid "
+                                                         "model config: model.N must be a positive integer, got 0"),
+    "gpt-jax-incomplete": ("bloom-export", lambda meta: {**meta, "gpt_jax": {"vocab_size": 300}},
+                           ": gpt_jax (the exported JAX model config) lacks block_size, embedding_dim, num_head, N"),
+    "gpt-jax-model-type": ("bloom-export", _with(model_type="t5"), ": an export's config.json (it has gpt_jax) with "
+                                                                   "model_type 't5', not one of the layouts"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_malformed_config_json_is_one_line_naming_the_field(valid_hf, tmp_path, capsys, case):
+    base, change, message = BAD_CONFIGS[case]
+    shutil.copytree(valid_hf / base, tmp_path / "hf")
+    config_json = tmp_path / "hf" / "config.json"
+    raw = change if isinstance(change, bytes) else json.dumps(change(json.loads(config_json.read_text()))).encode()
+    config_json.write_bytes(raw)
+    before = tree(tmp_path)
+    capsys.readouterr()
+    assert ct.cli(["--import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {config_json}{message}") and err.count("\n") == 1, err
+    assert "Traceback" not in err and tree(tmp_path) == before  # nothing written at --out, nothing changed
+
+
+def test_an_unreadable_tokenizer_is_refused_before_anything_is_written(valid_hf, tmp_path, capsys):
+    from tokenizers import Tokenizer, models
+
+    def tokenizers_reads(directory, name) -> bool:
+        try:
+            if name == "tokenizer.json":
+                Tokenizer.from_file(str(directory / name))
+            else:
+                models.BPE.from_file(str(directory / "vocab.json"), str(directory / "merges.txt"))
+            return True
+        except Exception:
+            return False
+
+    for name, content in [("tokenizer.json", b'{"version": "1.0", "model":'), ("tokenizer.json", b'{"version": "1.0"}'),
+                          ("tokenizer.json", b"\xff\xfe"), ("vocab.json", b'{"a": 0, "b":'), ("vocab.json", b'["a"]')]:
+        shutil.rmtree(tmp_path / "hf", ignore_errors=True)
+        shutil.copytree(valid_hf / "gpt2", tmp_path / "hf")
+        (tmp_path / "hf" / name).write_bytes(content)
+        (tmp_path / "hf" / "merges.txt").write_text("#version: 0.2\na b\n")
+        assert not tokenizers_reads(tmp_path / "hf", name)  # the library that would load it cannot
+        before = tree(tmp_path)
+        capsys.readouterr()
+        assert ct.cli(["--import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and str(tmp_path / "hf" / name) in err and err.count("\n") == 1, err
+        assert tree(tmp_path) == before
+
+
+def test_a_pytorch_export_imports_back_identically(valid_hf, tmp_path):
+    """--import-hf also reads a --format torch export (its config.json says format: torch, no model_type)."""
+    ct.import_hf(valid_hf / "torch-export", tmp_path / "run")
+    cfg, back, step = ct.read_run(tmp_path / "run")
+    m, params = jax_model(alibi_attn=True, embed_norm=True)
+    assert step == 0 and cfg.model == m.config
+    expected = {**params, "wte": np.concatenate([params["wte"][:300], np.zeros((84, 32), np.float32)])}
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_unreadable_hf_weights_are_one_error_line(tmp_path, capsys):
     class Code:  # what a pickle can smuggle in: a call made while loading
         def __reduce__(self):
@@ -247,28 +367,24 @@ def test_help_and_export_need_no_torch(tmp_path):
 
 
 @pytest.mark.parametrize("alibi", [False, True], ids=["learned", "alibi"])
-def test_hf_tokenizer_limit_is_the_models(corpus, tmp_path, alibi):  # noqa: F811
-    """transformers warns of "indexing errors" past model_max_length: right at block_size for learned
-    positions (16 here), wrong for an ALiBi model, which runs (and matches JAX) at 180 tokens."""
+def test_hf_length_is_the_training_context_for_every_layout(corpus, tmp_path, alibi):  # noqa: F811
+    """The tokenizer's model_max_length is block_size (16 here) for every layout, so lm-eval's HF backend
+    scores windows of the training context whether config.json names a length (GPT-2's n_positions) or
+    not (BLOOM's); for an ALiBi model it is no limit of the model, which runs (and matches JAX) at 180 tokens."""
+    from lm_eval.models.huggingface import HFLM
+
     m, params = jax_model(alibi_attn=alibi, embed_norm=alibi)
     ct.export(params, m.config, tmp_path / "hf", fmt="hf", tokenizer=corpus / "tokenizer.json")
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("transformers").addHandler(handler)
-    try:
+    assert tok.model_max_length == 16
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert HFLM(pretrained=hf, tokenizer=tok, batch_size=1, device="cpu").max_length == 16
+    if alibi:
         ids = tok(" ".join(["the cat sat on a mat"] * 30))["input_ids"]
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
-    warned = any("longer than the specified maximum" in r.getMessage() for r in records)
-    assert len(ids) >= 180 and warned == (not alibi)
-    if not alibi:
-        assert tok.model_max_length == 16
-        return
-    assert tok.model_max_length > 10 ** 9
-    got, _ = hf_logits(tmp_path / "hf", [ids])
-    np.testing.assert_allclose(got, np.asarray(m(np.asarray([ids])))[..., :300], atol=TOL, rtol=0)
+        assert len(ids) >= 180
+        with torch.no_grad():
+            got = hf(torch.tensor([ids])).logits.numpy()
+        np.testing.assert_allclose(got, np.asarray(m(np.asarray([ids])))[..., :300], atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("overrides", [dict(alibi_attn=False), dict(alibi_attn=True)], ids=["learned", "alibi"])

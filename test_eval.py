@@ -6,8 +6,10 @@ from the shard files with numpy, accuracies computed in the test from those scor
 harness's metric definitions written out, and sample.py's generation.
 """
 import json
+import math
 import pathlib
 import random
+import re
 import shutil
 import sys
 
@@ -210,10 +212,35 @@ PARITY_REQUESTS = [
 ROLLING_TEXTS = ["alpha beta\n\tgamma", "\n".join(" ".join(WORDS[i:] + WORDS[:i]) for i in range(8)), ""]
 
 
+def write_rolling_task(root: pathlib.Path, rng: random.Random, n_docs: int = 3) -> list[str]:
+    """A wikitext-style task (rolling log-likelihood of whole documents; word perplexity) as local JSON Lines
+    + YAML under root; returns its documents."""
+    root.mkdir(parents=True, exist_ok=True)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(60, 90))) for _ in range(n_docs)]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (root / "tiny_rolling.yaml").write_text(f"""task: tiny_rolling
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {root / 'docs.jsonl'}
+output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+""")
+    return docs
+
+
 @pytest.mark.parametrize("layout", ["bloom", "gpt2"])
 def test_loglikelihoods_equal_lm_evals_hf_backend_on_the_export(layout, run, learned_run, tmp_path):
     """Every request's log-likelihood and is_greedy, and every rolling log-likelihood, from JaxLM equal
-    those of lm-eval's HFLM on the model exported with `convert_torch.py --format hf`."""
+    those of lm-eval's HFLM on the model exported with `convert_torch.py --format hf`; and with both sides
+    at their defaults, a rolling-loglikelihood task over documents longer than the model's block_size
+    gives the same word perplexity through `eval.py --tasks` as through HFLM on the export."""
     import torch
     import transformers
     from lm_eval.models.huggingface import HFLM
@@ -254,6 +281,30 @@ def test_loglikelihoods_equal_lm_evals_hf_backend_on_the_export(layout, run, lea
                                             for i, t in enumerate(ROLLING_TEXTS)])
     assert len(tokenizer.encode(ROLLING_TEXTS[1]).ids) > 2 * 32  # several windows
     assert got_rolling == pytest.approx(want_rolling, abs=1e-4)
+
+    # default settings on both sides, neither told a length: documents longer than block_size, scored in
+    # rolling windows by JaxLM and by HFLM on the export
+    docs = write_rolling_task(tmp_path / "tasks", random.Random(7))
+    assert all(len(tokenizer.encode(d).ids) > 2 * model.config.block_size for d in docs)  # several windows each
+    doc_requests = [Instance("loglikelihood_rolling", {}, (d,), i) for i, d in enumerate(docs)]
+    reference = HFLM(pretrained=hf, tokenizer=transformers.AutoTokenizer.from_pretrained(tmp_path / "hf"),
+                     batch_size=4, device="cpu")
+    with torch.no_grad():
+        want_docs = reference.loglikelihood_rolling(doc_requests, disable_tqdm=True)
+    default_lm = E.JaxLM(model, tokenizer, eot_id=eot, batch_tokens=128, progress=False)
+    assert default_lm.loglikelihood_rolling(doc_requests) == pytest.approx(want_docs, abs=1e-4)
+    if layout != "bloom":  # the command line once (the harness indexes its whole task list each time)
+        return
+    # and through eval.py's command line, as a wikitext-style task: the harness's metrics, written out
+    shutil.copytree(run_dir, tmp_path / "run")
+    assert E.cli(["--checkpoint", str(tmp_path / "run"), "--no-perplexity", "--tasks", "tiny_rolling",
+                  "--include-path", str(tmp_path / "tasks"), "--batch-tokens", "512"]) == 0
+    step = rundir.Run(run_dir).config().training.steps
+    got_task = json.loads((tmp_path / "run" / "eval" / f"step{step}.json").read_text())["tasks"]["tiny_rolling"]
+    words, n_bytes = sum(len(re.split(r"\s+", d)) for d in docs), sum(len(d.encode()) for d in docs)
+    assert got_task["samples"] == len(docs)
+    assert got_task["word_perplexity"] == pytest.approx(math.exp(-sum(want_docs) / words), rel=1e-5)
+    assert got_task["bits_per_byte"] == pytest.approx(-sum(want_docs) / n_bytes / math.log(2), rel=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------

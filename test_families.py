@@ -14,6 +14,7 @@ written out below.
 """
 import dataclasses
 import json
+import pathlib
 import shutil
 
 import jax
@@ -306,6 +307,47 @@ def test_import_refuses_what_model_py_cannot_express(tmp_path, capsys, family, e
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "cannot be expressed by model.py" in err and reason in err, err
     assert err.count("\n") == 1 and not (tmp_path / "run").exists()
+
+
+def llama_with(directory, **fields) -> pathlib.Path:
+    """A saved random LLaMA (rope_parameters: default, base 500) whose config.json then gets `fields`."""
+    random_hf("llama", directory)
+    path = directory / "config.json"
+    meta = json.loads(path.read_text())
+    assert meta["rope_parameters"] == {"rope_theta": 500.0, "rope_type": "default"} and "rope_scaling" not in meta
+    path.write_text(json.dumps({**meta, **fields}))
+    return path
+
+
+@pytest.mark.parametrize("rope_scaling", [{"rope_type": "linear", "factor": 2.0}, {"type": "linear", "factor": 2.0},
+                                          {"rope_type": "dynamic", "factor": 2.0}],
+                         ids=["linear", "linear-older-key", "dynamic"])
+def test_import_refuses_rope_scaling_beside_default_rope_parameters(tmp_path, capsys, rope_scaling):
+    path = llama_with(tmp_path / "hf", rope_scaling=rope_scaling)
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    # transformers applies the scaling: the model it loads is not the one with plain rotary embeddings
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "hf").rope_parameters["rope_type"] == kind
+    capsys.readouterr()
+    assert ct.cli(["--import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == (f"error: {path}: this LLaMA cannot be expressed by model.py: rope_scaling "
+                                       f"with rope_type {kind!r} (scaled rotary embeddings; model.py has the plain "
+                                       f"ones only)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("fields", [dict(rope_scaling=None), dict(rope_scaling={"rope_type": "default"}),
+                                    dict(rope_scaling={"type": "default", "rope_theta": 300.0})],
+                         ids=["null", "default", "default-older-key-own-base"])
+def test_rope_scaling_without_scaling_imports_as_transformers_reads_it(tmp_path, fields):
+    """Where rope_scaling is set, transformers reads it instead of rope_parameters (whose base of 500 then
+    no longer applies); the import gives transformers' logits in every case."""
+    llama_with(tmp_path / "hf", **fields)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ct.import_hf(tmp_path / "hf", tmp_path / "run")
+    cfg, params, _ = ct.read_run(tmp_path / "run")
+    toks = tokens(32, vocab=V)
+    np.testing.assert_allclose(np.asarray(load_jax(params, cfg.model)(toks))[..., :V], hf_logits(hf, toks),
+                               atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("overrides, reason", [
