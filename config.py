@@ -312,8 +312,8 @@ def validate(cfg: Config) -> None:
         )
     if t.seq_len is not None and not 1 <= t.seq_len <= cfg.model.block_size:
         raise ConfigError(f"training.seq_len must be in 1..model.block_size ({cfg.model.block_size}), got {t.seq_len}")
-    if not (math.isfinite(t.lr) and t.lr > 0):
-        raise ConfigError(f"training.lr must be a positive number, got {t.lr}")
+    if not (math.isfinite(t.lr) and t.lr >= 0):  # 0: no updates (e.g. to measure a starting point)
+        raise ConfigError(f"training.lr must be a number >= 0, got {t.lr}")
     if not 0.0 <= t.min_lr <= t.lr:
         raise ConfigError(f"training.min_lr ({t.min_lr}) must be in [0, training.lr ({t.lr})]")
     try:

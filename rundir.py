@@ -427,12 +427,11 @@ class Run(storage.RunDir):
         """A checkpoint holding only parameters (an import): what init_from, eval, sample and export read."""
         import jax
         import numpy as np
-        import orbax.checkpoint as ocp
 
         state = {"params": jax.tree.map(np.asarray, params), "step": np.asarray(step, np.int32)}
-        with ocp.CheckpointManager(self.checkpoint_dir()) as mngr:
+        with self.checkpoint_manager() as mngr:
             self.save_checkpoint(mngr, step, state)
-            mngr.wait_until_finished()
+            self.check_saved(mngr)
 
     def load_model(self, step: int | None = None):
         """(the run's model.GPT with the checkpoint's parameters, the checkpoint step)."""

@@ -443,7 +443,7 @@ def test_default_config_has_a_comment_on_every_key():
     ("training.grad_clip=.nan", ["training.grad_clip", "nan"]),
     (f"seed={2**70}", ["seed", "64-bit", str(2**70)]),
     ("training.b2=1.0", ["training.b2", "[0, 1)"]),
-    ("training.lr=0", ["training.lr", "positive"]),
+    ("training.lr=-1e-3", ["training.lr", ">= 0"]),
     ("training.eps=-1e-8", ["training.eps", "positive"]),
     ("training.weight_decay=-0.1", ["training.weight_decay", ">= 0"]),
 ])
