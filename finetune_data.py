@@ -164,7 +164,7 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
     is_val = lambda name: corpus.in_val(name, val_fraction)  # noqa: E731
     options = dict(tokenizer=tokenizer, vocab_size=vocab_size, in_field=in_field, out_field=out_field,
                    seq_len=seq_len, shard_tokens=shard_tokens, progress=progress)
-    with shards.Staged(out) as staged:
+    with shards.Staged(out, overwrite) as staged:
         vocab_fields, splits, bad = _write(sources, staged.path, is_val, **options)
         assigned = {s: splits[s]["examples"] + splits[s]["skipped"] for s in splits}  # valid records
         extra = None
