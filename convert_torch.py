@@ -1062,9 +1062,12 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
         sys.unraisablehook = rundir.drop_closed_loop_errors
         try:
             run.save_params(params, step=0)
-        except Exception:
+        except Exception as e:  # said of --out, not of the staging directory's checkpoint
             logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # (the hook stays: the caller exits)
-            raise
+            reason = storage.os_problem(e)
+            if reason is None:
+                raise
+            raise storage.StorageError(f"cannot write {out}: {reason}") from None
         else:
             sys.unraisablehook = hook
         finally:

@@ -400,17 +400,25 @@ def exchange(a, b) -> bool:
     raise OSError(code, os.strerror(code), os.fspath(a), None, os.fspath(b))
 
 
+_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG)
+
+
 def os_problem(e: BaseException | None) -> str | None:
-    """The operating system's reason a write failed ("No space left on device"), from an OSError or from
-    a library's error that carries its code (tokenizers', safetensors', tensorstore's), else None."""
+    """The operating system's reason a write failed ("No space left on device"), from an OSError, from a
+    library's error that carries its code (tokenizers', safetensors', tensorstore's), or from one that
+    spells out the reason of a failed write (rundir's failed checkpoint save); else None."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno:
             return e.strerror or os.strerror(e.errno)
-        found = _OS_ERROR_CODE.search(str(e))
+        text = str(e)
+        found = _OS_ERROR_CODE.search(text)
         if found:
             return os.strerror(int(found.group(1) or found.group(2)))
+        named = [os.strerror(code) for code in _WRITE_ERRORS if os.strerror(code) in text]
+        if named:
+            return named[0]
         e = e.__cause__ or e.__context__
     return None
 
