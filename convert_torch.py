@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
 import pathlib
@@ -934,33 +935,43 @@ def _eot(tokenizer_path: pathlib.Path) -> tuple[int | None, str | None]:
     return (None, None) if eot_id is None else (eot_id, tok.id_to_token(eot_id))
 
 
-def _check_out(out, source, overwrite: bool) -> None:
-    """Refuse an --out that is the source directory, holds it, or lies inside it, when it exists or
-    --overwrite would replace it: replacing it would delete what is being converted."""
+def _is_export(directory: pathlib.Path) -> bool:
+    """Whether a directory holds an export of this file: a config.json carrying `gpt_jax`."""
+    try:
+        meta = json.loads((directory / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "gpt_jax" in meta
+
+
+_OURS = {  # what --overwrite may replace, besides an empty directory
+    "export": (_is_export, f"an export of convert_torch.py (a {CONFIG_NAME} with gpt_jax)"),
+    "import": (lambda directory: (directory / "config.yaml").is_file(), "a run directory (one with config.yaml)"),
+}
+
+
+def _check_out(out, source, overwrite: bool, kind: str = "export") -> pathlib.Path:
+    """Refuse, before anything is written, an --out that must not be written (storage.check_out: empty,
+    the current or home directory or one holding them, a file), one that is the source directory, holds it,
+    or lies inside it (when it exists or --overwrite would replace it: that would delete what is being
+    converted), an existing one without --overwrite, and with it one that is not this kind's output
+    (`kind` "export": a config.json of ours; "import": a run directory)."""
+    import storage
+
+    if not str(out).strip():
+        raise ConvertError("--out is empty; name the directory to write")
     out = pathlib.Path(out)
-    if source is None or not (overwrite or out.exists()):
-        return
-    o, s = out.resolve(), pathlib.Path(source).resolve()
-    relation = "is" if o == s else "contains" if o in s.parents else "lies inside" if s in o.parents else None
-    if relation:
-        raise ConvertError(f"--out {out} {relation} the source directory {source}; choose an --out outside it "
-                           f"(nothing was written or deleted)")
-
-
-def _prepare_out(out: pathlib.Path, overwrite: bool) -> pathlib.Path:
-    """A fresh temporary directory beside `out`, moved into place by _finish_out."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    if source is not None and (overwrite or out.exists()):
+        o, s = out.resolve(), pathlib.Path(source).resolve()
+        relation = "is" if o == s else "contains" if o in s.parents else "lies inside" if s in o.parents else None
+        if relation:
+            raise ConvertError(f"--out {out} {relation} the source directory {source}; choose an --out outside "
+                               f"it (nothing was written or deleted)")
+    ours, what = _OURS[kind]
+    storage.check_out(out, overwrite, ours=ours, what=what, hidden=True, error=ConvertError)
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConvertError(f"{out} already exists; choose another --out or pass --overwrite")
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _finish_out(tmp: pathlib.Path, out: pathlib.Path) -> None:
-    if out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
-    tmp.replace(out)
+    return out
 
 
 def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, overwrite: bool = False,
@@ -975,11 +986,12 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
     layout = "torch" if fmt == "torch" else hf_format(c) if fmt == "hf" else None
     if layout is None:
         raise ConvertError(f"--format must be torch or hf, got {fmt!r}")
-    _check_out(out, source, overwrite)
+    import storage
+
+    out = _check_out(out, source, overwrite)
     tensors = to_torch_tensors(params, c, layout)  # before touching `out`: a refusal leaves it alone
-    out = pathlib.Path(out)
-    tmp = _prepare_out(out, overwrite)
-    try:
+    with storage.StagedDir(out, replace=overwrite, hidden=True) as staged:  # .OUT.tmp-PID, swapped in whole
+        tmp = staged.path
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         tok = pathlib.Path(tokenizer) if tokenizer else None
         eot_id, eot = _eot(tok) if tok else (None, None)
@@ -996,9 +1008,7 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
                 (tmp / "tokenizer_config.json").write_text(json.dumps(
                     {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": c.block_size,
                      "add_prefix_space": False, **special}, indent=2) + "\n")
-        _finish_out(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staged.commit()
     return layout
 
 
@@ -1007,10 +1017,11 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     with config.yaml, tokenizer.json (when the directory has a tokenizer) and a step-0 checkpoint of params."""
     import config as config_lib
     import rundir
+    import storage
     from model import GPTConfig
 
-    hf_dir, out = pathlib.Path(hf_dir), pathlib.Path(out)
-    _check_out(out, hf_dir, overwrite)
+    hf_dir = pathlib.Path(hf_dir)
+    out = _check_out(out, hf_dir, overwrite, "import")
     if not (hf_dir / CONFIG_NAME).is_file():
         raise ConvertError(f"{hf_dir} is not a transformers checkpoint directory: no {CONFIG_NAME}")
     try:
@@ -1036,18 +1047,32 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     except ValueError as e:
         raise ConvertError(f"{hf_dir / CONFIG_NAME} gives a model that model.py refuses: {e}") from None
     params = from_torch_tensors(tensors, c, layout, str(hf_dir))
-    tmp = _prepare_out(out, overwrite)
-    try:
+    with storage.StagedDir(out, replace=overwrite, hidden=True) as staged:  # .OUT.tmp-PID, swapped in whole
+        tmp = staged.path
         run = rundir.Run(tmp)
         run.save_config(config_lib.Config(run_dir=str(out), model_name=f"imported-{layout}", model=gcfg))
         if isinstance(tokenizer, pathlib.Path):  # the directory's tokenizer.json, as it is
             shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
         elif tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER_NAME))
-        run.save_params(params, step=0)
-        _finish_out(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # A failed write (a full disk) is raised, and said in one line; orbax also logs it with a traceback
+        # per thread, and the other writes end on its closed asyncio loop, as a failed restore's reads do.
+        absl, level, hook = logging.getLogger("absl"), logging.getLogger("absl").level, sys.unraisablehook
+        absl.setLevel(logging.CRITICAL)
+        sys.unraisablehook = rundir.drop_closed_loop_errors
+        try:
+            run.save_params(params, step=0)
+        except Exception as e:  # said of --out, not of the staging directory's checkpoint
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # (the hook stays: the caller exits)
+            reason = storage.os_problem(e)
+            if reason is None:
+                raise
+            raise storage.StorageError(f"cannot write {out}: {reason}") from None
+        else:
+            sys.unraisablehook = hook
+        finally:
+            absl.setLevel(level)
+        staged.commit()
     return params
 
 

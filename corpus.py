@@ -123,23 +123,41 @@ def open_binary(path: str) -> io.BufferedIOBase:
     return open(path, "rb")
 
 
-def _records(kind: str, location: str, text_field: str) -> Iterator[tuple[int, object]]:
-    """(record number, text value) of one jsonl/parquet/hf source."""
+NOT_UTF8 = "not UTF-8"  # how json_lines begins the reason for a line with bytes that are not UTF-8
+
+
+def json_lines(location: str) -> Iterator[tuple[int, object, str | None]]:
+    """(line number, value, None) for each non-blank line of a JSON Lines file, or (line number, None,
+    reason) for a line that is not UTF-8 or not JSON: a bad line costs only itself, never the rest of its
+    file. Lines are split as text mode splits them (\\n, \\r\\n or \\r), so numbers match an editor's."""
+    # undecodable bytes are kept as the lone surrogates U+DC80..U+DCFF, which no valid UTF-8 decodes to
+    with io.TextIOWrapper(open_binary(location), encoding="utf-8", errors="surrogateescape") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if not _encodable(line):
+                at = next(i for i, ch in enumerate(line) if "\udc80" <= ch <= "\udcff")
+                yield number, None, f"{NOT_UTF8}: byte 0x{ord(line[at]) - 0xDC00:02x} at character {at + 1}"
+                continue
+            try:
+                yield number, json.loads(line), None
+            except json.JSONDecodeError as e:
+                yield number, None, f"not JSON: {e}"
+
+
+def _records(kind: str, location: str, text_field: str) -> Iterator[tuple[int, object, str | None]]:
+    """(record number, text value, None) of one jsonl/parquet/hf source; (record number, None, reason) for
+    a record that cannot be read (a JSON Lines line that is not UTF-8 or not JSON)."""
     if kind == "jsonl":
-        with io.TextIOWrapper(open_binary(location), encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield number, e
-                    continue
-                if not isinstance(record, dict) or text_field not in record:
-                    keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-                    raise DataError(f"{location}:{number}: no field {text_field!r} (has: {keys}); "
-                                    f"choose one with --text-field")
-                yield number, record[text_field]
+        for number, record, problem in json_lines(location):
+            if problem is not None:
+                yield number, None, problem
+                continue
+            if not isinstance(record, dict) or text_field not in record:
+                keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
+                raise DataError(f"{location}:{number}: no field {text_field!r} (has: {keys}); "
+                                f"choose one with --text-field")
+            yield number, record[text_field], None
     elif kind == "parquet":
         import pyarrow.parquet as pq
         pf = pq.ParquetFile(location)
@@ -150,7 +168,7 @@ def _records(kind: str, location: str, text_field: str) -> Iterator[tuple[int, o
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
             for value in batch.column(0).to_pylist():
                 number += 1
-                yield number, value
+                yield number, value, None
     else:  # hf:NAME[/CONFIG]:SPLIT, where NAME may be org/name, so a config follows a second '/'
         try:
             import datasets
@@ -166,7 +184,7 @@ def _records(kind: str, location: str, text_field: str) -> Iterator[tuple[int, o
             for number, row in enumerate(rows, 1):
                 if text_field not in row:
                     raise DataError(f"{location}: no field {text_field!r} (has: {', '.join(row)})")
-                yield number, row[text_field]
+                yield number, row[text_field], None
         except DataError:
             raise
         except Exception as e:  # the hub's errors are many; the first line names the problem
@@ -262,8 +280,10 @@ class Reader:
                         self.tally.saw(name)
                         yield name, text
                 else:
-                    for number, value in _records(kind, location, self.text_field):
-                        if isinstance(value, str) and _encodable(value):
+                    for number, value, problem in _records(kind, location, self.text_field):
+                        if problem is not None:
+                            self._skip(f"{location}:{number}", problem, record=True)
+                        elif isinstance(value, str) and _encodable(value):
                             if value:
                                 self.tally.saw(f"{name}:{number}")
                                 yield f"{name}:{number}", value

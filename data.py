@@ -15,8 +15,11 @@ validation. Every document is followed by the end-of-text id; text that spells t
 token itself is encoded as that token, as the `tokenizers` library does. Without --tokenizer, a
 byte-level BPE is trained on the train documents.
 
-A directory is built in the sibling DIR.tmp-<pid> and renamed into place when complete
-(shards.Staged), so an interrupted run never leaves an index naming missing or partial shards.
+A directory is built in the sibling DIR.tmp-<pid> and swapped into place when complete
+(shards.Staged, storage.StagedDir), so an interrupted or failed run never leaves an index naming
+missing or partial shards, nor loses the directory it replaces. --out is checked before anything is
+written (storage.check_out): never the current or home directory or one holding them, and with
+--overwrite only a data directory (one with index.json) or an empty one is replaced.
 
 `--runner beam` (data_beam.py, needs apache-beam) runs the tokenizing and shard writing as an Apache
 Beam pipeline, with Beam's options given as `--beam-option KEY=VALUE`; the directory it writes is the
@@ -103,7 +106,7 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
     try:
         # tokenizer: the tokenizers library's thread pool honours RAYON_NUM_THREADS until it first starts
         os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
-        with shards.Staged(out) as staged:
+        with shards.Staged(out, overwrite) as staged:
             vocab_fields, splits, tally = build(staged.path, is_val)
             extra = corpus.held_out_extra(tally, splits["train"]["documents"], splits["val"]["documents"],
                                           val_fraction)
@@ -303,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    "from the left (required with prompt_completion)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if args.out is not None and not args.out.strip():
+        raise DataError("--out is empty; name the directory to write")
     if args.verify:
         if args.input or args.out:
             raise DataError("--verify DIR checks a prepared directory; it takes no --input or --out")

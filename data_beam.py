@@ -7,7 +7,7 @@ data.py does everything before and after the pipeline in the launching process, 
 default runner: the checks, the staging directory DIR.tmp-<pid>, the tokenizer (the given one, or a
 byte-level BPE trained on the train documents by the same function, which reads every train document
 on the launching machine: for a corpus that needs a cluster, pass --tokenizer), the index, and the
-rename into place. The pipeline in between does the heavy part:
+swap into place (shards.Staged). The pipeline in between does the heavy part:
 
     sources (input order) ─Reshuffle─▶ tokenize one source ─▶ DIR.tmp-<pid>/pieces/<source>.<split>.{bin,ends}
         │ all pieces' token counts (one small list)

@@ -22,8 +22,6 @@ rows (or one a row) and checks the mask bytes when it opens a split.
 """
 from __future__ import annotations
 
-import io
-import json
 import os
 import pathlib
 from typing import Iterator
@@ -56,21 +54,17 @@ def _records(sources, in_field: str, out_field: str, tally: corpus.Tally) -> Ite
     for kind, location, name in sources:
         if kind != "jsonl":
             raise DataError(f"{location}: prompt/completion input must be JSON Lines (.jsonl, .ndjson)")
-        with io.TextIOWrapper(corpus.open_binary(location), encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    record = None
-                if not (isinstance(record, dict) and isinstance(record.get(in_field), str)
-                        and isinstance(record.get(out_field), str)):
-                    tally.skip(f"{location}:{number}", f"not a JSON object with string fields {in_field!r} and "
-                                                       f"{out_field!r}", record=True)
-                    continue
-                tally.saw(f"{name}:{number}")
-                yield f"{name}:{number}", record[in_field], record[out_field]
+        for number, record, problem in corpus.json_lines(location):
+            if problem is not None and problem.startswith(corpus.NOT_UTF8):
+                tally.skip(f"{location}:{number}", problem, record=True)
+                continue
+            if not (isinstance(record, dict) and isinstance(record.get(in_field), str)
+                    and isinstance(record.get(out_field), str)):
+                tally.skip(f"{location}:{number}", f"not a JSON object with string fields {in_field!r} and "
+                                                   f"{out_field!r}", record=True)
+                continue
+            tally.saw(f"{name}:{number}")
+            yield f"{name}:{number}", record[in_field], record[out_field]
         tally.files += 1
 
 
@@ -170,7 +164,7 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
     is_val = lambda name: corpus.in_val(name, val_fraction)  # noqa: E731
     options = dict(tokenizer=tokenizer, vocab_size=vocab_size, in_field=in_field, out_field=out_field,
                    seq_len=seq_len, shard_tokens=shard_tokens, progress=progress)
-    with shards.Staged(out) as staged:
+    with shards.Staged(out, overwrite) as staged:
         vocab_fields, splits, bad = _write(sources, staged.path, is_val, **options)
         assigned = {s: splits[s]["examples"] + splits[s]["skipped"] for s in splits}  # valid records
         extra = None

@@ -17,17 +17,16 @@ files {split}_mask_NNNNN.bin, one byte per token (PROMPT, COMPLETION, or END for
 token that closes an example).
 
 Writing: `ShardWriter` cuts a split's tokens into shards, hashing each; `Staged` is the sibling
-DIR.tmp-<pid> a directory is built in, renamed into place only when complete, so an interrupted
-preparation never leaves an index naming missing or partial shards. Reading: `load_index` checks
-the index, the tokenizer's sha256 and every shard's size (truncated, extended, missing); `verify`
-reads every file against its sha256. A directory at a URL (gs://...) is read through its verified
-local copy (`local_dir`, storage.py's cache).
+DIR.tmp-<pid> a directory is built in, swapped into place only when complete (storage.StagedDir), so an
+interrupted preparation never leaves an index naming missing or partial shards, nor loses the old DIR.
+Reading: `load_index` checks the index, the tokenizer's sha256 and every shard's size (truncated,
+extended, missing); `verify` reads every file against its sha256. A directory at a URL (gs://...) is
+read through its verified local copy (`local_dir`, storage.py's cache).
 
 Knows nothing of models or of how documents are found (corpus.py) or batched (loader.py).
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -200,68 +199,37 @@ def _entropy(counts: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def check_out(out: pathlib.Path, overwrite: bool, inputs: list[str]) -> None:
-    """A directory may be written at `out`: new, or replaced with --overwrite, and holding no input
-    (--overwrite must never delete one)."""
+def check_out(out, overwrite: bool, inputs: list[str]) -> pathlib.Path:
+    """A data directory may be written at `out` (storage.check_out's rules): new, or with --overwrite an
+    existing data directory (one with index.json) or empty directory, holding no input (--overwrite must
+    never delete one). Raises DataError, before anything is written."""
+    out = storage.check_out(out, overwrite, ours=lambda d: (d / "index.json").is_file(),
+                            what="a data directory (one with index.json)", error=DataError)
     if out.exists() and not overwrite:
         raise DataError(f"{out} exists; pass --overwrite to replace it")
     for location in inputs:
         if out.resolve() in pathlib.Path(location).resolve().parents:
             raise DataError(f"input {location} lies inside the output directory {out}")
+    return out
 
 
-class Staged:
-    """The sibling directory DIR.tmp-<pid> a data directory is built in, renamed to DIR when complete.
+class Staged(storage.StagedDir):
+    """The sibling directory DIR.tmp-<pid> a data directory is built in, swapped into place when complete
+    (storage.StagedDir: the old DIR is replaced in one step, and only with overwrite=True).
 
-        with shards.Staged(out) as staged:   # a fresh, empty staged.path (leftovers of dead runs removed)
+        with shards.Staged(out, overwrite) as staged:   # a fresh, empty staged.path (dead runs' leftovers settled)
             ... write staged.path / files ...
-            staged.commit(index)              # index.json written last, then the swap into place
+            staged.commit(index)                         # index.json written last, then the swap into place
 
-    Leaving the block without commit (an error, Ctrl-C) removes the staged directory and leaves
-    DIR as it was; with --overwrite the old DIR goes only once the new one is complete."""
+    Leaving the block without commit (an error, Ctrl-C) removes the staged directory and leaves DIR as it
+    was; a failed write (a full disk) is one StorageError line naming DIR."""
 
-    def __init__(self, out):
-        self.out = pathlib.Path(out)
-        self.path = self.out.parent / f"{self.out.name}.tmp-{os.getpid()}"
-
-    def __enter__(self) -> "Staged":
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self._clean_leftovers()
-        self.reset()
-        return self
-
-    def reset(self) -> None:
-        """Empty the staged directory, to build it again."""
-        shutil.rmtree(self.path, ignore_errors=True)
-        self.path.mkdir()
+    def __init__(self, out, overwrite: bool = False):
+        super().__init__(out, replace=overwrite)
 
     def commit(self, index: dict) -> None:
         (self.path / "index.json").write_text(json.dumps(index, indent=1) + "\n")
-        if self.out.exists():
-            old = self.out.parent / f"{self.out.name}.tmp-{os.getpid()}-old"
-            self.out.rename(old)
-            self.path.rename(self.out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            self.path.rename(self.out)
-
-    def __exit__(self, *exc) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)  # after commit: nothing left there
-
-    def _clean_leftovers(self) -> None:
-        """Removes DIR.tmp-<pid> directories of earlier runs that are no longer running."""
-        out = self.out
-        for tmp in out.parent.glob(glob.escape(out.name) + ".tmp-*"):
-            pid = tmp.name[len(out.name) + len(".tmp-"):].split("-")[0]
-            if pid.isdigit() and int(pid) != os.getpid():
-                try:
-                    os.kill(int(pid), 0)
-                    continue  # still running: another preparation into the same DIR owns it
-                except ProcessLookupError:
-                    pass
-                except PermissionError:
-                    continue
-            shutil.rmtree(tmp, ignore_errors=True)
+        super().commit()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import jax
 import numpy as np
@@ -30,6 +32,7 @@ import model
 import rundir
 import shards
 import train
+from test_data import PLACES, bad_place, kill_at_random_moments, one_error_line
 from test_train import corpus, restore, rows, tiny  # noqa: F401  (corpus is a fixture)
 
 REPO = pathlib.Path(__file__).resolve().parent
@@ -334,6 +337,142 @@ def test_out_overlapping_the_source_is_refused_and_nothing_deleted(trained_run, 
             assert err == f"error: --out {out} {relation} the source directory {source}; choose an --out outside " \
                           f"it (nothing was written or deleted)\n"
     assert tree(tmp_path) == before
+
+
+@pytest.fixture(scope="module")
+def gpt2_runs(tmp_path_factory):
+    """ROOT/gpt2-a, gpt2-b: transformers GPT-2 directories of different weights (about 500 kB, more than the
+    full disk's 256 KiB) with a tokenizer; ROOT/run-a, run-b: the run directories imported from them."""
+    root = tmp_path_factory.mktemp("gpt2-runs")
+    tok = shards.train_tokenizer(iter(["the cat sat on the mat"] * 10), 300)
+    for seed, name in [(0, "a"), (1, "b")]:
+        random_gpt2(root / f"gpt2-{name}", seed=seed, n_embd=64)
+        tok.save(str(root / f"gpt2-{name}" / "tokenizer.json"))
+        assert ct.cli(["--import-hf", str(root / f"gpt2-{name}"), "--out", str(root / f"run-{name}")]) == 0
+    return root
+
+
+def convert_argv(kind: str, runs: pathlib.Path, out, *extra) -> list[str]:
+    """convert_torch.py's arguments exporting run-b to `out`, or importing gpt2-b into `out`."""
+    source = ["--checkpoint", str(runs / "run-b")] if kind == "export" else ["--import-hf", str(runs / "gpt2-b")]
+    return [*source, "--out", str(out), *extra]
+
+
+@pytest.mark.parametrize("kind", ["export", "import"])
+@pytest.mark.parametrize("out", ["", ".", "..", "/", "HOME"])
+def test_an_out_holding_the_working_or_home_directory_is_refused(gpt2_runs, tmp_path, monkeypatch, capsys, kind, out):
+    """`--out .` (or '', an ancestor, /, ~) with --overwrite would replace the directory the user is in.
+    Here that is itself an export (a run directory for an import), as when one runs inside one: still refused."""
+    here = tmp_path / "work" / "here"
+    if kind == "export":
+        assert ct.cli(["--checkpoint", str(gpt2_runs / "run-a"), "--out", str(here)]) == 0
+    else:
+        shutil.copytree(gpt2_runs / "run-a", here)
+    (tmp_path / "work" / "notes.txt").write_text("mine")
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("HOME", str(here))
+    before = tree(tmp_path)
+    capsys.readouterr()
+    status = ct.cli(convert_argv(kind, gpt2_runs, here if out == "HOME" else out, "--overwrite"))
+    reason = {"": "--out is empty", ".": "is the current directory", "..": "contains the current directory",
+              "/": "contains the source directory", "HOME": "is the current directory"}[out]
+    one_error_line(capsys, status, reason)
+    assert tree(tmp_path) == before
+    monkeypatch.chdir(tmp_path)  # elsewhere, the home directory is still never replaced
+    one_error_line(capsys, ct.cli(convert_argv(kind, gpt2_runs, here, "--overwrite")), "is the home directory")
+    assert tree(tmp_path) == before
+
+
+def test_overwrite_replaces_only_the_tools_own_output(gpt2_runs, tmp_path, capsys):
+    data_dir, export, run = tmp_path / "data", tmp_path / "export", tmp_path / "run"
+    data_dir.mkdir()
+    (data_dir / "index.json").write_text("{}")
+    assert ct.cli(["--checkpoint", str(gpt2_runs / "run-a"), "--out", str(export)]) == 0
+    shutil.copytree(gpt2_runs / "run-a", run)
+    before = tree(tmp_path)
+    capsys.readouterr()
+    for kind, out, words in [
+        ("export", data_dir, f"--out {data_dir} holds index.json and is not an export of convert_torch.py"),
+        ("export", run, f"--out {run} holds checkpoints/, config.yaml, tokenizer.json and is not an export"),
+        ("import", export, f"--out {export} holds config.json, model.safetensors, tokenizer.json and is not a "
+                           f"run directory"),
+    ]:
+        one_error_line(capsys, ct.cli(convert_argv(kind, gpt2_runs, out, "--overwrite")), words)
+    assert tree(tmp_path) == before
+    # its own kind of output is replaced: run-b's export over run-a's, gpt2-b's import over run-a's copy
+    assert ct.cli(convert_argv("export", gpt2_runs, export, "--overwrite")) == 0
+    assert ct.cli(convert_argv("import", gpt2_runs, run, "--overwrite")) == 0
+    b = ct.read_run(gpt2_runs / "run-b")[1]
+    np.testing.assert_array_equal(ct.read_run(run)[1]["wte"], b["wte"])
+    exported = load_file(str(export / "model.safetensors"))[ct.embedding_key("torch")]
+    np.testing.assert_array_equal(exported, b["wte"][:300])  # the real vocabulary's rows
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "export", "run"]
+
+
+@pytest.mark.parametrize("place", list(PLACES))
+@pytest.mark.parametrize("kind", ["export", "import"])
+def test_converting_onto_a_bad_place_is_one_line_and_leaves_nothing(gpt2_runs, tmp_path, request, monkeypatch,
+                                                                   capsys, kind, place):
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # a failed import sets its own: put it back
+    out, extra, words = bad_place(request, tmp_path, place)
+    before = tree(tmp_path)
+    capsys.readouterr()
+    one_error_line(capsys, ct.cli(convert_argv(kind, gpt2_runs, out, *extra)), *words)
+    assert tree(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
+        ["f.txt"] + {"read-only": ["ro", "kept.txt"], "read-only-overwrite": ["ro", "kept.txt"],
+                     "full-disk": ["full"]}.get(place, []))  # no staging directory, no parent made for it
+
+
+@pytest.mark.parametrize("kind", ["export", "import"])
+def test_overwrite_killed_at_random_moments_keeps_the_old_or_the_new_output(gpt2_runs, tmp_path, kind):
+    """A real convert_torch.py --overwrite, killed outright at random moments while it writes: each time --out
+    holds the old output or the new one, whole (an export byte for byte; an import's checkpoint loads with its
+    weights); never missing, never partial. A rerun then completes and leaves nothing else behind."""
+    old = ["--checkpoint", str(gpt2_runs / "run-a")] if kind == "export" else ["--import-hf", str(gpt2_runs / "gpt2-a")]
+    assert ct.cli([*old, "--out", str(tmp_path / "kept")]) == 0
+    # the new output, written here, timing its write: while its staging directory .ref.tmp-PID exists
+    seen, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            if any(p.name.startswith(".ref.tmp-") for p in tmp_path.iterdir()):
+                seen.append(time.monotonic())
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        assert ct.cli(convert_argv(kind, gpt2_runs, tmp_path / "ref")) == 0
+    finally:
+        done.set()
+        watcher.join()
+    window = seen[-1] - seen[0] if seen else 0.0
+    argv = [sys.executable, str(REPO / "convert_torch.py"), *convert_argv(kind, gpt2_runs, "out", "--overwrite")]
+    if kind == "export":
+        expected = {"old": tree(tmp_path / "kept"), "new": tree(tmp_path / "ref")}
+        assert expected["old"] != expected["new"]
+    else:
+        expected = {"old": ct.read_run(gpt2_runs / "run-a")[1]["wte"], "new": ct.read_run(gpt2_runs / "run-b")[1]["wte"]}
+
+    def check():
+        if kind == "export":
+            found = tree(tmp_path / "out")
+            return next(name for name, files in expected.items() if files == found)
+        wte = ct.read_run(tmp_path / "out")[1]["wte"]  # a run without its checkpoint would not load
+        return next(name for name, want in expected.items() if np.array_equal(wte, want))
+
+    def reset():  # the old output in place again, and a trial's leftovers, if any, kept
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)
+        shutil.copytree(tmp_path / "kept", tmp_path / "out")
+
+    outcomes = kill_at_random_moments(argv, tmp_path, lambda pid: tmp_path / f".out.tmp-{pid}", window, 4, reset,
+                                      check)
+    print(f"{kind}: write window {window:.2f}s, outcomes {dict(outcomes)}")
+    assert sum(outcomes.values()) == 4
+    assert ct.cli(convert_argv(kind, gpt2_runs, tmp_path / "out", "--overwrite")) == 0  # the rerun, here
+    assert check() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "out", "ref"]
 
 
 def test_help_and_export_need_no_torch(tmp_path):

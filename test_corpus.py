@@ -1,6 +1,7 @@
 """Tests of corpus.py on its own: document names (which decide the split), record numbering, the
 held-out decision, and the default corpus's held-out set. Round trips of every input format through
 preparation, and skipping of unreadable inputs, are tested in test_data.py."""
+import gzip
 import hashlib
 import json
 import os
@@ -46,6 +47,25 @@ def test_reader_names_records_by_line_and_counts_what_it_skips(tmp_path):
     assert (reader.tally.files, reader.tally.skipped_files, reader.tally.skipped_records) == (3, 1, 2)
     with pytest.raises(corpus.DataError, match=r"r\.jsonl:5: .*drop --strict"):
         list(corpus.Reader(corpus.expand([str(tmp_path)]), "text", strict=True))
+
+
+@pytest.mark.parametrize("compression", ["", ".gz"])
+def test_an_invalid_utf8_byte_costs_only_its_own_record(tmp_path, compression):
+    records = [f"record {i}: caf\u00e9 \u65e5\u672c" for i in range(1, 51)]
+    lines = [json.dumps({"text": text}, ensure_ascii=False).encode() for text in records]
+    lines[9] = lines[9].replace(b"caf\xc3\xa9", b"caf\xe9")  # record 10: a Latin-1 byte, not UTF-8
+    raw = b"\n".join(lines) + b"\n"
+    path = tmp_path / f"r.jsonl{compression}"
+    path.write_bytes(gzip.compress(raw) if compression else raw)
+    reader = corpus.Reader(corpus.expand([str(path)]), "text", strict=False)
+    assert list(reader) == [(f"r.jsonl{compression}:{i}", text) for i, text in enumerate(records, 1) if i != 10]
+    assert (reader.tally.files, reader.tally.skipped_files, reader.tally.skipped_records) == (1, 0, 1)
+    at = lines[9].index(b"\xe9") + 1  # only ASCII before it: its byte offset is its character position
+    reason = f"not UTF-8: byte 0xe9 at character {at}"
+    assert reader.tally.skipped == [{"input": f"{path}:10", "reason": reason}]
+    with pytest.raises(corpus.DataError) as err:
+        list(corpus.Reader(corpus.expand([str(path)]), "text", strict=True))
+    assert str(err.value) == f"{path}:10: {reason} (drop --strict to skip it)"
 
 
 def test_skipped_inputs_are_named_up_to_a_limit_in_input_order(tmp_path):

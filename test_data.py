@@ -1,14 +1,20 @@
 """Tests of data.py: preparation round trip, every input format, the loader's determinism and resume,
 process slices, evaluation windows, each kind of bad input, and damaged prepared data (what the loaders
 stop on, what `--verify` reports, and train.py's one line). Each test writes its own corpus."""
+import collections
 import gc
 import gzip
 import itertools
 import json
+import os
 import pathlib
+import random
+import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -531,6 +537,220 @@ def test_killed_prepare_is_cleaned_up_by_the_next_run(tmp_path):
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "out"]
     assert shards.load_index(tmp_path / "out")["documents"] == 16
+
+
+def staging_window(argv, cwd, staging) -> float:
+    """Runs the command argv to completion: seconds from the appearance of its staging directory
+    (staging(pid), a path) to its renaming at the commit, i.e. how long it writes."""
+    process = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not staging(process.pid).exists() and process.poll() is None:
+        time.sleep(0.001)
+    start = time.monotonic()
+    while staging(process.pid).exists() and process.poll() is None:
+        time.sleep(0.001)
+    window = time.monotonic() - start
+    assert process.wait(timeout=120) == 0
+    return window
+
+
+def kill_at_random_moments(argv, cwd, staging, window: float, kills: int, reset, check) -> collections.Counter:
+    """Starts argv `kills` times, each after reset() and SIGKILLed at a random moment of its write (0 to
+    1.2 `window` seconds, at least 0.06, after its staging directory appears); after each, check() asserts
+    what must hold and says which output is there. Returns the outcomes counted: (killed or finished, what
+    check() said)."""
+    rng, outcomes = random.Random(0), collections.Counter()
+    window = max(window, 0.05)  # a write of a few milliseconds: some kills land after it, in the old copy's removal
+    for _ in range(kills):
+        reset()
+        process = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not staging(process.pid).exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0, 1.2 * window))
+        finished = process.poll() is not None
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        outcomes["finished" if finished else "killed", check()] += 1
+    return outcomes
+
+
+KILLED_AFTER_THE_OLD_MOVES_ASIDE = """
+import os, runpy, signal, sys
+import storage
+storage.exchange = lambda a, b: False  # as where renameat2 is unavailable: the old moves aside, then the new in
+out, real_rename = os.path.abspath(sys.argv[-1]), os.rename
+def rename(a, b):
+    real_rename(a, b)
+    if os.path.abspath(a) == out:
+        os.kill(os.getpid(), signal.SIGKILL)  # the worst moment: the old directory aside, the new one not in
+os.rename = rename
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_overwrite_killed_at_random_moments_keeps_the_old_or_the_new_directory(tmp_path):
+    """A real `data.py --overwrite`, killed outright (no clean-up possible) at random moments while it
+    writes: each time the directory is the old one or the new one, whole (every file matches its
+    sha256); never missing, never partial. Then once at the worst moment, where the system cannot swap
+    two directories in one step: after the old one moved aside, before the new one moved in; the next
+    run into it, even one that fails, first puts the complete new one into place. A rerun then completes
+    and leaves nothing else behind."""
+    write_text_files(tmp_path / "old", make_docs(8, seed=12))
+    prep([tmp_path / "old"], tmp_path / "kept", val_fraction=0.2)
+    rng = np.random.default_rng(13)
+    (tmp_path / "new").mkdir()
+    for i in range(12):  # about 400 kB: its write takes a few tenths of a second
+        (tmp_path / "new" / f"{i}.txt").write_text(" ".join(rng.choice(WORDS, 8_000)))
+    argv = [sys.executable, str(DATA_PY), "--input", "new", "--vocab-size", "300", "--workers", "1",
+            "--val-fraction", "0.2", "--overwrite", "--out"]
+    window = staging_window(argv + ["ref"], tmp_path, lambda pid: tmp_path / f"ref.tmp-{pid}")
+
+    def check():
+        problems, _ = shards.verify(tmp_path / "out")  # every file there, against its size and sha256
+        assert problems == []
+        index = json.loads((tmp_path / "out" / "index.json").read_text())
+        assert (index["documents"], index["inputs"]) in [(8, [str(tmp_path / "old")]), (12, ["new"])]
+        return "old" if index["documents"] == 8 else "new"
+
+    def reset():  # the old directory in place again, and a trial's leftovers, if any, kept
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)
+        shutil.copytree(tmp_path / "kept", tmp_path / "out")
+
+    outcomes = kill_at_random_moments(argv + ["out"], tmp_path, lambda pid: tmp_path / f"out.tmp-{pid}", window,
+                                      5, reset, check)
+    print(f"write window {window:.2f}s, outcomes {dict(outcomes)}")
+    assert sum(outcomes.values()) == 5
+
+    reset()
+    worst = subprocess.run([sys.executable, "-c", KILLED_AFTER_THE_OLD_MOVES_ASIDE, *argv[1:], "out"], cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": str(DATA_PY.parent)}, capture_output=True, timeout=120)
+    assert worst.returncode == -signal.SIGKILL and not (tmp_path / "out").exists()
+    failing = run_cli("--input", "new", "--out", "out", "--overwrite", "--tokenizer", "missing.json", cwd=tmp_path)
+    assert_one_line_error(failing, "missing.json")
+    assert check() == "new"
+
+    assert subprocess.run(argv + ["out"], cwd=tmp_path, capture_output=True, timeout=120).returncode == 0
+    assert check() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "new", "old", "out", "ref"]
+    assert json.loads((tmp_path / "out" / "index.json").read_text())["splits"] == \
+        json.loads((tmp_path / "ref" / "index.json").read_text())["splits"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Where the output must not go, and writes that fail: one line, nothing lost, nothing left behind
+
+
+def writer_argv(kind: str, inputs: pathlib.Path, out, *extra) -> list[str]:
+    """data.py's arguments preparing `inputs` (big_inputs) into `out` as text or as prompt/completion pairs."""
+    given = ["--tokenizer", str(inputs / "tokenizer.json"), "--out", str(out), *extra]
+    if kind == "text":
+        return ["--input", str(inputs / "text"), "--workers", "1", *given]
+    return ["--format", "prompt_completion", "--input", str(inputs / "pairs.jsonl"), "--seq-len", "64", *given]
+
+
+@pytest.fixture(scope="module")
+def big_inputs(tmp_path_factory, prepared):
+    """Text and prompt/completion pairs of about 600 kB each (more than the full disk's 256 KiB once
+    tokenized), with a small tokenizer, so nothing is trained."""
+    root = tmp_path_factory.mktemp("big")
+    rng = np.random.default_rng(14)
+    (root / "text").mkdir()
+    for i in range(6):
+        (root / "text" / f"{i}.txt").write_text(" ".join(rng.choice(WORDS, 20_000)))
+    pairs = [{"in_text": " ".join(rng.choice(WORDS, 20)), "out_text": " ".join(rng.choice(WORDS, 10))}
+             for _ in range(5000)]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    shutil.copyfile(prepared[0] / "tokenizer.json", root / "tokenizer.json")
+    return root
+
+
+def one_error_line(capsys, status: int, *words: str) -> str:
+    captured = capsys.readouterr()
+    assert status == 2, captured.err
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in captured.err, captured.err
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("kind", ["text", "prompt_completion"])
+@pytest.mark.parametrize("out", ["", ".", "..", "/", "HOME"])
+def test_an_out_holding_the_working_or_home_directory_is_refused(big_inputs, tmp_path, monkeypatch, capsys, kind,
+                                                                 out):
+    """`--out .` (or '', an ancestor, /, ~) with --overwrite would replace the directory the user is in.
+    Here that is itself a data directory, as when one runs data.py inside one: still refused."""
+    here = tmp_path / "work" / "data"
+    prep([big_inputs / "text"], here, tokenizer=str(big_inputs / "tokenizer.json"))
+    (tmp_path / "work" / "notes.txt").write_text("mine")
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("HOME", str(here))
+    before = tree(tmp_path)
+    status = data.cli(writer_argv(kind, big_inputs, here if out == "HOME" else out, "--overwrite"))
+    reason = {"": "--out is empty", ".": "is the current directory", "..": "contains the current directory",
+              "/": "contains the current directory", "HOME": "is the current directory"}[out]
+    one_error_line(capsys, status, reason)
+    assert tree(tmp_path) == before
+    monkeypatch.chdir(tmp_path)  # elsewhere, the home directory is still never replaced
+    assert data.cli(writer_argv(kind, big_inputs, here, "--overwrite")) == 2
+    one_error_line(capsys, 2, f"--out {here} is the home directory")
+    assert tree(tmp_path) == before
+
+
+def tree(root) -> dict:
+    """Every file under root and its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(pathlib.Path(root).rglob("*")) if p.is_file()}
+
+
+def test_overwrite_replaces_only_a_data_directory_or_an_empty_one(big_inputs, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    (mine / "figures").mkdir()
+    status = data.cli(writer_argv("text", big_inputs, mine, "--overwrite"))
+    one_error_line(capsys, status, f"--out {mine} holds figures/, thesis.tex and is not a data directory")
+    assert (mine / "thesis.tex").read_text() == "years of work"
+    (tmp_path / "file").write_text("a file")
+    one_error_line(capsys, data.cli(writer_argv("text", big_inputs, tmp_path / "file", "--overwrite")),
+                   "is a file, not a directory")
+    (tmp_path / "empty").mkdir()
+    assert data.cli(writer_argv("prompt_completion", big_inputs, tmp_path / "empty", "--overwrite")) == 0
+    assert data.cli(writer_argv("text", big_inputs, tmp_path / "empty", "--overwrite")) == 0  # a data directory
+    assert shards.load_index(tmp_path / "empty").get("kind") is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "mine"]
+
+
+PLACES = {  # where --out goes: (out, extra arguments, the words its one error line holds)
+    "read-only": lambda tmp, ro, full: (ro / "out", [], ["Read-only file system"]),
+    "read-only-overwrite": lambda tmp, ro, full: (ro, ["--overwrite"], ["holds kept.txt and is not"]),
+    "proc": lambda tmp, ro, full: (pathlib.Path("/proc/gpt-jax-test-out"), [], ["No such file or directory"]),
+    "under-a-file": lambda tmp, ro, full: (tmp / "f.txt" / "sub", [], [f"{tmp / 'f.txt'} is a file, not a directory"]),
+    "full-disk": lambda tmp, ro, full: (full / "a" / "out", [], ["No space left on device"]),
+}
+
+
+def bad_place(request, tmp_path, place: str):
+    """(out, extra arguments, words of the error line, what must be left as it was) for a PLACES entry;
+    the read-only and full disks are mounted only where needed."""
+    (tmp_path / "f.txt").write_text("a file")
+    ro = request.getfixturevalue("read_only_dir") if place.startswith("read-only") else None
+    full = request.getfixturevalue("full_disk") if place == "full-disk" else None
+    out, extra, words = PLACES[place](tmp_path, ro, full)
+    return out, extra, [str(out)] + words
+
+
+@pytest.mark.parametrize("place", list(PLACES))
+@pytest.mark.parametrize("kind", ["text", "prompt_completion"])
+def test_writing_onto_a_bad_place_is_one_line_and_leaves_nothing(big_inputs, tmp_path, request, capsys, kind,
+                                                                place):
+    out, extra, words = bad_place(request, tmp_path, place)
+    before = tree(tmp_path)
+    one_error_line(capsys, data.cli(writer_argv(kind, big_inputs, out, *extra)), *words)
+    assert tree(tmp_path) == before  # the read-only and full disks are mounted under tmp_path
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
+        ["f.txt"] + {"read-only": ["ro", "kept.txt"], "read-only-overwrite": ["ro", "kept.txt"],
+                     "full-disk": ["full"]}.get(place, []))  # no staging directory, no parent made for it
 
 
 # ------------------------------------------------------------------------------------------------

@@ -112,6 +112,26 @@ def test_mask_covers_completion_and_end_of_text(tmp_path):
     assert rows_padding == len(want_targets) and rows_packing == greedy < rows_padding
 
 
+def test_an_invalid_utf8_byte_costs_only_its_own_pair(tmp_path, capsys):
+    pairs = [{"in_text": f"caf\u00e9 {i} =", "out_text": f" {i}"} for i in range(1, 51)]
+    lines = [json.dumps(p, ensure_ascii=False).encode() for p in pairs]
+    lines[9] = lines[9].replace(b"caf\xc3\xa9", b"caf\xe9")  # pair 10: a Latin-1 byte, not UTF-8
+    src = tmp_path / "pairs.jsonl"
+    src.write_bytes(b"\n".join(lines) + b"\n")
+    assert data.cli(["--format", "prompt_completion", "--input", str(src), "--out", str(tmp_path / "d"),
+                     "--seq-len", "32", "--vocab-size", "300", "--val-fraction", "0"]) == 0
+    assert f"1 invalid records skipped ({src}:10; listed in" in capsys.readouterr().out
+    index = shards.load_index(tmp_path / "d")
+    at = lines[9].index(b"\xe9") + 1  # only ASCII before it: its byte offset is its character position
+    assert index["skipped_inputs"] == [{"input": f"{src}:10", "reason": f"not UTF-8: byte 0xe9 at character {at}"}]
+    # the other 49 pairs, each as the tokenizer encodes it: prompt, completion, end-of-text
+    tok = Tokenizer.from_file(str(tmp_path / "d" / "tokenizer.json"))
+    want = [t for p in pairs[:9] + pairs[10:] for t in tok.encode(p["in_text"], add_special_tokens=False).ids
+            + tok.encode(p["out_text"], add_special_tokens=False).ids + [tok.token_to_id(shards.EOT_TOKEN)]]
+    from test_data import split_stream
+    assert index["examples"] == 49 and split_stream(tmp_path / "d", "train").tolist() == want
+
+
 def test_a_few_pairs_always_get_a_validation_example(tmp_path):
     import hashlib
     pairs = [{"in_text": f" {w} =", "out_text": f" {w}{w}"} for w in WORDS[:3]]
