@@ -48,15 +48,23 @@ all that `GPT.from_pretrained` needs (with torch, numpy and safetensors installe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
-import logging
 import math
 import os
 import pathlib
 import shutil
 import sys
 import tempfile
+
+if __name__ == "__main__":  # a Ctrl-C while torch and the rest load: one line (errors.py, beside the repository)
+    try:
+        import errors
+
+        errors.stop_at_once_while_loading()
+    except ImportError:
+        pass
 
 import numpy as np
 
@@ -1047,7 +1055,9 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     except ValueError as e:
         raise ConvertError(f"{hf_dir / CONFIG_NAME} gives a model that model.py refuses: {e}") from None
     params = from_torch_tensors(tensors, c, layout, str(hf_dir))
-    with storage.StagedDir(out, replace=overwrite, hidden=True) as staged:  # .OUT.tmp-PID, swapped in whole
+    with contextlib.ExitStack() as held, storage.StagedDir(out, replace=overwrite, hidden=True) as staged:
+        if out.is_dir() and any(out.iterdir()):  # --overwrite of a run: not while a process writes it
+            held.enter_context(rundir.Run(out).writer("convert_torch.py --import-hf --overwrite"))
         tmp = staged.path
         run = rundir.Run(tmp)
         run.save_config(config_lib.Config(run_dir=str(out), model_name=f"imported-{layout}", model=gcfg))
@@ -1055,23 +1065,13 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
             shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
         elif tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER_NAME))
-        # A failed write (a full disk) is raised, and said in one line; orbax also logs it with a traceback
-        # per thread, and the other writes end on its closed asyncio loop, as a failed restore's reads do.
-        absl, level, hook = logging.getLogger("absl"), logging.getLogger("absl").level, sys.unraisablehook
-        absl.setLevel(logging.CRITICAL)
-        sys.unraisablehook = rundir.drop_closed_loop_errors
         try:
-            run.save_params(params, step=0)
+            run.save_params(params, step=0)  # a failed write (a full disk) is a RunError with the reason
         except Exception as e:  # said of --out, not of the staging directory's checkpoint
-            logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # (the hook stays: the caller exits)
             reason = storage.os_problem(e)
             if reason is None:
                 raise
             raise storage.StorageError(f"cannot write {out}: {reason}") from None
-        else:
-            sys.unraisablehook = hook
-        finally:
-            absl.setLevel(level)
         staged.commit()
     return params
 

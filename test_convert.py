@@ -409,6 +409,21 @@ def test_overwrite_replaces_only_the_tools_own_output(gpt2_runs, tmp_path, capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "export", "run"]
 
 
+def test_an_import_never_replaces_a_run_while_it_is_written(gpt2_runs, tmp_path, capsys):
+    """--import-hf --overwrite onto a run directory that a process writes (train.py holds its lock):
+    refused with one line naming the writer; once the writer is gone, replaced."""
+    run = tmp_path / "run"
+    shutil.copytree(gpt2_runs / "run-a", run)
+    with rundir.Run(run).writer("train.py"):
+        before = tree(tmp_path)
+        capsys.readouterr()
+        one_error_line(capsys, ct.cli(convert_argv("import", gpt2_runs, run, "--overwrite")),
+                       f"run directory {run} is in use by train.py (pid {os.getpid()} on ")
+        assert tree(tmp_path) == before
+    assert ct.cli(convert_argv("import", gpt2_runs, run, "--overwrite")) == 0
+    np.testing.assert_array_equal(ct.read_run(run)[1]["wte"], ct.read_run(gpt2_runs / "run-b")[1]["wte"])
+
+
 @pytest.mark.parametrize("place", list(PLACES))
 @pytest.mark.parametrize("kind", ["export", "import"])
 def test_converting_onto_a_bad_place_is_one_line_and_leaves_nothing(gpt2_runs, tmp_path, request, monkeypatch,
