@@ -321,7 +321,16 @@ class Run(storage.RunDir):
             self.save_errors.messages.append(str(e))
         if step is None or step in self.checkpoint_steps():
             return
-        self.purge_deleted(unfinished=True)  # the failed save's partial files
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
+        try:
+            mngr.close()
+        except Exception:
+            pass
+        for _ in range(40):  # the failed save's partial files, once its last writes (failing too) have ended
+            self.purge_deleted(unfinished=True)
+            time.sleep(0.05)
+            if self.remote or not any(pathlib.Path(self.checkpoint_dir()).glob("*.orbax-checkpoint-tmp*")):
+                break
         steps = self.checkpoint_steps()
         reason = self.save_errors.reason()
         raise RunError(f"saving checkpoint {step} in {self.checkpoint_dir()} failed ({reason}); "
