@@ -366,6 +366,13 @@ def parse_yaml(text: str | bytes, path) -> dict:
     return raw
 
 
+def run_dir_of(path=DEFAULT_CONFIG, overrides: typing.Sequence[str] = ()) -> str:
+    """The run_dir that a config file with `overrides` names, the rest unchecked: for --resume, whose
+    overrides apply to (and are checked against) the run's own saved config, not this file's."""
+    raw = apply_overrides(read_yaml(path), overrides)
+    return _check_value("run_dir", raw.get("run_dir", Config.run_dir), _fields(Config)["run_dir"])
+
+
 def load_config(path=DEFAULT_CONFIG, overrides: typing.Sequence[str] = ()) -> Config:
     """The Config of a YAML file with `key=value` overrides applied."""
     return from_dict(apply_overrides(read_yaml(path), overrides))

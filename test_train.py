@@ -169,6 +169,19 @@ def test_existing_run_dir_is_protected(finished_run, corpus):
     assert contents(finished_run) == before
 
 
+def test_resume_overrides_are_checked_against_the_runs_own_config(corpus, tmp_path):
+    """A run with a longer context than the default model's: `--resume training.seq_len=100` is valid
+    for it (block_size 128), though not for the default config (the test size's 64 would refuse it)."""
+    run_dir = tmp_path / "long"
+    assert train.main(tiny(run_dir, corpus, "model.block_size=128", "training.steps=2")) == 0
+    (tmp_path / "test.yaml").write_text("model: test\n")  # block_size 64
+    assert train.main(["--config", str(tmp_path / "test.yaml"), "--resume", f"run_dir={run_dir}",
+                       "training.seq_len=100", "training.steps=3"]) == 0
+    assert rundir.Run(run_dir).config().training.seq_len == 100 and int(restore(run_dir, 3)["step"]) == 3
+    with pytest.raises(config.ConfigError, match=r"training.seq_len must be in 1..model.block_size \(128\)"):
+        train.main(["--resume", f"run_dir={run_dir}", "training.seq_len=200"])
+
+
 def test_resume_errors(corpus, tmp_path, capsys):
     # no run directory at all
     assert train.cli(["--resume", f"run_dir={tmp_path / 'nothing'}"]) == 2

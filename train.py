@@ -156,9 +156,13 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
     # Config and run directory: a resume reads the run's own config (command-line overrides still
     # apply, e.g. training.steps); a new run needs an empty directory
     args = parse_args(argv)
-    cfg = config_lib.load_config(args.config, args.overrides)
+    if args.resume:  # the overrides apply to the run's own config.yaml, read below, not to --config's
+        location = config_lib.run_dir_of(args.config, args.overrides)
+    else:
+        cfg = config_lib.load_config(args.config, args.overrides)
+        location = cfg.run_dir
     try:
-        run_dir = rundir.Run(cfg.run_dir)  # a local path or a URL (gs://...); str(run_dir) as given
+        run_dir = rundir.Run(location)  # a local path or a URL (gs://...); str(run_dir) as given
     except storage.StorageError as e:
         raise RunError(f"run_dir: {e}") from None
 
