@@ -1110,6 +1110,7 @@ def main(argv=None) -> int:
         return 0
     import storage
 
+    args.checkpoint = storage.local_path(args.checkpoint)  # file:///x: the local run directory /x
     source = None if storage.is_url(args.checkpoint) else args.checkpoint
     _check_out(args.out, source, args.overwrite)  # before reading the checkpoint
     cfg, params, step = read_run(args.checkpoint, args.step)

@@ -26,6 +26,11 @@ class UserError(Exception):
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+PYTHON = (3, 11)  # the oldest Python the project and its pinned dependencies run on
+
+if sys.version_info < PYTHON:  # every entry point imports this file first: one line, not a SyntaxError later
+    sys.exit(f"error: Python {'.'.join(map(str, PYTHON))} or newer is needed, this is {sys.version.split()[0]}; "
+             f"make the virtual environment with python3.11 -m venv .venv (or newer)")
 
 
 def stop_at_once_while_loading() -> None:

@@ -469,6 +469,7 @@ def open_run(location) -> Run:
 def existing(location) -> Run:
     """A run directory to read (eval, sample, convert): a local one must exist; one at a URL is
     checked when its config is read."""
+    location = storage.local_path(location)  # file:///x: the local directory /x
     if not storage.is_url(location) and not pathlib.Path(location).is_dir():
         raise RunError(f"run directory {location} not found")
     return Run(location)

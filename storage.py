@@ -64,7 +64,8 @@ def is_url(location) -> bool:
     return bool(_URL.match(text)) and not text.startswith("file://")
 
 
-def _local(location) -> str:
+def local_path(location) -> str:
+    """A file:// URL as the local path it names; anything else as it is."""
     text = str(location)
     return text[len("file://"):] if text.startswith("file://") else text
 
@@ -90,7 +91,7 @@ class RunDir:
 
     def __init__(self, location):
         self.remote = is_url(location)
-        self.location = str(location).rstrip("/") if self.remote else _local(location)
+        self.location = str(location).rstrip("/") if self.remote else local_path(location)
         self.fs, self.root = _filesystem(self.location if self.remote else os.path.abspath(self.location))
 
     def __str__(self) -> str:
@@ -238,7 +239,7 @@ def local_copy(location, list_files, cache: str | os.PathLike | None = None) -> 
     when the cache lacks them or holds a copy that does not match. Raises DataError.
     """
     if not is_url(location):
-        return pathlib.Path(_local(location))
+        return pathlib.Path(local_path(location))
     url = str(location).rstrip("/")
     if url in verified and cache is None:
         return verified[url]

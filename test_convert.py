@@ -696,6 +696,20 @@ def test_cli_torch_export_and_errors(trained_run, tmp_path, capsys):
     assert ct.cli(["--checkpoint", str(trained_run), "--step", "1", "--out", str(out), "--overwrite"]) == 0
 
 
+def test_a_run_directory_given_as_a_file_url(trained_run, tmp_path, capsys):
+    """run_dir=file:///x trains (storage reads file:// as a local path); eval.py, sample.py and the
+    export read such a run directory too, its tokenizer included."""
+    url = f"file://{trained_run}"
+    assert rundir.existing(url).config() == rundir.Run(trained_run).config()
+    assert ct.cli(["--checkpoint", url, "--out", str(tmp_path / "export")]) == 0
+    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == (trained_run / "tokenizer.json").read_bytes()
+    assert ct.cli(["--checkpoint", str(trained_run), "--out", str(tmp_path / "plain")]) == 0
+    from_url, plain = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("export", "plain"))
+    assert from_url.keys() == plain.keys()
+    for key in plain:
+        np.testing.assert_array_equal(from_url[key], plain[key])
+
+
 def test_init_from_starts_a_run_from_the_params(trained_run, corpus, tmp_path, capsys):  # noqa: F811
     # lr 0: the step-1 checkpoint must hold exactly the parameters it started from
     run = tmp_path / "finetune"

@@ -480,6 +480,14 @@ def test_config_file_that_is_not_text_is_one_line(tmp_path):
     assert config.load_config(good).run_dir == "runs/caf\u00e9"
 
 
+def test_an_older_python_is_one_line():
+    """Every entry point imports errors.py first; on a Python older than 3.11 it stops with one line."""
+    p = subprocess.run([sys.executable, "-c", "import sys; sys.version_info = (3, 10, 14, 'final', 0); "
+                        "sys.version = '3.10.14 (main)'; import errors"], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr == ("error: Python 3.11 or newer is needed, this is 3.10.14; make the "
+                                              "virtual environment with python3.11 -m venv .venv (or newer)\n")
+
+
 def test_cli_errors_are_one_line_exit_2(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     cases = [
