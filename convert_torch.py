@@ -1105,8 +1105,12 @@ def main(argv=None) -> int:
             print(f"warning: {args.import_hf} has no tokenizer ({TOKENIZER_NAME}, or vocab.json and merges.txt), so "
                   f"{args.out} has none: prepare data with the model's own (python data.py --tokenizer "
                   f"PATH/{TOKENIZER_NAME}) and copy it into {args.out} for sample.py and eval.py", file=sys.stderr)
-        print(f"imported {args.import_hf} into run directory {args.out} (step 0); fine-tune with "
-              f"python train.py training.init_from={args.out} data.dir=...")
+        import rundir
+
+        context = rundir.Run(args.out).config().model.block_size
+        print(f"imported {args.import_hf} into run directory {args.out} (step 0), context {context} tokens (what its "
+              f"config.json names, or its family's default where it names none; train on shorter windows with "
+              f"training.seq_len=N); fine-tune with python train.py training.init_from={args.out} data.dir=...")
         return 0
     import storage
 

@@ -177,7 +177,9 @@ def test_import_without_a_tokenizer_warns_and_says_what_to_pass(tmp_path, capsys
     random_gpt2(tmp_path / "gpt2")  # weights and config only
     capsys.readouterr()
     assert ct.cli(["--import-hf", str(tmp_path / "gpt2"), "--out", str(tmp_path / "run")]) == 0
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "tokenizer" in line]
+    out, err = capsys.readouterr()
+    assert "(step 0), context 32 tokens" in out and "training.seq_len=N" in out  # random_gpt2's n_positions
+    warnings = [line for line in err.splitlines() if "tokenizer" in line]
     assert len(warnings) == 1 and warnings[0].startswith("warning: ") and "has no tokenizer" in warnings[0]
     assert "python data.py --tokenizer" in warnings[0]
     assert not (tmp_path / "run" / "tokenizer.json").exists() and ct.read_run(tmp_path / "run")[2] == 0
