@@ -169,7 +169,7 @@ def test_existing_run_dir_is_protected(finished_run, corpus):
     assert contents(finished_run) == before
 
 
-def test_resume_overrides_are_checked_against_the_runs_own_config(corpus, tmp_path):
+def test_resume_overrides_are_checked_against_the_runs_own_config(corpus, tmp_path, capsys):
     """A run with a longer context than the default model's: `--resume training.seq_len=100` is valid
     for it (block_size 128), though not for the default config (the test size's 64 would refuse it)."""
     run_dir = tmp_path / "long"
@@ -178,6 +178,14 @@ def test_resume_overrides_are_checked_against_the_runs_own_config(corpus, tmp_pa
     assert train.main(["--config", str(tmp_path / "test.yaml"), "--resume", f"run_dir={run_dir}",
                        "training.seq_len=100", "training.steps=3"]) == 0
     assert rundir.Run(run_dir).config().training.seq_len == 100 and int(restore(run_dir, 3)["step"]) == 3
+    # extending a run re-lays the schedule: said at the resume, with the learning rate before and after
+    tr = rundir.Run(run_dir).config().training
+    lr = lambda steps, s: tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * min(  # noqa: E731
+        (s - tr.warmup_steps) / max(1, steps - tr.warmup_steps), 1.0)))
+    assert train.main(["--resume", f"run_dir={run_dir}", "training.steps=5"]) == 0
+    out = capsys.readouterr().out
+    assert (f"training.steps 3 -> 5: the warm-up and cosine schedule now spans 5 steps, so the learning rate of "
+            f"step 4 goes from {lr(3, 4):.3g} to {lr(5, 4):.3g}") in out
     with pytest.raises(config.ConfigError, match=r"training.seq_len must be in 1..model.block_size \(128\)"):
         train.main(["--resume", f"run_dir={run_dir}", "training.seq_len=200"])
 

@@ -271,6 +271,12 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
             mngr.close()
             raise
         start_step = int(state["step"])
+        saved_steps = run_dir.config().training.steps  # as the run was last configured
+        if saved_steps != t.steps and start_step < t.steps:
+            before = float(step_lib.lr_schedule(dataclasses.replace(t, steps=saved_steps))(start_step))
+            say(f"training.steps {saved_steps} -> {t.steps}: the warm-up and cosine schedule now spans {t.steps} "
+                f"steps, so the learning rate of step {start_step + 1} goes from {before:.3g} to "
+                f"{float(fns.schedule(start_step)):.3g}")
         if start_step >= t.steps:
             mngr.close()
             say(f"{run_dir} is already trained to step {start_step}; to train further: "
