@@ -283,9 +283,9 @@ class Run(storage.RunDir):
         import orbax.checkpoint as ocp
 
         logging.getLogger("absl").setLevel(logging.WARNING)
-        if not hasattr(self, "save_errors"):
-            self.save_errors = SaveErrors()  # orbax's own reports of a failed save: kept for our one line
-            logging.getLogger("absl").addFilter(self.save_errors)
+        absl = logging.getLogger("absl")
+        if SAVE_ERRORS not in absl.filters:  # orbax's own reports of a failed save: kept for our one line
+            absl.addFilter(SAVE_ERRORS)
         sys.unraisablehook = drop_closed_loop_errors  # a failed save's reads and writes end on closed loops
         self.pending_save = None
         self.purge_deleted(unfinished=True)
@@ -303,11 +303,12 @@ class Run(storage.RunDir):
 
         self.check_saved(mngr)
         self.pending_save = step
+        SAVE_ERRORS.messages.clear()  # what is reported from here on is this save's
         try:
             mngr.save(step, args=ocp.args.StandardSave(state), force=True,
                       custom_metadata={FINGERPRINTS: fingerprints(state)})
         except Exception as e:  # a synchronous save that failed
-            self.save_errors.messages.append(str(e))
+            SAVE_ERRORS.messages.append(str(e))
             self.check_saved(mngr)
         self.purge_deleted()
 
@@ -318,7 +319,7 @@ class Run(storage.RunDir):
         try:
             mngr.wait_until_finished()
         except Exception as e:
-            self.save_errors.messages.append(str(e))
+            SAVE_ERRORS.messages.append(str(e))
         if step is None or step in self.checkpoint_steps():
             return
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
@@ -332,7 +333,7 @@ class Run(storage.RunDir):
             if self.remote or not any(pathlib.Path(self.checkpoint_dir()).glob("*.orbax-checkpoint-tmp*")):
                 break
         steps = self.checkpoint_steps()
-        reason = self.save_errors.reason()
+        reason = SAVE_ERRORS.reason()
         raise RunError(f"saving checkpoint {step} in {self.checkpoint_dir()} failed ({reason}); "
                        + (f"the newest complete checkpoint is {steps[-1]}: fix the cause, then continue with "
                           f"--resume" if steps else "there is no complete checkpoint yet: fix the cause, then --resume "
@@ -631,10 +632,13 @@ class SaveErrors(logging.Filter):
     def reason(self) -> str:
         """The first failure, in a few words: the system's reason when it gave one."""
         for message in self.messages:
-            match = re.search(r"Failed to write [^:]*: ([^\[]+)", message) or re.search(r"\[Errno \d+\] ([^:']+)", message)
-            if match:
-                return match.group(1).strip()
+            why = storage.os_problem(RuntimeError(message))
+            if why:
+                return why
         return (self.messages[0].split("\n")[0][:200] if self.messages else "no reason given")
+
+
+SAVE_ERRORS = SaveErrors()  # one for the process: orbax logs through the one absl logger
 
 
 def drop_closed_loop_errors(unraisable) -> None:
