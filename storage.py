@@ -346,14 +346,8 @@ def _remove_stale_parts(local: pathlib.Path) -> None:
     """Partial copies left by processes that no longer run (killed mid-copy); live ones are left alone."""
     for part in local.glob("*.part-*"):
         pid = part.name.rsplit(".part-", 1)[-1]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if pid.isdigit() and not _alive(int(pid)):
             part.unlink(missing_ok=True)
-        except PermissionError:  # a live process of another user
-            pass
 
 
 # ----------------------------------------------------------------------------------------------
