@@ -373,9 +373,18 @@ def run_dir_of(path=DEFAULT_CONFIG, overrides: typing.Sequence[str] = ()) -> str
     return _check_value("run_dir", raw.get("run_dir", Config.run_dir), _fields(Config)["run_dir"])
 
 
-def load_config(path=DEFAULT_CONFIG, overrides: typing.Sequence[str] = ()) -> Config:
-    """The Config of a YAML file with `key=value` overrides applied."""
-    return from_dict(apply_overrides(read_yaml(path), overrides))
+def load_config(path=DEFAULT_CONFIG, overrides: typing.Sequence[str] = (), *, model: dict | None = None) -> Config:
+    """The Config of a YAML file with `key=value` overrides applied; `model` (a model section, e.g.
+    training.init_from's) replaces the file's, the overrides' model.FIELD=VALUE applied on top."""
+    raw = read_yaml(path)
+    if model is not None:
+        raw = {**raw, "model": model}
+    return from_dict(apply_overrides(raw, overrides))
+
+
+def names_model(overrides: typing.Sequence[str]) -> bool:
+    """Whether the overrides choose a model as a whole (`model=NAME`), not only some of its fields."""
+    return any(text.partition("=")[0] == "model" for text in overrides)
 
 
 def to_dict(cfg: Config) -> dict:

@@ -1101,16 +1101,25 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.import_hf:
         import_hf(args.import_hf, args.out, args.overwrite)
-        if not (pathlib.Path(args.out) / TOKENIZER_NAME).is_file():
+        has_tokenizer = (pathlib.Path(args.out) / TOKENIZER_NAME).is_file()
+        if not has_tokenizer:
             print(f"warning: {args.import_hf} has no tokenizer ({TOKENIZER_NAME}, or vocab.json and merges.txt), so "
                   f"{args.out} has none: prepare data with the model's own (python data.py --tokenizer "
                   f"PATH/{TOKENIZER_NAME}) and copy it into {args.out} for sample.py and eval.py", file=sys.stderr)
+        import shlex
+
         import rundir
 
         context = rundir.Run(args.out).config().model.block_size
+        run, name = args.out.rstrip("/"), pathlib.PurePath(args.out.rstrip("/")).name
+        data_dir = f"data/{name}"
+        tokenizer = run if has_tokenizer else f"PATH/{TOKENIZER_NAME}"
         print(f"imported {args.import_hf} into run directory {args.out} (step 0), context {context} tokens (what its "
               f"config.json names, or its family's default where it names none; train on shorter windows with "
-              f"training.seq_len=N); fine-tune with python train.py training.init_from={args.out} data.dir=...")
+              f"training.seq_len=N). Fine-tune it (the run takes the imported model) on your text files:\n"
+              f"  python data.py --input 'TEXT/*.txt' --out {shlex.quote(data_dir)} --tokenizer {shlex.quote(tokenizer)}\n"
+              f"  python train.py training.init_from={shlex.quote(run)} data.dir={shlex.quote(data_dir)} "
+              f"run_dir={shlex.quote(run + '-tuned')}")
         return 0
     import storage
 

@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="glob, directory, or hf:NAME[/CONFIG]:SPLIT; repeatable")
     parser.add_argument("--out", help=f"data directory (default with no --input: {DEFAULT_DATA_DIR})")
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--tokenizer", help="a tokenizers tokenizer.json to use instead of training a BPE")
+    group.add_argument("--tokenizer", help="a tokenizers tokenizer.json, or a run or data directory holding one, to use "
+                                            "instead of training a BPE")
     group.add_argument("--vocab-size", type=int, help="vocabulary of the BPE trained on the inputs "
                                                       "(default 8192, 4096 for the default corpus)")
     parser.add_argument("--val-fraction", type=float, help="share of documents held out "

@@ -39,16 +39,6 @@ CHUNK_EXAMPLES = 4096  # examples per encode_batch call
 # ---------------------------------------------------------------------------------------------
 # Preparation
 
-def _tokenizer_path(tokenizer) -> pathlib.Path:
-    """--tokenizer: a tokenizer.json, or a run or data directory holding one."""
-    path = pathlib.Path(tokenizer)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise DataError(f"tokenizer {tokenizer} not found (give a tokenizer.json or a run/data directory with one)")
-    return path
-
-
 def _records(sources, in_field: str, out_field: str, tally: corpus.Tally) -> Iterator[tuple[str, str, str]]:
     """(name, prompt, completion) of every valid record; the tally counts and names the invalid ones."""
     for kind, location, name in sources:
@@ -93,7 +83,7 @@ def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in
     summary}, tally)."""
     from tqdm import tqdm
     if tokenizer is not None:
-        tok = shards.install_tokenizer(_tokenizer_path(tokenizer), tmp)
+        tok = shards.install_tokenizer(tokenizer, tmp)
     else:
         if vocab_size < 258:
             raise DataError(f"vocab size must be at least 258 for a byte-level BPE, got {vocab_size}")

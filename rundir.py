@@ -480,6 +480,15 @@ def existing(location) -> Run:
 # Starting from another run's parameters (training.init_from)
 
 
+def init_model(location) -> dict:
+    """training.init_from's model section (its name and every field): a fine-tuning run's model unless
+    the command line names one (`model=NAME`)."""
+    try:
+        return config_lib.to_dict(open_run(location).config())["model"]
+    except UserError as e:
+        raise RunError(f"training.init_from: {e}") from None
+
+
 def check_init_from(location, mcfg) -> None:
     """training.init_from: a run directory with a checkpoint and this run's model, or a RunError (one line)."""
     try:

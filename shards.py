@@ -72,9 +72,20 @@ def load_tokenizer_file(path: str | os.PathLike):
         raise DataError(f"cannot load tokenizer {path}: {reason}")
 
 
-def install_tokenizer(path, directory: pathlib.Path):
-    """The tokenizer of tokenizer.json `path`, copied into directory/tokenizer.json (as it is, or saved
-    with an end-of-text token added where it lacks one)."""
+def tokenizer_path(tokenizer) -> pathlib.Path:
+    """--tokenizer: a tokenizer.json, or a run or data directory holding one."""
+    path = pathlib.Path(tokenizer)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(f"tokenizer {tokenizer} not found (give a tokenizer.json or a run/data directory with one)")
+    return path
+
+
+def install_tokenizer(tokenizer, directory: pathlib.Path):
+    """The tokenizer of `tokenizer` (a tokenizer.json, or a run or data directory holding one), copied
+    into directory/tokenizer.json (as it is, or saved with an end-of-text token added where it lacks one)."""
+    path = tokenizer_path(tokenizer)
     tok = load_tokenizer_file(path)
     if eot_id_of(tok) is None:
         tok.add_special_tokens([EOT_TOKEN])

@@ -426,8 +426,9 @@ def test_token_id_that_does_not_fit_the_dtype(tmp_path, monkeypatch):
 def test_bad_tokenizer_file(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     (tmp_path / "tok.json").write_text("{not json")
-    for path in (tmp_path / "tok.json", tmp_path / "missing.json"):
-        with pytest.raises(data.DataError, match=f"cannot load tokenizer {path}"):
+    for path, words in ((tmp_path / "tok.json", "cannot load tokenizer"), (tmp_path / "missing.json", "tokenizer"),
+                        (tmp_path, "tokenizer")):  # a directory without a tokenizer.json in it
+        with pytest.raises(data.DataError, match=f"{words} {path}( not found|:)"):
             prep([tmp_path / "a.txt"], tmp_path / "out", tokenizer=str(path))
 
 

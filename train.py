@@ -160,6 +160,11 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
         location = config_lib.run_dir_of(args.config, args.overrides)
     else:
         cfg = config_lib.load_config(args.config, args.overrides)
+        if cfg.training.init_from and not config_lib.names_model(args.overrides):
+            # fine-tuning: the model is init_from's own, the command line's model.FIELD=VALUE on top
+            cfg = config_lib.load_config(args.config, args.overrides,
+                                         model=rundir.init_model(cfg.training.init_from))
+            say(f"model {cfg.model_name}: training.init_from's ({cfg.training.init_from})")
         location = cfg.run_dir
     try:
         run_dir = rundir.Run(location)  # a local path or a URL (gs://...); str(run_dir) as given
