@@ -655,6 +655,29 @@ def test_refused_starts_leave_nothing_behind(finished_run, corpus, tmp_path, cap
         assert not run_dir.exists(), overrides
 
 
+def test_wandb_online_without_a_login_is_one_line_before_anything_is_written(finished_run, corpus, tmp_path,
+                                                                              capsys, monkeypatch):
+    """No API key anywhere W&B looks (environment, settings, netrc) and no terminal to ask on: a new
+    run and a resume both stop with one line, and neither run directory changes."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for var, where in (("HOME", "home"), ("WANDB_CONFIG_DIR", "wandb-config"), ("NETRC", "netrc")):
+        monkeypatch.setenv(var, str(tmp_path / where))
+    before = contents(finished_run)
+    for args in (tiny(tmp_path / "new", corpus, "wandb.mode=online"),
+                 ["--resume", f"run_dir={finished_run}", "training.steps=12", "wandb.mode=online"]):
+        assert train.cli(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "wandb.mode=online needs a W&B login" in err, err
+    assert not (tmp_path / "new").exists() and contents(finished_run) == before
+    # with a key (never checked with the server) the check passes; in a fresh process (W&B keeps the
+    # settings it read first) without the variables W&B set here (its service's address among them)
+    check = "import config, train; train.check_wandb(config.load_config(overrides=['wandb.mode=online']))"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"WANDB_API_KEY": "k" * 40}
+    result = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, env=env,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.parametrize("where", ["under_a_file", "proc", "read_only"])
 def test_run_dir_that_cannot_be_made_is_one_line(corpus, tmp_path, capsys, where, request):
     blocker = tmp_path / "a_file"

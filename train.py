@@ -32,6 +32,7 @@ import signal
 import sys
 import threading
 import time
+import typing
 import uuid
 
 import jax
@@ -77,6 +78,22 @@ def start_wandb(cfg, run_dir: rundir.Run):
     return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or run_dir.name,
                       id=run_dir.wandb_id(new=uuid.uuid4().hex[:8]), resume="allow", mode=cfg.wandb.mode,
                       dir=None if run_dir.remote else str(run_dir), config=config_lib.to_dict(cfg))
+
+
+def check_wandb(cfg) -> None:
+    """wandb.mode=online needs a W&B login (an API key from `wandb login` or WANDB_API_KEY), checked
+    without reaching the server; without a terminal to ask on, a missing one is a RunError."""
+    if cfg.wandb.mode != "online":
+        return
+    import wandb
+
+    try:
+        found = wandb.login(verify=False)  # False: no key, and none given at a prompt
+    except Exception:  # wandb's UsageError (no key, no terminal), or whatever its settings raise
+        found = False
+    if not found:
+        raise RunError("wandb.mode=online needs a W&B login: run `wandb login` (or set WANDB_API_KEY) first, "
+                       "or log with wandb.mode=offline and upload later with `wandb sync`") from None
 
 
 def report(summary: dict) -> str:
@@ -171,24 +188,29 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
     except storage.StorageError as e:
         raise RunError(f"run_dir: {e}") from None
 
-    def take_lock(new: bool) -> None:
-        """Process 0 holds the run directory's lock (a second writer gets one line naming the first);
-        every process stops if it cannot."""
+    def on_main(check: typing.Callable[[], None]) -> None:
+        """Process 0 runs `check` (its lock, its W&B login); every process stops if it fails."""
         error = None
         if is_main:
             try:
-                held.enter_context(run_dir.writer("train.py --resume" if args.resume else "train.py"))
-                if new:
-                    run_dir.check_new()  # under the lock: no other run started here in the meantime
+                check()
             except RunError as e:
                 error = e
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             if multihost_utils.broadcast_one_to_all(np.int32(error is not None)) and error is None:
-                error = RunError(f"process 0 cannot write the run directory {run_dir} (its error says why)")
+                error = RunError(f"process 0 stopped before training in {run_dir} (its error says why)")
         if error is not None:
             raise error
+
+    def take_lock(new: bool) -> None:
+        """Process 0 holds the run directory's lock (a second writer gets one line naming the first)."""
+        def lock():
+            held.enter_context(run_dir.writer("train.py --resume" if args.resume else "train.py"))
+            if new:
+                run_dir.check_new()  # under the lock: no other run started here in the meantime
+        on_main(lock)
 
     if args.resume:
         if not run_dir.is_file(rundir.CONFIG):
@@ -198,6 +220,7 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
     else:
         run_dir.check_new()
     t, ck, sh = cfg.training, cfg.checkpoint, cfg.sharding
+    on_main(lambda: check_wandb(cfg))  # before anything is written
     try:
         model_lib.check_attention_backend(cfg.model)  # e.g. attention=cudnn without a GPU, before any work
     except ValueError as e:
