@@ -59,6 +59,7 @@ LEASE_RENEW = 10.0  # seconds between a lease's heartbeats (a run directory in a
 LEASE_TTL = 60.0  # a lease whose heartbeat is older than this is free: its holder is gone
 LEASE_SETTLE = 1.0  # seconds between writing a lease and reading it back
 FINGERPRINTS = "fingerprints"  # the key of a checkpoint's custom metadata that holds them
+TOKENS = "tokens"  # ... and the one of the tokens trained up to it (context and batch may change on resume)
 
 
 class RunError(UserError):
@@ -296,9 +297,10 @@ class Run(storage.RunDir):
             item_handlers=ocp.StandardCheckpointHandler(),  # so that a checkpoint's tree can be read before restoring
         )
 
-    def save_checkpoint(self, mngr, step: int, state) -> None:
+    def save_checkpoint(self, mngr, step: int, state, tokens: int | None = None) -> None:
         """Save `state` as checkpoint `step` (asynchronously if `mngr` saves so), with the fingerprint of
-        every array in its metadata; then finish deleting the checkpoints that rotation retired."""
+        every array and the `tokens` trained so far in its metadata; then finish deleting the checkpoints
+        that rotation retired."""
         import orbax.checkpoint as ocp
 
         self.check_saved(mngr)
@@ -306,11 +308,18 @@ class Run(storage.RunDir):
         SAVE_ERRORS.messages.clear()  # what is reported from here on is this save's
         try:
             mngr.save(step, args=ocp.args.StandardSave(state), force=True,
-                      custom_metadata={FINGERPRINTS: fingerprints(state)})
+                      custom_metadata={FINGERPRINTS: fingerprints(state),
+                                       **({TOKENS: int(tokens)} if tokens is not None else {})})
         except Exception as e:  # a synchronous save that failed
             SAVE_ERRORS.messages.append(str(e))
             self.check_saved(mngr)
         self.purge_deleted()
+
+    @staticmethod
+    def checkpoint_tokens(mngr, step: int) -> int | None:
+        """The tokens trained up to checkpoint `step`, as saved with it (None for a checkpoint without)."""
+        tokens = (mngr.metadata(step).custom_metadata or {}).get(TOKENS)
+        return int(tokens) if isinstance(tokens, int) else None
 
     def check_saved(self, mngr) -> None:
         """Wait for the save in flight; a RunError if it did not complete (a full disk, no access): orbax

@@ -4,6 +4,7 @@ Runs go through `train.main` / `train.cli` in-process (what `python train.py` ca
 model and a tiny corpus; the command-line exit paths and SIGTERM run `python train.py` itself.
 """
 import collections
+import itertools
 import json
 import math
 import os
@@ -188,6 +189,10 @@ def test_resume_overrides_are_checked_against_the_runs_own_config(corpus, tmp_pa
             f"step 4 goes from {lr(3, 4):.3g} to {lr(5, 4):.3g}") in out
     with pytest.raises(config.ConfigError, match=r"training.seq_len must be in 1..model.block_size \(128\)"):
         train.main(["--resume", f"run_dir={run_dir}", "training.seq_len=200"])
+    # the tokens trained count each step at its own context: 2 steps of 8 x 32, then 3 of 8 x 100
+    per_step = [8 * 32] * 2 + [8 * 100] * 3
+    assert [r["tokens"] for r in rows(run_dir)] == list(itertools.accumulate(per_step))
+    assert json.loads((run_dir / "summary.json").read_text())["tokens"] == sum(per_step)
 
 
 def test_resume_errors(corpus, tmp_path, capsys):

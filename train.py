@@ -299,7 +299,11 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
             mngr.close()
             raise
         start_step = int(state["step"])
-        saved_steps = run_dir.config().training.steps  # as the run was last configured
+        saved = run_dir.config()  # as the run was last configured
+        saved_steps = saved.training.steps
+        tokens_before = run_dir.checkpoint_tokens(mngr, last_ckpt)  # (None: saved before tokens were kept)
+        if tokens_before is None:
+            tokens_before = start_step * saved.training.batch_size * saved.seq_len
         if saved_steps != t.steps and start_step < t.steps:
             before = float(step_lib.lr_schedule(dataclasses.replace(t, steps=saved_steps))(start_step))
             say(f"training.steps {saved_steps} -> {t.steps}: the warm-up and cosine schedule now spans {t.steps} "
@@ -317,7 +321,7 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
         if t.init_from:  # fine-tuning: the optimizer state (zero moments) and step stay fresh
             state["params"] = rundir.load_init_params(t.init_from, fns.state_sharding["params"])
             say(f"parameters from {t.init_from}")
-        start_step = 0
+        start_step, tokens_before = 0, 0
     if stop["signal"] is not None:  # before the first step: nothing to save
         mngr.close()
         raise Interrupted(stop["signal"])
@@ -354,6 +358,10 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
     mark = (step, t_start)  # (step, time) of the last logged step, for tokens/s
     last_row, pending, val = {}, None, {}
 
+    def trained(s) -> int:
+        """Tokens trained up to step s: this start's steps at its context and batch, on top of the restored."""
+        return tokens_before + (s - start_step) * tokens_per_step
+
     def read_step(s, metrics) -> dict:
         """A dispatched step's metrics as a row, after checking that they are finite."""
         nonlocal mark
@@ -367,7 +375,7 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
         if s == start_step + 1:
             mark = (s, now)  # leave start-up and compilation out of tokens/s
         return {"step": s, "loss": loss, "lr": float(fns.schedule(s - 1)), "grad_norm": grad_norm,
-                "tokens": s * tokens_per_step, "time_s": clock + now - t_start}
+                "tokens": trained(s), "time_s": clock + now - t_start}
 
     def log(row):
         """One line of metrics.jsonl (and W&B), with tokens/s and MFU since the last logged step."""
@@ -416,7 +424,7 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
                 if not bool(fns.all_finite(state["params"])):
                     raise Diverged(f"parameters are not finite after step {step}; "
                                    f"last good checkpoint: {last_ckpt} ({run_dir})")
-                run_dir.save_checkpoint(mngr, step, state)
+                run_dir.save_checkpoint(mngr, step, state, tokens=trained(step))
                 last_ckpt = step
             if is_main:
                 metrics_file.flush()  # a remote metrics.jsonl is uploaded whole; locally a no-op
@@ -449,7 +457,7 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
     train_loss = float(np.mean(recent_losses)) if recent_losses else None
     summary = {
         "steps": step,
-        "tokens": step * tokens_per_step,
+        "tokens": trained(step),
         "wall_time_s": clock + time.perf_counter() - t_start,  # across resumes
         "parameters": n_params,
         "train_loss": train_loss,  # mean over the last steps
