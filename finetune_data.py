@@ -140,7 +140,8 @@ def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in
         summary["mask_shards"] = mask.shards
         summary.update(truncated=counts[split]["truncated"], skipped=counts[split]["skipped"])
         splits[split] = summary
-    return {"vocab_size": vocab, "eot_id": eot, "dtype": dtype}, splits, tally
+    return {"vocab_size": vocab, "vocab_size_requested": None if tokenizer is not None else vocab_size,
+            "eot_id": eot, "dtype": dtype}, splits, tally
 
 
 def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = None, vocab_size: int = 8192,

@@ -5,7 +5,9 @@ A data directory DIR (FORMAT_VERSION 1):
     DIR/tokenizer.json        the `tokenizers` tokenizer that produced the ids (a copy, so DIR describes itself)
     DIR/train_00000.bin ...   raw little-endian uint16 token ids (uint32 if the vocabulary needs it), no header
     DIR/val_00000.bin ...
-    DIR/index.json            written last: format_version, tokenizer, tokenizer_sha256, vocab_size, eot_id,
+    DIR/index.json            written last: format_version, tokenizer, tokenizer_sha256, vocab_size (the
+                              tokenizer's, which sizes the model), vocab_size_requested (of a BPE trained here,
+                              which a small corpus leaves short of it; null for a given tokenizer), eot_id,
                               dtype, tokens, documents, bytes_per_token, unigram_entropy (nats per token of
                               the train split), skipped inputs, the inputs, and per split its tokens,
                               documents, bytes, unigram_entropy and shards [{file, tokens, documents, sha256}]
