@@ -1001,6 +1001,7 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
     with storage.StagedDir(out, replace=overwrite, hidden=True) as staged:  # .OUT.tmp-PID, swapped in whole
         tmp = staged.path
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        storage.plain_mode(tmp / WEIGHTS_NAME)  # readable as the other files are, not owner-only
         tok = pathlib.Path(tokenizer) if tokenizer else None
         eot_id, eot = _eot(tok) if tok else (None, None)
         meta = {"format": "torch"} if layout == "torch" else hf_config(c, layout, eot_id)
