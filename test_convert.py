@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+import yaml
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
@@ -329,6 +330,19 @@ def test_written_files_and_directories_follow_the_umask(valid_hf, corpus, tmp_pa
             "run/.lock", "data/index.json"} <= modes.keys()
     expected = {name: (0o777 if (out / name).is_dir() else 0o666) & ~umask for name in modes}
     assert modes == expected
+
+
+def test_an_imported_run_carries_the_config_files_settings(valid_hf, tmp_path):
+    """Its config.yaml: the imported model, and conf/config.yaml's values for the rest (the training
+    context left to the model)."""
+    ct.import_hf(valid_hf / "gpt2", tmp_path / "run")
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    conf = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())
+    assert saved["training"] == {**conf["training"], "seq_len": None}
+    for section in ("checkpoint", "sharding", "wandb", "data"):
+        assert saved[section] == conf[section], section
+    assert saved["seed"] == conf["seed"] and saved["run_dir"] == str(tmp_path / "run")
+    assert saved["model"]["name"] == "imported-gpt2" and saved["model"]["block_size"] == 32
 
 
 def test_unreadable_hf_weights_are_one_error_line(tmp_path, capsys):
