@@ -103,7 +103,9 @@ def parse_args(argv):
     )
     parser.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue the run in run_dir from its last checkpoint")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. training.lr=1e-3")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides of the config file's keys, e.g. training.lr=1e-3 model=124m; every "
+                             "key, with its default and meaning, is in conf/config.yaml")
 
     def error(message):  # one line, no usage block
         raise config_lib.ConfigError(f"{message} (usage: python train.py [--config FILE] [key=value ...] [--resume])")
