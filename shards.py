@@ -189,10 +189,10 @@ class ShardWriter:
 def split_summary(shards: list[dict], counts: np.ndarray, nbytes: int) -> dict:
     """A split's entry in the index, from its shards in order and its token frequencies."""
     return {"tokens": int(counts.sum()), "documents": sum(s["documents"] for s in shards), "bytes": nbytes,
-            "unigram_entropy": _entropy(counts), "shards": shards}
+            "unigram_entropy": unigram_entropy(counts), "shards": shards}
 
 
-def _entropy(counts: np.ndarray) -> float:
+def unigram_entropy(counts: np.ndarray) -> float:
     """Unigram entropy in nats per token: H = -sum p log p over the observed token frequencies."""
     total = counts.sum()
     if total == 0:

@@ -89,7 +89,8 @@ def report(summary: dict) -> str:
         f"val loss {fmt(summary['val_loss'], '.4f')} (ppl {fmt(summary['val_ppl'], '.2f')}) on a fixed sample of "
         f"{summary['val_sample_windows']} windows, {summary['val_sample_tokens']:,} tokens "
         f"(python eval.py measures the whole split)\n"
-        f"  unigram entropy of the corpus {fmt(summary['unigram_entropy'], '.4f')} nats/token"
+        f"  unigram entropy of {summary.get('unigram_entropy_of', 'the corpus')} "
+        f"{fmt(summary['unigram_entropy'], '.4f')} nats/token"
         + (f"; the val loss is {abs(gap):.3f} nats {'below' if gap >= 0 else 'above'} it" if gap is not None else "")
         + f"\n  checkpoint {summary['checkpoint']}"
     )
@@ -419,7 +420,9 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
         if wandb_run is not None:
             wandb_run.finish()
         return 128 + stop["signal"]  # not 0: `python train.py && python eval.py` must not go on
-    entropy = index.get("unigram_entropy")
+    # the unigram baseline of the tokens the loss counts: with prompt/completion data, the completions alone
+    completions = shards.is_prompt_completion(index)
+    entropy = index.get("loss_unigram_entropy" if completions else "unigram_entropy")
     train_loss = float(np.mean(recent_losses)) if recent_losses else None
     summary = {
         "steps": step,
@@ -434,6 +437,7 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
         "val_sample_windows": val_windows,
         "val_sample_tokens": val_tokens,
         "unigram_entropy": entropy,
+        "unigram_entropy_of": "the completions (the tokens in the loss)" if completions else "the corpus",
         "checkpoint": os.path.join(ckpt_dir, str(last_ckpt)) if last_ckpt is not None else None,
     }
     if entropy is not None and summary["val_loss"] is not None:
