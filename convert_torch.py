@@ -1001,6 +1001,7 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
     with storage.StagedDir(out, replace=overwrite, hidden=True) as staged:  # .OUT.tmp-PID, swapped in whole
         tmp = staged.path
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        storage.plain_mode(tmp / WEIGHTS_NAME)  # readable as the other files are, not owner-only
         tok = pathlib.Path(tokenizer) if tokenizer else None
         eot_id, eot = _eot(tok) if tok else (None, None)
         meta = {"format": "torch"} if layout == "torch" else hf_config(c, layout, eot_id)
@@ -1055,12 +1056,17 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     except ValueError as e:
         raise ConvertError(f"{hf_dir / CONFIG_NAME} gives a model that model.py refuses: {e}") from None
     params = from_torch_tensors(tensors, c, layout, str(hf_dir))
+    # the run's config: conf/config.yaml's settings, as train.py reads them, with the imported model, whose
+    # own context (training.seq_len null) the file's seq_len, set for its model, must not cut
+    base = config_lib.load_config(config_lib.DEFAULT_CONFIG)
+    run_cfg = dataclasses.replace(base, run_dir=str(out), model_name=f"imported-{layout}", model=gcfg,
+                                  training=dataclasses.replace(base.training, seq_len=None))
     with contextlib.ExitStack() as held, storage.StagedDir(out, replace=overwrite, hidden=True) as staged:
         if out.is_dir() and any(out.iterdir()):  # --overwrite of a run: not while a process writes it
             held.enter_context(rundir.Run(out).writer("convert_torch.py --import-hf --overwrite"))
         tmp = staged.path
         run = rundir.Run(tmp)
-        run.save_config(config_lib.Config(run_dir=str(out), model_name=f"imported-{layout}", model=gcfg))
+        run.save_config(run_cfg)
         if isinstance(tokenizer, pathlib.Path):  # the directory's tokenizer.json, as it is
             shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
         elif tokenizer is not None:

@@ -101,7 +101,9 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
             splits, tally = _tokenize_local(sources, tmp, tok, workers=workers, bars=bars, **options)
         if sum(s["tokens"] for s in splits.values()) == 0:
             raise DataError(_empty(sources, tally))
-        return {"vocab_size": vocab, "eot_id": options["eot"], "dtype": options["dtype"]}, splits, tally
+        # vocab_size: the tokenizer's, which a BPE trained on a small corpus leaves below the one requested
+        return {"vocab_size": vocab, "vocab_size_requested": None if tokenizer is not None else vocab_size,
+                "eot_id": options["eot"], "dtype": options["dtype"]}, splits, tally
 
     try:
         # tokenizer: the tokenizers library's thread pool honours RAYON_NUM_THREADS until it first starts
@@ -118,7 +120,7 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
                 "format_version": shards.FORMAT_VERSION,
                 "tokenizer": "tokenizer.json",
                 "tokenizer_sha256": shards.file_sha256(staged.path / "tokenizer.json"),
-                **vocab_fields,  # vocab_size, eot_id, dtype
+                **vocab_fields,  # vocab_size, vocab_size_requested, eot_id, dtype
                 "tokens": tokens,
                 "documents": sum(s["documents"] for s in splits.values()),
                 "bytes_per_token": sum(s["bytes"] for s in splits.values()) / tokens,  # end-of-text included
@@ -337,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
               f"skipped (completion longer than --seq-len {args.seq_len}), {index['skipped_records']} invalid "
               f"records skipped{_skipped_names(index, args.out)}; vocab {index['vocab_size']}, "
               f"{time.perf_counter() - start:.1f}s -> {args.out}")
+        _say_vocab_shortfall(index)
         return 0
     if args.val_fraction is None:
         args.val_fraction = 0.005
@@ -361,7 +364,17 @@ def main(argv: list[str] | None = None) -> int:
           f"nats/token, vocab {index['vocab_size']}, {index['dtype']}"
           + (f", {skipped} unreadable or invalid inputs skipped{_skipped_names(index, out)}" if skipped else "")
           + f", {time.perf_counter() - start:.1f}s -> {out}")
+    _say_vocab_shortfall(index)
     return 0
+
+
+def _say_vocab_shortfall(index: dict) -> None:
+    """One line when the trained BPE has fewer tokens than --vocab-size asked for."""
+    requested, actual = index.get("vocab_size_requested"), index["vocab_size"]
+    if requested is not None and actual < requested:
+        print(f"note: vocab {actual:,} instead of the {requested:,} requested: the corpus is too small for more "
+              f"BPE merges (every word in it is already one token); the data directory records {actual:,}, "
+              f"which train.py sizes the model by")
 
 
 def _extra(index: dict) -> str:

@@ -400,7 +400,7 @@ def parse_args(argv):
                    help="run directory (config, checkpoints, tokenizer)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step; default the last")
     p.add_argument("--data", default=None, help="prepared data directory; default the run's own")
-    p.add_argument("--split", default="val", help="split scored for perplexity")
+    p.add_argument("--split", default="val", help="split scored for perplexity (default: %(default)s)")
     p.add_argument("--lengths", default=None, help=f"evaluation lengths: multiples of the training context "
                                                    f"or token counts (default {DEFAULT_LENGTHS})")
     p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens per length")
@@ -413,8 +413,9 @@ def parse_args(argv):
     p.add_argument("--max-length", type=int, default=None, help="longest request the adapter scores, and the "
                    "window of rolling log-likelihoods (default: the model's block_size, as lm-eval's HF backend "
                    "reads it from a --format hf export)")
-    p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per scoring batch")
-    p.add_argument("--seed", type=int, default=0, help="seed for few-shot sampling and sampled generation")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per scoring batch (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed for few-shot sampling and sampled generation "
+                                                              "(default: %(default)s)")
     args = p.parse_args(argv)
     for name in ("max_tokens", "max_length", "batch_tokens"):
         value = getattr(args, name)

@@ -15,10 +15,11 @@ prompt; one whose completion and end-of-text alone do not fit is skipped. Both a
 printed. Records that are not objects with two string fields are skipped and counted.
 
 On-disk format (shards.py): a data directory whose index has `kind: "prompt_completion"`,
-`seq_len`, and per split `mask_shards`: parallel uint8 files {split}_mask_NNNNN.bin, one byte per
-token: shards.PROMPT, COMPLETION, or END for the end-of-text token that closes an example (counted
-in the loss). Examples follow each other; an END marks where one ends. loader.py packs them into
-rows (or one a row) and checks the mask bytes when it opens a split.
+`seq_len`, `loss_unigram_entropy` (of the train split's tokens in the loss: the baseline train.py's
+summary compares the validation loss with), and per split `mask_shards`: parallel uint8 files
+{split}_mask_NNNNN.bin, one byte per token: shards.PROMPT, COMPLETION, or END for the end-of-text
+token that closes an example (counted in the loss). Examples follow each other; an END marks where
+one ends. loader.py packs them into rows (or one a row) and checks the mask bytes when it opens a split.
 """
 from __future__ import annotations
 
@@ -95,6 +96,7 @@ def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in
     vocab = max(tok.get_vocab().values()) + 1
     dtype = shards.dtype_for(vocab)
     counts = {s: {"skipped": 0, "truncated": 0} for s in ("train", "val")}
+    in_loss = {s: np.zeros(vocab, np.int64) for s in ("train", "val")}  # frequencies of the tokens the loss counts
     writers = {s: (shards.ShardWriter(tmp, s, dtype, shard_tokens, vocab),
                    shards.ShardWriter(tmp, f"{s}_mask", "uint8", shard_tokens, 3)) for s in ("train", "val")}
     chunks = {s: ([], []) for s in ("train", "val")}
@@ -105,6 +107,7 @@ def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in
             tokens, mask, ends = _examples(tok, prompts, completions, eot, seq_len + 1, counts[split])
             writers[split][0].write(tokens, ends)
             writers[split][1].write(mask, ends)
+            in_loss[split] += np.bincount(tokens[mask != PROMPT], minlength=vocab)
             writers[split][0].bytes += sum(len(t.encode("utf-8")) for t in prompts + completions)
         chunks[split] = ([], [])
 
@@ -127,10 +130,13 @@ def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in
         summary = tokens.summary()
         summary["examples"] = summary["documents"]
         summary["completion_tokens"] = int(mask.counts[COMPLETION] + mask.counts[END])
+        # the unigram baseline of the loss, which counts these tokens only (the completions and their end-of-text)
+        summary["loss_unigram_entropy"] = shards.unigram_entropy(in_loss[split])
         summary["mask_shards"] = mask.shards
         summary.update(truncated=counts[split]["truncated"], skipped=counts[split]["skipped"])
         splits[split] = summary
-    return {"vocab_size": vocab, "eot_id": eot, "dtype": dtype}, splits, tally
+    return {"vocab_size": vocab, "vocab_size_requested": None if tokenizer is not None else vocab_size,
+            "eot_id": eot, "dtype": dtype}, splits, tally
 
 
 def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = None, vocab_size: int = 8192,
@@ -179,7 +185,8 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
             "skipped": sum(s["skipped"] for s in splits.values()), "skipped_records": bad.skipped_records,
             "skipped_inputs": bad.skipped,  # the first corpus.LISTED invalid records, with the reason
             "bytes_per_token": sum(s["bytes"] for s in splits.values()) / max(total, 1),
-            "unigram_entropy": splits["train"]["unigram_entropy"],
+            "unigram_entropy": splits["train"]["unigram_entropy"],  # of every token, prompts included
+            "loss_unigram_entropy": splits["train"]["loss_unigram_entropy"],  # of the completions alone
             "val_extra": extra,  # the record held out because none fell below the fraction, if one was
             "inputs": inputs, "splits": splits,
         }

@@ -128,7 +128,7 @@ class Run(storage.RunDir):
 
         path = pathlib.Path(self.root) / LOCK
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # less the umask, as every other file
         except OSError as e:
             raise RunError(f"cannot lock the run directory {self}: {e.strerror or e}") from None
         try:

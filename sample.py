@@ -153,12 +153,14 @@ def parse_args(argv):
     p = _Parser(description="Generate text from a trained run.")
     p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="run directory (config, checkpoints, tokenizer)")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate per sample")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens; 0 = all")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set with probability P; 1 = all")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-samples", type=int, default=1, help="samples, generated in one batch")
+    p.add_argument("--max-new-tokens", type=int, default=100,
+                   help="tokens to generate per sample (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens; 0 = all (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set with probability P; 1 = all "
+                                                                 "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    p.add_argument("--num-samples", type=int, default=1, help="samples, generated in one batch (default: %(default)s)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step; default the last")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:

@@ -5,7 +5,9 @@ A data directory DIR (FORMAT_VERSION 1):
     DIR/tokenizer.json        the `tokenizers` tokenizer that produced the ids (a copy, so DIR describes itself)
     DIR/train_00000.bin ...   raw little-endian uint16 token ids (uint32 if the vocabulary needs it), no header
     DIR/val_00000.bin ...
-    DIR/index.json            written last: format_version, tokenizer, tokenizer_sha256, vocab_size, eot_id,
+    DIR/index.json            written last: format_version, tokenizer, tokenizer_sha256, vocab_size (the
+                              tokenizer's, which sizes the model), vocab_size_requested (of a BPE trained here,
+                              which a small corpus leaves short of it; null for a given tokenizer), eot_id,
                               dtype, tokens, documents, bytes_per_token, unigram_entropy (nats per token of
                               the train split), skipped inputs, the inputs, and per split its tokens,
                               documents, bytes, unigram_entropy and shards [{file, tokens, documents, sha256}]
@@ -198,10 +200,10 @@ class ShardWriter:
 def split_summary(shards: list[dict], counts: np.ndarray, nbytes: int) -> dict:
     """A split's entry in the index, from its shards in order and its token frequencies."""
     return {"tokens": int(counts.sum()), "documents": sum(s["documents"] for s in shards), "bytes": nbytes,
-            "unigram_entropy": _entropy(counts), "shards": shards}
+            "unigram_entropy": unigram_entropy(counts), "shards": shards}
 
 
-def _entropy(counts: np.ndarray) -> float:
+def unigram_entropy(counts: np.ndarray) -> float:
     """Unigram entropy in nats per token: H = -sum p log p over the observed token frequencies."""
     total = counts.sum()
     if total == 0:

@@ -531,6 +531,27 @@ def check_out(out, overwrite: bool, *, ours: Callable[[pathlib.Path], bool], wha
     return out
 
 
+def umask() -> int:
+    """The process's file-mode creation mask, read without changing it where the system shows it
+    (os.umask only swaps it, for every thread at once)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def plain_mode(path) -> None:
+    """Give a file the mode open() gives a new one, 0o666 less the umask: for a library that writes its
+    files owner-only (safetensors' save_file makes them 0600)."""
+    os.chmod(path, 0o666 & ~umask())
+
+
 class StagedDir:
     """A local directory built in a sibling and swapped into place whole, when complete.
 

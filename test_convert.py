@@ -21,18 +21,20 @@ import numpy as np
 import pytest
 import torch
 import transformers
+import yaml
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import config
 import convert_torch as ct
+import data
 import eval as E
 import loader
 import model
 import rundir
 import shards
 import train
-from test_data import PLACES, bad_place, kill_at_random_moments, one_error_line
+from test_data import PLACES, bad_place, kill_at_random_moments, make_docs, one_error_line, write_text_files
 from test_train import corpus, restore, rows, tiny  # noqa: F401  (corpus is a fixture)
 
 REPO = pathlib.Path(__file__).resolve().parent
@@ -304,6 +306,43 @@ def test_a_pytorch_export_imports_back_identically(valid_hf, tmp_path):
     expected = {**params, "wte": np.concatenate([params["wte"][:300], np.zeros((84, 32), np.float32)])}
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("umask", [0o027, 0o002], ids=["umask027", "umask002"])
+def test_written_files_and_directories_follow_the_umask(valid_hf, corpus, tmp_path, umask):  # noqa: F811
+    """Exports (both formats), an imported run, a run's lock and a data directory: every file gets
+    0o666 and every directory 0o777, less the umask, as open() and mkdir() give them."""
+    m, params = jax_model(alibi_attn=True, embed_norm=True)
+    write_text_files(tmp_path / "texts", make_docs(8))
+    out = tmp_path / "out"
+    old = os.umask(umask)
+    try:
+        ct.export(params, m.config, out / "hf", fmt="hf", tokenizer=corpus / "tokenizer.json")
+        ct.export(params, m.config, out / "pt", tokenizer=corpus / "tokenizer.json")
+        ct.import_hf(valid_hf / "gpt2", out / "run")
+        with rundir.Run(out / "run").writer("a test"):
+            pass
+        data.prepare([str(tmp_path / "texts")], out / "data", vocab_size=260, val_fraction=0.3, progress=False)
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(out)): p.stat().st_mode & 0o7777 for p in out.rglob("*")}
+    assert {"hf/model.safetensors", "hf/tokenizer_config.json", "pt/model.safetensors", "run/config.yaml",
+            "run/.lock", "data/index.json"} <= modes.keys()
+    expected = {name: (0o777 if (out / name).is_dir() else 0o666) & ~umask for name in modes}
+    assert modes == expected
+
+
+def test_an_imported_run_carries_the_config_files_settings(valid_hf, tmp_path):
+    """Its config.yaml: the imported model, and conf/config.yaml's values for the rest (the training
+    context left to the model)."""
+    ct.import_hf(valid_hf / "gpt2", tmp_path / "run")
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    conf = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())
+    assert saved["training"] == {**conf["training"], "seq_len": None}
+    for section in ("checkpoint", "sharding", "wandb", "data"):
+        assert saved[section] == conf[section], section
+    assert saved["seed"] == conf["seed"] and saved["run_dir"] == str(tmp_path / "run")
+    assert saved["model"]["name"] == "imported-gpt2" and saved["model"]["block_size"] == 32
 
 
 def test_unreadable_hf_weights_are_one_error_line(tmp_path, capsys):

@@ -257,6 +257,40 @@ def test_cli_prepares_and_summarises(tmp_path):
     assert shards.load_index(tmp_path / "out")["documents"] == 20
 
 
+@pytest.mark.parametrize("kind", ["text", "prompt_completion"])
+def test_a_bpe_short_of_the_requested_vocabulary_says_so_and_records_its_own_size(tmp_path, capsys, kind):
+    """A corpus of a few dozen distinct words cannot fill 16384 tokens: the BPE stops when every word is
+    one token. The last line says so, and the index (which loader.py and train.py read) holds the real size."""
+    if kind == "text":
+        write_text_files(tmp_path / "corpus", make_docs(20, seed=3))
+        argv = ["--input", str(tmp_path / "corpus"), "--val-fraction", "0.25"]
+    else:
+        docs = make_docs(40, seed=3)
+        (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"in_text": a, "out_text": b}) + "\n"
+                                                      for a, b in zip(docs[::2], docs[1::2])))
+        argv = ["--format", "prompt_completion", "--input", str(tmp_path / "pairs.jsonl"), "--seq-len", "512"]
+    assert data.cli([*argv, "--out", str(tmp_path / "out"), "--vocab-size", "16384", "--workers", "1"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    actual = tokenizer.get_vocab_size()
+    assert 258 < actual < 16384
+    assert out[-1] == (f"note: vocab {actual:,} instead of the 16,384 requested: the corpus is too small for more "
+                       f"BPE merges (every word in it is already one token); the data directory records "
+                       f"{actual:,}, which train.py sizes the model by")
+    index = shards.load_index(tmp_path / "out")
+    assert index["vocab_size"] == actual and index["vocab_size_requested"] == 16384
+    if kind == "text":
+        # the reason given holds: every word of the documents the BPE learnt from is one token
+        for doc in decode_documents(tmp_path / "out", "train"):
+            words = tokenizer.pre_tokenizer.pre_tokenize_str(doc)
+            assert len(tokenizer.encode(doc).ids) == len(words), doc
+    # a vocabulary filled as asked: no such line
+    assert data.cli([*argv, "--out", str(tmp_path / "full"), "--vocab-size", "260", "--workers", "1"]) == 0
+    assert "note:" not in capsys.readouterr().out
+    assert shards.load_index(tmp_path / "full")["vocab_size"] == 260
+
+
 # ------------------------------------------------------------------------------------------------
 # The window permutation and the loader
 

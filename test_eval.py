@@ -26,6 +26,7 @@ import sample
 import shards
 import train
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
+from test_sample import assert_help_shows_defaults
 
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
 
@@ -489,6 +490,10 @@ def test_user_errors_are_one_line(run, tmp_path, capsys, argv, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and message in err[-1]
     assert not any(line.startswith("Traceback") for line in err)
+
+
+def test_help_shows_the_defaults(capsys):
+    assert_help_shows_defaults(E.parse_args, ["--checkpoint", "RUN"], capsys)
 
 
 def test_alibi_perplexity_at_twice_the_training_context(tmp_path, corpus):  # noqa: F811

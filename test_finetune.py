@@ -93,6 +93,10 @@ def test_mask_covers_completion_and_end_of_text(tmp_path):
     mask = np.concatenate([np.fromfile(tmp_path / "d" / s["file"], np.uint8) for s in split["mask_shards"]])
     assert tokens.tolist() == want_tokens
     assert mask.tolist() == want_mask
+    # the baseline of the loss: the unigram entropy of the completion and end-of-text tokens alone
+    in_loss = np.asarray(want_tokens)[np.asarray(want_mask) > 0]
+    p = np.unique(in_loss, return_counts=True)[1] / len(in_loss)
+    assert index["loss_unigram_entropy"] == pytest.approx(-(p * np.log(p)).sum(), rel=1e-9)
 
     # the loader's weights pick exactly each example's completion and end-of-text, as targets
     for batching in ("packing", "padding"):
@@ -284,8 +288,21 @@ def test_finetuned_model_reverses_held_out_lists(reversal, tmp_path, capsys):
     right = sum(tok.decode(sample.truncate(row, eot)) == p["out_text"] for row, p in zip(out, held))
     assert right >= 0.8 * len(held), f"{right}/{len(held)} held-out lists reversed"
 
+    # the summary compares the validation loss with the unigram entropy of the tokens it counts, the
+    # completions of the train split (from the shard and mask files here), not of every token
+    summary = json.loads((run_dir / "summary.json").read_text())
+    index = json.loads((root / "data" / "index.json").read_text())
+    split = index["splits"]["train"]
+    tokens = np.concatenate([np.fromfile(root / "data" / s["file"], "<u2") for s in split["shards"]])
+    mask = np.concatenate([np.fromfile(root / "data" / s["file"], np.uint8) for s in split["mask_shards"]])
+    p = np.unique(tokens[mask > 0], return_counts=True)[1] / np.count_nonzero(mask)
+    entropy = -(p * np.log(p)).sum()
+    assert summary["unigram_entropy"] == pytest.approx(entropy, rel=1e-9)
+    assert summary["val_loss_below_unigram"] == pytest.approx(entropy - summary["val_loss"], rel=1e-9)
+    assert f"unigram entropy of the completions (the tokens in the loss) {entropy:.4f} nats/token" \
+        in capsys.readouterr().out
+
     # sample.py prints the completion alone for a fine-tuned run
-    capsys.readouterr()
     assert sample.cli(["--checkpoint", str(run_dir), "--prompt", held[0]["in_text"], "--temperature", "0",
                        "--max-new-tokens", "6"]) == 0
     printed = capsys.readouterr().out.splitlines()

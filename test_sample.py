@@ -6,6 +6,7 @@ tokenizer's own decoding of an independently computed greedy continuation.
 """
 import dataclasses
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -284,6 +285,35 @@ def test_cli_errors_are_one_line(runs, capsys, tmp_path):
         rc, out, err = run_cli(capsys, *argv)
         assert rc == 2 and out == "", argv
         assert err.count("\n") == 1 and err.startswith("error: ") and words in err, (argv, err)
+
+
+def help_entries(parse_args, capsys) -> dict[str, str]:
+    """`--help` of a parser, as {option or positional: its help text on one line}."""
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--help"])
+    assert stopped.value.code == 0
+    body = capsys.readouterr().out.split("\n\n", 1)[1]  # after the usage
+    indented = "\n".join(line for line in body.splitlines() if line.startswith(" "))  # no description, headers
+    entries = re.split(r"\n  (?=\S)", "\n" + indented)
+    return {entry.split()[0]: " ".join(entry.split()[1:]) for entry in entries if entry.strip()}
+
+
+def assert_help_shows_defaults(parse_args, required: list[str], capsys) -> None:
+    """Every option whose parsed default is a value (not None, not a flag's False) names it in --help."""
+    parsed = vars(parse_args(required))
+    entries = help_entries(parse_args, capsys)
+    shown = 0
+    for dest, value in parsed.items():
+        option = "--" + dest.replace("_", "-")
+        if value is None or value is False or option in required:
+            continue
+        assert f"(default: {value})" in entries[option], (option, entries[option])
+        shown += 1
+    assert shown >= 3
+
+
+def test_help_shows_the_defaults(capsys):
+    assert_help_shows_defaults(sample.parse_args, ["--checkpoint", "RUN", "--prompt", "x"], capsys)
 
 
 def test_cli_process_exit_status(tmp_path):

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import yaml
 
 import config
 import data
@@ -515,6 +516,18 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, p.stderr)
         assert "Traceback" not in p.stderr
+
+
+def test_help_names_the_file_whose_keys_the_overrides_address(capsys):
+    from test_sample import help_entries
+
+    entries = help_entries(train.parse_args, capsys)
+    assert "conf/config.yaml" in entries["key=value"]
+    conf = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())
+    key = entries["key=value"].split("e.g. ")[1].split()[0].split("=")[0]  # the example override's key
+    section, field = key.split(".")
+    assert field in conf[section]
+    assert f"(default: {config.DEFAULT_CONFIG})" in entries["--config"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

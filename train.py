@@ -106,7 +106,8 @@ def report(summary: dict) -> str:
         f"val loss {fmt(summary['val_loss'], '.4f')} (ppl {fmt(summary['val_ppl'], '.2f')}) on a fixed sample of "
         f"{summary['val_sample_windows']} windows, {summary['val_sample_tokens']:,} tokens "
         f"(python eval.py measures the whole split)\n"
-        f"  unigram entropy of the corpus {fmt(summary['unigram_entropy'], '.4f')} nats/token"
+        f"  unigram entropy of {summary.get('unigram_entropy_of', 'the corpus')} "
+        f"{fmt(summary['unigram_entropy'], '.4f')} nats/token"
         + (f"; the val loss is {abs(gap):.3f} nats {'below' if gap >= 0 else 'above'} it" if gap is not None else "")
         + f"\n  checkpoint {summary['checkpoint']}"
     )
@@ -120,7 +121,9 @@ def parse_args(argv):
     )
     parser.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue the run in run_dir from its last checkpoint")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. training.lr=1e-3")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides of the config file's keys, e.g. training.lr=1e-3 model=124m; every "
+                             "key, with its default and meaning, is in conf/config.yaml")
 
     def error(message):  # one line, no usage block
         raise config_lib.ConfigError(f"{message} (usage: python train.py [--config FILE] [key=value ...] [--resume])")
@@ -453,7 +456,9 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
         if wandb_run is not None:
             wandb_run.finish()
         return 128 + stop["signal"]  # not 0: `python train.py && python eval.py` must not go on
-    entropy = index.get("unigram_entropy")
+    # the unigram baseline of the tokens the loss counts: with prompt/completion data, the completions alone
+    completions = shards.is_prompt_completion(index)
+    entropy = index.get("loss_unigram_entropy" if completions else "unigram_entropy")
     train_loss = float(np.mean(recent_losses)) if recent_losses else None
     summary = {
         "steps": step,
@@ -468,6 +473,7 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
         "val_sample_windows": val_windows,
         "val_sample_tokens": val_tokens,
         "unigram_entropy": entropy,
+        "unigram_entropy_of": "the completions (the tokens in the loss)" if completions else "the corpus",
         "checkpoint": os.path.join(ckpt_dir, str(last_ckpt)) if last_ckpt is not None else None,
     }
     if entropy is not None and summary["val_loss"] is not None:
