@@ -27,7 +27,7 @@ default runner's, byte for byte (same tokenizer, encoding, shard writer, documen
 
 `--verify DIR` reads every file and checks its size and sha256 against index.json, listing each
 damaged one. A data directory may also be a URL (gs://bucket/dir, after `gcloud storage cp -r
-DIR`): the loader reads its verified local copy (shards.local_dir).
+DIR`): the loader reads it by byte ranges, each process its own rows (shards.Source).
 """
 from __future__ import annotations
 

@@ -39,6 +39,7 @@ import shards
 from corpus import DataError
 
 BATCHING = ("packing", "padding")  # how prompt/completion examples fill rows
+REMOTE_PREFETCH = 8  # batches read ahead from a URL: a request's latency hidden behind several steps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +123,8 @@ def permute(indices: np.ndarray, n: int, seed: int, epoch) -> np.ndarray:
 # Text data
 
 class Stream:
-    """One split's shards as a single logical token stream, read through numpy.memmap.
+    """One split's shards as a single logical token stream: memory-mapped from a local directory, read
+    by byte ranges from a URL (a batch's rows in one concurrent request; shards.Source).
 
     `check` tests a batch read from it against the vocabulary: a flipped byte in a shard gives an id
     that would index the embedding out of range, so it is caught here and named, not met as a NaN loss."""
@@ -133,16 +135,17 @@ class Stream:
         if split not in splits:
             raise DataError(f"{data_dir}: no split {split!r} (has: {', '.join(splits)})")
         self.split, self.vocab_size = split, int(self.index["vocab_size"])
-        dtype, self.directory = np.dtype(self.index["dtype"]).newbyteorder("<"), shards.local_dir(data_dir)
-        self.shards, self.files, self.itemsize = [], [], dtype.itemsize
+        self.source = shards.Source(data_dir)
+        self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
+        self.directory, self.itemsize = self.source.location, self.dtype.itemsize
+        self.names, self.shards, self.starts = [], [], [0]  # shards: local memory maps, none for a URL
         for shard in splits[split]["shards"]:
             if int(shard["tokens"]):
-                mapped = np.memmap(self.directory / shard["file"], dtype, "r", shape=(int(shard["tokens"]),))
-                self.shards.append(np.asarray(mapped))  # a plain ndarray view: cheaper to slice than a memmap
-                self.files.append(self.directory / shard["file"])
-        self.starts = [0]
-        for shard in self.shards:
-            self.starts.append(self.starts[-1] + len(shard))
+                self.names.append(shard["file"])
+                self.starts.append(self.starts[-1] + int(shard["tokens"]))
+                if not self.source.remote:
+                    self.shards.append(self.source.memmap(shard["file"], self.dtype, int(shard["tokens"])))
+        self.files = [self.source.show(name) for name in self.names]
         self.tokens = self.starts[-1]
 
     def windows(self, seq_len: int, what: str) -> int:
@@ -153,16 +156,37 @@ class Stream:
                             f"({self.tokens} tokens){hint}")
         return n
 
+    def read_spans(self, spans: list[tuple[int, int]]) -> list[np.ndarray]:
+        """stream[start : start + n] of each (start, n), in the shards' dtype, across shard boundaries; from
+        a URL all of them in one request."""
+        pieces = []  # (span, shard, first, end, offset in the span's array)
+        for k, (start, n) in enumerate(spans):
+            i = bisect.bisect_right(self.starts, start) - 1
+            pos, done = start - self.starts[i], 0
+            while done < n:
+                take = min(n - done, self.starts[i + 1] - self.starts[i] - pos)
+                pieces.append((k, i, pos, pos + take, done))
+                done += take
+                i, pos = i + 1, 0
+        out = [np.empty(n, self.dtype) for _, n in spans]
+        if self.source.remote:
+            raw = self.source.read_ranges([(self.names[i], a * self.itemsize, b * self.itemsize)
+                                           for _, i, a, b, _ in pieces])
+            for (k, _, a, b, at), data in zip(pieces, raw):
+                out[k][at:at + b - a] = np.frombuffer(data, self.dtype)
+        else:
+            for k, i, a, b, at in pieces:
+                out[k][at:at + b - a] = self.shards[i][a:b]
+        return out
+
     def read(self, start: int, out: np.ndarray) -> None:
         """out[:] = stream[start : start + len(out)], across shard boundaries."""
-        i = bisect.bisect_right(self.starts, start) - 1
-        pos, n = start - self.starts[i], len(out)
-        done = 0
-        while done < n:
-            piece = self.shards[i][pos:pos + n - done]
-            out[done:done + len(piece)] = piece
-            done += len(piece)
-            i, pos = i + 1, 0
+        out[:] = self.read_spans([(start, len(out))])[0]
+
+    def read_rows(self, starts, n: int) -> np.ndarray:
+        """int32 (len(starts), n): row i = stream[starts[i] : starts[i] + n]."""
+        rows = self.read_spans([(int(start), n) for start in starts])
+        return np.stack(rows).astype(np.int32) if rows else np.empty((0, n), np.int32)
 
     def check(self, tokens: np.ndarray, spans: Callable[[], Iterable[tuple[int, int]]]) -> None:
         """Raises DataError if an id in `tokens` (int32, read from this stream) is outside the vocabulary.
@@ -173,8 +197,7 @@ class Stream:
         if not tokens.size or tokens.max() < self.vocab_size and (self.itemsize < 4 or tokens.min() >= 0):
             return
         for start, n in spans():
-            span = np.empty(n, self.shards[0].dtype)  # the shards' own dtype: no id wraps
-            self.read(start, span)
+            span = self.read_spans([(start, n)])[0]  # the shards' own dtype: no id wraps
             bad = np.flatnonzero(span >= self.vocab_size)
             if len(bad):
                 at = start + int(bad[0])  # in the stream, then in its shard
@@ -207,8 +230,11 @@ class Loader:
     def get_batch(self, step: int):
         raise NotImplementedError
 
-    def iterate(self, start_step: int = 0, prefetch: int = 2) -> Iterator:
+    prefetch = 2  # batches made ahead by iterate(); more for data read from a URL (REMOTE_PREFETCH)
+
+    def iterate(self, start_step: int = 0, prefetch: int | None = None) -> Iterator:
         """get_batch(start_step), get_batch(start_step + 1), ...; prefetch > 0 fills a queue from a thread."""
+        prefetch = self.prefetch if prefetch is None else prefetch
         return self._prefetched(start_step, prefetch) if prefetch > 0 else self._plain(start_step)
 
     def _plain(self, step: int) -> Iterator:
@@ -270,6 +296,7 @@ class TextLoader(Loader):
         super().__init__(seq_len, batch_size, seed=seed, process_index=process_index, process_count=process_count)
         self.stream = Stream(data_dir, split)
         self.index = self.stream.index
+        self.prefetch = REMOTE_PREFETCH if self.stream.source.remote else self.prefetch
         self.num_windows = self.stream.windows(seq_len, f"{data_dir} split {split!r}")
 
     def get_batch(self, step: int) -> np.ndarray:
@@ -278,9 +305,7 @@ class TextLoader(Loader):
             raise ValueError(f"step must be >= 0, got {step}")
         g = step * self.batch_size + self.rows
         windows = permute(g % self.num_windows, self.num_windows, self.seed, g // self.num_windows)
-        batch = np.empty((self.local_batch_size, self.seq_len + 1), np.int32)
-        for row, window in zip(batch, windows.tolist()):
-            self.stream.read(window * self.seq_len, row)
+        batch = self.stream.read_rows(windows * self.seq_len, self.seq_len + 1)
         self.stream.check(batch, lambda: ((window * self.seq_len, self.seq_len + 1) for window in windows.tolist()))
         return batch
 
@@ -294,9 +319,7 @@ def eval_windows(data_dir, split: str, seq_len: int, batch_size: int, *,
     n = stream.windows(seq_len, f"{data_dir} split {split!r}")
     n = n if max_windows is None else min(n, max_windows)
     for first in range(0, n, batch_size):
-        batch = np.empty((min(batch_size, n - first), seq_len + 1), np.int32)
-        for row, window in enumerate(range(first, first + len(batch))):
-            stream.read(window * seq_len, batch[row])
+        batch = stream.read_rows(np.arange(first, min(first + batch_size, n)) * seq_len, seq_len + 1)
         stream.check(batch, lambda: [(first * seq_len, len(batch) * seq_len + 1)])  # the rows' windows, in order
         yield batch
 
@@ -312,11 +335,16 @@ class Examples:
         self.index = index = self.stream.index
         if not shards.is_prompt_completion(index):
             raise DataError(f"{data_dir} is not prompt/completion data (prepare it with --format prompt_completion)")
-        directory, masks = self.stream.directory, []  # a URL: its verified local copy, sizes checked
+        # the loss masks, one byte a token, are read whole (from a URL too): every example's bounds come
+        # from them, and the packing plan needs every example's length
+        source, masks = self.stream.source, []
         for shard in index["splits"][split]["mask_shards"]:
-            file, n = directory / shard["file"], int(shard["tokens"])
+            file, n = source.show(shard["file"]), int(shard["tokens"])
             if n:
-                masks.append(np.asarray(np.memmap(file, np.uint8, "r", shape=(n,))))
+                masks.append(np.frombuffer(source.read_bytes(shard["file"]), np.uint8) if source.remote
+                             else source.memmap(shard["file"], np.uint8, n))
+                if len(masks[-1]) != n:
+                    raise DataError(f"{file}: {len(masks[-1])} loss-mask bytes, index.json records {n}")
                 if int(masks[-1].max()) > shards.END:  # a corrupt byte: weights and example bounds would be wrong
                     at = int(np.flatnonzero(masks[-1] > shards.END)[0])
                     raise DataError(f"{file}: byte {at} is {int(masks[-1][at])}, not a loss-mask value "
@@ -333,8 +361,10 @@ class Examples:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def fill(self, examples, tokens: np.ndarray, weights: np.ndarray, segments: np.ndarray) -> None:
-        """Writes examples (ids) one after another into one row: tokens (T+1,), weights (T,), segments (T,)."""
+    def fill(self, examples, read: Iterator[np.ndarray], tokens: np.ndarray, weights: np.ndarray,
+             segments: np.ndarray) -> None:
+        """Writes examples (ids), their tokens the next arrays of `read`, one after another into one row:
+        tokens (T+1,), weights (T,), segments (T,)."""
         T = len(weights)
         mask = np.zeros(T + 1, np.uint8)
         seg = np.zeros(T + 1, np.int32)
@@ -342,7 +372,7 @@ class Examples:
         pos = 0
         for k, e in enumerate(examples, 1):
             start, n = int(self.starts[e]), int(self.lengths[e])
-            self.stream.read(start, tokens[pos:pos + n])
+            tokens[pos:pos + n] = next(read)
             mask[pos:pos + n] = self.mask[start:start + n]
             seg[pos:pos + n] = k
             pos += n
@@ -353,8 +383,10 @@ class Examples:
         """A batch of len(rows) rows, row i holding the examples rows[i] (ids), its token ids checked against
         the vocabulary (one max; a corrupt shard is a DataError naming it)."""
         batch = empty_batch(len(rows), seq_len)
+        read = iter(self.stream.read_spans([(int(self.starts[e]), int(self.lengths[e]))
+                                            for examples in rows for e in examples]))  # one request from a URL
         for i, examples in enumerate(rows):
-            self.fill(examples, batch["tokens"][i], batch["weights"][i], batch["segments"][i])
+            self.fill(examples, read, batch["tokens"][i], batch["weights"][i], batch["segments"][i])
         self.stream.check(batch["tokens"], lambda: ((int(self.starts[e]), int(self.lengths[e]))
                                                     for examples in rows for e in examples))
         return batch
@@ -388,6 +420,7 @@ class PromptCompletionLoader(Loader):
             raise DataError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
         self.examples = _checked(data_dir, split, seq_len)
         self.index = self.examples.index
+        self.prefetch = REMOTE_PREFETCH if self.examples.stream.source.remote else self.prefetch
         self.packing = batching == "packing"
         self._epoch_rows: list[int] = []  # rows of each epoch planned so far
         self._plans: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # epoch -> (order, bounds)

@@ -208,19 +208,36 @@ class Run(storage.RunDir):
 
     def save_data(self, data_dir: str, index: dict) -> None:
         """Record the prepared data the run trains on (`data_dir` as the config holds it: a URL or a
-        resolved path), and copy its tokenizer."""
-        local = shards.local_dir(data_dir)
-        remote = storage.is_url(data_dir)
+        resolved path), with the object store's version of each of its files for a URL, and copy its
+        tokenizer."""
+        source = shards.Source(data_dir)
         ref = {
             "dir": data_dir,
-            "index": f"{data_dir}/index.json" if remote else str(local / "index.json"),
-            "tokenizer": f"{data_dir}/{index['tokenizer']}" if remote else str(local / index["tokenizer"]),
+            "index": source.show("index.json"),
+            "tokenizer": source.show(index["tokenizer"]),
             "tokenizer_sha256": index.get("tokenizer_sha256"),
             "vocab_size": index["vocab_size"],
             "kind": index.get("kind", "text"),  # prompt_completion: sample.py completes prompts like training
         }
+        if source.remote:  # what check_data compares at a resume
+            ref["versions"] = shards.versions(data_dir)
         self.write_text(DATA, json.dumps(ref, indent=2) + "\n")
-        self.write_bytes(TOKENIZER, (local / index["tokenizer"]).read_bytes())
+        self.write_bytes(TOKENIZER, shards.tokenizer_bytes(data_dir))
+
+    def check_data(self, data_dir: str) -> None:
+        """A resume trains on the files it started with: at a URL, a file whose object-store version
+        differs from the one data.json records (rewritten, prepared again) is a RunError, as the batches
+        would no longer be the ones the run's steps were numbered by."""
+        recorded = self.data()
+        if recorded.get("dir") != data_dir or not isinstance(recorded.get("versions"), dict):
+            return
+        now = shards.versions(data_dir) or {}
+        changed = sorted(name for name, version in recorded["versions"].items() if now.get(name) != version)
+        if changed:
+            raise RunError(f"data.dir {data_dir} changed since this run started: {changed[0]}"
+                           + (f" and {len(changed) - 1} more files differ" if len(changed) > 1 else " differs")
+                           + f" from the versions {self.show(DATA)} records; resume on the data it "
+                           f"trained on, or start a new run (training.init_from={self})")
 
     def data(self) -> dict:
         """data.json ({} for a run without one, e.g. an import)."""

@@ -22,8 +22,11 @@ Writing: `ShardWriter` cuts a split's tokens into shards, hashing each; `Staged`
 DIR.tmp-<pid> a directory is built in, swapped into place only when complete (storage.StagedDir), so an
 interrupted preparation never leaves an index naming missing or partial shards, nor loses the old DIR.
 Reading: `load_index` checks the index, the tokenizer's sha256 and every shard's size (truncated,
-extended, missing); `verify` reads every file against its sha256. A directory at a URL (gs://...) is
-read through its verified local copy (`local_dir`, storage.py's cache).
+extended, missing); `verify` reads every file against its sha256. `Source` reads a directory's files
+where they are: memory-mapped on a local disk, by byte ranges from a URL (gs://...), nothing copied; at
+a URL, `load_index` reads index.json, the tokenizer and one listing of the directory, which checks
+every file's size and gives each one's version (the object store's generation and checksum), so that
+a resume can refuse data that changed underneath.
 
 Knows nothing of models or of how documents are found (corpus.py) or batched (loader.py).
 """
@@ -253,11 +256,81 @@ def is_prompt_completion(index: dict) -> bool:
     return index.get("kind") == PROMPT_COMPLETION
 
 
-def local_dir(location, cache: str | os.PathLike | None = None) -> pathlib.Path:
-    """A data directory on the local disk: `location` itself, or for a URL its copy in storage.py's
-    cache, every file the index names checked against its recorded size and sha256."""
-    return storage.local_copy(location, lambda index: [(f.file, f.size, f.sha256) for f in index_files(index)],
-                              cache)
+VERSION_FIELDS = ("generation", "md5Hash", "crc32c", "ETag", "etag")  # what an object store says of an object
+LOCAL_VERSION_FIELDS = ("mtime", "created", "LastModified")  # where it says none of those
+
+
+class Source:
+    """A data directory's files by name, read where they are: memory-mapped on a local disk; at a URL
+    (gs://..., through fsspec) by byte ranges, a batch's ranges in one concurrent request. A failed
+    read is a DataError naming the file."""
+
+    def __init__(self, location):
+        location = storage.local_path(str(location))
+        self.remote = storage.is_url(location)
+        self.location = location.rstrip("/") if self.remote else location
+        if self.remote:
+            self.fs, self.root = storage.filesystem(self.location, DataError)
+
+    def __str__(self) -> str:
+        return self.location
+
+    def show(self, name: str) -> str:
+        """How a file of the directory is named in messages."""
+        return f"{self.location}/{name}" if self.remote else str(pathlib.Path(self.location) / name)
+
+    def _failed(self, name: str, e: BaseException) -> DataError:
+        if isinstance(e, FileNotFoundError):
+            return DataError(f"{self.show(name)} not found")
+        return DataError(f"reading {self.show(name)} failed ({storage.os_problem(e) or type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+
+    def read_bytes(self, name: str) -> bytes:
+        try:
+            if self.remote:
+                return self.fs.cat_file(f"{self.root}/{name}")
+            return (pathlib.Path(self.location) / name).read_bytes()
+        except Exception as e:
+            raise self._failed(name, e) from None
+
+    def listing(self) -> dict[str, dict]:
+        """{name: {"size": bytes, "version": {field: value}}} of the files directly in the directory, in one
+        listing; a version is the object store's generation and checksums (or its modification time)."""
+        if not self.remote:
+            root = pathlib.Path(self.location)
+            return {p.name: {"size": p.stat().st_size, "version": {"mtime": str(p.stat().st_mtime_ns)}}
+                    for p in (root.iterdir() if root.is_dir() else []) if p.is_file()}
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        except Exception as e:
+            raise self._failed("", e) from None
+        files = {}
+        for info in entries:
+            if info.get("type") == "directory":
+                continue
+            fields = [k for k in VERSION_FIELDS if info.get(k)] or [k for k in LOCAL_VERSION_FIELDS if info.get(k)]
+            files[info["name"].rstrip("/").rsplit("/", 1)[-1]] = {
+                "size": int(info["size"]), "version": {k: str(info[k]) for k in fields}}
+        return files
+
+    def memmap(self, name: str, dtype, count: int) -> np.ndarray:
+        """A local file as an array of `count` items (a plain ndarray view: cheaper to slice than a memmap)."""
+        return np.asarray(np.memmap(pathlib.Path(self.location) / name, dtype, "r", shape=(count,)))
+
+    def read_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes]:
+        """The bytes [start, end) of each (name, start, end) of a URL's files, in one concurrent request."""
+        if not ranges:
+            return []
+        try:
+            return self.fs.cat_ranges([f"{self.root}/{name}" for name, _, _ in ranges],
+                                      [a for _, a, _ in ranges], [b for _, _, b in ranges], on_error="raise")
+        except Exception as e:
+            raise self._failed(ranges[0][0] if len({n for n, _, _ in ranges}) == 1 else "", e) from None
+
+
+_checked_remote: dict[str, dict] = {}  # URL -> its index, checked against a listing in this process
 
 
 class IndexedFile(NamedTuple):
@@ -282,15 +355,19 @@ def index_files(index: dict) -> list[IndexedFile]:
     return files
 
 
-def read_index(data_dir) -> tuple[pathlib.Path, dict, list[IndexedFile]]:
-    """(local directory, index, the files it names) of a data directory, the index's own fields checked
-    but not the files. A URL is first copied into the local cache and verified (local_dir)."""
-    data_dir = local_dir(data_dir)
-    path = data_dir / "index.json"
-    if not path.is_file():
-        raise DataError(f"{path} not found; prepare the data with `python data.py`")
+def read_index(data_dir) -> tuple[Source, dict, list[IndexedFile]]:
+    """(its Source, index, the files it names) of a data directory, the index's own fields checked but
+    not the files."""
+    source = Source(data_dir)
+    path = source.show("index.json")
     try:
-        index = json.loads(path.read_text())
+        raw = source.read_bytes("index.json")
+    except DataError as e:
+        if "not found" in str(e):
+            raise DataError(f"{path} not found; prepare the data with `python data.py`") from None
+        raise
+    try:
+        index = json.loads(raw)
         version = index["format_version"]
         if version != FORMAT_VERSION:
             raise DataError(f"{path}: format version {version}, this data.py reads {FORMAT_VERSION}")
@@ -300,7 +377,11 @@ def read_index(data_dir) -> tuple[pathlib.Path, dict, list[IndexedFile]]:
         for name, split in index["splits"].items():
             if sum(int(s["tokens"]) for s in split["shards"]) != int(split["tokens"]):
                 raise DataError(f"{path}: split {name!r} shard token counts do not add up to {split['tokens']}")
-        return data_dir, index, index_files(index)
+        files = index_files(index)
+        bad = [f.file for f in files if not isinstance(f.file, str) or "/" in f.file or f.file in ("", ".", "..")]
+        if bad:
+            raise ValueError(f"file name {bad[0]!r} outside the directory")
+        return source, index, files
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise DataError(f"{path} is corrupt ({type(e).__name__}: {e}); re-run data.py with --overwrite")
 
@@ -309,9 +390,10 @@ def _size(path: pathlib.Path) -> int | None:
     return path.stat().st_size if path.is_file() else None
 
 
-def _size_problem(path: pathlib.Path, entry: IndexedFile) -> str | None:
-    """A shard whose size is not the recorded one: missing, truncated or extended."""
-    size = _size(path)
+def _size_problem(path, entry: IndexedFile, size: int | None = None) -> str | None:
+    """A shard whose size (None: missing; by default read from the local `path`) is not the recorded one:
+    missing, truncated or extended."""
+    size = _size(path) if size is None and isinstance(path, pathlib.Path) else size
     if size == entry.size:
         return None
     return f"{path}: expected {entry.size} bytes ({entry.what}), found " + ("none: missing" if size is None
@@ -322,8 +404,12 @@ def load_index(data_dir) -> dict:
     """The validated index of a data directory: the tokenizer matches its sha256, and every shard (loss-mask
     shards included) exists with the recorded size; hashes of the shards are `verify`'s to check.
 
-    A URL (gs://...) is first copied into the local cache and verified there (local_dir)."""
+    At a URL (gs://...) the sizes come from one listing of the directory, and no shard byte is read; the
+    index is checked once per process (`versions` gives the listing's versions)."""
+    if storage.is_url(data_dir):
+        return _remote_index(str(data_dir).rstrip("/"))["index"]
     data_dir, index, files = read_index(data_dir)
+    data_dir = pathlib.Path(data_dir.location)
     tokenizer = data_dir / files[0].file
     if not tokenizer.is_file():
         raise DataError(f"{data_dir / 'index.json'}: tokenizer {tokenizer} is missing")
@@ -336,12 +422,48 @@ def load_index(data_dir) -> dict:
     return index
 
 
+def _remote_index(url: str) -> dict:
+    """{"index", "versions"} of a data directory at a URL: index.json and the tokenizer read and checked,
+    every file's size checked against one listing, and the listing's versions of the files kept."""
+    if url in _checked_remote:
+        return _checked_remote[url]
+    source, index, files = read_index(url)
+    listing = source.listing()
+    tokenizer = source.read_bytes(files[0].file)
+    if hashlib.sha256(tokenizer).hexdigest() != files[0].sha256:
+        raise DataError(f"{source.show('index.json')}: {source.show(files[0].file)} does not match the recorded "
+                        f"sha256; prepare the directory again")
+    for entry in files[1:]:
+        found = listing.get(entry.file)
+        problem = _size_problem(source.show(entry.file), entry, found["size"] if found else None)
+        if problem:
+            raise DataError(problem)
+    versions = {f.file: listing[f.file]["version"] for f in files if f.file in listing}
+    _checked_remote[url] = {"index": index, "versions": versions, "tokenizer": tokenizer}
+    return _checked_remote[url]
+
+
+def versions(data_dir) -> dict[str, dict] | None:
+    """The object store's version of every file of a data directory at a URL, as first listed in this
+    process (None for a local directory): what a run records, and a resume compares."""
+    return _remote_index(str(data_dir).rstrip("/"))["versions"] if storage.is_url(data_dir) else None
+
+
+def tokenizer_bytes(data_dir) -> bytes:
+    """The tokenizer.json of a data directory, checked against index.json."""
+    if storage.is_url(data_dir):
+        return _remote_index(str(data_dir).rstrip("/"))["tokenizer"]
+    index = load_index(data_dir)
+    return (pathlib.Path(storage.local_path(str(data_dir))) / index["tokenizer"]).read_bytes()
+
+
 def verify(data_dir) -> tuple[list[str], str]:
     """Checks every file of a data directory against its index.json, reading each whole: the size and
     sha256 of every token and loss-mask shard and of the tokenizer. A shard for which the index records
     no sha256 (an index written before shards had hashes) gets its size checked, and for a token shard
     its ids against the vocabulary. Returns (one line per problem, a one-line summary)."""
-    directory, index, files = read_index(data_dir)
+    source, index, files = read_index(data_dir)
+    directory = pathlib.Path(source.location)
     problems, nbytes, unhashed = [], 0, 0
     for entry in files:
         path = directory / entry.file
@@ -385,5 +507,7 @@ def _id_problem(path: pathlib.Path, index: dict) -> str | None:
 
 def load_tokenizer(data_dir):
     """The tokenizer of a prepared data directory (for decoding samples)."""
-    return load_tokenizer_file(local_dir(data_dir) / load_index(data_dir)["tokenizer"])
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tokenizer_bytes(data_dir).decode())
 

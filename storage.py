@@ -3,15 +3,9 @@
     run directory RUN   config.yaml, data.json, tokenizer.json, metrics.jsonl, summary.json: through RunDir
                         (fsspec; a local path stays a local path). RUN/checkpoints goes to orbax as it is,
                         which reaches gs:// itself (etils.epath for its files, tensorstore for the arrays).
-    data directory DIR  a local path is used in place. A URL is copied once into a local cache, every file
-                        checked against DIR/index.json (shard sizes and sha256, the tokenizer's sha256),
-                        and the loader memory-maps the local copy: local_copy(DIR, ...), which
-                        shards.local_dir calls with the files the index names.
+    data directory DIR  read where it is, by shards.Source: a local path memory-mapped, a URL by byte
+                        ranges (nothing copied); `filesystem` gives the fsspec filesystem of a URL.
 
-The cache is $GPT_DATA_CACHE (default ~/.cache/gpt-jax/data, or under $XDG_CACHE_HOME), one
-subdirectory per URL. A file is
-copied to NAME.part-PID and renamed to NAME only once its size and hash match, so a half-copied shard
-is never read; a later run reuses the files it verified and copies again those missing or damaged.
 gs:// needs `pip install gcsfs` (prepareTPUVM.sh installs it), s3:// `pip install s3fs`.
 
 Output directories (a data directory, an export, an imported run) are written whole: `check_out` refuses
@@ -19,15 +13,13 @@ an --out that must not be replaced, and `StagedDir` builds the directory beside 
 at once (see there), so an interrupted or failed write leaves the old output as it was, or the new one
 complete, and never loses one; a write that fails (a full disk, a read-only one) is one StorageError line.
 
-Knows nothing of the data format or of models; imports nothing of the project but errors.py's base class
-and corpus.DataError.
+Knows nothing of the data format or of models; imports nothing of the project but errors.py's base class.
 """
 from __future__ import annotations
 
 import ctypes
 import errno
 import functools
-import hashlib
 import json
 import os
 import pathlib
@@ -38,14 +30,9 @@ import time
 from typing import Callable
 
 import fsspec
-from tqdm import tqdm
 
 from errors import UserError
-from corpus import DataError
 
-CACHE_ENV = "GPT_DATA_CACHE"
-DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "gpt-jax", "data")
-COPY_CHUNK = 1 << 24  # bytes per read while copying a remote file
 FLUSH_SECONDS = 30.0  # a remote metrics.jsonl is uploaded at least this often while training logs
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -70,7 +57,7 @@ def local_path(location) -> str:
     return text[len("file://"):] if text.startswith("file://") else text
 
 
-def _filesystem(url: str, error=StorageError):
+def filesystem(url: str, error=StorageError):
     """(fsspec filesystem, path inside it) of a URL; a missing package or bad URL is one line."""
     try:
         return fsspec.core.url_to_fs(url)
@@ -92,7 +79,7 @@ class RunDir:
     def __init__(self, location):
         self.remote = is_url(location)
         self.location = str(location).rstrip("/") if self.remote else local_path(location)
-        self.fs, self.root = _filesystem(self.location if self.remote else os.path.abspath(self.location))
+        self.fs, self.root = filesystem(self.location if self.remote else os.path.abspath(self.location))
 
     def __str__(self) -> str:
         return self.location
@@ -217,137 +204,6 @@ class JsonLines:
             self.file.close()
         else:
             self.flush()
-
-
-# ----------------------------------------------------------------------------------------------
-# Data directories: a verified local copy of a remote one
-
-verified: dict[str, pathlib.Path] = {}  # URL -> its cache directory, checked in this process
-
-
-def cache_dir_for(url: str, cache: str | os.PathLike | None = None) -> pathlib.Path:
-    """Where the copy of a data directory URL lives: CACHE/<first 16 hex digits of sha256(URL)>."""
-    root = pathlib.Path(cache or os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
-    return root / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
-
-
-def local_copy(location, list_files, cache: str | os.PathLike | None = None) -> pathlib.Path:
-    """A data directory on the local disk: `location` itself, or for a URL its verified copy in the cache.
-
-    index.json is read from the URL each time (once per process); `list_files(index)` names the files
-    it records, [(name, bytes or None, sha256 or None)] (shards.py knows the format). They are copied
-    when the cache lacks them or holds a copy that does not match. Raises DataError.
-    """
-    if not is_url(location):
-        return pathlib.Path(local_path(location))
-    url = str(location).rstrip("/")
-    if url in verified and cache is None:
-        return verified[url]
-    fs, root = _filesystem(url, DataError)
-    try:
-        raw = fs.cat_file(f"{root}/index.json")
-    except FileNotFoundError:
-        raise DataError(f"{url}/index.json not found; prepare the data with `python data.py` and copy "
-                        f"the directory there") from None
-    except Exception as e:  # no access, no network
-        raise DataError(f"{url}/index.json cannot be read: {_one_line(e)}") from None
-    try:
-        files = list_files(json.loads(raw))
-        bad = [name for name, _, _ in files if not isinstance(name, str) or "/" in name or name in ("", ".", "..")]
-        if bad:
-            raise ValueError(f"file name {bad[0]!r} outside the directory")
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise DataError(f"{url}/index.json is corrupt ({type(e).__name__}: {e})") from None
-    local = cache_dir_for(url, cache)
-    local.mkdir(parents=True, exist_ok=True)
-    _remove_stale_parts(local)
-    stamps = _read_stamps(local)
-    todo = [(name, size, sha) for name, size, sha in files if not _cached(local / name, size, sha, stamps)]
-    _write_stamps(local, stamps)
-    total = sum(size or 0 for _, size, _ in todo)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"copying {url}", disable=not todo, leave=False) as bar:
-        for name, size, sha in todo:
-            stamps[name] = copy_file(fs, f"{root}/{name}", f"{url}/{name}", local / name, size, sha, bar)
-            _write_stamps(local, stamps)
-    tmp = local / f"index.json.part-{os.getpid()}"
-    tmp.write_bytes(raw)
-    tmp.replace(local / "index.json")  # last: the copy's index names only verified files
-    verified[url] = local
-    return local
-
-
-def _cached(path: pathlib.Path, size: int | None, sha: str | None, stamps: dict) -> bool:
-    """A cached file is good if it has the recorded size and hash; a stamp of (size, mtime, hash) written
-    when it was verified saves hashing it again on every start."""
-    if not path.is_file():
-        return False
-    st = path.stat()
-    if size is not None and st.st_size != size:
-        return False
-    stamp = stamps.get(path.name)
-    if stamp == [st.st_size, st.st_mtime_ns, sha]:
-        return True
-    if sha is not None:
-        with open(path, "rb") as f:
-            if hashlib.file_digest(f, "sha256").hexdigest() != sha:
-                return False
-    stamps[path.name] = [st.st_size, st.st_mtime_ns, sha]
-    return True
-
-
-def copy_file(fs, remote: str, url: str, path: pathlib.Path, size: int | None, sha: str | None, bar) -> list:
-    """Copy one file into the cache through NAME.part-PID, hashing as it goes; rename only if it checks out."""
-    tmp = path.with_name(f"{path.name}.part-{os.getpid()}")
-    digest, copied = hashlib.sha256(), 0
-    try:
-        with fs.open(remote, "rb") as src, open(tmp, "wb") as dst:
-            while chunk := src.read(COPY_CHUNK):
-                dst.write(chunk)
-                digest.update(chunk)
-                copied += len(chunk)
-                bar.update(len(chunk))
-    except FileNotFoundError:
-        tmp.unlink(missing_ok=True)
-        raise DataError(f"{url} is missing (index.json lists it)") from None
-    except Exception as e:  # a dropped connection, a full disk
-        tmp.unlink(missing_ok=True)
-        raise DataError(f"copying {url} failed ({_one_line(e)}); run again to finish the copy") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if size is not None and copied != size:
-        tmp.unlink()
-        raise DataError(f"{url}: {copied} bytes, index.json records {size}; the remote directory is damaged, "
-                        f"prepare it again")
-    if sha is not None and digest.hexdigest() != sha:
-        tmp.unlink()
-        raise DataError(f"{url}: sha256 {digest.hexdigest()[:12]}..., index.json records {sha[:12]}...; "
-                        f"the remote directory is damaged, prepare it again")
-    tmp.replace(path)
-    st = path.stat()
-    return [st.st_size, st.st_mtime_ns, sha]
-
-
-def _read_stamps(local: pathlib.Path) -> dict:
-    try:
-        stamps = json.loads((local / "verified.json").read_text())
-        return stamps if isinstance(stamps, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_stamps(local: pathlib.Path, stamps: dict) -> None:
-    tmp = local / f"verified.json.part-{os.getpid()}"
-    tmp.write_text(json.dumps(stamps, indent=1))
-    tmp.replace(local / "verified.json")
-
-
-def _remove_stale_parts(local: pathlib.Path) -> None:
-    """Partial copies left by processes that no longer run (killed mid-copy); live ones are left alone."""
-    for part in local.glob("*.part-*"):
-        pid = part.name.rsplit(".part-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
-            part.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -56,10 +56,9 @@ def prepared(tmp_path_factory):
 
 @pytest.fixture
 def bucket(monkeypatch, tmp_path):
-    """A fresh memory:// location, a fresh cache, and no memory of earlier verification."""
+    """A fresh memory:// location, and no memory of earlier checks of its data directories."""
     url = f"memory://bucket-{uuid.uuid4().hex[:8]}"
-    monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(storage, "verified", {})
+    monkeypatch.setattr(shards, "_checked_remote", {})
     yield url
     fs, root = fsspec.core.url_to_fs(url)
     if fs.exists(root):
@@ -78,124 +77,105 @@ def shard_names(prepared) -> list[str]:
     return [s["file"] for split in index["splits"].values() for s in split["shards"]]
 
 
-def record_copies(monkeypatch) -> list[str]:
-    copied, real = [], storage.copy_file
-    monkeypatch.setattr(storage, "copy_file", lambda fs, remote, url, path, *a: (copied.append(path.name),
-                                                                              real(fs, remote, url, path, *a))[1])
-    return copied
+def record_reads(monkeypatch) -> list[tuple]:
+    """Every read of the stand-in store: ("file", path) for a whole file, ("ranges", [(path, start, end)])
+    for one request of byte ranges."""
+    reads, cat_file, cat_ranges, inside = [], MemoryFileSystem.cat_file, MemoryFileSystem.cat_ranges, []
+
+    def whole(self, path, *args, **kwargs):
+        if not inside:  # (fsspec's cat_ranges of a filesystem without its own reads each range with cat_file)
+            reads.append(("file", path.rsplit("/", 1)[-1]))
+        return cat_file(self, path, *args, **kwargs)
+
+    def ranges(self, paths, starts, ends, *args, **kwargs):
+        reads.append(("ranges", [(p.rsplit("/", 1)[-1], a, b) for p, a, b in zip(paths, starts, ends)]))
+        inside.append(1)
+        try:
+            return cat_ranges(self, paths, starts, ends, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", whole)
+    monkeypatch.setattr(MemoryFileSystem, "cat_ranges", ranges)
+    return reads
 
 
-def test_remote_data_is_copied_verified_and_read_like_the_local_directory(prepared, bucket, tmp_path, monkeypatch):
+def test_remote_data_is_read_by_ranges_like_the_local_directory(prepared, bucket, tmp_path, monkeypatch):
+    """At start only index.json and the tokenizer are read (and one listing checks every shard's size);
+    each batch is one request of byte ranges, exactly the bytes of this process's rows; the batches
+    equal those of the memory-mapped local directory; nothing is written to the local disk."""
     url = f"{bucket}/corpus"
     upload(prepared, url)
-    remote = loader.TextLoader(url, "train", 16, 4, seed=3)
-    local = loader.TextLoader(prepared, "train", 16, 4, seed=3)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # where a cache would go
+    reads = record_reads(monkeypatch)
+    remote = loader.TextLoader(url, "train", 16, 4, seed=3, process_index=1, process_count=2)
+    assert sorted(name for kind, name in reads) == ["index.json", "tokenizer.json"]
+    local = loader.TextLoader(prepared, "train", 16, 4, seed=3, process_index=1, process_count=2)
+    itemsize = np.dtype(remote.index["dtype"]).itemsize
     for step in (0, 1, 7):
+        reads.clear()
         np.testing.assert_array_equal(remote.get_batch(step), local.get_batch(step))
+        assert [kind for kind, _ in reads] == ["ranges"]  # one request
+        assert sum(b - a for _, a, b in reads[0][1]) == 2 * 17 * itemsize  # this process's 2 rows of 17 tokens
+    reads.clear()
+    batches = remote.iterate(5)
+    for step in (5, 6):
+        np.testing.assert_array_equal(next(batches), local.get_batch(step))
+    batches.close()
     text = "the cat sat"
     assert shards.load_tokenizer(url).encode(text).ids == shards.load_tokenizer(prepared).encode(text).ids
-
-    cache = storage.cache_dir_for(url)
-    assert cache.parent == tmp_path / "cache"  # $GPT_DATA_CACHE
-    for name in ["index.json", "tokenizer.json", *shard_names(prepared)]:
-        assert (cache / name).read_bytes() == (prepared / name).read_bytes(), name
-    # the index records each shard's sha256, as hashlib computes it from the file
-    index = shards.load_index(url)
-    for split in index["splits"].values():
-        for s in split["shards"]:
-            assert s["sha256"] == hashlib.sha256((prepared / s["file"]).read_bytes()).hexdigest()
-
-    # a later process reuses the verified copy; a cached shard damaged in place is copied again, alone
-    monkeypatch.setattr(storage, "verified", {})
-    copied = record_copies(monkeypatch)
-    shards.load_index(url)
-    assert copied == []
-    victim = cache / shard_names(prepared)[1]
-    raw = bytearray(victim.read_bytes())
-    raw[10] ^= 0xFF
-    victim.write_bytes(bytes(raw))  # same size, other content
-    monkeypatch.setattr(storage, "verified", {})
-    shards.load_index(url)
-    assert copied == [victim.name]
-    assert victim.read_bytes() == (prepared / victim.name).read_bytes()
+    assert not (tmp_path / "home").exists()
+    # every evaluation window of the split, in order, as locally
+    for a, b in zip(loader.eval_windows(url, "val", 16, 3), loader.eval_windows(prepared, "val", 16, 3)):
+        np.testing.assert_array_equal(a, b)
 
 
-def test_interrupted_copy_then_clean_retry(prepared, bucket, monkeypatch):
+def test_a_failed_remote_read_is_one_line_naming_the_file(prepared, bucket, monkeypatch):
     url = f"{bucket}/corpus"
     upload(prepared, url)
-    shards = shard_names(prepared)
-    failing = shards[2]
-    monkeypatch.setattr(storage, "COPY_CHUNK", 256)
-    real_open, broken = MemoryFileSystem._open, {"on": True}
+    remote = loader.TextLoader(url, "train", 16, 1, seed=3)
 
-    class DropsMidway:  # the connection breaks after the first chunk of one shard
-        def __init__(self, f):
-            self.f, self.reads = f, 0
+    def broken(self, paths, *args, **kwargs):
+        raise ConnectionResetError("connection reset by peer")
 
-        def read(self, n):
-            self.reads += 1
-            if self.reads > 1:
-                raise OSError("connection reset by peer")
-            return self.f.read(n)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-    def flaky_open(self, path, mode="rb", *args, **kwargs):
-        f = real_open(self, path, mode, *args, **kwargs)
-        return DropsMidway(f) if broken["on"] and path.endswith(failing) else f
-
-    monkeypatch.setattr(MemoryFileSystem, "_open", flaky_open)
+    monkeypatch.setattr(MemoryFileSystem, "cat_ranges", broken)
+    window = int(loader.permute(np.arange(1), remote.num_windows, 3, 0)[0])
+    names = [s["file"] for s in remote.index["splits"]["train"]["shards"]]
+    starts = np.cumsum([0] + [s["tokens"] for s in remote.index["splits"]["train"]["shards"]])
+    shard = names[int(np.searchsorted(starts, window * 16, side="right")) - 1]
     with pytest.raises(data.DataError) as err:
-        loader.TextLoader(url, "train", 16, 4)
-    assert str(err.value) == (f"copying {url}/{failing} failed (connection reset by peer); "
-                              f"run again to finish the copy")
-    cache = storage.cache_dir_for(url)
-    assert not (cache / "index.json").exists()  # written last, only over verified files
-    assert not (cache / failing).exists() and not list(cache.glob("*.part-*"))
-
-    # what a killed copy leaves behind, and a shard cut short in the cache
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    (cache / f"{shards[3]}.part-{dead.pid}").write_bytes(b"half a shard")
-    cut = cache / shards[0]
-    cut.write_bytes(cut.read_bytes()[:100])
-
-    broken["on"] = False
-    copied = record_copies(monkeypatch)
-    remote = loader.TextLoader(url, "train", 16, 4, seed=1)
-    # copied again: the cut shard and every shard from the failed one on; kept: the tokenizer and shards[1]
-    assert copied == [shards[0], *shards[2:]]
-    np.testing.assert_array_equal(remote.get_batch(5), loader.TextLoader(prepared, "train", 16, 4, seed=1).get_batch(5))
-    for name in ["tokenizer.json", *shards]:
-        assert (cache / name).read_bytes() == (prepared / name).read_bytes(), name
-    assert not list(cache.glob("*.part-*"))
+        next(remote.iterate(0))  # from the prefetching thread, handed over as it is
+    assert str(err.value).startswith(f"reading {url}/{shard} failed (") and "connection reset by peer" in str(err.value)
 
 
 def test_a_damaged_remote_shard_is_one_clear_error(prepared, bucket, tmp_path, capsys):
+    """A shard of another size than index.json records is found by the listing at start: one line, no
+    run directory; a flipped byte that makes an id outside the vocabulary is named when its batch is read."""
     url = f"{bucket}/corpus"
     upload(prepared, url)
-    name = shard_names(prepared)[1]
+    index = json.loads((prepared / "index.json").read_text())
+    entry = index["splits"]["train"]["shards"][1]
+    name, size = entry["file"], entry["tokens"] * 2
     fs, root = fsspec.core.url_to_fs(url)
-    raw = bytearray(fs.cat_file(f"{root}/{name}"))
-    raw[0] ^= 0xFF
-    fs.pipe_file(f"{root}/{name}", bytes(raw))
-    expected = hashlib.sha256((prepared / name).read_bytes()).hexdigest()
-    found = hashlib.sha256(bytes(raw)).hexdigest()
-
+    fs.pipe_file(f"{root}/{name}", (prepared / name).read_bytes()[:-2])
     assert train.cli(tiny(tmp_path / "run", url)) == 2
-    err = capsys.readouterr().err.strip().splitlines()  # the copy's progress bar, then the error
-    assert "Traceback" not in "\n".join(err)
-    assert err[-1:] == [f"error: {url}/{name}: sha256 {found[:12]}..., index.json records {expected[:12]}...; "
-                   f"the remote directory is damaged, prepare it again"]
-    assert not (storage.cache_dir_for(url) / name).exists()  # never where the loader would map it
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {url}/{name}: expected {size} bytes ({entry['tokens']} uint16 tokens), "
+                   f"found {size - 2} bytes"]
     assert not (tmp_path / "run").exists()
 
+    raw = bytearray((prepared / name).read_bytes())
+    raw[6:8] = (65535).to_bytes(2, "little")  # token 3 of the shard: id 65535, outside the vocabulary of 300
+    fs.pipe_file(f"{root}/{name}", bytes(raw))
+    shards._checked_remote.clear()
+    stream = loader.Stream(url, "train")
+    first = stream.starts[1]  # the damaged shard's first token in the split's stream
+    with pytest.raises(data.DataError) as e:
+        stream.check(stream.read_rows([first], 8), lambda: [(first, 8)])
+    assert str(e.value).startswith(f"{url}/{name}: token 3 (at byte 6) is id 65535, outside the vocabulary of 300")
 
-def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeypatch):
+
+def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeypatch, capsys):
     """Config, data reference, tokenizer, metrics and summary land in the store; a resume and
     eval/sample/convert's readers read them back from there."""
     data_url, run_url = f"{bucket}/corpus", f"{bucket}/runs/r1"
@@ -225,6 +205,23 @@ def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeyp
     shutil.rmtree(ckpt / "8")
     assert train.main(["--resume", f"run_dir={run_url}"]) == 0
     assert [deterministic(r) for r in rows()] == [deterministic(r) for r in straight]
+
+    # data.json records each data file's version in the store; a resume on a rewritten shard (even
+    # with the same bytes: the store cannot tell) is refused, naming it, and the run stays as it was
+    recorded = json.loads(fs.cat_file(f"{root}/data.json"))["versions"]
+    assert sorted(recorded) == sorted(["tokenizer.json", *shard_names(prepared)])
+    name = shard_names(prepared)[2]
+    data_fs, data_root = fsspec.core.url_to_fs(data_url)
+    time.sleep(0.01)
+    data_fs.pipe_file(f"{data_root}/{name}", data_fs.cat_file(f"{data_root}/{name}"))
+    monkeypatch.setattr(shards, "_checked_remote", {})  # as a new process would list it
+    before = rows()
+    capsys.readouterr()
+    assert train.cli(["--resume", f"run_dir={run_url}", "training.steps=10"]) == 2
+    assert capsys.readouterr().err == (f"error: data.dir {data_url} changed since this run started: {name} differs "
+                                       f"from the versions {run_url}/data.json records; resume on the data it "
+                                       f"trained on, or start a new run (training.init_from={run_url})\n")
+    assert rows() == before and sorted(ckpt.iterdir()) == [ckpt / "4", ckpt / "8"]
 
     cfg = rundir.Run(run_url).config()  # what eval, sample and convert read
     assert cfg.run_dir == run_url and cfg.data.dir == data_url and cfg.model.vocab_size == 300
@@ -265,8 +262,7 @@ def test_an_index_naming_files_outside_its_directory_is_refused(prepared, bucket
     with pytest.raises(data.DataError) as err:
         shards.load_index(url)
     assert str(err.value) == (f"{url}/index.json is corrupt (ValueError: file name '../../outside.bin' "
-                              f"outside the directory)")
-    assert not list((tmp_path / "cache").rglob("*.bin"))  # nothing copied anywhere
+                              f"outside the directory); re-run data.py with --overwrite")
 
 
 def test_metrics_log_in_the_store_matches_the_local_one(bucket, tmp_path, monkeypatch):
@@ -312,16 +308,17 @@ def test_an_index_without_shard_hashes_is_checked_by_size(prepared, bucket):
     fs.pipe_file(f"{root}/{name}", (prepared / name).read_bytes()[:-2])  # one token short
     with pytest.raises(data.DataError) as err:
         shards.load_index(url)
-    assert str(err.value) == (f"{url}/{name}: {size - 2} bytes, index.json records {size}; "
-                              f"the remote directory is damaged, prepare it again")
+    tokens = index["splits"]["val"]["shards"][0]["tokens"]
+    assert str(err.value) == f"{url}/{name}: expected {size} bytes ({tokens} uint16 tokens), found {size - 2} bytes"
     fs.pipe_file(f"{root}/{name}", (prepared / name).read_bytes())
+    shards._checked_remote.clear()  # (a new process would list it again)
     np.testing.assert_array_equal(loader.TextLoader(url, "val", 16, 2).get_batch(3),
                                   loader.TextLoader(prepared, "val", 16, 2).get_batch(3))
 
 
-def test_remote_prompt_completion_data_brings_its_loss_masks(bucket, tmp_path):
-    """A fine-tuning directory in the store: token shards and mask shards are copied, and the loader's
-    batches equal those read from the local directory."""
+def test_remote_prompt_completion_data_reads_its_loss_masks(bucket, tmp_path):
+    """A fine-tuning directory in the store: the mask shards are read whole (the examples' bounds), the
+    tokens by ranges, and the loader's batches equal those read from the local directory."""
     records = [{"in_text": " " + " ".join(random.Random(i).choices(WORDS, k=4)) + " =",
                 "out_text": " " + " ".join(random.Random(-i).choices(WORDS, k=3))} for i in range(60)]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -332,9 +329,6 @@ def test_remote_prompt_completion_data_brings_its_loss_masks(bucket, tmp_path):
     assert masks and all(s.get("sha256") for split in index["splits"].values() for s in split["mask_shards"])
     url = f"{bucket}/pairs"
     upload(local, url)
-    cached = shards.local_dir(url)
-    for name in masks:
-        assert (cached / name).read_bytes() == (local / name).read_bytes()
     a = loader.PromptCompletionLoader(url, "train", 24, 4, seed=1)
     b = loader.PromptCompletionLoader(local, "train", 24, 4, seed=1)
     for step in (0, 5):

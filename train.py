@@ -240,11 +240,13 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
     rows_index, rows_count = sharding_lib.process_rows(mesh, t.batch_size)
 
     # ------------------------------------------------------------------------------------------
-    # Data: the prepared corpus (the default one is prepared on first use; a URL is copied to the
-    # local cache and verified), the model's vocabulary from its tokenizer, and a fixed validation
+    # Data: the prepared corpus (the default one is prepared on first use; a URL is read by ranges,
+    # and a resume checks that it has not changed), the model's vocabulary from its tokenizer, and a fixed validation
     # sample in whole batches (text windows, or prompt/completion rows with the loss on completions)
     cfg.data.dir = data.resolve_dir(cfg.data.dir, progress=is_main)
     index = shards.load_index(cfg.data.dir)
+    if args.resume:
+        run_dir.check_data(cfg.data.dir)
     if cfg.model.vocab_size != index["vocab_size"]:
         say(f"model.vocab_size {cfg.model.vocab_size} -> {index['vocab_size']}, the vocabulary of {cfg.data.dir}")
         cfg.model = dataclasses.replace(cfg.model, vocab_size=index["vocab_size"])
