@@ -59,7 +59,7 @@ import rundir
 import sample
 import shards
 import storage
-from corpus import DataError
+from corpus import DataError, hub_offline
 from errors import UserError
 from model import GPT
 
@@ -396,6 +396,7 @@ def run_tasks(lm: JaxLM, tasks: Sequence[str], *, include_path: str | None = Non
             close = difflib.get_close_matches(name, known, n=3)
             raise EvalError(f"unknown task {name!r}" + (f"; did you mean {', '.join(close)}?" if close else
                                                          "; `lm-eval ls tasks` lists them"))
+    offline = hub_offline()  # the Hub asked once; unreachable, its datasets come from the local cache at once
     try:
         out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
                                       num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=False,
@@ -403,6 +404,9 @@ def run_tasks(lm: JaxLM, tasks: Sequence[str], *, include_path: str | None = Non
                                       fewshot_random_seed=seed)
     except (OSError, ConnectionError) as e:  # datasets and huggingface_hub report missing data this way
         reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
+        if offline:
+            raise EvalError(f"cannot load the data of {', '.join(tasks)}: {reason}; {offline}, and only datasets "
+                            "in the local cache load (or give local task files with --include-path)") from None
         raise EvalError(f"cannot load the data of {', '.join(tasks)}: {reason} (offline? give local task files "
                         "with --include-path)") from None
     results = {}

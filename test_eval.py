@@ -11,6 +11,7 @@ import pathlib
 import random
 import re
 import shutil
+import subprocess
 import sys
 
 import jax
@@ -564,6 +565,20 @@ def test_user_errors_are_one_line(run, tmp_path, capsys, argv, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and message in err[-1]
     assert not any(line.startswith("Traceback") for line in err)
+
+
+def test_tasks_offline_fail_at_once_in_one_line(run, tmp_path, offline_user):
+    """Offline with an empty cache, a Hub task stops with one line naming the Hub that did not answer and
+    what still works: no warning of the Hugging Face libraries' retries, no traceback."""
+    result = subprocess.run([sys.executable, str(pathlib.Path(E.__file__)), "--checkpoint", str(run), "--tasks",
+                             "lambada_openai", "--no-perplexity"], cwd=tmp_path, env=offline_user,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    header, *rest = result.stderr.strip().splitlines()
+    assert header.startswith(f"{run} step 40: ") and len(rest) == 1, result.stderr  # the run, then only the error
+    assert rest[0].startswith("error: cannot load the data of lambada_openai: ")
+    assert f"; the Hugging Face Hub at {offline_user['HF_ENDPOINT']} does not answer (" in rest[0]
+    assert rest[0].endswith("and only datasets in the local cache load (or give local task files with --include-path)")
 
 
 def test_alibi_perplexity_at_twice_the_training_context(tmp_path, corpus):  # noqa: F811
