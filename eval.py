@@ -641,7 +641,7 @@ def main(argv=None) -> int:
         # the plot and wandb show every series of this data and split (as it is now), earlier runs' included,
         # one line per amount of data
         same_data = (data_dir, args.split, split_tokens)
-        table = [r for r in saved["rows"] if measured(r)[:3] == same_data]
+        table = [r for r in saved["rows"] if measured(r)[:3] == same_data and UNKNOWN not in measured(r)]
         series: dict[str, list[dict]] = {}
         for r in table:
             series.setdefault(amount(r), []).append(r)
