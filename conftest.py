@@ -25,6 +25,7 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="hf-datasets-
 
 import contextlib  # noqa: E402
 import pathlib  # noqa: E402
+import socket  # noqa: E402
 import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
@@ -70,3 +71,20 @@ def read_only_dir(tmp_path):
         (mounted / "kept.txt").write_text("kept\n")
         subprocess.run(["mount", "-o", "remount,ro", str(mounted)], check=True)
         yield mounted
+
+
+# ------------------------------------------------------------------------------------------------
+# A user without network
+
+
+@pytest.fixture
+def offline_user(tmp_path):
+    """The environment of a command run by a user without network: the Hugging Face Hub (HF_ENDPOINT)
+    is a local port that refuses every connection, the Hugging Face cache (HF_HOME) is tmp_path/hf,
+    and no HF_* setting is inherited, offline mode included (the suite sets it for itself), so the
+    libraries try the Hub as they would for the user."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))  # bound, never listening: a connection to it is refused
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k != "TRANSFORMERS_OFFLINE"}
+        env.update(HF_ENDPOINT=f"http://127.0.0.1:{sock.getsockname()[1]}", HF_HOME=str(tmp_path / "hf"))
+        yield env

@@ -9,6 +9,9 @@ document per record), Parquet (one per row), and hf:NAME[/CONFIG]:SPLIT through 
 document's name is its path relative to the pattern's fixed leading directories, plus ":<record>" for
 records; it decides whether the document is held out for validation (`in_val`, a hash of the name
 below the validation fraction), so the split is stable and does not change when a corpus moves.
+Before `datasets` is asked for an hf: dataset, the Hub is asked once (`hub_offline`): when it does
+not answer, the Hugging Face libraries go offline, so a cached dataset loads and a missing one fails
+at once, in one line.
 
 An unreadable or undecodable file, and a record that is not text, is skipped, counted and (the first
 LISTED of them, with the reason) named, or with strict=True stops preparation. The default corpus is
@@ -179,6 +182,7 @@ def _records(kind: str, location: str, text_field: str) -> Iterator[tuple[int, o
         name, config = ("/".join(parts[:2]), "/".join(parts[2:]) or None) if len(parts) > 2 else (spec, None)
         if not name or not split:
             raise DataError(f"{location}: expected hf:NAME[/CONFIG]:SPLIT")
+        offline = hub_offline()
         try:
             rows = datasets.load_dataset(name, config, split=split, streaming=True)
             for number, row in enumerate(rows, 1):
@@ -188,7 +192,52 @@ def _records(kind: str, location: str, text_field: str) -> Iterator[tuple[int, o
         except DataError:
             raise
         except Exception as e:  # the hub's errors are many; the first line names the problem
-            raise DataError(f"{location}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            if offline and isinstance(e, ConnectionError):  # datasets offline, on a dataset it has not cached
+                raise DataError(f"{location}: {name} is not in the datasets cache {datasets.config.HF_DATASETS_CACHE} "
+                                f"and {offline}") from None
+            raise DataError(f"{location}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                            + (f"; {offline}" if offline else "")) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hugging Face Hub, asked once before the `datasets` library is
+
+HUB_TIMEOUT = 5.0  # seconds the Hub has to answer before its datasets come from the local cache only
+_hub: dict[str, str | None] = {}  # "offline": the answer for this process, once the Hub was asked
+
+
+def hub_offline(timeout: float = HUB_TIMEOUT) -> str | None:
+    """Why Hugging Face Hub datasets can come only from the local cache now, or None when the Hub answers.
+
+    Offline mode set by the user (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE) is kept. Otherwise the Hub
+    (HF_ENDPOINT) is asked once, with a short timeout, and if it does not answer, huggingface_hub and
+    datasets are switched to their offline mode for the rest of the process: a dataset in the local
+    cache still loads, and one that is not fails at once, where the libraries would retry each request
+    with back-off (half a minute of warnings for one dataset) before failing or falling back to the cache.
+    """
+    if "offline" in _hub:
+        return _hub["offline"]
+    try:
+        import datasets.config as datasets_config
+    except ImportError:
+        datasets_config = None
+    from huggingface_hub import constants, get_session
+
+    if constants.HF_HUB_OFFLINE or getattr(datasets_config, "HF_HUB_OFFLINE", False):
+        return "offline mode is set (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE)"
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)  # any answer, an error status included, will do
+        _hub["offline"] = None
+        return None
+    except Exception as e:  # no answer: refused, no name resolution, timed out, TLS failure
+        reason = (str(e).splitlines() or [""])[0] or type(e).__name__
+    _hub["offline"] = f"the Hugging Face Hub at {constants.ENDPOINT} does not answer ({reason})"
+    # the libraries read the setting once, at import: set where they look now, and for what imports later
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True
+    if datasets_config is not None:
+        datasets_config.HF_HUB_OFFLINE = datasets_config.HF_DATASETS_OFFLINE = True
+    return _hub["offline"]
 
 
 def _read_errors() -> tuple[type[Exception], ...]:

@@ -9,8 +9,12 @@ length L and every token of a window is scored once, with as much context as the
 (the ALiBi paper's "nonoverlapping" evaluation). Lengths are multiples of the training context
 (`2x`) or token counts (`512`); the default is 1x, 2x, 4x and 8x. A learned-position model has
 no embedding past its block_size: the default lengths stop there (with a message), an explicit
-longer one is an error. The table is printed, written to RUN_DIR/eval/step<N>.json, drawn as
-RUN_DIR/eval/step<N>-perplexity.png, and logged to the run's wandb project when it has one.
+longer one is an error. `--max-tokens N` scores only the split's first N // L windows at each length.
+The table is printed, added to RUN_DIR/eval/step<N>.json, drawn as RUN_DIR/eval/step<N>-perplexity.png,
+and logged to the run's wandb project when it has one. Every row records what it measured (data,
+split and its size, max_tokens where that cut the split short): a new row replaces only the row of
+its length measured the same way, and rows measured otherwise stay in their own series, one line each
+in the plot.
 
 Zero-shot benchmarks: `--tasks` alone runs the reference set (LAMBADA, PIQA, Winogrande,
 HellaSwag); `--tasks a,b` runs any tasks or groups lm-evaluation-harness knows, including task
@@ -55,7 +59,7 @@ import rundir
 import sample
 import shards
 import storage
-from corpus import DataError
+from corpus import DataError, hub_offline
 from errors import UserError
 from model import GPT
 
@@ -140,26 +144,61 @@ def window_loss(scorer, windows: Iterable[np.ndarray], rows: int, total: int | N
 
 def perplexity_table(scorer, data_dir, lengths: Sequence[int], train_len: int, *, split: str = "val",
                      batch_tokens: int = 16384, max_tokens: int | None = None, progress: bool = True) -> list[dict]:
-    """One row per length: {length, multiple, tokens, windows, loss, ppl}, every window of the split scored once."""
+    """One row per length: {length, multiple, tokens, windows, loss, ppl, split_tokens, max_tokens}.
+
+    Every window of the split is scored once, or with `max_tokens` the split's first max_tokens // length
+    windows (at least one). A row says what it measured: the split's size, and max_tokens where that cut
+    the windows short (None: the whole split).
+    """
     table = []
     for length in lengths:
         rows = max(1, batch_tokens // length)
         max_windows = None if max_tokens is None else max(1, max_tokens // length)
         try:
             split_tokens = shards.load_index(data_dir)["splits"].get(split, {}).get("tokens", 0)
-            n_windows = min((split_tokens - 1) // length, max_windows or 1 << 62)  # for the progress bar
+            all_windows = (split_tokens - 1) // length
             batches = loader.eval_windows(data_dir, split, length, rows, max_windows=max_windows)
-            nll, n = window_loss(scorer, batches, rows, total=n_windows, desc=f"ppl @ {length}" if progress else None)
+            nll, n = window_loss(scorer, batches, rows, total=min(all_windows, max_windows or all_windows),
+                                 desc=f"ppl @ {length}" if progress else None)
         except DataError as e:
             raise EvalError(str(e)) from None
         loss = nll / n
+        cut = max_windows is not None and max_windows < all_windows
         table.append({"length": length, "multiple": length / train_len, "tokens": n, "windows": n // length,
-                      "loss": loss, "ppl": math.exp(loss)})
+                      "loss": loss, "ppl": math.exp(loss), "split_tokens": split_tokens,
+                      "max_tokens": max_tokens if cut else None})
     return table
 
 
-def plot_perplexity(table: list[dict], train_len: int, title: str) -> bytes:
-    """A PNG of perplexity against evaluation length (log2 axis), the training context marked."""
+# What a perplexity row measured: rows that agree on all of these are one series (one line of the plot);
+# a row of another series is never replaced by, nor drawn with, a new one. A row written before rows
+# recorded their split's size and max_tokens counts as measured on an unknown amount.
+MEASURED = ("data", "split", "split_tokens", "max_tokens")
+UNKNOWN = "unknown"
+
+
+def measured(row: dict) -> tuple:
+    """The row's series: its values of MEASURED (UNKNOWN where the row does not record one)."""
+    return tuple(row.get(key, UNKNOWN) for key in MEASURED)
+
+
+def amount(row: dict) -> str:
+    """How much of its split a row scored, in words: 'whole split', '--max-tokens 100', 'unknown amount'."""
+    if "max_tokens" not in row or "split_tokens" not in row:
+        return "unknown amount"
+    return "whole split" if row["max_tokens"] is None else f"--max-tokens {row['max_tokens']}"
+
+
+def scored(row: dict) -> str:
+    """What one row scored: 'whole split', or 'first 3 of 188 windows (--max-tokens 100)'."""
+    if row.get("max_tokens") is not None:
+        return f"first {row['windows']} of {(row['split_tokens'] - 1) // row['length']} windows ({amount(row)})"
+    return amount(row)
+
+
+def plot_perplexity(series: dict[str, list[dict]], train_len: int, title: str) -> bytes:
+    """A PNG of perplexity against evaluation length (log2 axis), one line per {label: rows}, the training
+    context marked."""
     import io
 
     import matplotlib
@@ -168,13 +207,16 @@ def plot_perplexity(table: list[dict], train_len: int, title: str) -> bytes:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    ax.plot([r["length"] for r in table], [r["ppl"] for r in table], marker="o")
+    for label, rows in series.items():
+        rows = sorted(rows, key=lambda r: r["length"])
+        ax.plot([r["length"] for r in rows], [r["ppl"] for r in rows], marker="o", label=label)
     ax.axvline(train_len, color="grey", linestyle="--", label=f"training context ({train_len})")
     ax.set_xscale("log", base=2)
-    ax.set_xticks([r["length"] for r in table], labels=[str(r["length"]) for r in table])
+    lengths = sorted({r["length"] for rows in series.values() for r in rows})
+    ax.set_xticks(lengths, labels=[str(n) for n in lengths])
     ax.minorticks_off()
     ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("validation perplexity")
+    ax.set_ylabel("perplexity")
     ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
@@ -354,6 +396,7 @@ def run_tasks(lm: JaxLM, tasks: Sequence[str], *, include_path: str | None = Non
             close = difflib.get_close_matches(name, known, n=3)
             raise EvalError(f"unknown task {name!r}" + (f"; did you mean {', '.join(close)}?" if close else
                                                          "; `lm-eval ls tasks` lists them"))
+    offline = hub_offline()  # the Hub asked once; unreachable, its datasets come from the local cache at once
     try:
         out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
                                       num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=False,
@@ -361,6 +404,9 @@ def run_tasks(lm: JaxLM, tasks: Sequence[str], *, include_path: str | None = Non
                                       fewshot_random_seed=seed)
     except (OSError, ConnectionError) as e:  # datasets and huggingface_hub report missing data this way
         reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
+        if offline:
+            raise EvalError(f"cannot load the data of {', '.join(tasks)}: {reason}; {offline}, and only datasets "
+                            "in the local cache load (or give local task files with --include-path)") from None
         raise EvalError(f"cannot load the data of {', '.join(tasks)}: {reason} (offline? give local task files "
                         "with --include-path)") from None
     results = {}
@@ -469,6 +515,8 @@ def results_problem(results) -> str | None:
     if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("length"), int)
                                              and all(k in r for k in ("multiple", "loss", "ppl")) for r in rows):
         return "its perplexity section has no list of rows with length, multiple, loss and ppl"
+    if not all(isinstance(r.get(k), (str, int, float, type(None))) for r in rows for k in MEASURED):
+        return f"a perplexity row's {', '.join(MEASURED)} are not plain values"
     if not isinstance(results.get("tasks", {}), dict):
         return "its tasks section is not an object"
     return None
@@ -477,18 +525,27 @@ def results_problem(results) -> str | None:
 def merge_perplexity(section: dict | None, rows: list[dict], data_dir: str, split: str, train_len: int) -> dict:
     """The results file's perplexity section with `rows` of (data_dir, split) merged in.
 
-    Every row names its data and split; there is one row per (data, split, length): a length scored
-    again replaces its row, every other row is kept. Rows of files written before rows named their
-    data take the section's data and split.
+    Every row names what it measured (MEASURED); there is one row per series and length: a length
+    measured again the same way replaces its row, every other row is kept, in its own series. Rows of
+    files written before rows named their data take the section's data and split.
     """
     section = section or {}
     merged = {}
     for row in section.get("rows", []):
         row = {"data": section.get("data"), "split": section.get("split"), **row}
-        merged[(str(row["data"]), str(row["split"]), row["length"])] = row
+        merged[measured(row) + (row["length"],)] = row
     for row in rows:
-        merged[(data_dir, split, row["length"])] = {"data": data_dir, "split": split, **row}
-    return {"train_len": train_len, "rows": [merged[key] for key in sorted(merged)]}
+        row = {"data": data_dir, "split": split, **row}
+        merged[measured(row) + (row["length"],)] = row
+    return {"train_len": train_len, "rows": [merged[key] for key in sorted(merged, key=_series_order)]}
+
+
+def _series_order(key: tuple) -> tuple:
+    """Sort key of (data, split, split_tokens, max_tokens, length): by data and split, then the whole
+    split before the larger --max-tokens before smaller ones before unknown amounts, then by length."""
+    data_dir, split, split_tokens, max_tokens, length = key
+    rank = (0, 0) if max_tokens is None else (1, -max_tokens) if isinstance(max_tokens, int) else (2, 0)
+    return str(data_dir), str(split), str(split_tokens), rank, length
 
 
 def write_results(run: rundir.Run, name: str, section: str, merge: Callable[[object], object]) -> object:
@@ -514,11 +571,13 @@ def log_wandb(cfg, run: rundir.Run, step: int, table: list[dict] | None, tasks: 
                            id=run.wandb_id(),
                            name=cfg.wandb.name or run.name)
     summary = {}
-    if table:
-        summary.update({f"eval/ppl@{r['length']}": r["ppl"] for r in table})
+    if table:  # a key per amount of data: numbers measured on different amounts never replace each other
+        summary.update({f"eval/ppl@{r['length']}" + (f"/max_tokens={r['max_tokens']}" if r["max_tokens"] else ""):
+                        r["ppl"] for r in table})
         wandb_run.log({"eval/perplexity": wandb.Table(
-            columns=["length", "multiple", "loss", "ppl"],
-            data=[[r["length"], r["multiple"], r["loss"], r["ppl"]] for r in table])})
+            columns=["length", "multiple", "windows", "tokens", "max_tokens", "loss", "ppl"],
+            data=[[r["length"], r["multiple"], r["windows"], r["tokens"], r["max_tokens"], r["loss"], r["ppl"]]
+                  for r in table])})
         if png is not None:
             wandb_run.log({"eval/perplexity_plot": wandb.Image(Image.open(io.BytesIO(png)))})
     for task, metrics in (tasks or {}).items():
@@ -568,23 +627,36 @@ def main(argv=None) -> int:
     table, png = None, None
     if lengths:
         t0 = time.perf_counter()
-        measured = perplexity_table(make_scorer(model), data_dir, lengths, train_len, split=args.split,
-                                    batch_tokens=args.batch_tokens, max_tokens=args.max_tokens)
-        print(f"\nperplexity of {data_dir} split {args.split!r} ({time.perf_counter() - t0:.1f}s)")
-        print(f"{'length':>8} {'x train':>8} {'tokens':>11} {'loss':>8} {'ppl':>10}")
-        for r in measured:
-            print(f"{r['length']:>8} {r['multiple']:>8.2f} {r['tokens']:>11,} {r['loss']:>8.4f} {r['ppl']:>10.3f}")
+        new_rows = [{"data": data_dir, "split": args.split, **r} for r in perplexity_table(
+            make_scorer(model), data_dir, lengths, train_len, split=args.split, batch_tokens=args.batch_tokens,
+            max_tokens=args.max_tokens)]
+        split_tokens = new_rows[0]["split_tokens"]
+        print(f"\nperplexity of {data_dir} split {args.split!r} ({split_tokens:,} tokens), step {step} "
+              f"({time.perf_counter() - t0:.1f}s)")
+        print(f"{'length':>8} {'x train':>8} {'windows':>8} {'tokens':>11} {'loss':>8} {'ppl':>10}  scored")
+        for r in new_rows:
+            print(f"{r['length']:>8} {r['multiple']:>8.2f} {r['windows']:>8,} {r['tokens']:>11,} {r['loss']:>8.4f} "
+                  f"{r['ppl']:>10.3f}  {scored(r)}")
         saved = write_results(run, results_name, "perplexity",
-                              lambda section: merge_perplexity(section, measured, data_dir, args.split, train_len))
-        # the plot and wandb show every length scored on this data and split, earlier runs' included
-        table = [r for r in saved["rows"] if (r["data"], r["split"]) == (data_dir, args.split)]
-        kept = [str(r["length"]) for r in table if r["length"] not in lengths]
-        others = len(saved["rows"]) - len(table)
-        png = plot_perplexity(table, train_len, f"{run.name} step {step}")
+                              lambda section: merge_perplexity(section, new_rows, data_dir, args.split, train_len))
+        # the plot and wandb show every series of this data and split (as it is now), earlier runs' included,
+        # one line per amount of data
+        same_data = (data_dir, args.split, split_tokens)
+        table = [r for r in saved["rows"] if measured(r)[:3] == same_data and UNKNOWN not in measured(r)]
+        series: dict[str, list[dict]] = {}
+        for r in table:
+            series.setdefault(amount(r), []).append(r)
+        written = {measured(r) for r in new_rows}
+        kept = [str(r["length"]) for r in saved["rows"]
+                if measured(r) in written and measured(r) + (r["length"],) not in {measured(n) + (n["length"],)
+                                                                                   for n in new_rows}]
+        others = sum(measured(r) not in written for r in saved["rows"])
+        png = plot_perplexity(series, train_len, f"{run.name} step {step}, split {args.split!r}")
         run.write_bytes(f"eval/step{step}-perplexity.png", png)
         print(f"-> {run.show(results_name)}: lengths {', '.join(map(str, lengths))} written"
-              + (f"; {', '.join(kept)} kept from earlier runs" if kept else "")
-              + (f"; {others} rows of other data or splits kept" if others else ""))
+              + (f"; {', '.join(kept)} kept from earlier runs measured the same way" if kept else "")
+              + (f"; {others} row{'s' * (others != 1)} measured otherwise (another --max-tokens, data or split) kept "
+                 "apart" if others else ""))
         print(f"-> {run.show(f'eval/step{step}-perplexity.png')}")
 
     tasks = None

@@ -193,6 +193,41 @@ def test_huggingface_source_through_datasets(tmp_path, monkeypatch):
         prep(["hf:corpus:train"], tmp_path / "other")
 
 
+def test_huggingface_source_offline_fails_at_once_in_one_line(tmp_path, offline_user):
+    """Offline with an empty cache, an hf: input stops with one line naming the dataset, the cache and
+    the Hub that did not answer: no warning of the Hugging Face libraries' retries, no traceback."""
+    result = subprocess.run([sys.executable, str(DATA_PY), "--input", "hf:org/corpus:train", "--out", "out",
+                             "--vocab-size", "300"], cwd=tmp_path, env=offline_user, capture_output=True, text=True,
+                            timeout=120)
+    assert_one_line_error(result)
+    cache, hub = tmp_path / "hf" / "datasets", offline_user["HF_ENDPOINT"]
+    assert result.stderr.startswith(f"error: hf:org/corpus:train: org/corpus is not in the datasets cache {cache} "
+                                    f"and the Hugging Face Hub at {hub} does not answer (")
+    assert not (tmp_path / "out").exists()
+
+
+def test_huggingface_source_offline_reads_the_local_cache(tmp_path, offline_user):
+    """Offline, an hf: dataset in the local cache is prepared at once, without retries. The cache is what
+    datasets keeps of a Hub dataset loaded once, <cache>/<org>___<name>/<config>/<version>/<hash>/ with
+    <name>-<split>.arrow, made here by datasets from local JSON Lines."""
+    import datasets
+    docs = make_docs(20, seed=4)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    cache = tmp_path / "hf" / "datasets"
+    datasets.load_dataset("json", data_files={"train": str(tmp_path / "docs.jsonl")}, cache_dir=str(cache))
+    [built] = [p for p in (cache / "json").glob("*/*/*") if p.is_dir()]
+    filed = cache / "org___corpus" / "default" / built.parent.name / built.name
+    shutil.copytree(built, filed)
+    for arrow in filed.glob("json-*.arrow"):
+        arrow.rename(filed / arrow.name.replace("json-", "corpus-", 1))
+    result = subprocess.run([sys.executable, str(DATA_PY), "--input", "hf:org/corpus:train", "--out", "out",
+                             "--vocab-size", "300", "--val-fraction", "0"], cwd=tmp_path, env=offline_user,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Retry" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert decode_documents(tmp_path / "out", "train") == docs
+
+
 def test_default_corpus_selection_on_a_fake_stdlib(tmp_path):
     root = tmp_path / "lib"
     keep = ["a.py", "email/b.py", "pkg/sub/c.py"]

@@ -11,6 +11,7 @@ import pathlib
 import random
 import re
 import shutil
+import subprocess
 import sys
 
 import jax
@@ -159,17 +160,28 @@ def test_rolling_loglikelihood_equals_the_perplexity_computation(loaded):
     assert got == pytest.approx(float(direct), rel=1e-5)
 
 
+def val_stream(corpus) -> np.ndarray:
+    """The validation split's tokens, read straight from its shard files."""
+    index = shards.load_index(corpus)
+    return np.concatenate([np.fromfile(corpus / s["file"], dtype=np.dtype(index["dtype"]).newbyteorder("<"))
+                           for s in index["splits"]["val"]["shards"]]).astype(np.int32)
+
+
+def window_nll(model, stream, length: int, windows: int) -> float:
+    """Summed negative log-likelihood of the first `windows` non-overlapping windows of `length`, each unbatched."""
+    return -sum(float(direct_logprobs(model, stream[i * length: i * length + length + 1].tolist())[0].sum())
+                for i in range(windows))
+
+
 def test_perplexity_table_scores_every_validation_token_once(run, loaded, corpus):  # noqa: F811
     model = loaded[0]
-    index = shards.load_index(corpus)
-    stream = np.concatenate([np.fromfile(corpus / s["file"], dtype=np.dtype(index["dtype"]).newbyteorder("<"))
-                             for s in index["splits"]["val"]["shards"]]).astype(np.int32)
+    stream = val_stream(corpus)
     table = E.perplexity_table(E.make_scorer(model), corpus, [32, 48], 32, batch_tokens=200, progress=False)
     for row in table:
         L = row["length"]
         n_windows = (len(stream) - 1) // L
         assert row["tokens"] == n_windows * L and row["windows"] == n_windows
-        nll = -sum(direct_logprobs(model, stream[i * L: i * L + L + 1].tolist())[0].sum() for i in range(n_windows))
+        nll = window_nll(model, stream, L, n_windows)
         assert row["loss"] == pytest.approx(nll / row["tokens"], rel=1e-5)
         assert row["ppl"] == pytest.approx(np.exp(nll / row["tokens"]), rel=1e-5)
         assert row["multiple"] == L / 32
@@ -414,45 +426,51 @@ def test_cli_writes_table_json_and_plot(run, capsys):
 
 
 def test_results_of_several_runs_merge_by_length(run, corpus, tmp_path, capsys):  # noqa: F811
-    """A second evaluation of a step adds to eval/stepN.json: a length scored again replaces its row,
-    every other row (other lengths, another split), the tasks and anything else in the file are kept."""
+    """A second evaluation of a step adds to eval/stepN.json: a length measured again the same way replaces
+    its row; every other row (other lengths, another split, a row that does not record how much it
+    scored), the tasks and anything else in the file are kept."""
     run_dir = tmp_path / "run"
-    shutil.copytree(run, run_dir)
+    shutil.copytree(run, run_dir, ignore=shutil.ignore_patterns("eval"))
     results, plot = run_dir / "eval" / "step40.json", run_dir / "eval" / "step40-perplexity.png"
     data_dir = str(pathlib.Path(corpus).resolve())
-    earlier_row = {"length": 48, "multiple": 1.5, "tokens": 96, "windows": 2, "loss": 3.0, "ppl": 20.0855}
+    split_tokens = shards.load_index(corpus)["splits"]["val"]["tokens"]
+    # a row of a file from before rows named their data or amount, and a row measured as --max-tokens 320 does
+    unrecorded = {"length": 48, "multiple": 1.5, "tokens": 96, "windows": 2, "loss": 3.0, "ppl": 20.0855}
+    stale = {"data": data_dir, "split": "val", "split_tokens": split_tokens, "max_tokens": 320,
+             "length": 64, "multiple": 2.0, "tokens": 320, "windows": 5, "loss": 3.0, "ppl": 20.0855}
     results.parent.mkdir(exist_ok=True)
     results.write_text(json.dumps({"perplexity": {"data": data_dir, "split": "val", "train_len": 32,
-                                                  "rows": [earlier_row]},
+                                                  "rows": [unrecorded, stale]},
                                    "tasks": {"tiny_mc": {"acc": 0.5, "samples": 12}}, "note": "mine"}))
 
     def evaluate(*argv):
         capsys.readouterr()
         assert E.cli(["--checkpoint", str(run_dir), "--batch-tokens", "256", *argv]) == 0
         saved = json.loads(results.read_text())
-        rows = {(r["split"], r["length"]): r for r in saved["perplexity"]["rows"]}
-        assert all(r["data"] == data_dir for r in rows.values())
+        rows = {(r["split"], r.get("max_tokens", "?"), r["length"]): r for r in saved["perplexity"]["rows"]}
+        assert len(rows) == len(saved["perplexity"]["rows"]) and all(r["data"] == data_dir for r in rows.values())
         assert saved["tasks"] == {"tiny_mc": {"acc": 0.5, "samples": 12}} and saved["note"] == "mine"
         return rows, capsys.readouterr().out
 
     rows, out = evaluate("--lengths", "32,64", "--max-tokens", "320")
-    assert sorted(rows) == [("val", 32), ("val", 48), ("val", 64)]
-    assert rows["val", 48] == {"data": data_dir, "split": "val", **earlier_row}
-    assert rows["val", 64]["tokens"] == 320
-    assert f"-> {results}: lengths 32, 64 written; 48 kept from earlier runs" in out
+    assert set(rows) == {("val", "?", 48), ("val", 320, 32), ("val", 320, 64)}
+    assert rows["val", "?", 48] == {"data": data_dir, "split": "val", **unrecorded}  # kept apart, as it was
+    assert rows["val", 320, 64]["loss"] != 3.0 and rows["val", 320, 64]["tokens"] == 320  # measured again: replaced
+    assert f"-> {results}: lengths 32, 64 written; 1 row measured otherwise (another --max-tokens, data or " \
+           "split) kept apart\n" in out
     assert f"-> {plot}" in out and plot.read_bytes()[:4] == b"\x89PNG"
     first = rows
 
-    rows, out = evaluate("--lengths", "64,128", "--max-tokens", "640")
-    assert sorted(rows) == [("val", 32), ("val", 48), ("val", 64), ("val", 128)]
-    assert rows["val", 32] == first["val", 32] and rows["val", 48] == first["val", 48]
-    assert rows["val", 64]["tokens"] == 640 and rows["val", 128]["tokens"] == 640  # 64 scored again: replaced
-    assert "lengths 64, 128 written; 32, 48 kept from earlier runs" in out
+    rows, out = evaluate("--lengths", "64,128", "--max-tokens", "320")
+    assert set(rows) == {("val", "?", 48), ("val", 320, 32), ("val", 320, 64), ("val", 320, 128)}
+    assert rows["val", 320, 32] == first["val", 320, 32] and rows["val", "?", 48] == first["val", "?", 48]
+    assert rows["val", 320, 128]["tokens"] == 2 * 128  # 320 // 128 windows
+    assert "lengths 64, 128 written; 32 kept from earlier runs measured the same way; 1 row measured otherwise" in out
 
     rows, out = evaluate("--lengths", "32", "--split", "train", "--max-tokens", "320")
-    assert sorted(rows) == [("train", 32), ("val", 32), ("val", 48), ("val", 64), ("val", 128)]
-    assert rows["val", 32] == first["val", 32] and rows["val", 48] == first["val", 48]
-    assert "lengths 32 written; 4 rows of other data or splits kept" in out
+    assert set(rows) == {("train", 320, 32), *first, ("val", 320, 128)}
+    assert rows["val", 320, 32] == first["val", 320, 32] and rows["val", "?", 48] == first["val", "?", 48]
+    assert "lengths 32 written; 4 rows measured otherwise (another --max-tokens, data or split) kept apart" in out
 
     # a results file eval.py cannot add to stops it with one line, before any work, touching nothing
     results.write_text("{not json")
@@ -462,6 +480,64 @@ def test_results_of_several_runs_merge_by_length(run, corpus, tmp_path, capsys):
     assert err[-1].startswith(f"error: {results} is not an eval.py results file: unreadable JSON")
     assert not any(line.startswith("Traceback") for line in err)
     assert results.read_text() == "{not json" and plot.read_bytes() == before
+
+
+def test_evaluations_of_different_amounts_of_data_are_kept_apart(run, loaded, corpus, tmp_path, capsys,  # noqa: F811
+                                                                  monkeypatch):
+    """The whole split at 1x and 2x, then --max-tokens 100 at 1x and 1.5x: the second evaluation measures
+    less data, so it neither replaces nor joins the first one's rows. The file, the printed table and the
+    plot say which amount each number measured, and the plot draws one line per amount."""
+    import matplotlib.axes
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(run, run_dir, ignore=shutil.ignore_patterns("eval"))
+    results = run_dir / "eval" / "step40.json"
+    data_dir, model = str(pathlib.Path(corpus).resolve()), loaded[0]
+    stream = val_stream(corpus)
+    split_tokens = len(stream)
+    lines = []  # (x, y, label) of every line the plot draws
+
+    def plot(self, x, y, *args, **kwargs):
+        lines.append((list(x), list(y), kwargs.get("label")))
+        return original(self, x, y, *args, **kwargs)
+
+    original = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+
+    def evaluate(*argv):
+        capsys.readouterr()
+        lines.clear()
+        assert E.cli(["--checkpoint", str(run_dir), "--batch-tokens", "256", *argv]) == 0
+        rows = json.loads(results.read_text())["perplexity"]["rows"]
+        return {(r.get("max_tokens"), r["length"]): r for r in rows}, capsys.readouterr().out
+
+    whole = {L: (split_tokens - 1) // L for L in (32, 64)}  # every window of the split
+    capped = {32: 100 // 32, 48: 100 // 48}  # at most 100 tokens per length: 3 and 2 windows
+    first, _ = evaluate("--lengths", "1x,2x")
+    rows, out = evaluate("--lengths", "32,48", "--max-tokens", "100")
+
+    assert set(rows) == {(None, 32), (None, 64), (100, 32), (100, 48)} and len(rows) == 4
+    for (max_tokens, L), windows in [*(((None, L), w) for L, w in whole.items()),
+                                     *(((100, L), w) for L, w in capped.items())]:
+        row = rows[max_tokens, L]
+        assert (row["data"], row["split"], row["split_tokens"]) == (data_dir, "val", split_tokens)
+        assert (row["windows"], row["tokens"]) == (windows, windows * L)
+    for L, windows in capped.items():  # the split's first windows (the whole split's loss has its own test)
+        assert rows[100, L]["loss"] == pytest.approx(window_nll(model, stream, L, windows) / (windows * L), rel=1e-5)
+    assert rows[None, 32] == first[None, 32] and rows[None, 64] == first[None, 64]  # untouched by the second run
+
+    # the printed table: the rows just measured, each with its windows, tokens and what it scored
+    for L, windows in capped.items():
+        ppl = rows[100, L]["ppl"]
+        assert re.search(rf"^ +{L} +{L / 32:.2f} +{windows} +{windows * L} +[0-9.]+ +{ppl:.3f} +"
+                         rf"first {windows} of {(split_tokens - 1) // L} windows \(--max-tokens 100\)$", out, re.M), out
+    assert f"split 'val' ({split_tokens:,} tokens)" in out
+    assert "lengths 32, 48 written; 2 rows measured otherwise (another --max-tokens, data or split) kept apart\n" in out
+
+    # the plot: one line per amount, each through its own lengths only
+    assert sorted(lines, key=str) == sorted([([32, 64], [rows[None, L]["ppl"] for L in (32, 64)], "whole split"),
+                                             ([32, 48], [rows[100, L]["ppl"] for L in (32, 48)], "--max-tokens 100")],
+                                            key=str)
 
 
 def test_learned_positions_stop_at_block_size(learned_run, capsys):
@@ -494,6 +570,20 @@ def test_user_errors_are_one_line(run, tmp_path, capsys, argv, message):
 
 def test_help_shows_the_defaults(capsys):
     assert_help_shows_defaults(E.parse_args, ["--checkpoint", "RUN"], capsys)
+
+
+def test_tasks_offline_fail_at_once_in_one_line(run, tmp_path, offline_user):
+    """Offline with an empty cache, a Hub task stops with one line naming the Hub that did not answer and
+    what still works: no warning of the Hugging Face libraries' retries, no traceback."""
+    result = subprocess.run([sys.executable, str(pathlib.Path(E.__file__)), "--checkpoint", str(run), "--tasks",
+                             "lambada_openai", "--no-perplexity"], cwd=tmp_path, env=offline_user,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    header, *rest = result.stderr.strip().splitlines()
+    assert header.startswith(f"{run} step 40: ") and len(rest) == 1, result.stderr  # the run, then only the error
+    assert rest[0].startswith("error: cannot load the data of lambada_openai: ")
+    assert f"; the Hugging Face Hub at {offline_user['HF_ENDPOINT']} does not answer (" in rest[0]
+    assert rest[0].endswith("and only datasets in the local cache load (or give local task files with --include-path)")
 
 
 def test_alibi_perplexity_at_twice_the_training_context(tmp_path, corpus):  # noqa: F811
@@ -554,7 +644,8 @@ def test_training_and_evaluation_log_to_one_wandb_run(tmp_path, corpus, monkeypa
     assert evaluated.kwargs["id"] == run_id and evaluated.kwargs["resume"] == "allow" and evaluated.finished
     saved = json.loads((run_dir / "eval" / "step8.json").read_text())["perplexity"]["rows"]
     tables = [row["eval/perplexity"] for row, _ in evaluated.rows if "eval/perplexity" in row]
-    assert tables == [{"columns": ["length", "multiple", "loss", "ppl"],
-                       "data": [[r["length"], r["multiple"], r["loss"], r["ppl"]] for r in saved]}]
+    assert tables == [{"columns": ["length", "multiple", "windows", "tokens", "max_tokens", "loss", "ppl"],
+                       "data": [[r["length"], r["multiple"], 256 // r["length"], 256, 256, r["loss"], r["ppl"]]
+                                for r in saved]}]
     assert any("eval/perplexity_plot" in row for row, _ in evaluated.rows)
-    assert evaluated.summary == {"eval/step": 8, **{f"eval/ppl@{r['length']}": r["ppl"] for r in saved}}
+    assert evaluated.summary == {"eval/step": 8, **{f"eval/ppl@{r['length']}/max_tokens=256": r["ppl"] for r in saved}}
