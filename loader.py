@@ -39,7 +39,8 @@ import shards
 from corpus import DataError
 
 BATCHING = ("packing", "padding")  # how prompt/completion examples fill rows
-REMOTE_PREFETCH = 8  # batches read ahead from a URL: a request's latency hidden behind several steps
+REMOTE_GROUP = 8  # text batches read from a URL in one request, twice that read ahead: the requests'
+# latency is hidden behind the steps, and paid once per 8 batches, not once per batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,7 +231,12 @@ class Loader:
     def get_batch(self, step: int):
         raise NotImplementedError
 
-    prefetch = 2  # batches made ahead by iterate(); more for data read from a URL (REMOTE_PREFETCH)
+    def get_batches(self, steps: list[int]) -> list:
+        """[get_batch(s) for s in steps]; a loader reading a URL reads them all in one request."""
+        return [self.get_batch(s) for s in steps]
+
+    prefetch = 2  # batches made ahead by iterate()
+    group = 1  # batches made at once by the prefetching thread (REMOTE_GROUP for data at a URL)
 
     def iterate(self, start_step: int = 0, prefetch: int | None = None) -> Iterator:
         """get_batch(start_step), get_batch(start_step + 1), ...; prefetch > 0 fills a queue from a thread."""
@@ -249,18 +255,19 @@ class Loader:
         def produce(step: int) -> None:
             while not stop.is_set():
                 try:
-                    item: object = self.get_batch(step)
+                    items: list = self.get_batches(list(range(step, step + self.group)))
                 except BaseException as e:  # handed to the consumer, which re-raises it
-                    item = e
-                while not stop.is_set():  # a timed put, so a stopped consumer never leaves it blocked
-                    try:
-                        batches.put(item, timeout=0.05)
-                        break
-                    except queue.Full:
-                        pass
-                if isinstance(item, BaseException):
-                    return
-                step += 1
+                    items = [e]
+                for item in items:
+                    while not stop.is_set():  # a timed put, so a stopped consumer never leaves it blocked
+                        try:
+                            batches.put(item, timeout=0.05)
+                            break
+                        except queue.Full:
+                            pass
+                    if isinstance(item, BaseException):
+                        return
+                step += self.group
 
         thread = threading.Thread(target=produce, args=(step,), name="data-prefetch", daemon=True)
         thread.start()
@@ -296,18 +303,23 @@ class TextLoader(Loader):
         super().__init__(seq_len, batch_size, seed=seed, process_index=process_index, process_count=process_count)
         self.stream = Stream(data_dir, split)
         self.index = self.stream.index
-        self.prefetch = REMOTE_PREFETCH if self.stream.source.remote else self.prefetch
+        if self.stream.source.remote:
+            self.group, self.prefetch = REMOTE_GROUP, 2 * REMOTE_GROUP
         self.num_windows = self.stream.windows(seq_len, f"{data_dir} split {split!r}")
 
     def get_batch(self, step: int) -> np.ndarray:
         """int32 [local_batch_size, seq_len + 1]: this process's rows of the global batch at `step`."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        g = step * self.batch_size + self.rows
+        return self.get_batches([step])[0]
+
+    def get_batches(self, steps: list[int]) -> list[np.ndarray]:
+        """get_batch of each step, their rows read together (from a URL in one request)."""
+        if min(steps) < 0:
+            raise ValueError(f"step must be >= 0, got {min(steps)}")
+        g = (np.asarray(steps, np.int64)[:, None] * self.batch_size + self.rows).ravel()
         windows = permute(g % self.num_windows, self.num_windows, self.seed, g // self.num_windows)
-        batch = self.stream.read_rows(windows * self.seq_len, self.seq_len + 1)
-        self.stream.check(batch, lambda: ((window * self.seq_len, self.seq_len + 1) for window in windows.tolist()))
-        return batch
+        rows = self.stream.read_rows(windows * self.seq_len, self.seq_len + 1)
+        self.stream.check(rows, lambda: ((window * self.seq_len, self.seq_len + 1) for window in windows.tolist()))
+        return list(rows.reshape(len(steps), self.local_batch_size, self.seq_len + 1))
 
 
 def eval_windows(data_dir, split: str, seq_len: int, batch_size: int, *,
@@ -420,7 +432,8 @@ class PromptCompletionLoader(Loader):
             raise DataError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
         self.examples = _checked(data_dir, split, seq_len)
         self.index = self.examples.index
-        self.prefetch = REMOTE_PREFETCH if self.examples.stream.source.remote else self.prefetch
+        if self.examples.stream.source.remote:
+            self.prefetch = 2 * REMOTE_GROUP
         self.packing = batching == "packing"
         self._epoch_rows: list[int] = []  # rows of each epoch planned so far
         self._plans: collections.OrderedDict[int, tuple] = collections.OrderedDict()  # epoch -> (order, bounds)

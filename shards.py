@@ -327,7 +327,9 @@ class Source:
             return self.fs.cat_ranges([f"{self.root}/{name}" for name, _, _ in ranges],
                                       [a for _, a, _ in ranges], [b for _, _, b in ranges], on_error="raise")
         except Exception as e:
-            raise self._failed(ranges[0][0] if len({n for n, _, _ in ranges}) == 1 else "", e) from None
+            names = sorted({name for name, _, _ in ranges})
+            what = names[0] if len(names) == 1 else f"{{{','.join(names)}}}"  # one file, or the set: {a,b}
+            raise self._failed(what, e) from None
 
 
 _checked_remote: dict[str, dict] = {}  # URL -> its index, checked against a listing in this process

@@ -139,13 +139,17 @@ def test_a_failed_remote_read_is_one_line_naming_the_file(prepared, bucket, monk
         raise ConnectionResetError("connection reset by peer")
 
     monkeypatch.setattr(MemoryFileSystem, "cat_ranges", broken)
-    window = int(loader.permute(np.arange(1), remote.num_windows, 3, 0)[0])
+    # the 8 batches of one request (one row each): the shards their 17 tokens lie in
+    windows = loader.permute(np.arange(8), remote.num_windows, 3, 0)
     names = [s["file"] for s in remote.index["splits"]["train"]["shards"]]
     starts = np.cumsum([0] + [s["tokens"] for s in remote.index["splits"]["train"]["shards"]])
-    shard = names[int(np.searchsorted(starts, window * 16, side="right")) - 1]
+    shard = lambda token: names[int(np.searchsorted(starts, token, side="right")) - 1]  # noqa: E731
+    read = sorted({shard(t) for w in windows.tolist() for t in (w * 16, w * 16 + 16)})
+    assert len(read) > 1
     with pytest.raises(data.DataError) as err:
         next(remote.iterate(0))  # from the prefetching thread, handed over as it is
-    assert str(err.value).startswith(f"reading {url}/{shard} failed (") and "connection reset by peer" in str(err.value)
+    assert str(err.value) == (f"reading {url}/{{{','.join(read)}}} failed (ConnectionResetError: "
+                              f"connection reset by peer)")
 
 
 def test_a_damaged_remote_shard_is_one_clear_error(prepared, bucket, tmp_path, capsys):
