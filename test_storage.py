@@ -5,7 +5,6 @@ memory://bucket-... stands in for gs://bucket: the same fsspec calls reach it. o
 checkpoint to memory:// (tensorstore has its own drivers), so the remote run test keeps the
 checkpoints on the local disk and everything else train.py writes in the stand-in store.
 """
-import hashlib
 import json
 import os
 import pathlib
