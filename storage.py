@@ -19,8 +19,8 @@ an --out that must not be replaced, and `StagedDir` builds the directory beside 
 at once (see there), so an interrupted or failed write leaves the old output as it was, or the new one
 complete, and never loses one; a write that fails (a full disk, a read-only one) is one StorageError line.
 
-Knows nothing of the data format or of models; imports nothing of the project but errors.py's base class
-and corpus.DataError.
+Knows nothing of the data format or of models; imports nothing of the project but errors.py (UserError,
+DataError).
 """
 from __future__ import annotations
 
@@ -40,8 +40,7 @@ from typing import Callable
 import fsspec
 from tqdm import tqdm
 
-from errors import UserError
-from corpus import DataError
+from errors import DataError, UserError
 
 CACHE_ENV = "GPT_DATA_CACHE"
 DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "gpt-jax", "data")
@@ -70,7 +69,7 @@ def local_path(location) -> str:
     return text[len("file://"):] if text.startswith("file://") else text
 
 
-def _filesystem(url: str, error=StorageError):
+def filesystem(url: str, error=StorageError):
     """(fsspec filesystem, path inside it) of a URL; a missing package or bad URL is one line."""
     try:
         return fsspec.core.url_to_fs(url)
@@ -92,7 +91,7 @@ class RunDir:
     def __init__(self, location):
         self.remote = is_url(location)
         self.location = str(location).rstrip("/") if self.remote else local_path(location)
-        self.fs, self.root = _filesystem(self.location if self.remote else os.path.abspath(self.location))
+        self.fs, self.root = filesystem(self.location if self.remote else os.path.abspath(self.location))
 
     def __str__(self) -> str:
         return self.location
@@ -243,7 +242,7 @@ def local_copy(location, list_files, cache: str | os.PathLike | None = None) -> 
     url = str(location).rstrip("/")
     if url in verified and cache is None:
         return verified[url]
-    fs, root = _filesystem(url, DataError)
+    fs, root = filesystem(url, DataError)
     try:
         raw = fs.cat_file(f"{root}/index.json")
     except FileNotFoundError:

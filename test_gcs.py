@@ -2,8 +2,16 @@
 gcs_emulator.py): preparing data into and from a bucket, training with the data and the run directory
 in one, exporting and importing there, and a bucket that does not exist.
 """
+import gzip
+import json
+import pathlib
+import random
+
 import fsspec
 import pytest
+
+import data
+from test_train import WORDS
 
 
 def store():
@@ -27,3 +35,70 @@ def test_the_server_keeps_generations_and_their_preconditions(gcs_bucket):
     unchanged = kv.read("a", if_not_equal=second).result()  # 304: the reader's copy is current
     assert unchanged.state == "unspecified" and unchanged.value == b""
     assert store().cat_file(f"{gcs_bucket}/a") == b"two"  # gcsfs sees the same object
+
+
+# ----------------------------------------------------------------------------------------------
+# Data directories: prepared into a bucket, from one, verified there
+
+
+def write_corpus(directory: pathlib.Path, documents: int = 30) -> pathlib.Path:
+    """Word-salad text files doc00.txt ..., and one JSON Lines file (gzip) with a few records."""
+    directory.mkdir(parents=True)
+    for i in range(documents):
+        rng = random.Random(i)
+        (directory / f"doc{i:02d}.txt").write_text(
+            "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 12))) for _ in range(40)) + "\n")
+    records = [{"text": " ".join(random.Random(-i).choices(WORDS, k=30))} for i in range(1, 6)]
+    (directory / "more.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
+    return directory
+
+
+def upload(local: pathlib.Path, url: str) -> None:
+    fs = store()
+    for path in sorted(local.iterdir()):
+        fs.pipe_file(f"{url}/{path.name}", path.read_bytes())
+
+
+def remote_files(url: str) -> dict[str, bytes]:
+    """Every object under url (recursively), by its name relative to url."""
+    fs, root = store(), url.removeprefix("gs://")
+    return {path[len(root) + 1:]: fs.cat_file(path) for path in sorted(fs.find(root))}
+
+
+def local_files(directory: pathlib.Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+PREPARE = ["--vocab-size", "300", "--val-fraction", "0.3", "--shard-tokens", "1500", "--workers", "1"]
+
+
+def data_cli(*args, capsys) -> tuple[int, list[str]]:
+    """data.py in this process: (exit status, the lines on stderr)."""
+    capsys.readouterr()
+    status = data.cli([str(a) for a in args])
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> pathlib.Path:
+    return write_corpus(tmp_path_factory.mktemp("gcs-corpus") / "src")
+
+
+def test_inputs_in_a_bucket_are_globbed_and_read_like_local_files(corpus_dir, gcs_bucket, tmp_path, capsys):
+    """--input 'gs://BUCKET/corpus/*.txt': the same documents, named the same (so the same held out), as
+    the local files the objects were copied from give: the same directory but for the inputs it records."""
+    upload(corpus_dir, f"{gcs_bucket}/corpus")
+    store().pipe_file(f"{gcs_bucket}/corpus/notes.md", b"not matched by either pattern\n")
+    patterns = ["*.txt", "*.jsonl.gz"]
+    remote, local = tmp_path / "from-bucket", tmp_path / "from-disk"
+    status, err = data_cli(*(a for p in patterns for a in ("--input", f"{gcs_bucket}/corpus/{p}")),
+                           "--out", remote, *PREPARE, capsys=capsys)
+    assert (status, err) == (0, [])
+    assert data.cli([*(a for p in patterns for a in ("--input", str(corpus_dir / p))), "--out", str(local),
+                     *PREPARE]) == 0
+    a, b = local_files(remote), local_files(local)
+    index_a, index_b = json.loads(a.pop("index.json")), json.loads(b.pop("index.json"))
+    assert a == b  # tokenizer and every shard, byte for byte
+    assert index_a["inputs"] == [f"{gcs_bucket}/corpus/{p}" for p in patterns]
+    assert {k: v for k, v in index_a.items() if k != "inputs"} == {k: v for k, v in index_b.items() if k != "inputs"}
+    assert index_a["documents"] == 30 + 5 and index_a["splits"]["val"]["documents"] > 0
