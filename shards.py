@@ -276,8 +276,14 @@ def read_index(data_dir) -> tuple[pathlib.Path, dict, list[IndexedFile]]:
     path = data_dir / "index.json"
     if not path.is_file():
         raise DataError(f"{path} not found; prepare the data with `python data.py`")
+    index, files = _checked_index(path.read_bytes(), path)
+    return data_dir, index, files
+
+
+def _checked_index(raw: bytes, path) -> tuple[dict, list[IndexedFile]]:
+    """(index, the files it names) of index.json's bytes, its fields checked; `path` names it in errors."""
     try:
-        index = json.loads(path.read_text())
+        index = json.loads(raw)
         version = index["format_version"]
         if version != FORMAT_VERSION:
             raise DataError(f"{path}: format version {version}, this data.py reads {FORMAT_VERSION}")
@@ -287,7 +293,7 @@ def read_index(data_dir) -> tuple[pathlib.Path, dict, list[IndexedFile]]:
         for name, split in index["splits"].items():
             if sum(int(s["tokens"]) for s in split["shards"]) != int(split["tokens"]):
                 raise DataError(f"{path}: split {name!r} shard token counts do not add up to {split['tokens']}")
-        return data_dir, index, index_files(index)
+        return index, index_files(index)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise DataError(f"{path} is corrupt ({type(e).__name__}: {e}); re-run data.py with --overwrite")
 
@@ -296,9 +302,8 @@ def _size(path: pathlib.Path) -> int | None:
     return path.stat().st_size if path.is_file() else None
 
 
-def _size_problem(path: pathlib.Path, entry: IndexedFile) -> str | None:
-    """A shard whose size is not the recorded one: missing, truncated or extended."""
-    size = _size(path)
+def _size_problem(path, size: int | None, entry: IndexedFile) -> str | None:
+    """A shard whose size (None: no such file) is not the recorded one: missing, truncated or extended."""
     if size == entry.size:
         return None
     return f"{path}: expected {entry.size} bytes ({entry.what}), found " + ("none: missing" if size is None
@@ -317,7 +322,7 @@ def load_index(data_dir) -> dict:
     if file_sha256(tokenizer) != files[0].sha256:
         raise DataError(f"{data_dir / 'index.json'}: {tokenizer} does not match the recorded sha256; re-run data.py")
     for entry in files[1:]:
-        problem = _size_problem(data_dir / entry.file, entry)
+        problem = _size_problem(data_dir / entry.file, _size(data_dir / entry.file), entry)
         if problem:
             raise DataError(problem)
     return index
@@ -327,25 +332,36 @@ def verify(data_dir) -> tuple[list[str], str]:
     """Checks every file of a data directory against its index.json, reading each whole: the size and
     sha256 of every token and loss-mask shard and of the tokenizer. A shard for which the index records
     no sha256 (an index written before shards had hashes) gets its size checked, and for a token shard
-    its ids against the vocabulary. Returns (one line per problem, a one-line summary)."""
-    directory, index, files = read_index(data_dir)
+    its ids against the vocabulary. A URL is read where it is, each file streamed and hashed (no local
+    copy). Returns (one line per problem, a one-line summary)."""
+    if storage.is_url(data_dir):
+        directory = storage.RunDir(data_dir)  # its files by name, through fsspec
+        where = directory.show("index.json")
+        if directory.size("index.json") is None:
+            raise DataError(f"{where} not found; prepare the data with `python data.py`")
+        index, files = _checked_index(directory.read_bytes("index.json"), where)
+    else:
+        local, index, files = read_index(data_dir)
+        directory = storage.RunDir(local)
     problems, nbytes, unhashed = [], 0, 0
     for entry in files:
-        path = directory / entry.file
+        path, size = directory.show(entry.file), directory.size(entry.file)
         if entry.size is not None:
-            problem = _size_problem(path, entry)
+            problem = _size_problem(path, size, entry)
         else:
-            problem = None if path.is_file() else f"{path}: missing"
+            problem = None if size is not None else f"{path}: missing"
         if problem is None and entry.sha256 is not None:
-            digest = file_sha256(path)
-            if digest != entry.sha256:
-                problem = f"{path}: sha256 {digest[:16]}..., index.json records {entry.sha256[:16]}...: changed"
+            digest = hashlib.sha256()
+            for chunk in directory.chunks(entry.file):
+                digest.update(chunk)
+            if digest.hexdigest() != entry.sha256:
+                problem = (f"{path}: sha256 {digest.hexdigest()[:16]}..., index.json records "
+                           f"{entry.sha256[:16]}...: changed")
         elif problem is None:
             unhashed += 1
-            if entry.kind == "tokens" and entry.size:
-                problem = _id_problem(path, index)
+            problem = _id_problem(directory, entry.file, index) if entry.kind == "tokens" and entry.size else None
         if problem is None:
-            nbytes += path.stat().st_size
+            nbytes += size
         else:
             problems.append(problem)
     masks = sum(f.kind == "mask" for f in files)
@@ -360,14 +376,20 @@ def verify(data_dir) -> tuple[list[str], str]:
     return [], f"{directory}: intact, {len(files)} files ({kinds}, the tokenizer), {nbytes / 1e6:.1f} MB; {checked}"
 
 
-def _id_problem(path: pathlib.Path, index: dict) -> str | None:
-    """The first token id of a shard that is outside the vocabulary, if any."""
-    vocab = int(index["vocab_size"])
-    tokens = np.memmap(path, np.dtype(index["dtype"]).newbyteorder("<"), "r")
-    if int(tokens.max()) < vocab:
-        return None
-    at = int(np.flatnonzero(tokens >= vocab)[0])
-    return f"{path}: token {at} is id {int(tokens[at])}, outside the vocabulary of {vocab}"
+def _id_problem(directory: storage.RunDir, name: str, index: dict) -> str | None:
+    """The first token id of a shard that is outside the vocabulary, if any (read as it streams)."""
+    vocab, dtype = int(index["vocab_size"]), np.dtype(index["dtype"]).newbyteorder("<")
+    done, rest = 0, b""  # tokens before this piece, and the bytes of a token split between two pieces
+    for chunk in directory.chunks(name):
+        chunk = rest + chunk
+        whole = len(chunk) - len(chunk) % dtype.itemsize
+        tokens, rest = np.frombuffer(chunk[:whole], dtype), chunk[whole:]
+        if len(tokens) and int(tokens.max()) >= vocab:
+            at = int(np.flatnonzero(tokens >= vocab)[0])
+            return (f"{directory.show(name)}: token {done + at} is id {int(tokens[at])}, outside the vocabulary "
+                    f"of {vocab}")
+        done += len(tokens)
+    return None
 
 
 def load_tokenizer(data_dir):

@@ -145,6 +145,23 @@ class RunDir:
     def read_text(self, name: str) -> str:
         return self.read_bytes(name).decode()
 
+    def size(self, name: str) -> int | None:
+        """The bytes in RUN/name; None when it is not a file."""
+        def size():
+            try:
+                info = self.fs.info(self._path(name))
+            except FileNotFoundError:
+                return None
+            return info["size"] if info["type"] == "file" else None
+
+        return self._do(name, size)
+
+    def chunks(self, name: str):
+        """RUN/name's bytes in pieces of at most COPY_CHUNK, streamed (an object store's through fsspec)."""
+        with self._do(name, self.fs.open, self._path(name), "rb") as f:
+            while chunk := self._do(name, f.read, COPY_CHUNK):
+                yield chunk
+
     def write_bytes(self, name: str, content: bytes) -> None:
         """Replace RUN/name at once: an object store writes whole objects; locally a temporary file is renamed."""
         if self.remote:

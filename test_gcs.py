@@ -3,6 +3,7 @@ gcs_emulator.py): preparing data into and from a bucket, training with the data 
 in one, exporting and importing there, and a bucket that does not exist.
 """
 import gzip
+import hashlib
 import json
 import pathlib
 import random
@@ -102,3 +103,26 @@ def test_inputs_in_a_bucket_are_globbed_and_read_like_local_files(corpus_dir, gc
     assert index_a["inputs"] == [f"{gcs_bucket}/corpus/{p}" for p in patterns]
     assert {k: v for k, v in index_a.items() if k != "inputs"} == {k: v for k, v in index_b.items() if k != "inputs"}
     assert index_a["documents"] == 30 + 5 and index_a["splits"]["val"]["documents"] > 0
+
+
+def test_verify_reads_a_bucket_in_place(corpus_dir, gcs_bucket, tmp_path, capsys):
+    """--verify gs://...: every file hashed as it streams from the bucket, nothing copied to the local disk;
+    a changed byte named by its URL."""
+    local = tmp_path / "local"
+    assert data.cli(["--input", str(corpus_dir), "--out", str(local), *PREPARE]) == 0
+    url = f"{gcs_bucket}/data"
+    upload(local, url)
+    index = json.loads((local / "index.json").read_text())
+    status, err = data_cli("--verify", url, capsys=capsys)
+    assert (status, err) == (0, [])
+    name = index["splits"]["train"]["shards"][1]["file"]
+    raw = bytearray((local / name).read_bytes())
+    raw[7] ^= 1
+    store().pipe_file(f"{url}/{name}", bytes(raw))
+    capsys.readouterr()
+    assert data.cli(["--verify", url]) == 2
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"{url}/{name}: sha256 {hashlib.sha256(raw).hexdigest()[:16]}..., index.json "
+                                f"records {index['splits']['train']['shards'][1]['sha256'][:16]}...: changed"]
+    assert err.startswith(f"error: {url}: 1 of ")
+    assert not (tmp_path / "gcs-cache").exists()  # no local copy
