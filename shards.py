@@ -208,7 +208,7 @@ def check_out(out, overwrite: bool, inputs: list[str]) -> pathlib.Path:
     if out.exists() and not overwrite:
         raise DataError(f"{out} exists; pass --overwrite to replace it")
     for location in inputs:
-        if out.resolve() in pathlib.Path(location).resolve().parents:
+        if storage.inside(location, out):
             raise DataError(f"input {location} lies inside the output directory {out}")
     return out
 
@@ -222,10 +222,11 @@ class Staged(storage.StagedDir):
             staged.commit(index)                         # index.json written last, then the swap into place
 
     Leaving the block without commit (an error, Ctrl-C) removes the staged directory and leaves DIR as it
-    was; a failed write (a full disk) is one StorageError line naming DIR."""
+    was; a failed write (a full disk) is one StorageError line naming DIR. A URL DIR (gs://bucket/dir) is
+    built on the local disk and uploaded with index.json last (storage.StagedDir says what a kill leaves)."""
 
     def __init__(self, out, overwrite: bool = False):
-        super().__init__(out, replace=overwrite)
+        super().__init__(out, replace=overwrite, last="index.json")
 
     def commit(self, index: dict) -> None:
         (self.path / "index.json").write_text(json.dumps(index, indent=1) + "\n")

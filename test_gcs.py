@@ -12,6 +12,8 @@ import fsspec
 import pytest
 
 import data
+import shards
+import storage
 from test_train import WORDS
 
 
@@ -103,6 +105,68 @@ def test_inputs_in_a_bucket_are_globbed_and_read_like_local_files(corpus_dir, gc
     assert index_a["inputs"] == [f"{gcs_bucket}/corpus/{p}" for p in patterns]
     assert {k: v for k, v in index_a.items() if k != "inputs"} == {k: v for k, v in index_b.items() if k != "inputs"}
     assert index_a["documents"] == 30 + 5 and index_a["splits"]["val"]["documents"] > 0
+
+
+def test_data_py_writes_into_a_bucket_by_the_rules_of_a_local_out(corpus_dir, gcs_bucket, tmp_path, capsys,
+                                                                    monkeypatch):
+    """--out gs://...: the directory a local --out gets, in the bucket (nothing on the local disk); an
+    existing one is replaced only with --overwrite, and only a data directory or an empty one."""
+    monkeypatch.chdir(tmp_path)
+    url = f"{gcs_bucket}/data"
+    local = tmp_path / "local"
+    assert data.cli(["--input", str(corpus_dir), "--out", str(local), *PREPARE]) == 0
+    assert data_cli("--input", corpus_dir, "--out", url, *PREPARE, capsys=capsys) == (0, [])
+    assert remote_files(url) == local_files(local)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local"]  # no ./gs:/... beside it
+
+    # not again without --overwrite; with it, a data directory is replaced whole (fewer, larger shards)
+    status, err = data_cli("--input", corpus_dir, "--out", url, *PREPARE, capsys=capsys)
+    assert status == 2 and err == [f"error: {url} exists; pass --overwrite to replace it"]
+    assert remote_files(url) == local_files(local)
+    bigger = [*PREPARE[:-4], "--shard-tokens", "4000", "--workers", "1"]
+    assert data.cli(["--input", str(corpus_dir), "--out", str(tmp_path / "bigger"), *bigger]) == 0
+    assert data_cli("--input", corpus_dir, "--out", url, *bigger, "--overwrite", capsys=capsys) == (0, [])
+    assert remote_files(url) == local_files(tmp_path / "bigger")  # the old shards gone with the old index
+
+    # what is not a data directory stays, --overwrite or not; so does a whole bucket
+    store().pipe_file(f"{gcs_bucket}/notes/todo.txt", b"mine\n")
+    status, err = data_cli("--input", corpus_dir, "--out", f"{gcs_bucket}/notes", *PREPARE, "--overwrite",
+                           capsys=capsys)
+    assert status == 2 and len(err) == 1
+    assert err[0].startswith(f"error: --out {gcs_bucket}/notes holds todo.txt and is not a data directory")
+    status, err = data_cli("--input", corpus_dir, "--out", gcs_bucket, *PREPARE, "--overwrite", capsys=capsys)
+    assert status == 2 and len(err) == 1 and "whole bucket" in err[0]
+    assert remote_files(f"{gcs_bucket}/notes") == {"todo.txt": b"mine\n"}
+    assert remote_files(url) == local_files(tmp_path / "bigger")
+
+
+def test_an_upload_cut_short_leaves_no_directory_a_reader_takes_for_complete(corpus_dir, gcs_bucket, tmp_path,
+                                                                             capsys, monkeypatch):
+    """The files go up before index.json: when the upload stops half way (a dropped connection here; a kill
+    stops at the same point), the directory has no index.json, a reader refuses it, and the next run
+    with --overwrite replaces it."""
+    url = f"{gcs_bucket}/data"
+    real, sent = storage.upload_file, []
+
+    def drops_after_two(fs, local, remote):
+        if len(sent) == 2:
+            raise ConnectionResetError("Connection reset by peer")
+        sent.append(remote)
+        real(fs, local, remote)
+
+    monkeypatch.setattr(storage, "upload_file", drops_after_two)
+    status, err = data_cli("--input", corpus_dir, "--out", url, *PREPARE, capsys=capsys)
+    assert status == 2 and err == [f"error: cannot write {url}: Connection reset by peer"]
+    left = remote_files(url)
+    assert "index.json" not in left and len([n for n in left if n.endswith(".bin")]) >= 1
+    with pytest.raises(data.DataError, match=rf"{url}/index.json not found"):
+        shards.load_index(url)
+    monkeypatch.setattr(storage, "upload_file", real)
+    status, err = data_cli("--input", corpus_dir, "--out", url, *PREPARE, capsys=capsys)
+    assert status == 2 and err == [f"error: {url} exists; pass --overwrite to replace it"]
+    assert data_cli("--input", corpus_dir, "--out", url, *PREPARE, "--overwrite", capsys=capsys) == (0, [])
+    assert data.cli(["--input", str(corpus_dir), "--out", str(tmp_path / "local"), *PREPARE]) == 0
+    assert remote_files(url) == local_files(tmp_path / "local")
 
 
 def test_verify_reads_a_bucket_in_place(corpus_dir, gcs_bucket, tmp_path, capsys):
