@@ -7,14 +7,23 @@ import hashlib
 import json
 import pathlib
 import random
+import subprocess
+import sys
 
 import fsspec
+import jax
+import numpy as np
 import pytest
 
+import convert_torch
 import data
+import rundir
 import shards
 import storage
-from test_train import WORDS
+import train
+from test_train import WORDS, deterministic, tiny
+
+REPO = pathlib.Path(__file__).resolve().parent
 
 
 def store():
@@ -190,3 +199,89 @@ def test_verify_reads_a_bucket_in_place(corpus_dir, gcs_bucket, tmp_path, capsys
                                 f"records {index['splits']['train']['shards'][1]['sha256'][:16]}...: changed"]
     assert err.startswith(f"error: {url}: 1 of ")
     assert not (tmp_path / "gcs-cache").exists()  # no local copy
+
+
+# ----------------------------------------------------------------------------------------------
+# A run in a bucket, from data prepared there, resumed there, exported and imported there
+
+
+@pytest.fixture(scope="module")
+def journey(corpus_dir, gcs_module_bucket, tmp_path_factory):
+    """`python data.py` prepares the corpus into the bucket; a tiny run trains 8 steps with data.dir and
+    run_dir there; then, as if it had been stopped after its checkpoint at step 4, `python train.py
+    --resume` continues it. Returns (bucket, the straight run's metrics rows, its step-8 parameters, the
+    working directory the commands ran in)."""
+    bucket, cwd = gcs_module_bucket, tmp_path_factory.mktemp("journey")
+    done = subprocess.run([sys.executable, str(REPO / "data.py"), "--input", str(corpus_dir), "--out",
+                           f"{bucket}/data", *PREPARE], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    run = f"{bucket}/run"
+    assert train.main(tiny(run, f"{bucket}/data")) == 0
+    straight = metrics(run)
+    params, step = rundir.Run(run).load_params()
+    assert step == 8
+    fs = store()
+    fs.rm(f"{run.removeprefix('gs://')}/checkpoints/8", recursive=True)
+    fs.rm_file(f"{run.removeprefix('gs://')}/summary.json")
+    done = subprocess.run([sys.executable, str(REPO / "train.py"), "--resume", f"run_dir={run}"], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return bucket, straight, params, cwd
+
+
+def metrics(run: str) -> list[dict]:
+    return [json.loads(line) for line in store().cat_file(f"{run}/metrics.jsonl").decode().splitlines()]
+
+
+def test_a_run_in_a_bucket_resumes_exactly(journey, corpus_dir, tmp_path):
+    """Steps 5..8 after the resume equal the straight run's, and so do its step-8 parameters; every file of
+    the run, its checkpoints too, is in the bucket, and nothing is written beside the commands."""
+    bucket, straight, params, cwd = journey
+    run = f"{bucket}/run"
+    assert [r["step"] for r in straight] == list(range(1, 9))
+    assert [deterministic(r) for r in metrics(run)] == [deterministic(r) for r in straight]
+    resumed, step = rundir.Run(run).load_params()
+    assert step == 8
+    jax.tree.map(np.testing.assert_array_equal, resumed, params)
+    names = set(remote_files(run))
+    assert {"config.yaml", "data.json", "tokenizer.json", "metrics.jsonl", "summary.json"} <= names
+    assert {name.split("/")[1] for name in names if name.startswith("checkpoints/")} == {"4", "8"}
+    assert json.loads(store().cat_file(f"{run}/summary.json"))["steps"] == 8
+    assert list(cwd.iterdir()) == []
+    local = tmp_path / "local"  # the data in the bucket is what data.py writes to a local --out
+    assert data.cli(["--input", str(corpus_dir), "--out", str(local), *PREPARE]) == 0
+    assert remote_files(f"{bucket}/data") == local_files(local)
+
+
+def test_an_export_into_a_bucket_is_the_local_export(journey, tmp_path, capsys):
+    bucket = journey[0]
+    for fmt in ("torch", "hf"):
+        url = f"{bucket}/export-{fmt}"
+        capsys.readouterr()
+        assert convert_torch.main(["--checkpoint", f"{bucket}/run", "--out", url, "--format", fmt]) == 0
+        assert capsys.readouterr().out.startswith(f"wrote step 8 of {bucket}/run to {url};")
+        assert convert_torch.main(["--checkpoint", f"{bucket}/run", "--out", str(tmp_path / fmt), "--format",
+                                   fmt]) == 0
+        assert remote_files(url) == local_files(tmp_path / fmt)
+    assert not (pathlib.Path.cwd() / "gs:").exists()
+
+
+def test_an_import_into_a_bucket_is_a_run_directory_there(journey, tmp_path, capsys):
+    """--import-hf DIR --out gs://...: the run directory the local import writes, in the bucket, read back
+    by the run directory's own reader; and like a local one, not replaced without --overwrite."""
+    bucket = journey[0]
+    hf = tmp_path / "hf"
+    assert convert_torch.main(["--checkpoint", f"{bucket}/run", "--out", str(hf), "--format", "hf"]) == 0
+    url, local = f"{bucket}/imported", tmp_path / "imported"
+    assert convert_torch.main(["--import-hf", str(hf), "--out", url]) == 0
+    assert f"imported {hf} into run directory {url} (step 0)" in capsys.readouterr().out
+    assert convert_torch.main(["--import-hf", str(hf), "--out", str(local)]) == 0
+    remote, there = rundir.Run(url), rundir.Run(local)
+    assert remote.config().run_dir == url
+    assert remote.config().model == there.config().model
+    assert remote.read_bytes("tokenizer.json") == (local / "tokenizer.json").read_bytes()
+    (a, step_a), (b, step_b) = remote.load_params(), there.load_params()
+    assert step_a == step_b == 0
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    assert convert_torch.cli(["--import-hf", str(hf), "--out", url]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {url} already exists; choose another --out or pass --overwrite"
