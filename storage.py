@@ -21,6 +21,8 @@ complete, and never loses one; a write that fails (a full disk, a read-only one)
 An output at a URL (gs://bucket/dir) is checked by the same rules where an object store has them, built on
 the local disk and uploaded with the file that marks it complete last (StagedDir says what a kill leaves).
 
+A gs:// URL whose bucket does not exist is one line naming the bucket (`filesystem`).
+
 Knows nothing of the data format or of models; imports nothing of the project but errors.py (UserError,
 DataError).
 """
@@ -73,13 +75,37 @@ def local_path(location) -> str:
 
 
 def filesystem(url: str, error=StorageError):
-    """(fsspec filesystem, path inside it) of a URL; a missing package or bad URL is one line."""
+    """(fsspec filesystem, path inside it) of a URL; a missing package, a bad URL or a gs:// bucket that
+    does not exist is one line."""
     try:
-        return fsspec.core.url_to_fs(url)
+        fs, path = fsspec.core.url_to_fs(url)
     except ImportError as e:  # fsspec names the package: "Please install gcsfs to access Google Storage"
         raise error(f"{url}: {e}") from None
     except Exception as e:  # an unknown protocol, a malformed URL, missing credentials
         raise error(f"{url}: {_one_line(e)}") from None
+    _check_bucket(fs, url, path, error)
+    return fs, path
+
+
+_BUCKETS_FOUND: set[str] = set()  # gs:// buckets this process has seen to exist
+
+
+def _check_bucket(fs, url: str, path: str, error) -> None:
+    """A gs:// URL whose bucket does not exist is one line naming the bucket (the store's own error names
+    only the request that failed, an upload or download URL). The bucket counts as missing only when
+    listing it says so (404); without the permission to list, or without a network, the operation that
+    follows says why it fails."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    bucket = path.split("/", 1)[0]
+    if "gs" not in protocols or not bucket or bucket in _BUCKETS_FOUND:
+        return
+    try:
+        fs.ls(bucket, detail=False, max_results=1)  # one request, whatever the bucket holds
+    except FileNotFoundError:
+        raise error(f"{url}: bucket '{bucket}' does not exist") from None
+    except Exception:
+        return
+    _BUCKETS_FOUND.add(bucket)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -565,7 +591,7 @@ INCOMPLETE = ".incomplete"  # in an output directory in an object store while St
 
 
 def check_out_url(out: str, overwrite: bool, *, ours, what: str, error: type[UserError] = StorageError):
-    """check_out for a URL: it is never a whole bucket or an object (a file);
+    """check_out for a URL: its bucket must exist, and it is never a whole bucket or an object (a file);
     with --overwrite an existing one is replaced only if it is empty, `ours(out)`, or an upload of
     StagedDir's that stopped (it holds INCOMPLETE). Returns the URL as an etils.epath.Path (orbax's
     path layer, over fsspec), which answers exists(), is_dir(), iterdir() and `/` as pathlib.Path does."""

@@ -9,6 +9,7 @@ import pathlib
 import random
 import subprocess
 import sys
+import uuid
 
 import fsspec
 import jax
@@ -199,6 +200,32 @@ def test_verify_reads_a_bucket_in_place(corpus_dir, gcs_bucket, tmp_path, capsys
                                 f"records {index['splits']['train']['shards'][1]['sha256'][:16]}...: changed"]
     assert err.startswith(f"error: {url}: 1 of ")
     assert not (tmp_path / "gcs-cache").exists()  # no local copy
+
+
+# ----------------------------------------------------------------------------------------------
+# A bucket that does not exist: one line naming it, from every command that reads or writes one
+
+
+def test_a_bucket_that_does_not_exist_is_named(corpus_dir, gcs_server, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bucket = f"missing-{uuid.uuid4().hex[:8]}"
+    said = f"bucket '{bucket}' does not exist"
+
+    def one_line(status, err):
+        assert status == 2 and len(err) == 1 and err[0].startswith("error: ") and said in err[0], err
+
+    one_line(*data_cli("--input", f"gs://{bucket}/corpus/*.txt", "--out", tmp_path / "d", capsys=capsys))
+    one_line(*data_cli("--input", corpus_dir, "--out", f"gs://{bucket}/data", *PREPARE, capsys=capsys))
+    one_line(*data_cli("--verify", f"gs://{bucket}/data", capsys=capsys))
+    capsys.readouterr()
+    one_line(train.cli(tiny(tmp_path / "run", f"gs://{bucket}/data")), capsys.readouterr().err.strip().splitlines())
+    local = tmp_path / "local"
+    assert data.cli(["--input", str(corpus_dir), "--out", str(local), *PREPARE]) == 0
+    capsys.readouterr()
+    one_line(train.cli(tiny(f"gs://{bucket}/run", local)), capsys.readouterr().err.strip().splitlines())
+    one_line(convert_torch.cli(["--checkpoint", str(tmp_path / "run"), "--out", f"gs://{bucket}/export"]),
+             capsys.readouterr().err.strip().splitlines())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local"]  # nothing written anywhere else
 
 
 # ----------------------------------------------------------------------------------------------
