@@ -1,5 +1,5 @@
 """A Google Cloud Storage server on 127.0.0.1 for the tests: gcp-storage-emulator (in memory), with
-what it lacks and the project's clients rely on. conftest.py starts it (fixture `gcs`):
+what it lacks and the project's clients rely on. conftest.py starts it (fixture `gcs_server`):
 
     python gcs_emulator.py        # serves on a free port of 127.0.0.1, prints the port, runs until killed
 
