@@ -17,6 +17,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # lm-eval's local test tasks are built by `datasets`, whose cache goes to a throwaway directory.
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="hf-datasets-"))
+# gcsfs reads this when it is imported: without it, it asks the storage control API (which the tests'
+# GCS server below has not) about every bucket.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -88,3 +91,75 @@ def offline_user(tmp_path):
         env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k != "TRANSFORMERS_OFFLINE"}
         env.update(HF_ENDPOINT=f"http://127.0.0.1:{sock.getsockname()[1]}", HF_HOME=str(tmp_path / "hf"))
         yield env
+
+# A Google Cloud Storage server on 127.0.0.1 (gcs_emulator.py, in memory): gs:// paths in the tests
+# reach it, in this process and in the commands the tests start (the settings are environment
+# variables, which child processes inherit). One server per test process; a fresh bucket per test.
+
+import sys  # noqa: E402
+import uuid  # noqa: E402
+
+GCS_SETTINGS = {  # what points each client at the server, and skips its search for credentials
+    "STORAGE_EMULATOR_HOST": None,  # gcsfs (fsspec's gs://)
+    "TENSORSTORE_GCS_HTTP_URL": None,  # tensorstore: orbax's arrays
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "x",  # tensorstore: this token, no credential search
+    "NO_GCE_CHECK": "true",  # google-auth: no probe of a Compute Engine metadata server
+}
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """The server's URL, http://127.0.0.1:PORT, with the clients pointed at it; stopped at the end."""
+    log = tmp_path_factory.mktemp("gcs") / "server.log"
+    with open(log, "w") as err:
+        server = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name("gcs_emulator.py"))],
+                                  stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        port = server.stdout.readline().strip()  # printed once it listens
+        if not port.isdigit():
+            server.wait(10)
+            pytest.fail(f"the GCS server did not start (pip install -r requirements-test.txt): {log.read_text()}")
+        url = f"http://127.0.0.1:{port}"
+        with pytest.MonkeyPatch.context() as env:
+            for name, value in GCS_SETTINGS.items():
+                env.setenv(name, value or url)
+            yield url
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+@contextlib.contextmanager
+def _new_bucket():
+    """gs://BUCKET, a bucket of its own on the server, removed afterwards."""
+    import fsspec
+
+    fs = fsspec.filesystem("gs")
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(name)
+    try:
+        yield f"gs://{name}"
+    finally:
+        fs.invalidate_cache()
+        if fs.exists(name):
+            fs.rm(name, recursive=True)
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server, tmp_path, monkeypatch):
+    """gs://BUCKET, a fresh bucket on the test GCS server, with no memory of earlier checks of data there."""
+    import shards
+
+    monkeypatch.setattr(shards, "_checked_remote", {})
+    with _new_bucket() as bucket:
+        yield bucket
+
+
+@pytest.fixture(scope="module")
+def gcs_module_bucket(gcs_server, tmp_path_factory):
+    """gs://BUCKET for a whole test module (a journey several tests look at)."""
+    import shards
+
+    with pytest.MonkeyPatch.context() as env, _new_bucket() as bucket:
+        env.setattr(shards, "_checked_remote", {})
+        yield bucket

@@ -52,7 +52,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import shutil
 import sys
@@ -968,15 +967,15 @@ def _check_out(out, source, overwrite: bool, kind: str = "export") -> pathlib.Pa
 
     if not str(out).strip():
         raise ConvertError("--out is empty; name the directory to write")
-    out = pathlib.Path(out)
-    if source is not None and (overwrite or out.exists()):
+    out = out if storage.is_url(out) else pathlib.Path(out)  # a URL: gs://bucket/dir (no local source inside)
+    if source is not None and not storage.is_url(out) and (overwrite or out.exists()):
         o, s = out.resolve(), pathlib.Path(source).resolve()
         relation = "is" if o == s else "contains" if o in s.parents else "lies inside" if s in o.parents else None
         if relation:
             raise ConvertError(f"--out {out} {relation} the source directory {source}; choose an --out outside "
                                f"it (nothing was written or deleted)")
     ours, what = _OURS[kind]
-    storage.check_out(out, overwrite, ours=ours, what=what, hidden=True, error=ConvertError)
+    out = storage.check_out(out, overwrite, ours=ours, what=what, hidden=True, error=ConvertError)
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConvertError(f"{out} already exists; choose another --out or pass --overwrite")
     return out
@@ -998,7 +997,7 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
 
     out = _check_out(out, source, overwrite)
     tensors = to_torch_tensors(params, c, layout)  # before touching `out`: a refusal leaves it alone
-    with storage.StagedDir(out, replace=overwrite, hidden=True) as staged:  # .OUT.tmp-PID, swapped in whole
+    with storage.StagedDir(out, replace=overwrite, hidden=True, last=CONFIG_NAME) as staged:  # swapped in whole
         tmp = staged.path
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         storage.plain_mode(tmp / WEIGHTS_NAME)  # readable as the other files are, not owner-only
@@ -1061,7 +1060,8 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     base = config_lib.load_config(config_lib.DEFAULT_CONFIG)
     run_cfg = dataclasses.replace(base, run_dir=str(out), model_name=f"imported-{layout}", model=gcfg,
                                   training=dataclasses.replace(base.training, seq_len=None))
-    with contextlib.ExitStack() as held, storage.StagedDir(out, replace=overwrite, hidden=True) as staged:
+    with contextlib.ExitStack() as held, \
+            storage.StagedDir(out, replace=overwrite, hidden=True, last=rundir.CONFIG) as staged:
         if out.is_dir() and any(out.iterdir()):  # --overwrite of a run: not while a process writes it
             held.enter_context(rundir.Run(out).writer("convert_torch.py --import-hf --overwrite"))
         tmp = staged.path
@@ -1106,17 +1106,18 @@ def main(argv=None) -> int:
     parser.error = error
     args = parser.parse_args(argv)
     if args.import_hf:
+        import rundir
+
         import_hf(args.import_hf, args.out, args.overwrite)
-        has_tokenizer = (pathlib.Path(args.out) / TOKENIZER_NAME).is_file()
+        imported = rundir.Run(args.out)  # a local path or a URL
+        has_tokenizer = imported.is_file(TOKENIZER_NAME)
         if not has_tokenizer:
             print(f"warning: {args.import_hf} has no tokenizer ({TOKENIZER_NAME}, or vocab.json and merges.txt), so "
                   f"{args.out} has none: prepare data with the model's own (python data.py --tokenizer "
                   f"PATH/{TOKENIZER_NAME}) and copy it into {args.out} for sample.py and eval.py", file=sys.stderr)
         import shlex
 
-        import rundir
-
-        context = rundir.Run(args.out).config().model.block_size
+        context = imported.config().model.block_size
         run, name = args.out.rstrip("/"), pathlib.PurePath(args.out.rstrip("/")).name
         data_dir = f"data/{name}"
         tokenizer = run if has_tokenizer else f"PATH/{TOKENIZER_NAME}"

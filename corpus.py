@@ -18,7 +18,8 @@ LISTED of them, with the reason) named, or with strict=True stops preparation. T
 this Python's standard-library sources (`default_corpus_files`), with its own byte-balanced held-out
 set (`default_held_out`).
 
-This module imports nothing of the project but errors.py; data.py tokenizes what it yields.
+Inputs may be URLs (gs://bucket/corpus/*.jsonl.zst), read through fsspec (storage.py). This module
+imports nothing of the project but errors.py and storage.py; data.py tokenizes what it yields.
 """
 from __future__ import annotations
 
@@ -34,13 +35,12 @@ import pathlib
 import sysconfig
 from typing import Iterator
 
-from errors import UserError
+import fsspec
+
+import storage
+from errors import DataError
 
 DEFAULT_VAL_FRACTION = 0.04  # of the stdlib's bytes: about 37 files, 150k tokens held out
-
-
-class DataError(UserError):
-    """A problem the user can fix (a path, a file, a setting); str() is one line naming it."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,7 +98,9 @@ def expand(patterns: list[str]) -> list[tuple[str, str, str]]:
         if pattern.startswith("hf:"):
             sources.append(("hf", pattern, pattern))
             continue
-        if os.path.isdir(pattern):
+        if storage.is_url(pattern):  # gs://bucket/corpus/*.txt, or a directory there
+            base, matches = _expand_url(pattern)
+        elif os.path.isdir(pattern):
             base = pattern
             matches = sorted(str(p) for p in pathlib.Path(pattern).rglob("*") if p.is_file())
         else:
@@ -109,21 +111,45 @@ def expand(patterns: list[str]) -> list[tuple[str, str, str]]:
         if not matches:
             raise DataError(f"no file matches {pattern!r}")
         for path in matches:
-            if os.path.realpath(path) not in seen:
-                seen.add(os.path.realpath(path))
-                sources.append((_file_kind(path), path, os.path.relpath(path, base or ".")))
+            if storage.is_url(path):
+                key, name = path, path[len(base):].lstrip("/")
+            else:
+                key, name = os.path.realpath(path), os.path.relpath(path, base or ".")
+            if key not in seen:
+                seen.add(key)
+                sources.append((_file_kind(path), path, name))
     return sources
 
 
+def _expand_url(pattern: str) -> tuple[str, list[str]]:
+    """(base, matching file URLs, sorted) of a URL pattern: a glob (fsspec's: *, ?, [...], ** across
+    directories), or a directory meaning every file under it. Documents are named relative to the base,
+    the pattern's fixed leading directories, as for local files: a corpus copied into a bucket keeps
+    its names, so the same documents are held out."""
+    fs, path = storage.filesystem(pattern, DataError)
+    protocol = pattern.split("://", 1)[0]
+    try:
+        if not set("*?[") & set(path) and fs.isdir(path):
+            base, found = pattern.rstrip("/"), fs.find(path, detail=True)
+        else:
+            parts = pattern.split("/")
+            fixed = list(itertools.takewhile(lambda part: not set("*?[") & set(part), parts))
+            base, found = "/".join(fixed[:-1] if len(fixed) == len(parts) else fixed), fs.glob(path, detail=True)
+    except Exception as e:  # no access, no network
+        raise DataError(f"{pattern}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return base, sorted(f"{protocol}://{name}" for name, info in found.items() if info.get("type") == "file")
+
+
 def open_binary(path: str) -> io.BufferedIOBase:
-    """A file opened for reading bytes, decompressed if it ends in .gz or .zst."""
+    """A file (or a URL, through fsspec) opened for reading bytes, decompressed if it ends in .gz or .zst."""
+    remote = storage.is_url(path)
     if path.lower().endswith(".gz"):
-        return gzip.open(path, "rb")
+        return fsspec.open(path, "rb", compression="gzip").open() if remote else gzip.open(path, "rb")
+    raw = fsspec.open(path, "rb").open() if remote else open(path, "rb")
     if path.lower().endswith(".zst"):
         import zstandard
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True,
-                                                          closefd=True)
-    return open(path, "rb")
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True, closefd=True)
+    return raw
 
 
 NOT_UTF8 = "not UTF-8"  # how json_lines begins the reason for a line with bytes that are not UTF-8
@@ -163,7 +189,7 @@ def _records(kind: str, location: str, text_field: str) -> Iterator[tuple[int, o
             yield number, record[text_field], None
     elif kind == "parquet":
         import pyarrow.parquet as pq
-        pf = pq.ParquetFile(location)
+        pf = pq.ParquetFile(open_binary(location) if storage.is_url(location) else location)
         if text_field not in pf.schema_arrow.names:
             raise DataError(f"{location}: no column {text_field!r} (has: {', '.join(pf.schema_arrow.names)}); "
                             f"choose one with --text-field")

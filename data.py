@@ -26,8 +26,9 @@ Beam pipeline, with Beam's options given as `--beam-option KEY=VALUE`; the direc
 default runner's, byte for byte (same tokenizer, encoding, shard writer, document order).
 
 `--verify DIR` reads every file and checks its size and sha256 against index.json, listing each
-damaged one. A data directory may also be a URL (gs://bucket/dir, after `gcloud storage cp -r
-DIR`): the loader reads it by byte ranges, each process its own rows (shards.Source).
+damaged one. Inputs, --out and --verify may be URLs (gs://bucket/dir): inputs are globbed and read
+through fsspec, --out is built locally and uploaded with index.json last (storage.StagedDir), --verify
+streams each file; the loader reads a URL by byte ranges, each process its own rows (shards.Source).
 """
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
              val_fraction: float, workers, shard_tokens, text_field, overwrite, strict, progress,
              runner: str = "local", beam_options: list[str] | None = None) -> dict:
     """Prepares `sources` into `out`, documents held out by is_val (which holds out about val_fraction of
-    them), plus the one of corpus.held_out_extra where is_val held out none."""
-    out = pathlib.Path(out)
+    them), plus the one of corpus.held_out_extra where is_val held out none. `out` may be a URL
+    (gs://bucket/dir): the directory is built on the local disk and uploaded (shards.Staged)."""
     if shard_tokens < 1:
         raise DataError(f"shard tokens must be positive, got {shard_tokens}")
     if tokenizer is None and vocab_size < 258:  # 256 byte symbols and the end-of-text token
@@ -79,6 +80,9 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
     shards.check_out(out, overwrite, [location for kind, location, _ in sources if kind != "hf"])
     if runner not in ("local", "beam"):
         raise DataError(f"unknown runner {runner!r} (choose local or beam)")
+    if runner == "beam" and storage.is_url(out):  # its workers write into the directory being built
+        raise DataError(f"--runner beam writes --out through a file system every worker mounts, not a URL "
+                        f"({out}); prepare into such a directory and copy it, or use the local runner")
     if runner == "beam":
         try:
             import data_beam  # apache-beam is optional: imported only for this runner
@@ -348,13 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.input:
         if not args.out:
             raise DataError("--out is required with --input")
-        out = pathlib.Path(args.out)
+        out = args.out
         index = prepare(args.input, out, tokenizer=args.tokenizer, vocab_size=args.vocab_size or 8192,
                         val_fraction=args.val_fraction, workers=args.workers,
                         shard_tokens=args.shard_tokens, text_field=args.text_field,
                         overwrite=args.overwrite, strict=args.strict, **runner)
     else:
-        out = pathlib.Path(args.out or DEFAULT_DATA_DIR)
+        out = args.out or DEFAULT_DATA_DIR
         index = prepare_default(out, vocab_size=args.vocab_size or 4096, overwrite=args.overwrite,
                                 tokenizer=args.tokenizer, workers=args.workers, **runner)
     splits, skipped = index["splits"], index["skipped_files"] + index["skipped_records"]
@@ -390,7 +394,8 @@ def _skipped_names(index: dict, out) -> str:
                          skipped=index["skipped_inputs"])
     if not tally.skipped:
         return ""
-    return f" ({tally.skipped_names()}; listed in {pathlib.Path(out) / 'index.json'})"
+    listed = f"{out}/index.json" if storage.is_url(out) else pathlib.Path(out) / "index.json"
+    return f" ({tally.skipped_names()}; listed in {listed})"
 
 
 def cli(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """The user-error base class and the one runner every command line goes through.
 
 A mistake a user can make (a path, a config key, a data file, a shape, a checkpoint) raises a
-subclass of `UserError` whose str() is one line naming the problem: corpus.DataError,
+subclass of `UserError` whose str() is one line naming the problem: corpus.DataError (defined here,
+so that storage.py and corpus.py both raise it),
 config.ConfigError, storage.StorageError, sharding.ShardingError, rundir.RunError, and each tool's
 own. `run_cli(main)` turns one into `error: ...` on stderr and the error's exit status (2; 1 for a run
 that diverged), and a Ctrl-C that gets through into `error: interrupted` and 130: never a traceback.
@@ -23,6 +24,11 @@ class UserError(Exception):
     """A problem the user can fix; str(e) is one line. `exit_status` is the command's exit status."""
 
     exit_status = 2
+
+
+class DataError(UserError):
+    """A problem with data the user can fix (a path, a file, a setting); str() is one line naming it.
+    Raised as corpus.DataError (the name it is known by) by corpus.py, storage.py and the data tools."""
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

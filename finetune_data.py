@@ -148,7 +148,6 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
     out for validation as data.py holds out documents (corpus.in_val, and corpus.held_out_extra).
     """
     inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else [str(i) for i in inputs]
-    out = pathlib.Path(out)
     if not inputs:
         raise DataError("no input given")
     if seq_len < 1 or shard_tokens < 1:

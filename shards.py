@@ -224,7 +224,7 @@ def check_out(out, overwrite: bool, inputs: list[str]) -> pathlib.Path:
     if out.exists() and not overwrite:
         raise DataError(f"{out} exists; pass --overwrite to replace it")
     for location in inputs:
-        if out.resolve() in pathlib.Path(location).resolve().parents:
+        if storage.inside(location, out):
             raise DataError(f"input {location} lies inside the output directory {out}")
     return out
 
@@ -238,10 +238,11 @@ class Staged(storage.StagedDir):
             staged.commit(index)                         # index.json written last, then the swap into place
 
     Leaving the block without commit (an error, Ctrl-C) removes the staged directory and leaves DIR as it
-    was; a failed write (a full disk) is one StorageError line naming DIR."""
+    was; a failed write (a full disk) is one StorageError line naming DIR. A URL DIR (gs://bucket/dir) is
+    built on the local disk and uploaded with index.json last (storage.StagedDir says what a kill leaves)."""
 
     def __init__(self, out, overwrite: bool = False):
-        super().__init__(out, replace=overwrite)
+        super().__init__(out, replace=overwrite, last="index.json")
 
     def commit(self, index: dict) -> None:
         (self.path / "index.json").write_text(json.dumps(index, indent=1) + "\n")
@@ -392,10 +393,8 @@ def _size(path: pathlib.Path) -> int | None:
     return path.stat().st_size if path.is_file() else None
 
 
-def _size_problem(path, entry: IndexedFile, size: int | None = None) -> str | None:
-    """A shard whose size (None: missing; by default read from the local `path`) is not the recorded one:
-    missing, truncated or extended."""
-    size = _size(path) if size is None and isinstance(path, pathlib.Path) else size
+def _size_problem(path, size: int | None, entry: IndexedFile) -> str | None:
+    """A shard whose size (None: no such file) is not the recorded one: missing, truncated or extended."""
     if size == entry.size:
         return None
     return f"{path}: expected {entry.size} bytes ({entry.what}), found " + ("none: missing" if size is None
@@ -418,7 +417,7 @@ def load_index(data_dir) -> dict:
     if file_sha256(tokenizer) != files[0].sha256:
         raise DataError(f"{data_dir / 'index.json'}: {tokenizer} does not match the recorded sha256; re-run data.py")
     for entry in files[1:]:
-        problem = _size_problem(data_dir / entry.file, entry)
+        problem = _size_problem(data_dir / entry.file, _size(data_dir / entry.file), entry)
         if problem:
             raise DataError(problem)
     return index
@@ -437,7 +436,7 @@ def _remote_index(url: str) -> dict:
                         f"sha256; prepare the directory again")
     for entry in files[1:]:
         found = listing.get(entry.file)
-        problem = _size_problem(source.show(entry.file), entry, found["size"] if found else None)
+        problem = _size_problem(source.show(entry.file), found["size"] if found else None, entry)
         if problem:
             raise DataError(problem)
     versions = {f.file: listing[f.file]["version"] for f in files if f.file in listing}
@@ -463,26 +462,29 @@ def verify(data_dir) -> tuple[list[str], str]:
     """Checks every file of a data directory against its index.json, reading each whole: the size and
     sha256 of every token and loss-mask shard and of the tokenizer. A shard for which the index records
     no sha256 (an index written before shards had hashes) gets its size checked, and for a token shard
-    its ids against the vocabulary. Returns (one line per problem, a one-line summary)."""
+    its ids against the vocabulary. A URL is read where it is, each file streamed and hashed (no local
+    copy). Returns (one line per problem, a one-line summary)."""
     source, index, files = read_index(data_dir)
-    directory = pathlib.Path(source.location)
+    directory = storage.RunDir(source.location)  # its files by name, through fsspec at a URL
     problems, nbytes, unhashed = [], 0, 0
     for entry in files:
-        path = directory / entry.file
+        path, size = directory.show(entry.file), directory.size(entry.file)
         if entry.size is not None:
-            problem = _size_problem(path, entry)
+            problem = _size_problem(path, size, entry)
         else:
-            problem = None if path.is_file() else f"{path}: missing"
+            problem = None if size is not None else f"{path}: missing"
         if problem is None and entry.sha256 is not None:
-            digest = file_sha256(path)
-            if digest != entry.sha256:
-                problem = f"{path}: sha256 {digest[:16]}..., index.json records {entry.sha256[:16]}...: changed"
+            digest = hashlib.sha256()
+            for chunk in directory.chunks(entry.file):
+                digest.update(chunk)
+            if digest.hexdigest() != entry.sha256:
+                problem = (f"{path}: sha256 {digest.hexdigest()[:16]}..., index.json records "
+                           f"{entry.sha256[:16]}...: changed")
         elif problem is None:
             unhashed += 1
-            if entry.kind == "tokens" and entry.size:
-                problem = _id_problem(path, index)
+            problem = _id_problem(directory, entry.file, index) if entry.kind == "tokens" and entry.size else None
         if problem is None:
-            nbytes += path.stat().st_size
+            nbytes += size
         else:
             problems.append(problem)
     masks = sum(f.kind == "mask" for f in files)
@@ -497,14 +499,20 @@ def verify(data_dir) -> tuple[list[str], str]:
     return [], f"{directory}: intact, {len(files)} files ({kinds}, the tokenizer), {nbytes / 1e6:.1f} MB; {checked}"
 
 
-def _id_problem(path: pathlib.Path, index: dict) -> str | None:
-    """The first token id of a shard that is outside the vocabulary, if any."""
-    vocab = int(index["vocab_size"])
-    tokens = np.memmap(path, np.dtype(index["dtype"]).newbyteorder("<"), "r")
-    if int(tokens.max()) < vocab:
-        return None
-    at = int(np.flatnonzero(tokens >= vocab)[0])
-    return f"{path}: token {at} is id {int(tokens[at])}, outside the vocabulary of {vocab}"
+def _id_problem(directory: storage.RunDir, name: str, index: dict) -> str | None:
+    """The first token id of a shard that is outside the vocabulary, if any (read as it streams)."""
+    vocab, dtype = int(index["vocab_size"]), np.dtype(index["dtype"]).newbyteorder("<")
+    done, rest = 0, b""  # tokens before this piece, and the bytes of a token split between two pieces
+    for chunk in directory.chunks(name):
+        chunk = rest + chunk
+        whole = len(chunk) - len(chunk) % dtype.itemsize
+        tokens, rest = np.frombuffer(chunk[:whole], dtype), chunk[whole:]
+        if len(tokens) and int(tokens.max()) >= vocab:
+            at = int(np.flatnonzero(tokens >= vocab)[0])
+            return (f"{directory.show(name)}: token {done + at} is id {int(tokens[at])}, outside the vocabulary "
+                    f"of {vocab}")
+        done += len(tokens)
+    return None
 
 
 def load_tokenizer(data_dir):

@@ -12,8 +12,12 @@ Output directories (a data directory, an export, an imported run) are written wh
 an --out that must not be replaced, and `StagedDir` builds the directory beside its place and swaps it in
 at once (see there), so an interrupted or failed write leaves the old output as it was, or the new one
 complete, and never loses one; a write that fails (a full disk, a read-only one) is one StorageError line.
+An output at a URL (gs://bucket/dir) is checked by the same rules where an object store has them, built on
+the local disk and uploaded with the file that marks it complete last (StagedDir says what a kill leaves).
 
-Knows nothing of the data format or of models; imports nothing of the project but errors.py's base class.
+A gs:// URL whose bucket does not exist is one line naming the bucket (`filesystem`).
+
+Knows nothing of the data format or of models; imports nothing of the project but errors.py.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import pathlib
 import re
 import shutil
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -33,6 +38,7 @@ import fsspec
 
 from errors import UserError
 
+COPY_CHUNK = 1 << 24  # bytes per read while streaming a file (RunDir.chunks)
 FLUSH_SECONDS = 30.0  # a remote metrics.jsonl is uploaded at least this often while training logs
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -58,13 +64,37 @@ def local_path(location) -> str:
 
 
 def filesystem(url: str, error=StorageError):
-    """(fsspec filesystem, path inside it) of a URL; a missing package or bad URL is one line."""
+    """(fsspec filesystem, path inside it) of a URL; a missing package, a bad URL or a gs:// bucket that
+    does not exist is one line."""
     try:
-        return fsspec.core.url_to_fs(url)
+        fs, path = fsspec.core.url_to_fs(url)
     except ImportError as e:  # fsspec names the package: "Please install gcsfs to access Google Storage"
         raise error(f"{url}: {e}") from None
     except Exception as e:  # an unknown protocol, a malformed URL, missing credentials
         raise error(f"{url}: {_one_line(e)}") from None
+    _check_bucket(fs, url, path, error)
+    return fs, path
+
+
+_BUCKETS_FOUND: set[str] = set()  # gs:// buckets this process has seen to exist
+
+
+def _check_bucket(fs, url: str, path: str, error) -> None:
+    """A gs:// URL whose bucket does not exist is one line naming the bucket (the store's own error names
+    only the request that failed, an upload or download URL). The bucket counts as missing only when
+    listing it says so (404); without the permission to list, or without a network, the operation that
+    follows says why it fails."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    bucket = path.split("/", 1)[0]
+    if "gs" not in protocols or not bucket or bucket in _BUCKETS_FOUND:
+        return
+    try:
+        fs.ls(bucket, detail=False, max_results=1)  # one request, whatever the bucket holds
+    except FileNotFoundError:
+        raise error(f"{url}: bucket '{bucket}' does not exist") from None
+    except Exception:
+        return
+    _BUCKETS_FOUND.add(bucket)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,6 +162,23 @@ class RunDir:
 
     def read_text(self, name: str) -> str:
         return self.read_bytes(name).decode()
+
+    def size(self, name: str) -> int | None:
+        """The bytes in RUN/name; None when it is not a file."""
+        def size():
+            try:
+                info = self.fs.info(self._path(name))
+            except FileNotFoundError:
+                return None
+            return info["size"] if info["type"] == "file" else None
+
+        return self._do(name, size)
+
+    def chunks(self, name: str):
+        """RUN/name's bytes in pieces of at most COPY_CHUNK, streamed (an object store's through fsspec)."""
+        with self._do(name, self.fs.open, self._path(name), "rb") as f:
+            while chunk := self._do(name, f.read, COPY_CHUNK):
+                yield chunk
 
     def write_bytes(self, name: str, content: bytes) -> None:
         """Replace RUN/name at once: an object store writes whole objects; locally a temporary file is renamed."""
@@ -354,9 +401,13 @@ def check_out(out, overwrite: bool, *, ours: Callable[[pathlib.Path], bool], wha
     directory, a path under a regular file, a file or a symbolic link. With --overwrite an existing --out is
     replaced only if it is empty or `ours(out)` (the writer's own kind of output, `what`: "a data directory
     (one with index.json)"); otherwise the error names what is in it. Leftovers of dead writers into `out`
-    are settled first (settle_leftovers). Whether an existing --out needs --overwrite is the caller's rule."""
+    are settled first (settle_leftovers). Whether an existing --out needs --overwrite is the caller's rule.
+
+    A URL (gs://bucket/dir) is checked by the same rules, as far as an object store has them (check_out_url)."""
     if not str(out).strip():
         raise error("--out is empty; name the directory to write")
+    if is_url(out):
+        return check_out_url(str(out), overwrite, ours=ours, what=what, error=error)
     shown, out = str(out), pathlib.Path(out)
     untouched = "choose another --out (nothing was written or deleted)"
     try:
@@ -408,6 +459,50 @@ def plain_mode(path) -> None:
     os.chmod(path, 0o666 & ~umask())
 
 
+def inside(path, directory) -> bool:
+    """Whether `path` lies inside `directory` (local paths resolved; URLs compared as written)."""
+    if is_url(path) or is_url(directory):
+        return is_url(path) and is_url(directory) and str(path).startswith(str(directory).rstrip("/") + "/")
+    return pathlib.Path(directory).resolve() in pathlib.Path(path).resolve().parents
+
+
+INCOMPLETE = ".incomplete"  # in an output directory in an object store while StagedDir uploads it
+
+
+def check_out_url(out: str, overwrite: bool, *, ours, what: str, error: type[UserError] = StorageError):
+    """check_out for a URL: its bucket must exist, and it is never a whole bucket or an object (a file);
+    with --overwrite an existing one is replaced only if it is empty, `ours(out)`, or an upload of
+    StagedDir's that stopped (it holds INCOMPLETE). Returns the URL as an etils.epath.Path (orbax's
+    path layer, over fsspec), which answers exists(), is_dir(), iterdir() and `/` as pathlib.Path does."""
+    from etils import epath
+
+    url = out.rstrip("/")
+    fs, root = filesystem(url, error)
+    untouched = "choose another --out (nothing was written or deleted)"
+    if "/" not in root.strip("/"):
+        raise error(f"--out {out} is a whole bucket; name a directory in it ({url}/DIR)")
+    try:
+        if fs.isfile(root):
+            raise error(f"--out {out} is a file, not a directory; {untouched}")
+        entries = fs.ls(root, detail=True) if fs.isdir(root) else []
+    except UserError:
+        raise
+    except Exception as e:  # no access, no network
+        raise error(f"--out {out}: {_one_line(e)}") from None
+    names = sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] + ("/" if e["type"] == "directory" else "")
+                   for e in entries if e["name"].rstrip("/") != root.rstrip("/"))  # not its own folder object
+    if overwrite and names and INCOMPLETE not in names and not ours(epath.Path(url)):
+        listing = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise error(f"--out {out} holds {listing} and is not {what}; --overwrite replaces only such a "
+                    f"directory or an empty one: {untouched}")
+    return epath.Path(url)
+
+
+def upload_file(fs, local: pathlib.Path, remote: str) -> None:
+    """One file of a StagedDir to its place in the object store."""
+    fs.put_file(str(local), remote)
+
+
 class StagedDir:
     """A local directory built in a sibling and swapped into place whole, when complete.
 
@@ -425,10 +520,24 @@ class StagedDir:
     Leaving the block without commit (an error, Ctrl-C) removes the staging directory, and the parent
     directories made for it, and leaves OUT as it was. An operating-system failure while writing (a full
     disk, a read-only file system, no permission), raised as OSError or inside a library's error, becomes
-    one StorageError line naming `out` and the system's reason."""
+    one StorageError line naming `out` and the system's reason.
 
-    def __init__(self, out, *, replace: bool = False, hidden: bool = False):
+    A URL `out` (gs://bucket/dir) is built in a local temporary directory (under $TMPDIR) and uploaded by
+    commit, since an object store has no rename. In order: OUT/.incomplete (INCOMPLETE) is written; the
+    old OUT's `last` file goes (index.json for a data directory: the file that marks it complete), then
+    the rest of the old OUT but its dot-names; every new file is uploaded, `last` the final one; then
+    .incomplete goes. A reader never takes a partial OUT for complete: until the new `last` is there, OUT
+    has none. A kill or a lost connection during the upload leaves OUT without `last` (with replace=True
+    the old OUT is gone by then) and with .incomplete, which check_out_url lets the next write with
+    --overwrite replace; the local temporary directory of a killed process stays in $TMPDIR. A failed
+    upload is one StorageError line; a Ctrl-C says what it left (exit status 130)."""
+
+    def __init__(self, out, *, replace: bool = False, hidden: bool = False, last: str | None = None):
         self.shown = str(out)
+        self.remote, self.last = is_url(out), last
+        if self.remote:
+            self.url, self.replace, self.path, self.committed = str(out).rstrip("/"), replace, None, False
+            return
         self.out = pathlib.Path(os.path.abspath(out))
         self.replace, self.hidden = replace, hidden
         self.prefix = f"{'.' if hidden else ''}{self.out.name}.tmp-"
@@ -440,6 +549,10 @@ class StagedDir:
         return self.out.parent / f"{self.prefix}{os.getpid()}{state}"
 
     def __enter__(self) -> "StagedDir":
+        if self.remote:
+            self.fs, self.root = filesystem(self.url)
+            self.path = pathlib.Path(tempfile.mkdtemp(prefix="gpt-upload-"))
+            return self
         try:
             blocker = _file_in_the_way(self.out)
             if blocker is not None:
@@ -461,6 +574,10 @@ class StagedDir:
         self.path.mkdir()
 
     def commit(self) -> None:
+        if self.remote:
+            self._upload()
+            self.committed = True
+            return
         ready = self._name("-ready")
         os.rename(self.path, ready)  # complete: from here on a next run may put it into place
         if self.replace and os.path.lexists(self.out):
@@ -481,8 +598,36 @@ class StagedDir:
                 names[found.group(1) or ""] = self.out.parent / name
         _settle(self.out, names)
 
+    def _upload(self) -> None:
+        """The remote commit (see the class docstring)."""
+        local = {p.relative_to(self.path).as_posix(): p for p in sorted(self.path.rglob("*")) if p.is_file()}
+        order = sorted(local, key=lambda name: name == self.last)  # `last` last
+        fs, root = self.fs, self.root.rstrip("/")
+        try:
+            fs.pipe_file(f"{root}/{INCOMPLETE}", f"being written by pid {os.getpid()}\n".encode())
+            # the old files the new ones do not replace go, the old `last` first; dot-names stay (INCOMPLETE,
+            # a run directory's lock, held by the caller while it replaces the run)
+            new, last = {f"{root}/{name}" for name in local}, f"{root}/{self.last}"
+            stale = [p for p in (fs.find(root) if self.replace else []) if p.startswith(f"{root}/")
+                     and not p[len(root) + 1:].startswith(".") and (p not in new or p == last)]
+            for path in sorted(stale, key=lambda p: p != last):
+                fs.rm_file(path)
+            for name in order:
+                upload_file(fs, local[name], f"{root}/{name}")
+            fs.rm_file(f"{root}/{INCOMPLETE}")
+        except Exception as e:  # a lost connection, no permission, a full quota
+            raise StorageError(f"cannot write {self.shown}: {os_problem(e) or _one_line(e)}") from None
+        except KeyboardInterrupt:  # Ctrl-C: said as such (status 130), with what it leaves
+            stopped = StorageError(f"interrupted while uploading {self.shown}, which is left incomplete; write it "
+                                   f"again with --overwrite")
+            stopped.exit_status = 130
+            raise stopped from None
+
     def __exit__(self, kind, e, tb) -> None:
-        if not self.committed:
+        if self.remote:
+            if self.path is not None:
+                shutil.rmtree(self.path, ignore_errors=True)
+        elif not self.committed:
             try:
                 self._settle_mine()  # as a next run would: an old copy moved aside goes back, the rest goes
             except OSError:
@@ -497,7 +642,8 @@ class StagedDir:
             reason = os_problem(e)
             if reason is not None:
                 where = getattr(e, "filename", None)  # named only where it is not `out` or its staging
-                ours = where is None or os.path.abspath(where) == str(self.out) or \
-                    os.path.abspath(where).startswith(str(self.out.parent / self.prefix))
+                staging = str(self.path) if self.remote else str(self.out.parent / self.prefix)
+                ours = where is None or os.path.abspath(where).startswith(staging) or \
+                    (not self.remote and os.path.abspath(where) == str(self.out))
                 raise StorageError(f"cannot write {self.shown}: {reason}" + ("" if ours else f" ({where})")) \
                     from None

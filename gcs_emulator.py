@@ -1,0 +1,94 @@
+"""A Google Cloud Storage server on 127.0.0.1 for the tests: gcp-storage-emulator (in memory), with
+what it lacks and the project's clients rely on. conftest.py starts it (fixture `gcs_server`):
+
+    python gcs_emulator.py        # serves on a free port of 127.0.0.1, prints the port, runs until killed
+
+Added to the emulator as shipped, as the real service behaves:
+- a download (`alt=media`) carries the object's generation in `x-goog-generation` (and
+  `x-goog-metageneration`); tensorstore, which writes orbax's arrays, reads it there, and without it
+  an OCDBT checkpoint fails at random ("Malformed StorageGeneration").
+- `ifGenerationMatch` / `ifGenerationNotMatch` are answered: a write or delete whose condition fails
+  gets 412; a read gets 412, or 304 when the object is the generation it must not be. OCDBT writes
+  its manifest on that condition. Requests are handled one at a time, so a check and its write are
+  one step.
+- the listen backlog is 1024, not 5: tensorstore and gcsfs open many connections at once, and a
+  dropped one is retried only about a second later.
+- nothing is kept of deleted objects (the emulator keeps them "soft-deleted" by default) and no
+  metadata file is rewritten on every change: a memory store needs neither, and both grow with a session.
+"""
+from __future__ import annotations
+
+import functools
+import http
+import http.server
+import sys
+
+from gcp_storage_emulator import server as emulator
+from gcp_storage_emulator import storage as emulator_storage
+from gcp_storage_emulator.exceptions import NotFound
+
+emulator_storage.DEFAULT_SOFT_DELETE_RETENTION_SECONDS = 0
+emulator_storage.Storage._write_config_to_file = lambda self: None
+
+
+def _generation(request, storage) -> int | None:
+    """The generation of the object a request names (None when there is none)."""
+    params = request.params or {}
+    name = params.get("object_id") or (request.query.get("name") or [None])[0]
+    try:
+        return int(storage.get_file_obj(params["bucket_name"], name)["generation"])
+    except (KeyError, NotFound):
+        return None
+
+
+def _refused(request, storage) -> http.HTTPStatus | None:
+    """The status of a request whose generation precondition fails, else None."""
+    match, not_match = (request.query.get(key, [None])[0] for key in ("ifGenerationMatch", "ifGenerationNotMatch"))
+    if match is None and not_match is None:
+        return None
+    generation = _generation(request, storage)
+    if match is not None and int(match) != (generation or 0):  # 0: the object must not exist
+        return http.HTTPStatus.PRECONDITION_FAILED
+    if not_match is not None and generation is not None and int(not_match) == generation:
+        read = request.method == "GET"
+        return http.HTTPStatus.NOT_MODIFIED if read else http.HTTPStatus.PRECONDITION_FAILED
+    return None
+
+
+def _guarded(handler):
+    def handle(request, response, storage, *args, **kwargs):
+        refused = _refused(request, storage)
+        if refused is not None:
+            response.status = refused
+            return None
+        result = handler(request, response, storage, *args, **kwargs)
+        media = request.method == "GET" and (handler is emulator.objects.download or
+                                             request.query.get("alt") == ["media"])
+        if media and response.status in (http.HTTPStatus.OK, http.HTTPStatus.PARTIAL_CONTENT):
+            generation = _generation(request, storage)
+            if generation is not None:
+                response["x-goog-generation"] = str(generation)
+                response["x-goog-metageneration"] = "1"
+        return result
+
+    return handle
+
+
+# the routing table holds the handlers themselves: each is wrapped in place
+emulator.HANDLERS = tuple((pattern, {method: _guarded(handler) for method, handler in handlers.items()})
+                          for pattern, handlers in emulator.HANDLERS)
+
+
+class _Server(http.server.HTTPServer):
+    request_queue_size = 1024
+
+
+def main() -> None:
+    store = emulator_storage.Storage(use_memory_fs=True)
+    server = _Server(("127.0.0.1", 0), functools.partial(emulator.RequestHandler, store))
+    print(server.server_address[1], flush=True)  # the port the system chose
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""gs:// paths against a Google Cloud Storage server on 127.0.0.1 (conftest.py's `gcs_server`,
+gcs_emulator.py): preparing data into and from a bucket, training with the data and the run directory
+in one, exporting and importing there, and a bucket that does not exist.
+"""
+import gzip
+import hashlib
+import json
+import pathlib
+import random
+import subprocess
+import sys
+import uuid
+
+import fsspec
+import jax
+import numpy as np
+import pytest
+
+import convert_torch
+import data
+import rundir
+import shards
+import storage
+import train
+from test_train import WORDS, deterministic, tiny
+
+REPO = pathlib.Path(__file__).resolve().parent
+
+
+def store():
+    """A view of the server that caches no listing: it sees what other processes wrote."""
+    return fsspec.filesystem("gs", skip_instance_cache=True, use_listings_cache=False)
+
+
+def test_the_server_keeps_generations_and_their_preconditions(gcs_bucket):
+    """What tensorstore (orbax's arrays) relies on: every read says the generation it read, and a write or
+    read conditioned on a generation is refused when the object is not (or is) that generation."""
+    import tensorstore as ts
+
+    kv = ts.KvStore.open({"driver": "gcs", "bucket": gcs_bucket.removeprefix("gs://")}).result()
+    first = kv.write("a", b"one").result().generation
+    read = kv.read("a").result()
+    assert (read.state, read.value, read.stamp.generation) == ("value", b"one", first)
+    second = kv.write("a", b"two", if_equal=first).result().generation  # the generation it was: done
+    assert second not in (first, b"")
+    refused = kv.write("a", b"three", if_equal=first).result()  # no longer that generation: 412, nothing written
+    assert refused.generation == b"" and kv.read("a").result().value == b"two"
+    unchanged = kv.read("a", if_not_equal=second).result()  # 304: the reader's copy is current
+    assert unchanged.state == "unspecified" and unchanged.value == b""
+    assert store().cat_file(f"{gcs_bucket}/a") == b"two"  # gcsfs sees the same object
+
+
+# ----------------------------------------------------------------------------------------------
+# Data directories: prepared into a bucket, from one, verified there
+
+
+def write_corpus(directory: pathlib.Path, documents: int = 30) -> pathlib.Path:
+    """Word-salad text files doc00.txt ..., and one JSON Lines file (gzip) with a few records."""
+    directory.mkdir(parents=True)
+    for i in range(documents):
+        rng = random.Random(i)
+        (directory / f"doc{i:02d}.txt").write_text(
+            "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 12))) for _ in range(40)) + "\n")
+    records = [{"text": " ".join(random.Random(-i).choices(WORDS, k=30))} for i in range(1, 6)]
+    (directory / "more.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
+    return directory
+
+
+def upload(local: pathlib.Path, url: str) -> None:
+    fs = store()
+    for path in sorted(local.iterdir()):
+        fs.pipe_file(f"{url}/{path.name}", path.read_bytes())
+
+
+def remote_files(url: str) -> dict[str, bytes]:
+    """Every object under url (recursively), by its name relative to url."""
+    fs, root = store(), url.removeprefix("gs://")
+    return {path[len(root) + 1:]: fs.cat_file(path) for path in sorted(fs.find(root))}
+
+
+def local_files(directory: pathlib.Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+PREPARE = ["--vocab-size", "300", "--val-fraction", "0.3", "--shard-tokens", "1500", "--workers", "1"]
+
+
+def data_cli(*args, capsys) -> tuple[int, list[str]]:
+    """data.py in this process: (exit status, the lines on stderr)."""
+    capsys.readouterr()
+    status = data.cli([str(a) for a in args])
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> pathlib.Path:
+    return write_corpus(tmp_path_factory.mktemp("gcs-corpus") / "src")
+
+
+def test_inputs_in_a_bucket_are_globbed_and_read_like_local_files(corpus_dir, gcs_bucket, tmp_path, capsys):
+    """--input 'gs://BUCKET/corpus/*.txt': the same documents, named the same (so the same held out), as
+    the local files the objects were copied from give: the same directory but for the inputs it records."""
+    upload(corpus_dir, f"{gcs_bucket}/corpus")
+    store().pipe_file(f"{gcs_bucket}/corpus/notes.md", b"not matched by either pattern\n")
+    patterns = ["*.txt", "*.jsonl.gz"]
+    remote, local = tmp_path / "from-bucket", tmp_path / "from-disk"
+    status, err = data_cli(*(a for p in patterns for a in ("--input", f"{gcs_bucket}/corpus/{p}")),
+                           "--out", remote, *PREPARE, capsys=capsys)
+    assert (status, err) == (0, [])
+    assert data.cli([*(a for p in patterns for a in ("--input", str(corpus_dir / p))), "--out", str(local),
+                     *PREPARE]) == 0
+    a, b = local_files(remote), local_files(local)
+    index_a, index_b = json.loads(a.pop("index.json")), json.loads(b.pop("index.json"))
+    assert a == b  # tokenizer and every shard, byte for byte
+    assert index_a["inputs"] == [f"{gcs_bucket}/corpus/{p}" for p in patterns]
+    assert {k: v for k, v in index_a.items() if k != "inputs"} == {k: v for k, v in index_b.items() if k != "inputs"}
+    assert index_a["documents"] == 30 + 5 and index_a["splits"]["val"]["documents"] > 0
+
+
+def test_data_py_writes_into_a_bucket_by_the_rules_of_a_local_out(corpus_dir, gcs_bucket, tmp_path, capsys,
+                                                                    monkeypatch):
+    """--out gs://...: the directory a local --out gets, in the bucket (nothing on the local disk); an
+    existing one is replaced only with --overwrite, and only a data directory or an empty one."""
+    monkeypatch.chdir(tmp_path)
+    url = f"{gcs_bucket}/data"
+    local = tmp_path / "local"
+    assert data.cli(["--input", str(corpus_dir), "--out", str(local), *PREPARE]) == 0
+    assert data_cli("--input", corpus_dir, "--out", url, *PREPARE, capsys=capsys) == (0, [])
+    assert remote_files(url) == local_files(local)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local"]  # no ./gs:/... beside it
+
+    # not again without --overwrite; with it, a data directory is replaced whole (fewer, larger shards)
+    status, err = data_cli("--input", corpus_dir, "--out", url, *PREPARE, capsys=capsys)
+    assert status == 2 and err == [f"error: {url} exists; pass --overwrite to replace it"]
+    assert remote_files(url) == local_files(local)
+    bigger = [*PREPARE[:-4], "--shard-tokens", "4000", "--workers", "1"]
+    assert data.cli(["--input", str(corpus_dir), "--out", str(tmp_path / "bigger"), *bigger]) == 0
+    assert data_cli("--input", corpus_dir, "--out", url, *bigger, "--overwrite", capsys=capsys) == (0, [])
+    assert remote_files(url) == local_files(tmp_path / "bigger")  # the old shards gone with the old index
+
+    # what is not a data directory stays, --overwrite or not; so does a whole bucket
+    store().pipe_file(f"{gcs_bucket}/notes/todo.txt", b"mine\n")
+    status, err = data_cli("--input", corpus_dir, "--out", f"{gcs_bucket}/notes", *PREPARE, "--overwrite",
+                           capsys=capsys)
+    assert status == 2 and len(err) == 1
+    assert err[0].startswith(f"error: --out {gcs_bucket}/notes holds todo.txt and is not a data directory")
+    status, err = data_cli("--input", corpus_dir, "--out", gcs_bucket, *PREPARE, "--overwrite", capsys=capsys)
+    assert status == 2 and len(err) == 1 and "whole bucket" in err[0]
+    assert remote_files(f"{gcs_bucket}/notes") == {"todo.txt": b"mine\n"}
+    assert remote_files(url) == local_files(tmp_path / "bigger")
+
+
+def test_an_upload_cut_short_leaves_no_directory_a_reader_takes_for_complete(corpus_dir, gcs_bucket, tmp_path,
+                                                                             capsys, monkeypatch):
+    """The files go up before index.json: when the upload stops half way (a dropped connection here; a kill
+    stops at the same point), the directory has no index.json, a reader refuses it, and the next run
+    with --overwrite replaces it."""
+    url = f"{gcs_bucket}/data"
+    real, sent = storage.upload_file, []
+
+    def drops_after_two(fs, local, remote):
+        if len(sent) == 2:
+            raise ConnectionResetError("Connection reset by peer")
+        sent.append(remote)
+        real(fs, local, remote)
+
+    monkeypatch.setattr(storage, "upload_file", drops_after_two)
+    status, err = data_cli("--input", corpus_dir, "--out", url, *PREPARE, capsys=capsys)
+    assert status == 2 and err == [f"error: cannot write {url}: Connection reset by peer"]
+    left = remote_files(url)
+    assert "index.json" not in left and len([n for n in left if n.endswith(".bin")]) >= 1
+    with pytest.raises(data.DataError, match=rf"{url}/index.json not found"):
+        shards.load_index(url)
+    monkeypatch.setattr(storage, "upload_file", real)
+    status, err = data_cli("--input", corpus_dir, "--out", url, *PREPARE, capsys=capsys)
+    assert status == 2 and err == [f"error: {url} exists; pass --overwrite to replace it"]
+    assert data_cli("--input", corpus_dir, "--out", url, *PREPARE, "--overwrite", capsys=capsys) == (0, [])
+    assert data.cli(["--input", str(corpus_dir), "--out", str(tmp_path / "local"), *PREPARE]) == 0
+    assert remote_files(url) == local_files(tmp_path / "local")
+
+
+def test_verify_reads_a_bucket_in_place(corpus_dir, gcs_bucket, tmp_path, capsys):
+    """--verify gs://...: every file hashed as it streams from the bucket, nothing copied to the local disk;
+    a changed byte named by its URL."""
+    local = tmp_path / "local"
+    assert data.cli(["--input", str(corpus_dir), "--out", str(local), *PREPARE]) == 0
+    url = f"{gcs_bucket}/data"
+    upload(local, url)
+    index = json.loads((local / "index.json").read_text())
+    status, err = data_cli("--verify", url, capsys=capsys)
+    assert (status, err) == (0, [])
+    name = index["splits"]["train"]["shards"][1]["file"]
+    raw = bytearray((local / name).read_bytes())
+    raw[7] ^= 1
+    store().pipe_file(f"{url}/{name}", bytes(raw))
+    capsys.readouterr()
+    assert data.cli(["--verify", url]) == 2
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"{url}/{name}: sha256 {hashlib.sha256(raw).hexdigest()[:16]}..., index.json "
+                                f"records {index['splits']['train']['shards'][1]['sha256'][:16]}...: changed"]
+    assert err.startswith(f"error: {url}: 1 of ")
+
+
+# ----------------------------------------------------------------------------------------------
+# A bucket that does not exist: one line naming it, from every command that reads or writes one
+
+
+def test_a_bucket_that_does_not_exist_is_named(corpus_dir, gcs_server, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bucket = f"missing-{uuid.uuid4().hex[:8]}"
+    said = f"bucket '{bucket}' does not exist"
+
+    def one_line(status, err):
+        assert status == 2 and len(err) == 1 and err[0].startswith("error: ") and said in err[0], err
+
+    one_line(*data_cli("--input", f"gs://{bucket}/corpus/*.txt", "--out", tmp_path / "d", capsys=capsys))
+    one_line(*data_cli("--input", corpus_dir, "--out", f"gs://{bucket}/data", *PREPARE, capsys=capsys))
+    one_line(*data_cli("--verify", f"gs://{bucket}/data", capsys=capsys))
+    capsys.readouterr()
+    one_line(train.cli(tiny(tmp_path / "run", f"gs://{bucket}/data")), capsys.readouterr().err.strip().splitlines())
+    local = tmp_path / "local"
+    assert data.cli(["--input", str(corpus_dir), "--out", str(local), *PREPARE]) == 0
+    capsys.readouterr()
+    one_line(train.cli(tiny(f"gs://{bucket}/run", local)), capsys.readouterr().err.strip().splitlines())
+    one_line(convert_torch.cli(["--checkpoint", str(tmp_path / "run"), "--out", f"gs://{bucket}/export"]),
+             capsys.readouterr().err.strip().splitlines())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local"]  # nothing written anywhere else
+
+
+# ----------------------------------------------------------------------------------------------
+# A run in a bucket, from data prepared there, resumed there, exported and imported there
+
+
+@pytest.fixture(scope="module")
+def journey(corpus_dir, gcs_module_bucket, tmp_path_factory):
+    """`python data.py` prepares the corpus into the bucket; a tiny run trains 8 steps with data.dir and
+    run_dir there; then, as if it had been stopped after its checkpoint at step 4, `python train.py
+    --resume` continues it. Returns (bucket, the straight run's metrics rows, its step-8 parameters, the
+    working directory the commands ran in)."""
+    bucket, cwd = gcs_module_bucket, tmp_path_factory.mktemp("journey")
+    done = subprocess.run([sys.executable, str(REPO / "data.py"), "--input", str(corpus_dir), "--out",
+                           f"{bucket}/data", *PREPARE], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    run = f"{bucket}/run"
+    assert train.main(tiny(run, f"{bucket}/data")) == 0
+    straight = metrics(run)
+    params, step = rundir.Run(run).load_params()
+    assert step == 8
+    fs = store()
+    fs.rm(f"{run.removeprefix('gs://')}/checkpoints/8", recursive=True)
+    fs.rm_file(f"{run.removeprefix('gs://')}/summary.json")
+    done = subprocess.run([sys.executable, str(REPO / "train.py"), "--resume", f"run_dir={run}"], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return bucket, straight, params, cwd
+
+
+def metrics(run: str) -> list[dict]:
+    return [json.loads(line) for line in store().cat_file(f"{run}/metrics.jsonl").decode().splitlines()]
+
+
+def test_a_run_in_a_bucket_resumes_exactly(journey, corpus_dir, tmp_path):
+    """Steps 5..8 after the resume equal the straight run's, and so do its step-8 parameters; every file of
+    the run, its checkpoints too, is in the bucket, and nothing is written beside the commands."""
+    bucket, straight, params, cwd = journey
+    run = f"{bucket}/run"
+    assert [r["step"] for r in straight] == list(range(1, 9))
+    assert [deterministic(r) for r in metrics(run)] == [deterministic(r) for r in straight]
+    resumed, step = rundir.Run(run).load_params()
+    assert step == 8
+    jax.tree.map(np.testing.assert_array_equal, resumed, params)
+    names = set(remote_files(run))
+    assert {"config.yaml", "data.json", "tokenizer.json", "metrics.jsonl", "summary.json"} <= names
+    assert {name.split("/")[1] for name in names if name.startswith("checkpoints/")} == {"4", "8"}
+    assert json.loads(store().cat_file(f"{run}/summary.json"))["steps"] == 8
+    assert list(cwd.iterdir()) == []
+    local = tmp_path / "local"  # the data in the bucket is what data.py writes to a local --out
+    assert data.cli(["--input", str(corpus_dir), "--out", str(local), *PREPARE]) == 0
+    assert remote_files(f"{bucket}/data") == local_files(local)
+
+
+def test_an_export_into_a_bucket_is_the_local_export(journey, tmp_path, capsys):
+    bucket = journey[0]
+    for fmt in ("torch", "hf"):
+        url = f"{bucket}/export-{fmt}"
+        capsys.readouterr()
+        assert convert_torch.main(["--checkpoint", f"{bucket}/run", "--out", url, "--format", fmt]) == 0
+        assert capsys.readouterr().out.startswith(f"wrote step 8 of {bucket}/run to {url};")
+        assert convert_torch.main(["--checkpoint", f"{bucket}/run", "--out", str(tmp_path / fmt), "--format",
+                                   fmt]) == 0
+        assert remote_files(url) == local_files(tmp_path / fmt)
+    assert not (pathlib.Path.cwd() / "gs:").exists()
+
+
+def test_an_import_into_a_bucket_is_a_run_directory_there(journey, tmp_path, capsys):
+    """--import-hf DIR --out gs://...: the run directory the local import writes, in the bucket, read back
+    by the run directory's own reader; and like a local one, not replaced without --overwrite."""
+    bucket = journey[0]
+    hf = tmp_path / "hf"
+    assert convert_torch.main(["--checkpoint", f"{bucket}/run", "--out", str(hf), "--format", "hf"]) == 0
+    url, local = f"{bucket}/imported", tmp_path / "imported"
+    assert convert_torch.main(["--import-hf", str(hf), "--out", url]) == 0
+    assert f"imported {hf} into run directory {url} (step 0)" in capsys.readouterr().out
+    assert convert_torch.main(["--import-hf", str(hf), "--out", str(local)]) == 0
+    remote, there = rundir.Run(url), rundir.Run(local)
+    assert remote.config().run_dir == url
+    assert remote.config().model == there.config().model
+    assert remote.read_bytes("tokenizer.json") == (local / "tokenizer.json").read_bytes()
+    (a, step_a), (b, step_b) = remote.load_params(), there.load_params()
+    assert step_a == step_b == 0
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+    assert convert_torch.cli(["--import-hf", str(hf), "--out", url]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {url} already exists; choose another --out or pass --overwrite"
