@@ -2,6 +2,7 @@
 (machine, library versions, the command, the results) and adds a row to bench/RESULTS.md.
 
     python bench.py data [--workers K] [--batch B] [--seq T] [--repeats N] [--out bench/]
+    python bench.py data --remote [--latency-ms 50] [--bandwidth-mbs 200] [--shards 2000] [--seq 1024]
     python bench.py train [--model 124m] [--seq T] [--batch B] [--attention IMPL] [--out bench/]
     python bench.py attention [--impls xla,cudnn,pallas,pallas:128x64x8] [--batch B] [--seq T] [--heads H]
                               [--head-dim D]
@@ -241,6 +242,19 @@ def _prefetch_wait(directory: pathlib.Path, batch: int, seq: int, step_ms: float
 
 
 def bench_data(args, argv: list[str]) -> int:
+    args.seq = args.seq if args.seq is not None else 1024 if args.remote else 128
+    if args.remote:  # bench_remote.py: the loader against an object store
+        import bench_remote
+
+        if args.latency_ms < 0 or args.bandwidth_mbs <= 0 or min(args.shards, args.shard_tokens, args.remote_steps) < 1:
+            raise BenchError("--latency-ms must be >= 0, --bandwidth-mbs positive, --shards, --shard-tokens and "
+                             "--remote-steps at least 1")
+        results, rows, summary = bench_remote.run(args)
+        _print_rows(rows)
+        path = _record("data-remote", pathlib.Path(args.out), argv, results, summary,
+                       ("numpy", "fsspec", "gcsfs", "gcp-storage-emulator"))
+        print(f"\n-> {path}, {pathlib.Path(args.out) / 'RESULTS.md'}")
+        return 0
     for flag in ("workers", "batch", "seq", "repeats", "steps"):
         if getattr(args, flag) < 1:
             raise BenchError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
@@ -355,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                             description="Data pipeline benchmark on the default corpus (see the module docstring).")
     p.add_argument("--workers", type=int, default=cores, help=f"tokenizer threads for both sides (default {cores})")
     p.add_argument("--batch", type=int, default=32, help="batch size of the default job's shape (default 32)")
-    p.add_argument("--seq", type=int, default=128, help="sequence length of the default job's shape (default 128)")
+    p.add_argument("--seq", type=int, help="sequence length of the default job's shape (default 128; 1024 with --remote)")
     p.add_argument("--repeats", type=int, default=5, help="preparation repeats; the median is reported")
     p.add_argument("--tokenizer", help="tokenizer.json to prepare with (default: the one in data/pystdlib)")
     p.add_argument("--train-tokenizer", action=argparse.BooleanOptionalAction, default=True,
@@ -363,6 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loader-seconds", type=float, default=3.0, help="time per loader shape (default 3)")
     p.add_argument("--step-ms", type=float, default=50.0, help="simulated training step (default 50 ms)")
     p.add_argument("--steps", type=int, default=100, help="simulated training steps (default 100)")
+    p.add_argument("--remote", action="store_true", help="instead: the loader reading a bucket of the test GCS "
+                   "server with a network's latency and bandwidth (bench_remote.py; --seq defaults to 1024)")
+    p.add_argument("--latency-ms", type=float, default=50.0, help="--remote: each read's latency (default 50)")
+    p.add_argument("--bandwidth-mbs", type=float, default=200.0, help="--remote: each read's MB/s (default 200)")
+    p.add_argument("--shards", type=int, default=2000, help="--remote: token shards in the index (default 2000)")
+    p.add_argument("--shard-tokens", type=int, default=16384, help="--remote: tokens a shard (default 16384)")
+    p.add_argument("--remote-steps", type=int, default=200, help="--remote: steps timed per shape (default 200)")
     p.add_argument("--out", default=str(ROOT / "bench"), help="where results are recorded (default bench/)")
     p.set_defaults(run=bench_data)
 

@@ -2,6 +2,12 @@
 what it lacks and the project's clients rely on. conftest.py starts it (fixture `gcs_server`):
 
     python gcs_emulator.py        # serves on a free port of 127.0.0.1, prints the port, runs until killed
+    python gcs_emulator.py --latency-ms 50 --bandwidth-mbs 200 --threads   # as bench.py data --remote runs it
+
+With --latency-ms and --bandwidth-mbs every read (GET) waits that long before it is answered and sends
+its body no faster than that, as a store across a network would; --threads answers requests
+concurrently (only for reads of objects already written: the generation checks below assume one
+request at a time).
 
 Added to the emulator as shipped, as the real service behaves:
 - a download (`alt=media`) carries the object's generation in `x-goog-generation` (and
@@ -18,10 +24,12 @@ Added to the emulator as shipped, as the real service behaves:
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import http
 import http.server
 import sys
+import time
 
 from gcp_storage_emulator import server as emulator
 from gcp_storage_emulator import storage as emulator_storage
@@ -55,23 +63,38 @@ def _refused(request, storage) -> http.HTTPStatus | None:
     return None
 
 
+NETWORK = {"latency_s": 0.0, "bytes_per_s": None}  # what --latency-ms and --bandwidth-mbs set
+
+
 def _guarded(handler):
     def handle(request, response, storage, *args, **kwargs):
-        refused = _refused(request, storage)
-        if refused is not None:
-            response.status = refused
-            return None
-        result = handler(request, response, storage, *args, **kwargs)
-        media = request.method == "GET" and (handler is emulator.objects.download or
-                                             request.query.get("alt") == ["media"])
-        if media and response.status in (http.HTTPStatus.OK, http.HTTPStatus.PARTIAL_CONTENT):
-            generation = _generation(request, storage)
-            if generation is not None:
-                response["x-goog-generation"] = str(generation)
-                response["x-goog-metageneration"] = "1"
-        return result
+        if request.method == "GET" and NETWORK["latency_s"]:
+            time.sleep(NETWORK["latency_s"])
+        try:
+            return _answer(handler, request, response, storage, *args, **kwargs)
+        finally:
+            body = getattr(response, "_content", None)  # the emulator's Response keeps the body there
+            if request.method == "GET" and NETWORK["bytes_per_s"] and body:
+                time.sleep(len(body) / NETWORK["bytes_per_s"])
 
     return handle
+
+
+def _answer(handler, request, response, storage, *args, **kwargs):
+    """The emulator's answer, with the generation checks and headers it lacks."""
+    refused = _refused(request, storage)
+    if refused is not None:
+        response.status = refused
+        return None
+    result = handler(request, response, storage, *args, **kwargs)
+    media = request.method == "GET" and (handler is emulator.objects.download or
+                                         request.query.get("alt") == ["media"])
+    if media and response.status in (http.HTTPStatus.OK, http.HTTPStatus.PARTIAL_CONTENT):
+        generation = _generation(request, storage)
+        if generation is not None:
+            response["x-goog-generation"] = str(generation)
+            response["x-goog-metageneration"] = "1"
+    return result
 
 
 # the routing table holds the handlers themselves: each is wrapped in place
@@ -83,9 +106,20 @@ class _Server(http.server.HTTPServer):
     request_queue_size = 1024
 
 
-def main() -> None:
+class _ThreadingServer(http.server.ThreadingHTTPServer):
+    request_queue_size = 1024
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="A GCS server on 127.0.0.1 for the tests and bench.py")
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="wait before answering each read")
+    parser.add_argument("--bandwidth-mbs", type=float, help="send each read's body at most this fast (MB/s)")
+    parser.add_argument("--threads", action="store_true", help="answer requests concurrently (reads)")
+    args = parser.parse_args(argv)
+    NETWORK.update(latency_s=args.latency_ms / 1e3, bytes_per_s=args.bandwidth_mbs and args.bandwidth_mbs * 1e6)
     store = emulator_storage.Storage(use_memory_fs=True)
-    server = _Server(("127.0.0.1", 0), functools.partial(emulator.RequestHandler, store))
+    server = (_ThreadingServer if args.threads else _Server)(("127.0.0.1", 0),
+                                                              functools.partial(emulator.RequestHandler, store))
     print(server.server_address[1], flush=True)  # the port the system chose
     server.serve_forever()
 

@@ -253,6 +253,10 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
     mcfg, seq_len = cfg.model, cfg.seq_len
     train_loader = loader.open_loader(cfg.data.dir, "train", seq_len, t.batch_size, seed=cfg.seed,
                                       process_index=rows_index, process_count=rows_count, batching=cfg.data.batching)
+    if storage.is_url(cfg.data.dir):
+        group = train_loader.group
+        say(f"data {cfg.data.dir}: read in place, this process's rows only, {group} batch{'es' * (group > 1)} "
+            f"a request, {train_loader.prefetch} ahead (nothing copied)")
     val_sample, val_windows, val_tokens = loader.validation_sample(
         cfg.data.dir, seq_len, t.batch_size // t.micro_batches, t.eval_windows, cfg.data.batching)
     if t.init_from:  # its model must be this one: checked before anything is written
