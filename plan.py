@@ -33,8 +33,8 @@ project's jitted step (test_plan.py; bench/RESULTS.md compares it with the peaks
         2 H B T^2 float32 (xla, dot_product); cuDNN with ALiBi the (1, H, T, T) bias gradient, 3 H T^2 c;
         the Pallas kernel none (its blocks live in on-chip memory); a (B, T, T) mask for masked training
     logits and loss: the float32 logits and their gradient in the compute dtype, B T V (4 + c); with
-        a chunked loss (training.loss_chunk, where the config has it) only one chunk's logits, softmax and gradients, and the (B, T, d) float32
-        gradient of the hidden states
+        a chunked loss (training.loss_chunk, where the config has it) one chunk's logits, softmax and
+        gradient at a time, and the (B, T, d) float32 gradient of the hidden states
     gradients: float32, as sharded at the ZeRO stage: one copy, the accumulator with micro-batches (a
         micro-batch's own gradients are made while the backward pass frees its activations)
 
@@ -47,16 +47,17 @@ sum of the terms.
 Measured errors: -9% to +4% of XLA's temporary memory for the compiled step on the CPU (float32,
 remat none, with tensor parallelism and micro-batches: test_plan.py), -1% to +15% of the peaks
 measured on an H100 (bench/RESULTS.md). Two assumptions describe a memory-minimising accelerator
-schedule, and are not what XLA's CPU compiler does: that each block's activations are freed as its backward pass ends (under
-remat, the CPU compiler recomputes blocks ahead and defers the bias and norm gradients' reductions,
-keeping most of each block's activations: remat saves it under 40%, so remat is checked against
-autodiff's residuals instead), and that the gradients are reduced (at ZeRO stages 2 and 3
-scattered) as they are made (in a configuration dominated by parameters rather than activations,
-the CPU compiler was measured holding the whole unreduced gradient at stages 2 and 3, up to 50%
-above the plan).
+schedule, and are not what XLA's CPU compiler does: that each block's activations are freed as its
+backward pass ends (under remat, the CPU compiler recomputes blocks ahead and defers the bias and
+norm gradients' reductions, keeping most of each block's activations: remat saves it under 40%, so
+remat is checked against autodiff's residuals instead), and that the gradients are reduced (at ZeRO
+stages 2 and 3 scattered) as they are made (in a configuration dominated by parameters rather than
+activations, the CPU compiler was measured holding the whole unreduced gradient at stages 2 and 3,
+up to 50% above the plan).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 
@@ -305,6 +306,7 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
 # Verdict, alternatives, report
 
 TIGHT = 0.9  # above this share of the memory the model's own error (about 10%) decides
+JAX_GPU_SHARE = 0.75  # what JAX preallocates of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise
 
 
 def verdict(e: Estimate) -> str:
@@ -316,73 +318,90 @@ def verdict(e: Estimate) -> str:
     return f"does not fit: {e.total / GiB:.1f} GiB needed, {e.memory / GiB:.1f} GiB per device ({share:.0%})"
 
 
+def _apply(cfg, parts: dict):
+    """cfg with {section: {field: value}} replaced (sections: model, training, sharding)."""
+    new = dataclasses.replace(cfg)
+    for name, fields in parts.items():
+        setattr(new, name, dataclasses.replace(getattr(cfg, name), **fields))
+    return new
+
+
 def _changes(cfg):
-    """(description, changed config) for each single change, cheapest first: a higher ZeRO stage
-    (communication only), more micro-batches (same work in smaller pieces), rematerialisation
+    """(kind, label, parts) for each single change, cheapest first: a higher ZeRO stage
+    (communication only), more micro-batches (the same work in smaller pieces), rematerialisation
     (save_matmuls recomputes attention and elementwise work, full about a forward pass), tensor
-    parallelism (communication every layer), a smaller batch (a different training run)."""
+    parallelism (communication in every block), a smaller batch (a different training run)."""
     m, t, sh = cfg.model, cfg.training, cfg.sharding
-
-    def replace(**parts):
-        new = dataclasses.replace(cfg)
-        for name, fields in parts.items():
-            setattr(new, name, dataclasses.replace(getattr(cfg, name), **fields))
-        return new
-
     for stage in range(sh.zero_stage + 1, 4):
-        yield f"sharding.zero_stage={stage}", replace(sharding=dict(zero_stage=stage))
+        yield "zero", f"sharding.zero_stage={stage}", {"sharding": {"zero_stage": stage}}
     micro = t.micro_batches * 2
     while micro <= t.batch_size:
         if t.batch_size % micro == 0:
-            yield f"training.micro_batches={micro}", replace(training=dict(micro_batches=micro))
+            yield "micro", f"training.micro_batches={micro}", {"training": {"micro_batches": micro}}
         micro *= 2
-    for remat in ("save_matmuls", "full"):
-        if m.remat != remat and not (m.remat == "full" and remat == "save_matmuls"):
-            yield f"model.remat={remat}", replace(model=dict(remat=remat))
+    for remat in ("save_matmuls", "full")[1 if m.remat == "save_matmuls" else 0:]:
+        if m.remat != "full":
+            yield "remat", f"model.remat={remat}", {"model": {"remat": remat}}
     tensor = max(sh.tensor, 1) * 2
     while tensor <= m.num_head:
-        mesh = dict(data=-1, fsdp=1 if sh.fsdp == -1 else sh.fsdp, tensor=tensor)
-        yield (f"sharding.tensor={tensor}" + (" sharding.data=-1" if sh.data != -1 else ""),
-               replace(sharding=mesh))
+        label = f"sharding.tensor={tensor}" + (" sharding.data=-1" if sh.data != -1 else "")
+        yield "tensor", label, {"sharding": {"data": -1, "fsdp": 1 if sh.fsdp == -1 else sh.fsdp, "tensor": tensor}}
         tensor *= 2
     batch = t.batch_size // 2
     while batch >= t.micro_batches and batch % t.micro_batches == 0:
-        yield f"training.batch_size={batch}", replace(training=dict(batch_size=batch))
+        yield "batch", f"training.batch_size={batch}", {"training": {"batch_size": batch}}
         batch //= 2
 
 
-def alternatives(cfg, dev: Target, state: _State, limit: int = 4) -> list[tuple[str, Estimate]]:
-    """Up to `limit` single changes that fit, cheapest first; when none does, one combination: for
-    each kind of change in the same order, its cheapest setting that fits with those before, else its
-    strongest, until the whole fits. [] when nothing does."""
-    def fitting(changed) -> Estimate | None:
+def alternatives(cfg, dev: Target, state: _State, limit: int = 4) -> tuple[list[tuple[str, Estimate]], bool]:
+    """Up to `limit` single changes that fit, cheapest first. When none does, one combination: the
+    strongest change of each kind but the batch size, then, costliest kind first, each as cheap as
+    the others allow (or none). Returns (changes, whether they are one combination); no changes when
+    even the strongest combination does not fit."""
+    base = estimate(cfg, dev, state)
+
+    def planned(parts) -> Estimate | None:
         try:
-            e = estimate(changed, dev, state)
+            return estimate(_apply(cfg, parts), dev, state)
         except sharding_lib.ShardingError:
             return None  # does not divide: not a candidate
-        return e
 
+    def fits(e):
+        return e is not None and e.total <= TIGHT * e.memory
+
+    options = collections.defaultdict(list)  # kind -> [(label, parts, estimate)] that save memory
     found = []
-    for what, changed in _changes(cfg):
-        e = fitting(changed)
-        if e is not None and e.total <= TIGHT * e.memory:
-            found.append((what, e))
-            if len(found) == limit:
-                return found
-    if found:
-        return found
-    combined, steps = cfg, []
-    for kind in ("sharding.zero_stage", "training.micro_batches", "model.remat", "sharding.tensor"):
-        options = [(w, c, e) for w, c in _changes(combined) if w.startswith(kind)
-                   for e in [fitting(c)] if e is not None]
-        if not options:
+    for kind, label, parts in _changes(cfg):
+        e = planned(parts)
+        if e is None or e.total >= base.total:
             continue
-        fits = [o for o in options if o[2].total <= TIGHT * o[2].memory]
-        what, combined, e = fits[0] if fits else options[-1]
-        steps.append(what)
-        if fits:
-            return [(" ".join(steps), e)]
-    return []
+        options[kind].append((label, parts, e))
+        if fits(e) and len(found) < limit:
+            found.append((label, e))
+    if found:
+        return found, False
+
+    def merged(chosen):
+        parts = collections.defaultdict(dict)
+        for _, p, _ in chosen.values():
+            for section, fields in p.items():
+                parts[section].update(fields)
+        return dict(parts)
+
+    chosen = {kind: opts[-1] for kind, opts in options.items() if kind != "batch"}  # the strongest of each
+    if not fits(planned(merged(chosen))):
+        return [], True
+    for kind in reversed(list(chosen)):  # then the costlier kinds first as cheap as the others allow, or left out
+        for option in [None, *options[kind]]:
+            trial = {k: v for k, v in chosen.items() if k != kind}
+            if option is not None:
+                trial[kind] = option
+            if fits(planned(merged(trial))):
+                chosen = trial
+                break
+    e = planned(merged(chosen))
+    order = [kind for kind, _, _ in _changes(cfg)]
+    return [(" ".join(chosen[kind][0] for kind in sorted(chosen, key=order.index)), e)], True
 
 
 def _fmt(n: float) -> str:
@@ -413,12 +432,14 @@ def report(cfg, dev: Target, mfu: float = 0.4) -> str:
         lines.append(f"  not divisible by the ZeRO devices, so split along another dimension or replicated: "
                      f"{'; '.join(e.fallbacks)}")
     lines.append(verdict(e))
-    if dev.backend == "gpu" and TIGHT * 0.75 * e.memory < e.total <= TIGHT * e.memory:
-        lines.append("  over the 75% of GPU memory JAX takes by default: set XLA_PYTHON_CLIENT_MEM_FRACTION=.95")
+    if dev.backend == "gpu" and JAX_GPU_SHARE * e.memory < e.total <= TIGHT * e.memory:
+        lines.append(f"  more than the {JAX_GPU_SHARE:.0%} of a GPU's memory JAX takes by default: set "
+                     f"XLA_PYTHON_CLIENT_MEM_FRACTION=.95")
     if e.total > TIGHT * e.memory:
-        options = alternatives(cfg, dev, state)
+        options, combined = alternatives(cfg, dev, state)
         if options:
-            lines.append("changes that fit, cheapest first:")
+            lines.append("no single change fits; together these do:" if combined
+                         else "changes that fit, cheapest first:")
             for what, alt in options:
                 lines.append(f"  {what:<48} {_fmt(alt.total)} ({alt.total / alt.memory:.0%})")
         else:
