@@ -264,9 +264,13 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
         attention = 0.0
     attention += B * T * T if masked else 0  # the bool (B, T, T) mask
 
-    chunk = _loss_chunk(t)
-    if chunk and B * dp * T > chunk:  # chunked: one chunk's float32 logits, softmax and gradient at a time
-        rows = max(1, chunk // (B * dp))  # positions of each row in a chunk, over the global micro-batch
+    chunk = _loss_chunk(t)  # tokens per device at a time
+    if chunk and BT > chunk:  # chunked: one chunk's float32 logits and gradient at a time, as model.py cuts them
+        chunks = -(-T // max(1, chunk // B))
+        rows = -(-T // chunks)  # positions of each row in a chunk
+        # the chunk's logits (float32), their gradient (float32, then in the compute dtype), the gradients
+        # kept for the backward pass: the hidden states' (B, T, d) and the head's (V, d), float32, and
+        # the head in the compute dtype
         logits = B * rows * V / tp * (4 + 4 + c) + BT * d * 4 + V / tp * d * (4 + c)
         logits_note = f"{B * rows} tokens' logits at a time (training.loss_chunk {chunk})"
     else:
