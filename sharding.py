@@ -111,10 +111,8 @@ def check_zero_stage(zero_stage: int) -> None:
         raise ShardingError(f"sharding.zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> jax.sharding.Mesh:
-    """A (data, fsdp, tensor) mesh over all devices (of every process); one size may be -1 for the rest."""
-    devices = list(jax.devices() if devices is None else devices)
-    n = len(devices)
+def mesh_sizes(data: int, fsdp: int, tensor: int, n: int) -> dict[str, int]:
+    """{data, fsdp, tensor} sizes for n devices, one of the configured sizes possibly -1 for the rest."""
     check_sizes(data, fsdp, tensor)
     sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
     desc = " x ".join(f"{k}={v}" for k, v in sizes.items())
@@ -127,8 +125,24 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> j
     elif fixed != n:
         raise ShardingError(f"sharding mesh {desc} needs {fixed} devices, but there are {n}; "
                             f"set one size to -1 to use the rest")
-    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # shardings come from jit and constraints
-    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=auto, devices=devices)
+    return sizes
+
+
+AXIS_TYPES = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)  # shardings come from jit and constraints
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> jax.sharding.Mesh:
+    """A (data, fsdp, tensor) mesh over all devices (of every process); one size may be -1 for the rest."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_sizes(data, fsdp, tensor, len(devices))
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=AXIS_TYPES, devices=devices)
+
+
+def abstract_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, *, n: int) -> jax.sharding.AbstractMesh:
+    """The mesh make_mesh would build over n devices, without devices: its shardings give shapes and
+    bytes per device (a planning tool's), never placements."""
+    sizes = mesh_sizes(data, fsdp, tensor, n)
+    return jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=AXIS_TYPES)
 
 
 def axis_size(mesh, axes) -> int:
@@ -307,8 +321,9 @@ def place_batch(local_rows: np.ndarray, mesh, global_batch: int) -> jax.Array:
 # How much is sharded
 
 
-def _bytes(tree, shardings, mesh):
-    """(total bytes, bytes per device, bytes in leaves that are sharded at all)."""
+def sharded_bytes(tree, shardings, mesh):
+    """(total bytes, bytes per device, bytes in leaves that are sharded at all) of a tree of arrays or
+    ShapeDtypeStructs placed by `shardings` on `mesh` (a Mesh or an AbstractMesh)."""
     total = per_device = sharded = 0
     for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
         nbytes = math.prod(a.shape) * np.dtype(a.dtype).itemsize
@@ -324,7 +339,7 @@ def describe(abstract_state, shardings, mesh, zero_stage: int, fallbacks=()) -> 
     lines = [f"sharding: mesh {sizes} ({mesh.size} devices, {jax.process_count()} process(es)), "
              f"ZeRO stage {zero_stage}"]
     for part in ("params", "opt_state"):
-        total, per_device, sharded = _bytes(abstract_state[part], shardings[part], mesh)
+        total, per_device, sharded = sharded_bytes(abstract_state[part], shardings[part], mesh)
         lines.append(f"  {part}: {sharded / max(total, 1):.1%} of {total / 2**20:.2f} MiB sharded; "
                      f"{per_device / 2**20:.2f} MiB per device ({per_device / max(total, 1):.1%})")
     if fallbacks:

@@ -205,6 +205,17 @@ def make_train_step(apply, tx, micro_batches: int, grad_sharding=None, activatio
     return train_step
 
 
+def state_shapes(mcfg: model_lib.GPTConfig, t, abstract_vars=None):
+    """(abstract state, axes): the training state's shapes and dtypes, made without memory, and the
+    logical axis names of its parameters, as sharding.state_shardings takes them. `abstract_vars`:
+    make_apply's, if at hand."""
+    if abstract_vars is None:
+        _, abstract_vars = make_apply(mcfg)
+    tx, _ = make_optimizer(t)
+    keys = jax.random.split(jax.random.key(0))  # shapes only: the seed changes no shape
+    return jax.eval_shape(make_init_state(mcfg, tx), *keys), nnx.to_pure_dict(model_lib.param_axes(abstract_vars))
+
+
 # ---------------------------------------------------------------------------------------------
 # Placed on a mesh and jitted
 
@@ -234,8 +245,7 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
     tx, schedule = make_optimizer(t)
     init_key, train_key = jax.random.split(jax.random.key(seed))
     init_state = make_init_state(mcfg, tx)
-    abstract_state = jax.eval_shape(init_state, init_key, train_key)
-    axes = nnx.to_pure_dict(model_lib.param_axes(abstract_vars))
+    abstract_state, axes = state_shapes(mcfg, t, abstract_vars)
     state_sharding, grad_sharding, fallbacks = sharding_lib.state_shardings(abstract_state, axes, mesh, zero_stage)
     batch_sharding = sharding_lib.batch_sharding(mesh)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

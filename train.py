@@ -121,12 +121,21 @@ def parse_args(argv):
     )
     parser.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue the run in run_dir from its last checkpoint")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the memory per device, FLOPs and step time of this config on --device and stop: "
+                             "nothing is read, made or run")
+    parser.add_argument("--device", default="H100", help="--plan's target: H100, H200, A100-40, A100-80, a TPU "
+                        "generation or slice (v3, v4-32, v5e-16, v5p-128, v6e-8), or a GPU's memory (24GiB)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="--plan's device count (default: the TPU slice's, else 1)")
+    parser.add_argument("--mfu", type=float, default=0.4, help="--plan's model FLOP utilisation for the step time")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides of the config file's keys, e.g. training.lr=1e-3 model=124m; every "
                              "key, with its default and meaning, is in conf/config.yaml")
 
     def error(message):  # one line, no usage block
-        raise config_lib.ConfigError(f"{message} (usage: python train.py [--config FILE] [key=value ...] [--resume])")
+        raise config_lib.ConfigError(f"{message} (usage: python train.py [--config FILE] [key=value ...] [--resume] "
+                                     f"| --plan [--device NAME] [--devices N])")
 
     parser.error = error
     return parser.parse_args(argv)
@@ -140,6 +149,9 @@ def main(argv=None) -> int:
     A second signal stops the process at once, with 128 + N: the newest complete checkpoint is the
     one to resume from (a save in flight never appears as a step), and the run directory's lock
     goes with the process."""
+    args = parse_args(argv)
+    if args.plan:  # before any device, data or run directory
+        return plan_run(args)
     stop = {"signal": None}
 
     def on_signal(signum, frame):
@@ -162,6 +174,23 @@ def main(argv=None) -> int:
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
+
+
+def plan_run(args) -> int:
+    """--plan: the configured run's memory per device, tokens, FLOPs and step time on --device (plan.py).
+    JAX runs on the CPU alone here, so that planning never takes an accelerator a run is using."""
+    import plan
+
+    if args.resume:
+        raise config_lib.ConfigError("--plan plans a config (--config and key=value overrides), not --resume")
+    if not 0 < args.mfu <= 1:
+        raise config_lib.ConfigError(f"--mfu must be in (0, 1], got {args.mfu}")
+    jax.config.update("jax_platforms", "cpu")
+    cfg = config_lib.load_config(args.config, args.overrides)
+    if cfg.training.init_from and not config_lib.names_model(args.overrides):
+        cfg = config_lib.load_config(args.config, args.overrides, model=rundir.init_model(cfg.training.init_from))
+    print(plan.report(cfg, plan.target(args.device, args.devices), mfu=args.mfu))
+    return 0
 
 
 def run(argv, stop: dict, held: contextlib.ExitStack) -> int:

@@ -1,0 +1,464 @@
+"""Know before you book: a training config's memory per device, tokens, FLOPs and step time on a
+target device, in seconds on a CPU, without devices, data or a run directory.
+
+    python train.py --plan [--device H100] [--devices 8] [--mfu 0.4] [key=value ...]
+
+    config ──step.state_shapes──> abstract state {params, opt_state, step, rng} (eval_shape: no memory)
+           ──sharding.abstract_mesh + state_shardings──> bytes per device of parameters, gradients and
+             optimizer state: exact, from the same rules table and ZeRO stage the run would use
+           ──the activation model below──> activations, logits and loss, attention temporaries
+    total per device ──against the device's memory──> a verdict, and when it does not fit the cheapest
+    changes that do (ZeRO stage, micro-batches, remat, tensor parallelism, batch size), each with its total
+
+The state terms are exact byte counts. The rest is a model of what XLA keeps at the peak of a
+training step, per device and per micro-batch of b sequences of T tokens, in the compute dtype
+(c bytes) unless float32 is named; its constants were measured on XLA's own figures for this
+project's jitted step (test_plan.py; bench/RESULTS.md compares it with the peaks measured on a GPU):
+
+    kept for the backward pass, per block (remat none):
+        each norm: its centred and normalised input in float32 (Flax normalises in float32) and its
+            output:                                                     (2 x 4 + c) B T d
+        q, k, v and the attended values:                                (2H + 2K) D B T c
+        the MLP's pre-activation, activation and part of its
+            intermediates (2.5 tensors of its input projections' width): 2.5 F' B T c
+        the attention's softmax: probabilities in float32, and their copy in a narrower compute dtype
+            for the product with v (xla, dot_product):                   H B T^2 (4 + c)
+            only its row statistics (pallas, cudnn):                     H B T 4
+        the compute-dtype copy of the block's weights (gathered at ZeRO stage 3), when c < 4:
+                                                                        block parameters x c
+    remat full keeps only each block's input, B T d c; remat save_matmuls the block's input, q, k, v,
+        the attention's output projection and the MLP's input projections ((H + 2K) D + d + F') B T c.
+        Either recomputes one block at a time in the backward pass: one block's "none" set on top.
+    attention temporaries, one block's backward: the gradients of the probabilities and the scores,
+        2 H B T^2 float32 (xla, dot_product); cuDNN with ALiBi the (1, H, T, T) bias gradient, 3 H T^2 c;
+        the Pallas kernel none (its blocks live in on-chip memory); a (B, T, T) mask for masked training
+    logits and loss: the float32 logits and their gradient in the compute dtype, B T V (4 + c); with
+        a chunked loss (training.loss_chunk, where the config has it) one chunk's logits, softmax and
+        gradient at a time, and the (B, T, d) float32 gradient of the hidden states
+    gradients: float32, as sharded at the ZeRO stage: one copy, the accumulator with micro-batches (a
+        micro-batch's own gradients are made while the backward pass frees its activations)
+
+d width, H query and K key/value heads of size D, F' the MLP's input projection width (2F for
+SwiGLU's gate and up), V the padded vocabulary; everything over the tensor axis but the norms, the
+block inputs and outputs is split by it, and so are the vocabulary and its logits. At ZeRO stage 3
+one block's gathered weights (and the output embedding) are a transient on top. The total is the
+sum of the terms.
+
+Measured errors: -9% to +4% of XLA's temporary memory for the compiled step on the CPU (float32,
+remat none, with tensor parallelism and micro-batches: test_plan.py), -1% to +15% of the peaks
+measured on an H100 (bench/RESULTS.md). Two assumptions describe a memory-minimising accelerator
+schedule, and are not what XLA's CPU compiler does: that each block's activations are freed as its
+backward pass ends (under remat, the CPU compiler recomputes blocks ahead and defers the bias and
+norm gradients' reductions, keeping most of each block's activations: remat saves it under 40%, so
+remat is checked against autodiff's residuals instead), and that the gradients are reduced (at ZeRO
+stages 2 and 3 scattered) as they are made (in a configuration dominated by parameters rather than
+activations, the CPU compiler was measured holding the whole unreduced gradient at stages 2 and 3,
+up to 50% above the plan).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+import numpy as np
+
+import model as model_lib
+import sharding as sharding_lib
+import step as step_lib
+from errors import UserError
+
+GiB = 2**30
+
+
+class PlanError(UserError):
+    """A target device or mesh the plan cannot take; str(e) is one line."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Target devices: memory per JAX device, peak FLOP/s per JAX device, how slice names count devices
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    label: str
+    memory: float  # bytes of HBM per JAX device
+    peak_key: str | None  # step.PEAK_FLOPS's key: the chip's dense bfloat16 peak
+    backend: str  # "gpu" or "tpu": what model.resolve_attention picks for
+    per_chip: int = 1  # JAX devices per chip (TPU v2, v3: two TensorCores, each its own device)
+    slice_names: str = ""  # what the number in a slice name (v3-32) counts: "cores" or "chips"
+    one_host: int = 4  # chips a single-host slice has at most; larger slices have 4 chips per host
+
+
+# TPU v2/v3/v4/v5p slice names count TensorCores (2 per chip); v4 and v5p show a chip's two cores as one
+# JAX device (megacore), v2 and v3 as two. v5e and v6e slice names count chips (one core each).
+KINDS = {
+    "h100": Kind("H100 80 GiB", 80 * GiB, "H100", "gpu"),
+    "h200": Kind("H200 141 GB", 141e9, "H200", "gpu"),
+    "a100-40": Kind("A100 40 GiB", 40 * GiB, "A100", "gpu"),
+    "a100-80": Kind("A100 80 GiB", 80 * GiB, "A100", "gpu"),
+    "v2": Kind("TPU v2 (8 GiB per core)", 8 * GiB, "TPU v2", "tpu", per_chip=2, slice_names="cores"),
+    "v3": Kind("TPU v3 (16 GiB per core)", 16 * GiB, "TPU v3", "tpu", per_chip=2, slice_names="cores"),
+    "v4": Kind("TPU v4 (32 GiB per chip)", 32 * GiB, "TPU v4", "tpu", slice_names="cores"),
+    "v5e": Kind("TPU v5e (16 GiB per chip)", 16 * GiB, "TPU v5e", "tpu", slice_names="chips", one_host=8),
+    "v5p": Kind("TPU v5p (95 GiB per chip)", 95 * GiB, "TPU v5p", "tpu", slice_names="cores"),
+    "v6e": Kind("TPU v6e (32 GiB per chip)", 32 * GiB, "TPU v6 lite", "tpu", slice_names="chips", one_host=8),
+}
+ALIASES = {"h100-80": "h100", "a100": "a100-80", "v5litepod": "v5e", "v5lite": "v5e"}
+CORES_PER_CHIP = 2  # TPU v2, v3, v4, v5p: the cores a slice name counts
+CHIPS_PER_HOST = 4  # a multi-host TPU slice's hosts (workers), each one process of the run
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The devices a run is planned for: `count` JAX devices of `memory` bytes each."""
+
+    label: str
+    memory: float
+    count: int
+    backend: str
+    peak_flops: float | None  # per JAX device; None: unknown (a memory size)
+    processes: int | None = None  # a TPU slice's hosts, one process each; None: not known from the name
+
+
+def target(name: str = "H100", devices: int | None = None) -> Target:
+    """A Target from a device name (H100, H200, A100-40, A100-80, v3, v4-32, v5e-16, v5p-128, ...) or a
+    memory size of one GPU (24GiB, 80GB), and a device count (a TPU slice name gives its own)."""
+    text = name.strip().lower().replace(" ", "").replace("_", "-")
+    text = re.sub(r"^(nvidia-|tpu-?)", "", text)
+    size = re.fullmatch(r"(\d+(?:\.\d+)?)(gib|gb)", text)
+    if size:
+        memory = float(size[1]) * (GiB if size[2] == "gib" else 1e9)
+        return Target(f"a GPU with {name.strip()}", memory, _count(devices, None, name), "gpu", None)
+    m = (re.fullmatch(r"(h100|h200|a100)(?:-?(\d+)(?:gb|gib)?)?", text)
+         or re.fullmatch(r"(v2|v3|v4|v5e|v5p|v5litepod|v5lite|v6e)(?:-(\d+))?", text))
+    if not m:
+        raise PlanError(f"unknown device {name!r}; known: H100, H200, A100-40, A100-80, v2, v3, v4, v5e, v5p, v6e "
+                        f"(TPU slices as v3-32, v4-32, v5e-16), or a GPU's memory such as 24GiB")
+    base, number = m[1], m[2]
+    if base in ("h100", "h200", "a100"):
+        key = f"{base}-{number}" if number else base
+        key = ALIASES.get(key, key)
+        if key not in KINDS:
+            raise PlanError(f"unknown device {name!r}: {base.upper()} comes as "
+                            f"{', '.join(k.upper() for k in KINDS if k.startswith(base))}")
+        kind, count, processes = KINDS[key], _count(devices, None, name), None
+    else:
+        kind = KINDS[ALIASES.get(base, base)]
+        in_slice = processes = None
+        if number:
+            n = int(number)
+            chips = n // CORES_PER_CHIP if kind.slice_names == "cores" else n
+            if kind.slice_names == "cores" and n % CORES_PER_CHIP:
+                raise PlanError(f"TPU slice {name}: {base} slices are named by TensorCores, an even number")
+            in_slice = chips * kind.per_chip
+            processes = 1 if chips <= kind.one_host else -(-chips // CHIPS_PER_HOST)
+        count = _count(devices, in_slice, name)
+    peak = step_lib.PEAK_FLOPS.get(kind.peak_key)
+    return Target(kind.label, kind.memory, count, kind.backend, peak / kind.per_chip if peak else None, processes)
+
+
+def _count(devices: int | None, in_slice: int | None, name: str) -> int:
+    if devices is not None and devices < 1:
+        raise PlanError(f"--devices must be a positive number of devices, got {devices}")
+    if in_slice is not None and devices is not None and devices != in_slice:
+        raise PlanError(f"{name} has {in_slice} JAX devices, not --devices {devices}")
+    return in_slice or devices or 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The memory model
+
+
+@dataclasses.dataclass
+class Estimate:
+    """Bytes per device of each term (`terms`, in print order), and what they were computed for."""
+
+    terms: dict[str, float]
+    notes: dict[str, str]  # term -> what it is made of, for the printout
+    memory: float
+    mesh: dict[str, int]
+    micro_rows: int  # sequences per device per micro-batch
+    attention: str  # the attention implementation on the target backend
+    fallbacks: list[str]
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+
+class _State:
+    """The training state's shapes and the params' axis names, made once per model and optimizer."""
+
+    def __init__(self, cfg):
+        self.abstract, self.axes = step_lib.state_shapes(cfg.model, cfg.training)
+        self.blocks = self.abstract["params"]["blocks"]
+
+    def placed(self, mesh, zero_stage: int):
+        """Per-device bytes {params, grads, opt_state (with step and rng), blocks (one block's weights
+        as tensor parallelism alone splits them), head (the output embedding, likewise)}, and the
+        weights that a ZeRO rule could not split evenly."""
+        shardings, grad_shardings, fallbacks = sharding_lib.state_shardings(self.abstract, self.axes, mesh, zero_stage)
+        per_device = lambda tree, sh: sharding_lib.sharded_bytes(tree, sh, mesh)[1]  # noqa: E731
+        tensor_only, _, _ = sharding_lib.state_shardings(self.abstract, self.axes, mesh, 0)
+        params = self.abstract["params"]
+        head = "wte" if params.get("lm_head") is None else "lm_head"
+        return {
+            "params": per_device(params, shardings["params"]),
+            "grads": per_device(params, grad_shardings),
+            "opt_state": sum(per_device(self.abstract[k], shardings[k]) for k in ("opt_state", "step", "rng")),
+            "blocks": per_device(self.blocks, tensor_only["params"]["blocks"]),
+            "head": per_device(params[head], tensor_only["params"][head]),
+        }, fallbacks
+
+
+def _loss_chunk(t) -> int:
+    """training.loss_chunk where the config has it (a chunked loss), else 0: the whole logits."""
+    return int(getattr(t, "loss_chunk", 0) or 0)
+
+
+def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
+    """The memory per device of training `cfg` (a config.Config) on `dev`; `state`: a _State of the
+    same model and optimizer, to reuse. Raises sharding.ShardingError for a mesh, batch or tensor
+    split that does not divide."""
+    m, t, sh = cfg.model, cfg.training, cfg.sharding
+    mesh = sharding_lib.abstract_mesh(sh.data, sh.fsdp, sh.tensor, n=dev.count)
+    sharding_lib.check_model(mesh, num_head=m.num_head, mlp_dim=m.ffn_dim, vocab=m.padded_vocab_size,
+                             num_kv_head=m.kv_heads)
+    sharding_lib.check_batch(mesh, t.batch_size, t.micro_batches)
+    state = state or _State(cfg)
+    placed, fallbacks = state.placed(mesh, sh.zero_stage)
+
+    tp = mesh.shape["tensor"]
+    dp = sharding_lib.axis_size(mesh, sharding_lib.BATCH_AXES)
+    B, T = t.batch_size // t.micro_batches // dp, cfg.seq_len  # one device's micro-batch
+    d, H, K, D, F, N, V = (m.embedding_dim, m.num_head, m.kv_heads, m.head_dim, m.ffn_dim, m.N,
+                           m.padded_vocab_size)
+    F_in = 2 * F if m.activation == "swiglu" else F  # the MLP's input projections: SwiGLU's gate and up
+    c = np.dtype(model_lib.DTYPES[m.dtype]).itemsize
+    masked = t.fcm_max_ratio > 0  # the masked path (xla with a (B, T, T) mask)
+    impl = "xla" if masked else model_lib.resolve_attention(m, dev.backend)
+    norms = 1 if m.residual == "parallel_shared" else 2
+    BT = B * T
+    narrow = c < 4  # the weights' compute-dtype copies exist
+
+    # one block's activations kept for the backward pass without remat (the module docstring's table)
+    softmax = H / tp * B * T * T * (4 + (c if narrow else 0)) if impl in ("xla", "dot_product") else H / tp * BT * 4
+    none_block = (norms * (2 * 4 + c) * BT * d + (2 * H + 2 * K) * D / tp * BT * c + 2.5 * F_in / tp * BT * c
+                  + softmax + (placed["blocks"] / N * c / 4 if narrow else 0))
+    if m.remat == "none":
+        kept, recomputed = N * none_block, 0.0
+        kept_note = f"{N} blocks, all of each block's"
+    elif m.remat == "full":
+        kept, recomputed = N * BT * d * c, none_block
+        kept_note = f"{N} block inputs"
+    else:  # save_matmuls: the block input and the outputs of its weight matrices but the last
+        kept, recomputed = N * ((H + 2 * K) * D / tp + d + F_in / tp + d) * BT * c, none_block
+        kept_note = f"{N} blocks' inputs and weight-matrix outputs"
+
+    if impl in ("xla", "dot_product"):
+        attention = 2 * H / tp * B * T * T * 4
+    elif impl == "cudnn" and m.alibi_attn:
+        attention = 3 * H / tp * T * T * c
+    else:
+        attention = 0.0
+    attention += B * T * T if masked else 0  # the bool (B, T, T) mask
+
+    chunk = _loss_chunk(t)  # tokens per device at a time
+    if chunk and BT > chunk:  # chunked: one chunk's float32 logits and gradient at a time, as model.py cuts them
+        chunks = -(-T // max(1, chunk // B))
+        rows = -(-T // chunks)  # positions of each row in a chunk
+        # the chunk's logits (float32), their gradient (float32, then in the compute dtype), the gradients
+        # kept for the backward pass: the hidden states' (B, T, d) and the head's (V, d), float32, and
+        # the head in the compute dtype
+        logits = B * rows * V / tp * (4 + 4 + c) + BT * d * 4 + V / tp * d * (4 + c)
+        logits_note = f"{B * rows} tokens' logits at a time (training.loss_chunk {chunk})"
+    else:
+        logits = BT * V / tp * (4 + c)
+        logits_note = f"({B}, {T}, {V // tp}) float32, and their gradient"
+
+    grads = placed["grads"]
+    terms = {
+        "parameters": placed["params"],
+        "gradients": grads,
+        "optimizer state": placed["opt_state"],
+        "activations kept for the backward pass": kept,
+        "one block recomputed in the backward pass": recomputed,
+        "logits and loss": logits,
+        "attention temporaries": attention,
+    }
+    notes = {
+        "parameters": "float32",
+        "gradients": "float32" + (", the accumulator" if t.micro_batches > 1 else ""),
+        "optimizer state": "AdamW moments, float32",
+        "activations kept for the backward pass": f"remat {m.remat}: {kept_note}",
+        "one block recomputed in the backward pass": f"remat {m.remat}",
+        "logits and loss": logits_note,
+        "attention temporaries": {"xla": "one block's score gradients, float32", "dot_product": "as xla",
+                                  "cudnn": "the ALiBi bias gradient" if m.alibi_attn else "none",
+                                  "pallas": "none: the kernel's blocks"}[impl] + (", the mask" if masked else ""),
+    }
+    if sh.zero_stage == 3:  # gathered where a layer uses them: one block's and the output embedding, plus copies
+        terms["ZeRO-3 gathered weights"] = (placed["blocks"] / N + placed["head"]) * (1 + (c / 4 if narrow else 0))
+        notes["ZeRO-3 gathered weights"] = "one block's and the output embedding's"
+    if not recomputed:
+        del terms["one block recomputed in the backward pass"]
+    return Estimate(terms, notes, dev.memory, dict(mesh.shape), B, impl, fallbacks)
+
+
+# ----------------------------------------------------------------------------------------------
+# Verdict, alternatives, report
+
+TIGHT = 0.9  # above this share of the memory the model's own error (about 10%) decides
+JAX_GPU_SHARE = 0.75  # what JAX preallocates of a GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise
+
+
+def verdict(e: Estimate) -> str:
+    share = e.total / e.memory
+    if share <= TIGHT:
+        return f"fits: {e.total / GiB:.1f} of {e.memory / GiB:.1f} GiB ({share:.0%})"
+    if share <= 1:
+        return f"tight: {e.total / GiB:.1f} of {e.memory / GiB:.1f} GiB ({share:.0%}), within the estimate's error"
+    return f"does not fit: {e.total / GiB:.1f} GiB needed, {e.memory / GiB:.1f} GiB per device ({share:.0%})"
+
+
+def _apply(cfg, parts: dict):
+    """cfg with {section: {field: value}} replaced (sections: model, training, sharding)."""
+    new = dataclasses.replace(cfg)
+    for name, fields in parts.items():
+        setattr(new, name, dataclasses.replace(getattr(cfg, name), **fields))
+    return new
+
+
+def _changes(cfg):
+    """(kind, label, parts) for each single change, cheapest first: a higher ZeRO stage
+    (communication only), more micro-batches (the same work in smaller pieces), rematerialisation
+    (save_matmuls recomputes attention and elementwise work, full about a forward pass), tensor
+    parallelism (communication in every block), a smaller batch (a different training run)."""
+    m, t, sh = cfg.model, cfg.training, cfg.sharding
+    for stage in range(sh.zero_stage + 1, 4):
+        yield "zero", f"sharding.zero_stage={stage}", {"sharding": {"zero_stage": stage}}
+    micro = t.micro_batches * 2
+    while micro <= t.batch_size:
+        if t.batch_size % micro == 0:
+            yield "micro", f"training.micro_batches={micro}", {"training": {"micro_batches": micro}}
+        micro *= 2
+    for remat in ("save_matmuls", "full")[1 if m.remat == "save_matmuls" else 0:]:
+        if m.remat != "full":
+            yield "remat", f"model.remat={remat}", {"model": {"remat": remat}}
+    tensor = max(sh.tensor, 1) * 2
+    while tensor <= m.num_head:
+        label = f"sharding.tensor={tensor}" + (" sharding.data=-1" if sh.data != -1 else "")
+        yield "tensor", label, {"sharding": {"data": -1, "fsdp": 1 if sh.fsdp == -1 else sh.fsdp, "tensor": tensor}}
+        tensor *= 2
+    batch = t.batch_size // 2
+    while batch >= t.micro_batches and batch % t.micro_batches == 0:
+        yield "batch", f"training.batch_size={batch}", {"training": {"batch_size": batch}}
+        batch //= 2
+
+
+def alternatives(cfg, dev: Target, state: _State, limit: int = 4) -> tuple[list[tuple[str, Estimate]], bool]:
+    """Up to `limit` single changes that fit, cheapest first. When none does, one combination: the
+    strongest change of each kind but the batch size, then, costliest kind first, each as cheap as
+    the others allow (or none). Returns (changes, whether they are one combination); no changes when
+    even the strongest combination does not fit."""
+    base = estimate(cfg, dev, state)
+
+    def planned(parts) -> Estimate | None:
+        try:
+            return estimate(_apply(cfg, parts), dev, state)
+        except sharding_lib.ShardingError:
+            return None  # does not divide: not a candidate
+
+    def fits(e):
+        return e is not None and e.total <= TIGHT * e.memory
+
+    options = collections.defaultdict(list)  # kind -> [(label, parts, estimate)] that save memory
+    found = []
+    for kind, label, parts in _changes(cfg):
+        e = planned(parts)
+        if e is None or e.total >= base.total:
+            continue
+        options[kind].append((label, parts, e))
+        if fits(e) and len(found) < limit:
+            found.append((label, e))
+    if found:
+        return found, False
+
+    def merged(chosen):
+        parts = collections.defaultdict(dict)
+        for _, p, _ in chosen.values():
+            for section, fields in p.items():
+                parts[section].update(fields)
+        return dict(parts)
+
+    chosen = {kind: opts[-1] for kind, opts in options.items() if kind != "batch"}  # the strongest of each
+    if not fits(planned(merged(chosen))):
+        return [], True
+    for kind in reversed(list(chosen)):  # then the costlier kinds first as cheap as the others allow, or left out
+        for option in [None, *options[kind]]:
+            trial = {k: v for k, v in chosen.items() if k != kind}
+            if option is not None:
+                trial[kind] = option
+            if fits(planned(merged(trial))):
+                chosen = trial
+                break
+    e = planned(merged(chosen))
+    order = [kind for kind, _, _ in _changes(cfg)]
+    return [(" ".join(chosen[kind][0] for kind in sorted(chosen, key=order.index)), e)], True
+
+
+def _fmt(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB"
+
+
+def report(cfg, dev: Target, mfu: float = 0.4) -> str:
+    """The plan as printed by `train.py --plan`."""
+    m, t, sh = cfg.model, cfg.training, cfg.sharding
+    state = _State(cfg)
+    e = estimate(cfg, dev, state)
+    mesh = " x ".join(f"{k}={v}" for k, v in e.mesh.items())
+    n_params = model_lib.param_count(m)
+    lines = [
+        f"plan: model {cfg.model_name} ({n_params / 1e6:,.1f}M parameters) on {dev.count} x {dev.label}"
+        + (f", {dev.processes} host(s), one process each" if dev.processes else ""),
+        f"  mesh {mesh}, ZeRO stage {sh.zero_stage}; batch {t.batch_size} x {cfg.seq_len} tokens in "
+        f"{t.micro_batches} micro-batch(es): {e.micro_rows} sequence(s) per device per micro-batch",
+        f"  {m.dtype} compute, remat {m.remat}, attention {e.attention}"
+        + (f" (model.attention=auto on {dev.backend.upper()})" if m.attention == "auto" else ""),
+        "per device:",
+    ]
+    width = max(len(k) for k in e.terms)
+    for name, value in e.terms.items():
+        lines.append(f"  {name:<{width}} {_fmt(value)}   {e.notes[name]}")
+    lines.append(f"  {'total':<{width}} {_fmt(e.total)}   of {e.memory / GiB:.1f} GiB")
+    if e.fallbacks:
+        lines.append(f"  not divisible by the ZeRO devices, so split along another dimension or replicated: "
+                     f"{'; '.join(e.fallbacks)}")
+    lines.append(verdict(e))
+    if dev.backend == "gpu" and JAX_GPU_SHARE * e.memory < e.total <= TIGHT * e.memory:
+        lines.append(f"  more than the {JAX_GPU_SHARE:.0%} of a GPU's memory JAX takes by default: set "
+                     f"XLA_PYTHON_CLIENT_MEM_FRACTION=.95")
+    if e.total > TIGHT * e.memory:
+        options, combined = alternatives(cfg, dev, state)
+        if options:
+            lines.append("no single change fits; together these do:" if combined
+                         else "changes that fit, cheapest first:")
+            for what, alt in options:
+                lines.append(f"  {what:<48} {_fmt(alt.total)} ({alt.total / alt.memory:.0%})")
+        else:
+            lines.append("no change of ZeRO stage, micro-batches, remat, tensor parallelism or batch size fits: "
+                         "more devices are needed")
+    tokens = t.batch_size * cfg.seq_len
+    per_token = model_lib.flops_per_token(m, cfg.seq_len)
+    flops = per_token * tokens
+    line = (f"step: {tokens:,} tokens, {flops:.3g} FLOPs ({per_token:.3g} per token, 6N + 6LdT; remat's "
+            f"recomputation not counted)")
+    if dev.peak_flops:
+        seconds = flops / (mfu * dev.peak_flops * dev.count)
+        line += (f"; at {mfu:.0%} MFU of {dev.peak_flops / 1e12:.0f} TFLOP/s x {dev.count}: {seconds:.3g} s per "
+                 f"step, {tokens / seconds:,.0f} tokens/s")
+    else:
+        line += "; no peak FLOP/s known for a memory size: name the device (--device H100) for a step time"
+    lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,228 @@
+"""Tests of plan.py (`train.py --plan`): the state terms against the ZeRO paper's formulas and the
+real placed state, the activation terms against XLA's compiled training step and autodiff's own
+residuals, the target devices' naming rules, and the command line.
+
+Runs on the 8 simulated CPU devices of conftest.py.
+"""
+import collections
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import config
+import model
+import plan
+import sharding
+import step
+import train
+
+GiB = 2**30
+# XLA's CPU compiler schedules for concurrency by default, keeping buffers alive far longer than a
+# device compiler would; its memory-minimising scheduler (the kind GPU and TPU compilers run) is
+# the one whose figures the plan is compared with
+MEMORY_SCHEDULER = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
+def cfg_of(model_fields=None, *, size="test", batch=16, micro=1, mesh=(-1, 1, 1), stage=0):
+    fields = {"name": size, **(model_fields or {})}
+    return config.from_dict({"model": fields, "training": {"batch_size": batch, "micro_batches": micro},
+                             "sharding": {"data": mesh[0], "fsdp": mesh[1], "tensor": mesh[2], "zero_stage": stage}})
+
+
+def cpus(n):
+    return plan.Target(f"{n} CPU devices", 2**40, n, "cpu", None)
+
+
+# ----------------------------------------------------------------------------------------------
+# State: exact
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 4, 1)])
+def test_state_terms_are_the_zero_papers_formulas(stage, mesh):
+    """ZeRO (Rajbhandari et al. 2019) as this project stores the state: float32 parameters (4 bytes
+    each), float32 gradients (4) and AdamW's two float32 moments (8), 16 bytes per parameter when
+    nothing is sharded; stage 1 shards the moments over the n data-parallel devices, stage 2 also the
+    gradients, stage 3 also the parameters. The `test` size divides by 8 everywhere."""
+    cfg = cfg_of(mesh=mesh, stage=stage)
+    e = plan.estimate(cfg, cpus(8))
+    psi, n = model.param_count(cfg.model), 8
+    assert e.fallbacks == []
+    assert e.terms["parameters"] == 4 * psi / (n if stage >= 3 else 1)
+    assert e.terms["gradients"] == 4 * psi / (n if stage >= 2 else 1)
+    # the moments, plus the scalars every device keeps whole: AdamW's and the learning-rate schedule's
+    # step counts (int32), the state's step (int32) and its RNG key data (2 x uint32)
+    assert e.terms["optimizer state"] == 8 * psi / (n if stage >= 1 else 1) + 4 + 4 + 4 + 8
+    assert e.terms["parameters"] + e.terms["gradients"] + e.terms["optimizer state"] - 20 == {
+        0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def bytes_per_device(tree) -> dict:
+    counts = collections.Counter()
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            counts[shard.device] += shard.data.nbytes
+    return counts
+
+
+@pytest.mark.parametrize("mesh, stage", [((2, 2, 2), 0), ((2, 2, 2), 1), ((2, 2, 2), 2), ((2, 2, 2), 3),
+                                         ((8, 1, 1), 1), ((8, 1, 1), 3)])
+def test_state_terms_equal_the_placed_state(mesh, stage):
+    """The real state, made in place by step.build's jitted init on 8 devices: every device holds
+    exactly the plan's bytes of parameters and of optimizer state (with step and RNG), with and
+    without tensor parallelism."""
+    cfg = cfg_of(mesh=mesh, stage=stage)
+    state = step.build(cfg.model, cfg.training, sharding.make_mesh(*mesh), stage).init()
+    e = plan.estimate(cfg, cpus(8))
+    params = bytes_per_device(state["params"])
+    others = bytes_per_device([state["opt_state"], state["step"], state["rng"]])
+    assert len(params) == len(others) == 8
+    assert set(params.values()) == {e.terms["parameters"]}
+    assert set(others.values()) == {e.terms["optimizer state"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations: against XLA and autodiff
+
+
+def xla_temp_bytes(cfg, mesh) -> int:
+    """XLA's temporary memory per device for train.py's jitted step (state donated)."""
+    n = mesh[0] * mesh[1] * mesh[2]
+    fns = step.build(cfg.model, cfg.training, sharding.make_mesh(*mesh, devices=jax.devices()[:n]),
+                     cfg.sharding.zero_stage)
+    batch = jax.ShapeDtypeStruct((cfg.training.batch_size, cfg.seq_len + 1), jnp.int32, sharding=fns.batch_sharding)
+    compiled = fns.train_step.lower(fns.abstract_state, batch).compile(MEMORY_SCHEDULER)
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+# three sizes (width, heads, blocks, vocabulary, context, batch), and tensor parallelism with micro-batches
+STEP_CASES = [
+    ({"embedding_dim": 64, "num_head": 4, "N": 2, "vocab_size": 512, "block_size": 64}, 16, 1, (1, 1, 1)),
+    ({"embedding_dim": 128, "num_head": 4, "N": 4, "vocab_size": 1024, "block_size": 128}, 8, 1, (1, 1, 1)),
+    ({"embedding_dim": 192, "num_head": 6, "N": 3, "vocab_size": 2000, "block_size": 256}, 4, 1, (1, 1, 1)),
+    ({"embedding_dim": 128, "num_head": 4, "N": 4, "vocab_size": 1024, "block_size": 128}, 32, 2, (2, 1, 2)),
+]
+
+
+@pytest.mark.parametrize("fields, batch, micro, mesh", STEP_CASES)
+def test_activation_terms_match_xla_compiled_step(fields, batch, micro, mesh):
+    """Everything but the parameters and the optimizer state (which are the step's arguments) lives in
+    XLA's temporary buffer: gradients, activations, logits and loss, attention temporaries. The plan's
+    sum of them is within 15% of XLA's own figure for the compiled step (float32, remat none, xla
+    attention: the model behind them is the one the plan's docstring describes)."""
+    cfg = cfg_of({**fields, "embed_norm": True, "attention": "xla"}, size="x", batch=batch, micro=micro, mesh=mesh)
+    n = mesh[0] * mesh[1] * mesh[2]
+    e = plan.estimate(cfg, cpus(n))
+    planned = e.total - e.terms["parameters"] - e.terms["optimizer state"]
+    measured = xla_temp_bytes(cfg, mesh)
+    assert abs(planned / measured - 1) < 0.15, (planned, measured)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fields", [f for f, *_ in STEP_CASES[:3]])
+def test_remat_terms_match_autodiff_residuals(fields, dtype):
+    """Under remat full and save_matmuls, what a block keeps for the backward pass is fixed by the
+    policy: the residuals of jax.vjp of the real model, per block (blocks 2 and 4 apart), less the
+    block's own parameters, which the recomputation reads, are the plan's activations per block."""
+    B = 4
+
+    def kept_per_block(remat):
+        per = {}
+        for N in (2, 4):
+            cfg = cfg_of({**fields, "N": N, "embed_norm": True, "remat": remat, "dtype": dtype,
+                          "attention": "xla"}, size="x", batch=B)
+            graphdef, params = nnx.split(nnx.eval_shape(lambda: model.GPT(cfg.model, rngs=nnx.Rngs(0))))
+            x = jnp.zeros((B, cfg.seq_len), jnp.int32)
+            residuals = jax.eval_shape(lambda p: jax.vjp(lambda p: nnx.merge(graphdef, p)(x).sum(), p)[1], params)
+            size = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
+            per[N] = size(residuals) - size(params), plan.estimate(cfg, cpus(1)).terms
+        (kept2, terms2), (kept4, terms4) = per[2], per[4]
+        key = "activations kept for the backward pass"
+        return (kept4 - kept2) / 2, terms4[key] / 4, terms2[key] / 2
+
+    for remat in ("full", "save_matmuls"):
+        measured, planned4, planned2 = kept_per_block(remat)
+        assert planned4 == planned2  # the plan's term is per block
+        assert abs(planned4 / measured - 1) < 0.02, (remat, planned4, measured)
+
+
+# ----------------------------------------------------------------------------------------------
+# Target devices
+
+
+@pytest.mark.parametrize("name, devices, memory", [
+    # v2, v3: slices name TensorCores, 2 per chip, each a JAX device; 8 and 16 GiB per core
+    ("v2-8", 8, 8 * GiB), ("v3-32", 32, 16 * GiB),
+    # v4, v5p: slices name TensorCores, 2 per chip seen as one JAX device; 32 and 95 GiB per chip
+    ("v4-32", 16, 32 * GiB), ("v5p-128", 64, 95 * GiB),
+    # v5e, v6e: slices name chips, one core each; 16 and 32 GiB per chip
+    ("v5e-16", 16, 16 * GiB), ("v5litepod-8", 8, 16 * GiB), ("v6e-8", 8, 32 * GiB),
+    ("H100", 1, 80 * GiB), ("h200", 1, 141e9), ("A100-40", 1, 40 * GiB), ("a100 80GB", 1, 80 * GiB),
+    ("24GiB", 1, 24 * GiB),
+])
+def test_device_names(name, devices, memory):
+    dev = plan.target(name)
+    assert (dev.count, dev.memory) == (devices, memory)
+
+
+def test_tpu_peak_is_per_jax_device():
+    """step.PEAK_FLOPS holds a chip's peak; a v3 chip is two JAX devices, a v4 chip one."""
+    assert plan.target("v3-8").peak_flops == step.PEAK_FLOPS["TPU v3"] / 2
+    assert plan.target("v4-8").peak_flops == step.PEAK_FLOPS["TPU v4"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line
+
+
+def test_plan_reads_and_makes_nothing(tmp_path, capsys):
+    run_dir, data_dir = tmp_path / "run", tmp_path / "no-data"
+    assert train.cli(["--plan", "--device", "v3-32", "model=760m", "model.dtype=bfloat16", "training.batch_size=256",
+                      "training.micro_batches=4", "sharding.zero_stage=1", f"run_dir={run_dir}",
+                      f"data.dir={data_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert not run_dir.exists() and not data_dir.exists()
+    assert "on 32 x TPU v3" in out and "4 host(s)" in out
+    assert "2 sequence(s) per device per micro-batch" in out  # 256 / 4 / 32
+    flops = model.flops_per_token(cfg_of(size="760m").model, 1024) * 256 * 1024
+    assert f"{256 * 1024:,} tokens, {flops:.3g} FLOPs" in out
+
+
+def test_changes_that_fit_do_fit(capsys):
+    """A config that does not fit gets changes, each of which, applied as overrides, plans to the
+    printed total and fits."""
+    args = ["--device", "A100-40", "--devices", "8", "model=1_3b", "model.dtype=bfloat16", "training.batch_size=64"]
+    assert train.cli(["--plan", *args]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in out
+    changes = out.split("changes that fit, cheapest first:\n")[1].split("\nstep:")[0].splitlines()
+    assert changes and changes[0].split()[0] == "sharding.zero_stage=1"
+    for line in changes:
+        overrides = [w for w in line.split() if "=" in w]
+        total = float(line.split("GiB")[0].split()[-1])
+        assert train.cli(["--plan", *args, *overrides]) == 0
+        again = capsys.readouterr().out
+        totals = [s.split()[1] for s in again.splitlines() if s.split()[:1] == ["total"]]
+        assert totals == [f"{total:.2f}"] and "\nfits:" in again
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "v9"], "error: unknown device 'v9'"),
+    (["--device", "v3-31"], "error: TPU slice v3-31"),
+    (["--device", "v3-32", "--devices", "8"], "error: v3-32 has 32 JAX devices, not --devices 8"),
+    (["--devices", "8", "sharding.data=3"], "error: sharding mesh data=3 x fsdp=1 x tensor=1 needs 3 devices"),
+    (["--devices", "8", "training.batch_size=4"], "error: a micro-batch of 4 sequences"),
+    (["--devices", "8", "sharding.tensor=8", "model=test"], "error: model.num_head (4) is not divisible"),
+    (["--mfu", "2"], "error: --mfu must be in (0, 1]"),
+])
+def test_bad_input_is_one_line(args, message, capsys):
+    assert train.cli(["--plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_plan_with_resume_is_refused(capsys):
+    assert train.cli(["--plan", "--resume"]) == 2
+    assert "error: --plan plans a config" in capsys.readouterr().err
