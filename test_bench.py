@@ -154,14 +154,14 @@ def test_zero3_train_step_with_pallas_lowers_for_cuda(monkeypatch):
                        attention="pallas", remat="full")
     mesh = sharding.make_mesh(4, 1, 2)
     t = config.load_config().training
-    apply, abstract_vars = step.make_apply(mcfg)
+    loss_fn, abstract_vars = step.make_loss(mcfg)
     tx, _ = step.make_optimizer(t)
     init_state = step.make_init_state(mcfg, tx)
     keys = jax.random.split(jax.random.key(0))
     abstract_state = jax.eval_shape(init_state, *keys)
     axes = nnx.to_pure_dict(M.param_axes(abstract_vars))
     state_sharding, grad_sharding, _ = sharding.state_shardings(abstract_state, axes, mesh, 3)
-    train_step = step.make_train_step(apply, tx, 2, grad_sharding, sharding.activation_rules(mesh))
+    train_step = step.make_train_step(loss_fn, tx, 2, grad_sharding, sharding.activation_rules(mesh))
     batch = jax.ShapeDtypeStruct((16, 65), jnp.int32, sharding=sharding.batch_sharding(mesh))
     text = jax.jit(train_step, donate_argnums=0).trace(sharding.with_shardings(abstract_state, state_sharding),
                                                        batch).lower(lowering_platforms=("cuda",)).as_text()
