@@ -854,14 +854,16 @@ def _chunked_loss_and_grads(h, head, bias, targets, weights, plan, grads: bool):
         logits = logical_constraint(logits, ("batch", "length", "vocab"))
         # optax.softmax_cross_entropy_with_integer_labels: log(sum(exp(shifted))) - shifted[target]
         shifted = logits - logits.max(axis=-1, keepdims=True)
-        exp = jnp.exp(shifted)
-        sum_exp = exp.sum(axis=-1)  # (B, c)
+        log_z = jnp.log(jnp.exp(shifted).sum(axis=-1))  # (B, c)
         is_target = vocab == t_c[..., None]  # (B, c, V)
-        losses = jnp.log(sum_exp) - jnp.where(is_target, shifted, 0.0).sum(axis=-1)  # (B, c)
+        losses = log_z - jnp.where(is_target, shifted, 0.0).sum(axis=-1)  # (B, c)
         loss_sum = carry["loss"] + (losses * w_c).sum()
         if not grads:
             return {"loss": loss_sum}, None
-        g = (exp / sum_exp[..., None] - is_target) * w_c[..., None]  # d loss_sum / d logits, float32 (B, c, V)
+        # d loss_sum / d logits, float32 (B, c, V): softmax - one-hot, weighted. Made from the logits
+        # again rather than from exp(shifted), so each reduction and this product fuse with their
+        # own exp and only the logits and the product below are stored
+        g = (jnp.exp(shifted - log_z[..., None]) - is_target) * w_c[..., None]
         if V > vocab_size:
             g = jnp.where(real, g, 0.0)
         g = logical_constraint(g, ("batch", "length", "vocab"))
