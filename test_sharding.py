@@ -7,6 +7,7 @@ subprocesses of `python train.py` with their own XLA_FLAGS.
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -227,7 +228,8 @@ def test_stage_2_and_3_use_less_memory_per_device():
 def chunked_step(mesh, stage, loss_chunk, state, batch):
     """train.py's jitted step and eval step (step.build) of the `test` size (vocabulary 300, padded to
     384) at `stage` on `mesh`, 2 micro-batches and training.loss_chunk: (metrics, new state, eval sums,
-    the largest array the step's jaxpr makes). `state` and `batch` are host arrays, placed here."""
+    the largest array the step's jaxpr makes, the compiled step's HLO text). `state` and `batch` are
+    host arrays, placed here."""
     cfg = config.load_config(overrides=["model=test", "model.vocab_size=300"]).model
     B, T = batch["tokens"].shape[0], batch["tokens"].shape[1] - 1
     # lr 1e-2 at once (no warm-up), eps 1e-3: the update follows the gradient smoothly, so it shows it
@@ -238,8 +240,9 @@ def chunked_step(mesh, stage, loss_chunk, state, batch):
     largest = largest_array(built.train_step.trace(state, placed).jaxpr)
     evaluated = jax.device_get(built.eval_step(state["params"], {"tokens": placed["tokens"],
                                                                   "weights": placed["weights"]}))
-    new_state, metrics = built.train_step(state, placed)
-    return jax.device_get(metrics), jax.device_get(new_state), evaluated, largest
+    compiled = built.train_step.lower(state, placed).compile()
+    new_state, metrics = compiled(state, placed)
+    return jax.device_get(metrics), jax.device_get(new_state), evaluated, largest, compiled.as_text()
 
 
 @pytest.fixture(scope="module")
@@ -263,9 +266,11 @@ def test_chunked_loss_with_micro_batches_under_every_stage_and_tensor_parallelis
     positions of each row, the last chunk padded), the vocabulary split over the tensor axis, 2
     micro-batches, loss weights: the loss, gradient norm, updated state and validation sums of one
     device computing the loss over the whole logits, and no array of the step as large as a
-    micro-batch's logits."""
-    state, batch, (ref_metrics, ref_state, ref_eval, ref_largest) = chunk_reference
-    metrics, new_state, evaluated, largest = chunked_step(sharding.make_mesh(*mesh_sizes), stage, 8, state, batch)
+    micro-batch's logits. The token embedding (the output projection) is never gathered whole: only
+    its vocabulary shard over the data-parallel devices, from stage 1 on (the updated parameters;
+    at stage 3 also where a layer uses them)."""
+    state, batch, (ref_metrics, ref_state, ref_eval, ref_largest, _) = chunk_reference
+    metrics, new_state, evaluated, largest, hlo = chunked_step(sharding.make_mesh(*mesh_sizes), stage, 8, state, batch)
     np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
     np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-5)
     np.testing.assert_allclose(evaluated, ref_eval, rtol=1e-6)
@@ -276,6 +281,9 @@ def test_chunked_loss_with_micro_batches_under_every_stage_and_tensor_parallelis
         np.testing.assert_allclose(a - old, b - old, rtol=1e-4, atol=2.5e-7)
     micro_logits = 8 * 31 * 384  # a micro-batch of 8 rows: (8, 31, 384)
     assert ref_largest >= micro_logits > largest
+    gathered = lambda rows: re.search(rf"= \w+\[{rows},32\]\S* all-gather\(", hlo)  # noqa: E731  (V, d) rows
+    assert not gathered(384)
+    assert bool(gathered(384 // mesh_sizes[2])) is (stage >= 1)
 
 
 def test_chunked_loss_step_never_holds_the_whole_logits():
