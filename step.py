@@ -111,7 +111,7 @@ def make_loss(mcfg: model_lib.GPTConfig, loss_chunk: int = 0):
     return loss, abstract_vars
 
 
-def make_masked_loss(loss, fcm_max_ratio: float = 0.0):
+def make_masked_loss(loss_fn, fcm_max_ratio: float = 0.0):
     """masked_loss(params, batch, dropout_key=None, fcm_key=None) -> (mean loss, counted tokens), from
     a `make_loss` function.
 
@@ -123,7 +123,7 @@ def make_masked_loss(loss, fcm_max_ratio: float = 0.0):
         tokens, segments = batch["tokens"], batch.get("segments")
         B, T = tokens.shape[0], tokens.shape[1] - 1
         mask = model_lib.attention_mask(B, T, segment_ids=segments, fcm_key=fcm_key, fcm_max_ratio=fcm_max_ratio)
-        return loss(params, tokens, batch.get("weights"), dropout_key, mask=mask, segment_ids=segments)
+        return loss_fn(params, tokens, batch.get("weights"), dropout_key, mask=mask, segment_ids=segments)
 
     return masked_loss
 
