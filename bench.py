@@ -398,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="auto | xla | dot_product | cudnn | pallas (default auto: what training picks on this backend)")
     p.add_argument("--alibi", action=argparse.BooleanOptionalAction, default=None,
                    help="force ALiBi on or off (default: the size's setting)")
+    p.add_argument("--loss-chunk", type=int, help="training.loss_chunk: tokens of the loss at a time, 0 for the "
+                   "whole logits (default: the training default)")
     p.add_argument("--steps", type=int, default=20, help="timed steps; the median is reported (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s for MFU, in TFLOP/s (default: by device kind)")

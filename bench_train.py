@@ -1,7 +1,7 @@
 """`python bench.py train`: the training step's speed, MFU and memory, and PyTorch's on the same model.
 
     python bench.py train [--model 124m|417m|760m|1_3b|small|test] [--seq T] [--batch B]
-                          [--dtype bfloat16] [--remat POLICY] [--attention IMPL] [--steps N]
+                          [--dtype bfloat16] [--remat POLICY] [--attention IMPL] [--loss-chunk N] [--steps N]
 
 What is timed, for each framework, on one device and the same batch of B x T random tokens:
   ours    the train_step of step.build, the very function train.py runs (state donated,
@@ -266,7 +266,10 @@ def resolve(args):
         raise TrainBenchError(str(e)) from None
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         raise TrainBenchError("--peak-tflops must be positive")
-    args.train_config = config_lib.TrainingConfig(batch_size=args.batch, seq_len=seq)
+    if args.loss_chunk is not None and args.loss_chunk < 0:
+        raise TrainBenchError("--loss-chunk must be at least 0 (0: the loss over the whole logits)")
+    chunk = {} if args.loss_chunk is None else {"loss_chunk": args.loss_chunk}
+    args.train_config = config_lib.TrainingConfig(batch_size=args.batch, seq_len=seq, **chunk)
     return name, mcfg, seq
 
 
@@ -326,6 +329,7 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
 
     results = {"model": name, "device_kind": ours["device_kind"], "platform": ours["platform"],
                "config": dataclasses.asdict(mcfg), "batch": args.batch, "seq": seq,
+               "loss_chunk": args.train_config.loss_chunk,
                "parameters": model_lib.param_count(mcfg), "flops_per_token": model_lib.flops_per_token(mcfg, seq),
                "mfu_formula": "tokens/s * (6 N + 6 L d T) / peak FLOP/s", "jax": ours, **others}
     ran = [w for w, r in others.items() if "error" not in r]
@@ -342,7 +346,7 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     rows = [("model", f"{name}: {results['parameters'] / 1e6:.1f}M parameters, {mcfg.N} blocks, "
                       f"d={mcfg.embedding_dim}, {mcfg.positions} positions"),
             ("shape", f"batch {args.batch} x context {seq} = {args.batch * seq} tokens/step, {mcfg.dtype}, "
-                      f"remat {mcfg.remat}, attention {attention}"),
+                      f"remat {mcfg.remat}, attention {attention}, loss_chunk {args.train_config.loss_chunk}"),
             ("device", f"{ours['device_kind']} ({ours['platform']})"),
             ("MFU", f"tokens/s x (6N + 6LdT = {results['flops_per_token'] / 1e6:.1f} MFLOP/token) / peak "
                     + (f"{peak / 1e12:.0f} TFLOP/s" + (" (--peak-tflops)" if peak_override else " (device kind)")

@@ -63,6 +63,7 @@ class TrainingConfig:
     eval_windows: int = 256
     init_from: typing.Optional[str] = None  # a run directory whose last checkpoint's params start this run
     fcm_max_ratio: float = 0.0  # forgetful causal masking: hide up to this fraction of past tokens; 0 = off
+    loss_chunk: int = 4096  # the loss over at most this many tokens per device at a time; 0 = the whole logits
 
 
 @dataclasses.dataclass
@@ -333,6 +334,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"training.weight_decay must be >= 0, got {t.weight_decay}")
     if not 0.0 <= t.fcm_max_ratio < 1.0:
         raise ConfigError(f"training.fcm_max_ratio must be in [0, 1), got {t.fcm_max_ratio}")
+    if t.loss_chunk < 0:
+        raise ConfigError(f"training.loss_chunk must be >= 0 (0: the loss over the whole logits), got {t.loss_chunk}")
     if cfg.data.batching not in BATCHING:
         raise ConfigError(f"data.batching must be one of {', '.join(BATCHING)}, got {cfg.data.batching!r}")
     if cfg.wandb.mode not in WANDB_MODES:

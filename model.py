@@ -630,6 +630,12 @@ class GPT(nnx.Module):
         each segment's first token (ALiBi and rotary embeddings need nothing: within a segment they
         see only distances).
         """
+        return self.head(self.hidden(tokens, dropout_key=dropout_key, mask=mask, segment_ids=segment_ids))
+
+    def hidden(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, mask: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+        """The final hidden states, after the final norm, in the compute dtype: (B, T, d) for int tokens
+        (B, T); `head` turns them into `__call__`'s logits. Arguments as `__call__`'s."""
         cfg = self.config
         T = tokens.shape[1]
         x = self._embed(tokens, 0, T, segment_ids)
@@ -641,7 +647,7 @@ class GPT(nnx.Module):
                 x = self._block_forward(block, x, rope, _fold(dropout_key, i))
             else:
                 x = self._block_forward(block, x, rope, _fold(dropout_key, i), mask)
-        return self._logits(x)
+        return logical_constraint(self.ln_f(x), ("batch", "length", "embed"))  # (B, T, d)
 
     def _embed(self, tokens: jax.Array, pos, length: int, segment_ids=None) -> jax.Array:
         """Embeddings of tokens (B, T) at positions pos..pos+T-1, in the compute dtype: (B, T, d).
@@ -666,18 +672,40 @@ class GPT(nnx.Module):
             x = self.embed_norm(x)
         return x.astype(DTYPES[cfg.dtype])
 
-    def _logits(self, x: jax.Array) -> jax.Array:
-        """Final norm and the output projection: (B, T, d) -> float32 (B, T, V_padded), with
-        PADDED_LOGIT on the padding rows (ids >= vocab_size)."""
-        x = self.ln_f(x)
+    def head(self, h: jax.Array) -> jax.Array:
+        """The output projection of final hidden states h (B, T, d) (`hidden`'s): float32 (B, T, V_padded),
+        with PADDED_LOGIT on the padding rows (ids >= vocab_size)."""
         cfg = self.config
-        head = self.wte if self.lm_head is None else self.lm_head
-        logits = tied_logits(x, head[...], DTYPES[cfg.dtype])  # (B, T, V_padded)
-        if self.head_bias is not None:
-            logits = logits + self.head_bias[...]
+        weight, bias = self.head_weights()
+        logits = tied_logits(h, weight, DTYPES[cfg.dtype])  # (B, T, V_padded)
+        if bias is not None:
+            logits = logits + bias
         if cfg.padded_vocab_size > cfg.vocab_size:  # the padding rows never take probability
             logits = jnp.where(jnp.arange(cfg.padded_vocab_size) < cfg.vocab_size, logits, PADDED_LOGIT)
         return logical_constraint(logits, ("batch", "length", "vocab"))  # (B, T, V_padded)
+
+    def head_weights(self) -> tuple[jax.Array, jax.Array | None]:
+        """(weight (V_padded, d), bias (V_padded,) or None) of the output projection: the token embedding
+        (tied) or lm_head, and GPT-J's logit bias."""
+        weight = self.wte if self.lm_head is None else self.lm_head
+        return weight[...], None if self.head_bias is None else self.head_bias[...]
+
+    def loss(self, tokens: jax.Array, targets: jax.Array, weights: jax.Array | None = None, *, chunk: int = 0,
+             dropout_key: jax.Array | None = None, mask: jax.Array | None = None,
+             segment_ids: jax.Array | None = None):
+        """(mean loss, counted tokens) of `cross_entropy(self(tokens, ...), targets, weights)`.
+
+        With chunk > 0 and more than `chunk` tokens (B * T), the loss and its gradient are computed
+        about `chunk` tokens at a time (`chunked_cross_entropy`), so the float32 (B, T, V_padded)
+        logits never exist whole; otherwise through the whole logits. The other arguments are `__call__`'s.
+        """
+        cfg = self.config
+        h = self.hidden(tokens, dropout_key=dropout_key, mask=mask, segment_ids=segment_ids)  # (B, T, d)
+        if chunk <= 0 or h.shape[0] * h.shape[1] <= chunk:
+            return cross_entropy(self.head(h), targets, weights)
+        weight, bias = self.head_weights()
+        return chunked_cross_entropy(h, weight, bias, targets, weights, vocab_size=cfg.vocab_size, chunk=chunk,
+                                     dtype=DTYPES[cfg.dtype])
 
     def decode(self, tokens: jax.Array, cache: dict, pos) -> tuple[jax.Array, dict]:
         """Logits for tokens (B, T) at positions pos..pos+T-1, given a KV cache of the pos tokens before.
@@ -695,7 +723,7 @@ class GPT(nnx.Module):
         for i, block in enumerate(self.blocks):
             x, k, v = block.decode(x, rope, k_all[i], v_all[i], pos)
             k_all, v_all = k_all.at[i].set(k), v_all.at[i].set(v)
-        return self._logits(x), {"k": k_all, "v": v_all}
+        return self.head(self.ln_f(x)), {"k": k_all, "v": v_all}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -765,6 +793,118 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | No
     weights = weights.astype(jnp.float32)
     n = weights.sum()
     return (losses * weights).sum() / jnp.maximum(n, 1.0), n
+
+
+def chunked_cross_entropy(h: jax.Array, head: jax.Array, bias: jax.Array | None, targets: jax.Array,
+                          weights: jax.Array | None = None, *, vocab_size: int, chunk: int, dtype=jnp.float32):
+    """`cross_entropy` of the logits h @ head.T (+ bias), computed about `chunk` tokens at a time, so that
+    only one chunk's float32 logits (chunk, V) exist at once, in the forward pass and in the backward.
+
+    h (B, T, d): final hidden states (`GPT.hidden`); head (V_padded, d), bias (V_padded,) or None: the
+    output projection (`GPT.head_weights`); targets, weights (B, T) as for `cross_entropy`; ids >=
+    vocab_size are padding, masked to PADDED_LOGIT as in `GPT.head`; dtype: the compute dtype of the
+    products, whose logits and softmax are float32. Returns (loss, n) as `cross_entropy` does: the
+    same numbers up to the order of float32 sums. The weights take no gradient.
+
+    A chunk is the same span of positions in every row, (B, T / chunks), so the batch keeps its
+    data-parallel sharding through the loop; a vocabulary split over the tensor axis stays split
+    (the logsumexp and the target logit are reductions over it). The gradients are computed in the
+    forward pass, while each chunk's logits exist (the loss is a scalar, so its cotangent only
+    scales them), and kept: dh (B, T, d) and the head's float32 gradient, the size of the head itself.
+    """
+    B, T, _ = h.shape
+    per_row = max(1, chunk // B)  # positions of each row in a chunk
+    chunks = -(-T // per_row)
+    per_row = -(-T // chunks)  # as even as the chunk count allows: the padding is < chunks positions
+    w = jnp.ones((B, T), jnp.float32) if weights is None else weights.astype(jnp.float32)
+    n = w.sum()
+    plan = (chunks, per_row, vocab_size, jnp.dtype(dtype), h.dtype, head.dtype)
+    # the gradients are the weighted sum's, O(1) per token, and reach 1/n only through the cotangent:
+    # as through the whole logits, a float16 product of them does not underflow when n is large
+    return _chunked_loss_sum(h, head, bias, targets, w, plan) / jnp.maximum(n, 1.0), n
+
+
+def _chunked_loss_and_grads(h, head, bias, targets, weights, plan, grads: bool):
+    """sum(weights * cross-entropy) over chunks of positions, and with `grads` its gradients with respect
+    to h (float32 (B, T, d)), head and bias (float32). weights (B, T) float32; plan: (chunks, positions
+    per row in a chunk, vocab_size, compute dtype, h's dtype, head's dtype)."""
+    B, T, d = h.shape
+    chunks, per_row, vocab_size, dtype = plan[:4]
+    V = head.shape[0]
+    pad = chunks * per_row - T  # padded positions have weight 0: no loss, no gradient
+
+    def split(x):  # (B, T, ...) -> (chunks, B, per_row, ...)
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) if pad else x
+        return x.reshape(B, chunks, per_row, *x.shape[2:]).swapaxes(0, 1)
+
+    hs = logical_constraint(split(h), (None, "batch", "length", "embed"))  # (chunks, B, per_row, d)
+    ts, ws = split(targets), split(weights)  # (chunks, B, per_row)
+    weight = logical_constraint(head.astype(dtype), ("vocab", "embed"))  # (V, d), gathered once if ZeRO-3 split it
+    vocab = jnp.arange(V)
+    real = vocab < vocab_size
+
+    def step(carry, xs):
+        h_c, t_c, w_c = xs  # (B, c, d), (B, c), (B, c)
+        h_c = logical_constraint(h_c, ("batch", "length", "embed"))
+        logits = jnp.einsum("btd,vd->btv", h_c, weight, preferred_element_type=jnp.float32)  # (B, c, V)
+        if bias is not None:
+            logits = logits + bias
+        if V > vocab_size:
+            logits = jnp.where(real, logits, PADDED_LOGIT)
+        logits = logical_constraint(logits, ("batch", "length", "vocab"))
+        # optax.softmax_cross_entropy_with_integer_labels: log(sum(exp(shifted))) - shifted[target]
+        shifted = logits - logits.max(axis=-1, keepdims=True)
+        log_z = jnp.log(jnp.exp(shifted).sum(axis=-1))  # (B, c)
+        is_target = vocab == t_c[..., None]  # (B, c, V)
+        losses = log_z - jnp.where(is_target, shifted, 0.0).sum(axis=-1)  # (B, c)
+        loss_sum = carry["loss"] + (losses * w_c).sum()
+        if not grads:
+            return {"loss": loss_sum}, None
+        # d loss_sum / d logits, float32 (B, c, V): softmax - one-hot, weighted. Made from the logits
+        # again rather than from exp(shifted), so each reduction and this product fuse with their
+        # own exp and only the logits and the product below are stored
+        g = (jnp.exp(shifted - log_z[..., None]) - is_target) * w_c[..., None]
+        if V > vocab_size:
+            g = jnp.where(real, g, 0.0)
+        g = logical_constraint(g, ("batch", "length", "vocab"))
+        low = g.astype(dtype)  # the products in the compute dtype, as tied_logits' backward pass
+        dh = jnp.einsum("btv,vd->btd", low, weight, preferred_element_type=jnp.float32)  # (B, c, d)
+        dhead = carry["head"] + jnp.einsum("btv,btd->vd", low, h_c.astype(dtype), preferred_element_type=jnp.float32)
+        out = {"loss": loss_sum, "head": logical_constraint(dhead, ("vocab", "embed"))}
+        if bias is not None:
+            out["bias"] = logical_constraint(carry["bias"] + g.sum(axis=(0, 1)), ("vocab",))
+        return out, logical_constraint(dh, ("batch", "length", "embed"))
+
+    init = {"loss": jnp.zeros((), jnp.float32)}
+    if grads:
+        init["head"] = logical_constraint(jnp.zeros((V, d), jnp.float32), ("vocab", "embed"))
+        if bias is not None:
+            init["bias"] = logical_constraint(jnp.zeros((V,), jnp.float32), ("vocab",))
+    out, dh = jax.lax.scan(step, init, (hs, ts, ws))
+    if not grads:
+        return out["loss"]
+    dh = dh.swapaxes(0, 1).reshape(B, chunks * per_row, d)[:, :T]  # (B, T, d)
+    return out["loss"], (dh, out["head"], out.get("bias"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _chunked_loss_sum(h, head, bias, targets, weights, plan):
+    return _chunked_loss_and_grads(h, head, bias, targets, weights, plan, grads=False)
+
+
+def _chunked_loss_sum_fwd(h, head, bias, targets, weights, plan):
+    return _chunked_loss_and_grads(h, head, bias, targets, weights, plan, grads=True)
+
+
+def _chunked_loss_sum_bwd(plan, grads, ct):
+    """The gradients computed in the forward pass, scaled by the cotangent; none for targets and weights."""
+    dh, dhead, dbias = grads
+    h_dtype, head_dtype = plan[4:]
+    return ((ct * dh).astype(h_dtype), (ct * dhead).astype(head_dtype),
+            None if dbias is None else (ct * dbias).astype(dbias.dtype), None, None)
+
+
+_chunked_loss_sum.defvjp(_chunked_loss_sum_fwd, _chunked_loss_sum_bwd)
 
 
 def param_count(cfg: GPTConfig) -> int:

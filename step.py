@@ -93,23 +93,27 @@ def make_optimizer(t):
     return tx, schedule
 
 
-def make_apply(mcfg: model_lib.GPTConfig):
-    """(apply, abstract_vars): apply(params, tokens, dropout_key, **masking) -> logits (B, T, V_padded)
-    from a pure dict of params, traced inside jit; `masking` is the model's optional mask (B, T, T)
-    and segment_ids (B, T). abstract_vars holds the parameters' shapes and axis names."""
+def make_loss(mcfg: model_lib.GPTConfig, loss_chunk: int = 0):
+    """(loss, abstract_vars): loss(params, tokens (B, T+1), weights=None, dropout_key=None, **masking) ->
+    (mean next-token loss over counted tokens, their count) from a pure dict of params, traced inside
+    jit; `masking` is the model's optional mask (B, T, T) and segment_ids (B, T). With loss_chunk > 0
+    the loss of more than loss_chunk tokens is computed loss_chunk tokens at a time (`GPT.loss`),
+    never holding the whole float32 logits. abstract_vars holds the parameters' shapes and axis names."""
     abstract_model = nnx.eval_shape(lambda: model_lib.GPT(mcfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_vars = nnx.split(abstract_model)  # nnx.State of abstract Variables (with axis names)
 
-    def apply(params, tokens, dropout_key=None, **masking):
+    def loss(params, tokens, weights=None, dropout_key=None, **masking):
         variables = jax.tree.map(lambda v: v, abstract_vars)  # fresh Variables to fill
         nnx.replace_by_pure_dict(variables, params)
-        return nnx.merge(graphdef, variables)(tokens, dropout_key=dropout_key, **masking)
+        return nnx.merge(graphdef, variables).loss(tokens[:, :-1], tokens[:, 1:], weights, chunk=loss_chunk,
+                                                   dropout_key=dropout_key, **masking)
 
-    return apply, abstract_vars
+    return loss, abstract_vars
 
 
-def make_masked_loss(apply, fcm_max_ratio: float = 0.0):
-    """masked_loss(params, batch, dropout_key=None, fcm_key=None) -> (mean loss, counted tokens).
+def make_masked_loss(loss_fn, fcm_max_ratio: float = 0.0):
+    """masked_loss(params, batch, dropout_key=None, fcm_key=None) -> (mean loss, counted tokens), from
+    a `make_loss` function.
 
     batch is a prompt/completion dict {tokens, weights?, segments?}: attention stays inside each
     packed example, and with an fcm_key a random share of past keys is hidden (forgetful causal
@@ -119,8 +123,7 @@ def make_masked_loss(apply, fcm_max_ratio: float = 0.0):
         tokens, segments = batch["tokens"], batch.get("segments")
         B, T = tokens.shape[0], tokens.shape[1] - 1
         mask = model_lib.attention_mask(B, T, segment_ids=segments, fcm_key=fcm_key, fcm_max_ratio=fcm_max_ratio)
-        logits = apply(params, tokens[:, :-1], dropout_key, mask=mask, segment_ids=segments)
-        return model_lib.cross_entropy(logits, tokens[:, 1:], batch.get("weights"))
+        return loss_fn(params, tokens, batch.get("weights"), dropout_key, mask=mask, segment_ids=segments)
 
     return masked_loss
 
@@ -140,8 +143,9 @@ def make_init_state(mcfg: model_lib.GPTConfig, tx):
     return init_state
 
 
-def make_train_step(apply, tx, micro_batches: int, grad_sharding=None, activations=None, fcm_max_ratio: float = 0.0):
-    """train_step(state, batch) -> (state, {"loss", "grad_norm"}), to be jitted by the caller.
+def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activations=None, fcm_max_ratio: float = 0.0):
+    """train_step(state, batch) -> (state, {"loss", "grad_norm"}), to be jitted by the caller; `loss_fn`
+    is a `make_loss` function.
 
     Gradient accumulation over `micro_batches` pieces in a scan. `grad_sharding` (a pytree of
     shardings like the params, or None) constrains the gradients: at ZeRO stages 2 and 3 the
@@ -150,7 +154,7 @@ def make_train_step(apply, tx, micro_batches: int, grad_sharding=None, activatio
     mean over counted tokens of the whole batch.
     """
     M = micro_batches
-    masked_loss = make_masked_loss(apply, fcm_max_ratio)
+    masked_loss = make_masked_loss(loss_fn, fcm_max_ratio)
 
     def constrain_grads(grads):
         return grads if grad_sharding is None else jax.lax.with_sharding_constraint(grads, grad_sharding)
@@ -176,9 +180,7 @@ def make_train_step(apply, tx, micro_batches: int, grad_sharding=None, activatio
                 fcm_key = jax.random.fold_in(key, M + i) if fcm_max_ratio > 0 else None
                 loss, n = masked_loss(p, rows, jax.random.fold_in(key, i), fcm_key)
                 return loss * n, n
-            tokens = rows
-            logits = apply(p, tokens[:, :-1], jax.random.fold_in(key, i))  # (b, T, V_padded)
-            loss, n = model_lib.cross_entropy(logits, tokens[:, 1:])
+            loss, n = loss_fn(p, rows, None, jax.random.fold_in(key, i))
             return loss * n, n
 
         def accumulate(carry, xs):
@@ -241,7 +243,9 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
     sharding.py's rules, then jax.jit with them. Checks that tensor parallelism divides the model."""
     sharding_lib.check_model(mesh, num_head=mcfg.num_head, mlp_dim=mcfg.ffn_dim, vocab=mcfg.padded_vocab_size,
                              num_kv_head=mcfg.kv_heads)
-    apply, abstract_vars = make_apply(mcfg)  # the model's shapes and axis names, no memory
+    # the model's shapes and axis names, no memory; training.loss_chunk counts one device's tokens,
+    # so the loss's chunk over the whole (micro-)batch is that many on every data-parallel device
+    loss_fn, abstract_vars = make_loss(mcfg, t.loss_chunk * sharding_lib.axis_size(mesh, sharding_lib.BATCH_AXES))
     tx, schedule = make_optimizer(t)
     init_key, train_key = jax.random.split(jax.random.key(seed))
     init_state = make_init_state(mcfg, tx)
@@ -252,18 +256,15 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
     activations = sharding_lib.activation_rules(mesh)
     # gradient accumulation over micro-batches inside one jitted, state-donating step; at ZeRO stages
     # 2 and 3 the gradients' shardings make the data-parallel reduction a reduce-scatter
-    train_step = make_train_step(apply, tx, t.micro_batches, grad_sharding, activations, fcm_max_ratio=t.fcm_max_ratio)
-    masked_loss = make_masked_loss(apply)  # validation of prompt/completion data: no FCM
+    train_step = make_train_step(loss_fn, tx, t.micro_batches, grad_sharding, activations,
+                                 fcm_max_ratio=t.fcm_max_ratio)
+    masked_loss = make_masked_loss(loss_fn)  # validation: no FCM
 
     @functools.partial(jax.jit, in_shardings=(state_sharding["params"], batch_sharding), out_shardings=replicated)
     def eval_step(params, batch):
         """Summed loss and count of a validation batch: no dropout, no FCM; segments kept apart."""
         with model_lib.activation_sharding(activations):
-            if "segments" in batch:
-                loss, n = masked_loss(params, batch)
-            else:
-                loss, n = model_lib.cross_entropy(apply(params, batch["tokens"][:, :-1]), batch["tokens"][:, 1:],
-                                                  batch["weights"])
+            loss, n = masked_loss(params, batch)
         return loss * n, n
 
     @functools.partial(jax.jit, out_shardings=replicated)

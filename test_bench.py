@@ -154,14 +154,14 @@ def test_zero3_train_step_with_pallas_lowers_for_cuda(monkeypatch):
                        attention="pallas", remat="full")
     mesh = sharding.make_mesh(4, 1, 2)
     t = config.load_config().training
-    apply, abstract_vars = step.make_apply(mcfg)
+    loss_fn, abstract_vars = step.make_loss(mcfg)
     tx, _ = step.make_optimizer(t)
     init_state = step.make_init_state(mcfg, tx)
     keys = jax.random.split(jax.random.key(0))
     abstract_state = jax.eval_shape(init_state, *keys)
     axes = nnx.to_pure_dict(M.param_axes(abstract_vars))
     state_sharding, grad_sharding, _ = sharding.state_shardings(abstract_state, axes, mesh, 3)
-    train_step = step.make_train_step(apply, tx, 2, grad_sharding, sharding.activation_rules(mesh))
+    train_step = step.make_train_step(loss_fn, tx, 2, grad_sharding, sharding.activation_rules(mesh))
     batch = jax.ShapeDtypeStruct((16, 65), jnp.int32, sharding=sharding.batch_sharding(mesh))
     text = jax.jit(train_step, donate_argnums=0).trace(sharding.with_shardings(abstract_state, state_sharding),
                                                        batch).lower(lowering_platforms=("cuda",)).as_text()
@@ -233,14 +233,18 @@ def test_bench_train_cpu_smoke(tmp_path, capsys):
 
 
 def test_bench_train_profile_records_device_time_per_operation(tmp_path, capsys):
-    """--profile traces extra steps after the timed ones and records each operation's time per step."""
+    """--profile traces extra steps after the timed ones and records each operation's time per step;
+    --loss-chunk sets the step's training.loss_chunk (here 8 of the 32 tokens at a time)."""
     out, trace_dir = tmp_path / "bench", tmp_path / "trace"
     argv = ["train", "--model", "test", "--seq", "16", "--batch", "2", "--dtype", "float32", "--no-torch",
-            "--steps", "2", "--warmup", "1", "--profile", str(trace_dir), "--profile-steps", "2", "--out", str(out)]
+            "--steps", "2", "--warmup", "1", "--profile", str(trace_dir), "--profile-steps", "2", "--loss-chunk", "8",
+            "--out", str(out)]
     assert bench.main(argv) == 0
     printed = capsys.readouterr().out
     [path] = out.glob("train-*.json")
     r = json.loads(path.read_text())["results"]
+    assert r["loss_chunk"] == 8 and "loss_chunk 8" in printed
+    assert abs(r["jax"]["loss_first"] - math.log(512)) < 0.1  # a fresh model's loss, through the chunked loss
     assert r["attention"] == M.resolve_attention(M.GPTConfig(**r["config"]))  # auto, resolved for this backend
     profile = r["jax"]["profile"]
     assert profile["steps"] == 2 and profile["trace"].startswith(str(trace_dir))
@@ -262,6 +266,8 @@ def test_bench_train_errors_are_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "unknown --model 'nope'" in err and "124m" in err
     assert bench.cli(["train", "--model", "test", "--seq", "65", "--no-alibi", "--out", str(out)]) == 2
     assert "longer than block_size 64" in capsys.readouterr().err
+    assert bench.cli(["train", "--model", "test", "--loss-chunk", "-1", "--out", str(out)]) == 2
+    assert "--loss-chunk must be at least 0" in capsys.readouterr().err
     if not ON_GPU:
         assert bench.cli(["train", "--model", "test", "--attention", "cudnn", "--out", str(out)]) == 2
         assert "needs an NVIDIA GPU" in capsys.readouterr().err

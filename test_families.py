@@ -34,6 +34,7 @@ import sample
 import sharding
 import train
 from test_convert import TOL, jax_model, tokens
+from test_model import check_chunked_loss
 from test_sharding import one_step
 from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
 
@@ -234,6 +235,14 @@ def test_zero3_with_tensor_parallelism_equals_one_device(family):
     for a, b in zip(jax.tree.leaves(g) + jax.tree.leaves(new), jax.tree.leaves(ref_g) + jax.tree.leaves(ref_new),
                     strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", list(SWITCHES))
+def test_chunked_loss_equals_the_loss_over_the_whole_logits(family):
+    """Each family's head (GPT-J's untied lm_head with its bias, NeoX's and LLaMA's untied one, OPT's
+    tied embedding), vocabulary 300 padded to 384, loss weights: 3 chunks of 6 positions, the last
+    2 padding."""
+    check_chunked_loss(model.GPTConfig(**{**SMALL, **SWITCHES[family]}), 4, 16, True, 24)
 
 
 @pytest.mark.parametrize("impl", ["dot_product", "pallas"])

@@ -7,6 +7,7 @@ subprocesses of `python train.py` with their own XLA_FLAGS.
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -24,7 +25,9 @@ import config
 import model
 import rundir
 import sharding
+import step as step_lib
 import train
+from test_model import largest_array
 from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
 
 REPO = pathlib.Path(__file__).resolve().parent
@@ -220,6 +223,89 @@ def test_stage_2_and_3_use_less_memory_per_device():
     assert two[0] == one[0]  # the same state in: replicated params, sharded optimizer state
     assert two[1] < one[1]  # the accumulated gradients are 1/8 as large
     assert three[0] < two[0] and three[2] < two[2]  # the parameters too
+
+
+def chunked_step(mesh, stage, loss_chunk, state, batch):
+    """train.py's jitted step and eval step (step.build) of the `test` size (vocabulary 300, padded to
+    384) at `stage` on `mesh`, 2 micro-batches and training.loss_chunk: (metrics, new state, eval sums,
+    the largest array the step's jaxpr makes, the compiled step's HLO text). `state` and `batch` are
+    host arrays, placed here."""
+    cfg = config.load_config(overrides=["model=test", "model.vocab_size=300"]).model
+    B, T = batch["tokens"].shape[0], batch["tokens"].shape[1] - 1
+    # lr 1e-2 at once (no warm-up), eps 1e-3: the update follows the gradient smoothly, so it shows it
+    t = config.TrainingConfig(batch_size=B, seq_len=T, micro_batches=2, loss_chunk=loss_chunk, lr=1e-2, min_lr=0.0,
+                              warmup_steps=0, eps=1e-3)
+    built = step_lib.build(cfg, t, mesh, stage)
+    state, placed = jax.device_put(state, built.state_sharding), jax.device_put(batch, built.batch_sharding)
+    largest = largest_array(built.train_step.trace(state, placed).jaxpr)
+    evaluated = jax.device_get(built.eval_step(state["params"], {"tokens": placed["tokens"],
+                                                                  "weights": placed["weights"]}))
+    compiled = built.train_step.lower(state, placed).compile()
+    new_state, metrics = compiled(state, placed)
+    return jax.device_get(metrics), jax.device_get(new_state), evaluated, largest, compiled.as_text()
+
+
+@pytest.fixture(scope="module")
+def chunk_reference():
+    """One device, the loss over the whole logits: the initial state, a batch with loss weights,
+    and what the step and the eval step give for it."""
+    cfg = config.load_config(overrides=["model=test", "model.vocab_size=300"]).model
+    t = config.TrainingConfig(batch_size=16, seq_len=31, micro_batches=2)
+    one = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    state = jax.device_get(step_lib.build(cfg, t, one, 0).init())
+    rng = np.random.default_rng(3)
+    batch = {"tokens": rng.integers(0, 300, (16, 32)).astype(np.int32),
+             "weights": (rng.random((16, 31)) > 0.3).astype(np.float32)}
+    return state, batch, chunked_step(one, 0, 0, state, batch)
+
+
+@pytest.mark.parametrize("mesh_sizes, stage", [((2, 1, 4), 0), ((4, 1, 2), 1), ((2, 2, 2), 2), ((1, 4, 2), 3)])
+def test_chunked_loss_with_micro_batches_under_every_stage_and_tensor_parallelism(chunk_reference, mesh_sizes,
+                                                                                    stage):
+    """training.loss_chunk=8 tokens per device on 8 devices (2 or 4 data-parallel: chunks of 2 or 4
+    positions of each row, the last chunk padded), the vocabulary split over the tensor axis, 2
+    micro-batches, loss weights: the loss, gradient norm, updated state and validation sums of one
+    device computing the loss over the whole logits, and no array of the step as large as a
+    micro-batch's logits. The token embedding (the output projection) is never gathered whole: only
+    its vocabulary shard over the data-parallel devices, from stage 1 on (the updated parameters;
+    at stage 3 also where a layer uses them)."""
+    state, batch, (ref_metrics, ref_state, ref_eval, ref_largest, _) = chunk_reference
+    metrics, new_state, evaluated, largest, hlo = chunked_step(sharding.make_mesh(*mesh_sizes), stage, 8, state, batch)
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
+    np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(evaluated, ref_eval, rtol=1e-6)
+    before = jax.tree.leaves(state["params"])
+    for old, a, b in zip(before, jax.tree.leaves(new_state["params"]), jax.tree.leaves(ref_state["params"]),
+                         strict=True):
+        # the updates, to a float32 rounding of parameters near 1 (LayerNorm scales)
+        np.testing.assert_allclose(a - old, b - old, rtol=1e-4, atol=2.5e-7)
+    micro_logits = 8 * 31 * 384  # a micro-batch of 8 rows: (8, 31, 384)
+    assert ref_largest >= micro_logits > largest
+    gathered = lambda rows: re.search(rf"= \w+\[{rows},32\]\S* all-gather\(", hlo)  # noqa: E731  (V, d) rows
+    assert not gathered(384)
+    assert bool(gathered(384 // mesh_sizes[2])) is (stage >= 1)
+
+
+def test_chunked_loss_step_never_holds_the_whole_logits():
+    """XLA's memory analysis of train.py's compiled step and eval step on one device, for a model
+    whose float32 logits (8 x 64 tokens x 16384) dwarf everything else: with training.loss_chunk=64
+    the temporaries shrink by more than the whole logits, and stay below the logits' size."""
+    cfg = model.GPTConfig(vocab_size=16384, block_size=64, embedding_dim=32, num_head=4, N=1)
+    B, T = 8, 64
+    logits_bytes = B * T * cfg.padded_vocab_size * 4
+    one = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    temp = {}
+    for chunk in (0, 64):
+        built = step_lib.build(cfg, config.TrainingConfig(batch_size=B, seq_len=T, loss_chunk=chunk), one, 0)
+        tokens = jax.ShapeDtypeStruct((B, T + 1), jnp.int32, sharding=built.batch_sharding)
+        weights = jax.ShapeDtypeStruct((B, T), jnp.float32, sharding=built.batch_sharding)
+        train_step = built.train_step.lower(built.abstract_state, tokens).compile()
+        eval_step = built.eval_step.lower(built.abstract_state["params"], {"tokens": tokens, "weights": weights})
+        temp[chunk] = [c.memory_analysis().temp_size_in_bytes for c in (train_step, eval_step.compile())]
+    (whole_train, whole_eval), (chunked_train, chunked_eval) = temp[0], temp[64]
+    assert whole_train >= logits_bytes and whole_eval >= logits_bytes  # the whole logits, and their gradient
+    assert whole_train - chunked_train >= logits_bytes and chunked_train < logits_bytes
+    assert whole_eval - chunked_eval >= logits_bytes / 2 and chunked_eval < logits_bytes / 2
 
 
 def run_subprocess(args, devices, env_extra=None, timeout=240):

@@ -474,6 +474,7 @@ def test_default_config_has_a_comment_on_every_key():
     ("training.lr=-1e-3", ["training.lr", ">= 0"]),
     ("training.eps=-1e-8", ["training.eps", "positive"]),
     ("training.weight_decay=-0.1", ["training.weight_decay", ">= 0"]),
+    ("training.loss_chunk=-1", ["training.loss_chunk", ">= 0"]),
 ])
 def test_config_errors_name_key_and_choices(override, words):
     extra = ["training.micro_batches=4"] if "batch_size" in override else []
