@@ -33,7 +33,7 @@ project's jitted step (test_plan.py; bench/RESULTS.md compares it with the peaks
         2 H B T^2 float32 (xla, dot_product); cuDNN with ALiBi the (1, H, T, T) bias gradient, 3 H T^2 c;
         the Pallas kernel none (its blocks live in on-chip memory); a (B, T, T) mask for masked training
     logits and loss: the float32 logits and their gradient in the compute dtype, B T V (4 + c); with
-        a chunked loss (training.loss_chunk, where the config has it) one chunk's logits, softmax and
+        a chunked loss (training.loss_chunk) one chunk's logits, softmax and
         gradient at a time, and the (B, T, d) float32 gradient of the hidden states
     gradients: float32, as sharded at the ZeRO stage: one copy, the accumulator with micro-batches (a
         micro-batch's own gradients are made while the backward pass frees its activations)
@@ -213,8 +213,8 @@ class _State:
 
 
 def _loss_chunk(t) -> int:
-    """training.loss_chunk where the config has it (a chunked loss), else 0: the whole logits."""
-    return int(getattr(t, "loss_chunk", 0) or 0)
+    """training.loss_chunk: tokens per device the loss takes at a time (0: the whole logits at once)."""
+    return int(t.loss_chunk)
 
 
 def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:

@@ -210,9 +210,9 @@ def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activat
 def state_shapes(mcfg: model_lib.GPTConfig, t, abstract_vars=None):
     """(abstract state, axes): the training state's shapes and dtypes, made without memory, and the
     logical axis names of its parameters, as sharding.state_shardings takes them. `abstract_vars`:
-    make_apply's, if at hand."""
+    make_loss's, if at hand."""
     if abstract_vars is None:
-        _, abstract_vars = make_apply(mcfg)
+        _, abstract_vars = make_loss(mcfg)
     tx, _ = make_optimizer(t)
     keys = jax.random.split(jax.random.key(0))  # shapes only: the seed changes no shape
     return jax.eval_shape(make_init_state(mcfg, tx), *keys), nnx.to_pure_dict(model_lib.param_axes(abstract_vars))
