@@ -12,7 +12,8 @@
                                 fingerprint of every array in its metadata, checked on every restore
     RUN/checkpoints/.deleting/  old checkpoints being deleted: renamed here first, so that a kill during
                                 a deletion never leaves half a checkpoint under its step's name
-    RUN/checkpoints-damaged/    checkpoints a resume could not restore, moved aside (never deleted)
+    RUN/checkpoints-damaged/    checkpoints a resume could not restore, moved aside (never deleted): <step>/,
+                                or <step>.1/, ... for a step damaged again
 
 `Run` is a storage.RunDir (a local path, or a URL such as gs://bucket/runs/x, whose files go
 through fsspec and whose checkpoints orbax writes itself) that knows these files. train.py writes a
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
@@ -375,12 +377,48 @@ class Run(storage.RunDir):
             for leftover in [ckpt / DELETING, *(ckpt.glob("*.orbax-checkpoint-tmp*") if unfinished else [])]:
                 shutil.rmtree(leftover, ignore_errors=True)
 
+    def damaged_dir(self) -> str:
+        """RUN/checkpoints-damaged, as a local path or URL (where restore moves what it cannot read)."""
+        if self.remote:
+            return f"{self.location}/{DAMAGED}"
+        return str(pathlib.Path(self.checkpoint_dir()).parent / DAMAGED)
+
+    def move_aside(self, step: int) -> str:
+        """Move checkpoint `step` whole into RUN/checkpoints-damaged/ as <step> (<step>.1, .2, ... when an
+        earlier one of that step lies there already); returns the name it got. Locally one rename; a
+        bucket, which has no folders and no rename, gets a copy of every object under the step's prefix
+        (made by the store itself), then the originals are deleted: a stop in between leaves both, never
+        neither."""
+        aside = self.damaged_dir()
+        taken = set(self.names_in(DAMAGED))
+        name = next(n for n in itertools.chain([str(step)], (f"{step}.{i}" for i in itertools.count(1)))
+                    if n not in taken)
+        if not self.remote:
+            def move():
+                pathlib.Path(aside).mkdir(exist_ok=True)
+                (pathlib.Path(self.checkpoint_dir()) / str(step)).rename(pathlib.Path(aside) / name)
+
+            self._do(DAMAGED, move)
+            return name
+        src = f"{self.root}/{CHECKPOINTS}/{step}"
+        objects = self._do(f"{CHECKPOINTS}/{step}", lambda: self.fs.find(src))
+        for path in objects:
+            self._do(f"{DAMAGED}/{name}", self.fs.copy, path, f"{self.root}/{DAMAGED}/{name}{path[len(src):]}")
+        self._do(f"{CHECKPOINTS}/{step}", self.fs.rm, objects)
+        self.fs.invalidate_cache(self.root)
+        return name
+
+    def names_in(self, sub: str) -> list[str]:
+        """The names in RUN/sub ([] when there is none)."""
+        path = self._path(sub)
+        return self._do(sub, lambda: [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
+                        if self.fs.isdir(path) else [])
+
     def restore(self, mngr, abstract_state, say):
         """(state, step) from the newest checkpoint that restores. Damaged newer ones are moved aside to
         checkpoints-damaged/ (never deleted), saying which and why; a checkpoint whose tree differs from
         this run's (another model or optimizer) is a RunError naming the differing keys."""
         import orbax.checkpoint as ocp
-        from etils import epath
 
         ckpt_dir = self.checkpoint_dir()
         default_hook, sys.unraisablehook = sys.unraisablehook, drop_closed_loop_errors
@@ -411,13 +449,19 @@ class Run(storage.RunDir):
                 continue
             sys.unraisablehook = default_hook
             if damaged:
-                aside = epath.Path(ckpt_dir).parent / DAMAGED
-                aside.mkdir(parents=True, exist_ok=True)
-                for bad, _ in damaged:  # a new save at that step must not meet the damaged directory
-                    (epath.Path(ckpt_dir) / str(bad)).rename(aside / str(bad))
+                import jax
+
+                if jax.process_index() == 0:  # a new save at that step must not meet the damaged directory
+                    for bad, _ in damaged:
+                        self.move_aside(bad)
+                if jax.process_count() > 1:
+                    from jax.experimental import multihost_utils
+
+                    multihost_utils.sync_global_devices("damaged checkpoints moved aside")
+                forget_listings(ckpt_dir)
                 mngr.reload()
                 say(f"checkpoint {', '.join(str(d) for d, _ in damaged)} cannot be restored "
-                    f"({'; '.join(f'{d}: {why}' for d, why in damaged)}); moved to {aside}; "
+                    f"({'; '.join(f'{d}: {why}' for d, why in damaged)}); moved to {self.damaged_dir()}; "
                     f"resuming from checkpoint {step}, the newest intact one")
             return state, step
         # (the hook stays: the caller exits)
@@ -542,6 +586,19 @@ def load_init_params(location, shardings):
     except UserError as e:
         raise RunError(f"training.init_from: {e}") from None
     return jax.device_put(params, shardings)
+
+
+def forget_listings(url) -> None:
+    """orbax lists a bucket through etils.epath's own fsspec filesystem, whose cached listings do not see
+    what another client changed (a checkpoint moved aside): drop them."""
+    if not storage.is_url(url):
+        return
+    from etils import epath
+
+    try:
+        epath.backend.fsspec_backend.fs(str(url)).invalidate_cache()
+    except Exception:  # another epath backend, without a cache of ours to drop
+        pass
 
 
 # ----------------------------------------------------------------------------------------------

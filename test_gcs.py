@@ -311,3 +311,67 @@ def test_an_import_into_a_bucket_is_a_run_directory_there(journey, tmp_path, cap
     jax.tree.map(np.testing.assert_array_equal, a, b)
     assert convert_torch.cli(["--import-hf", str(hf), "--out", url]) == 2
     assert capsys.readouterr().err.strip() == f"error: {url} already exists; choose another --out or pass --overwrite"
+
+
+# ----------------------------------------------------------------------------------------------
+# What a pod run meets in a bucket: a damaged checkpoint, a save refused, a kill, the tools after it
+
+
+def copy_run(journey, name: str) -> str:
+    """A copy of the journey's finished run (checkpoints 4 and 8) at BUCKET/name, copied inside the bucket."""
+    bucket = journey[0]
+    fs, src, dst = store(), f"{bucket}/run".removeprefix("gs://"), f"{bucket}/{name}".removeprefix("gs://")
+    for path in fs.find(src):
+        fs.copy(path, dst + path[len(src):])
+    return f"{bucket}/{name}"
+
+
+def test_a_damaged_checkpoint_in_a_bucket_is_moved_aside_and_the_run_resumes(journey, capsys):
+    """As on a local disk (test_train's damaged-checkpoint test): every array object of checkpoint 8
+    truncated, --resume says so in one message, moves it whole to RUN/checkpoints-damaged/8 in the bucket,
+    resumes from 4 and ends as the straight run did; and it has left nothing that trips a later resume."""
+    bucket, straight, params, _ = journey
+    run = copy_run(journey, "damaged")
+    fs, root = store(), run.removeprefix("gs://")
+    damaged = {}
+    for path in fs.find(f"{root}/checkpoints/8"):
+        if "METADATA" not in path.rsplit("/", 1)[-1] and fs.size(path) > 0:
+            fs.pipe_file(path, b"\0" * 7)
+        damaged[path[len(root) + len("/checkpoints/8/"):]] = fs.cat_file(path)
+    capsys.readouterr()
+    assert train.main(["--resume", f"run_dir={run}"]) == 0
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "cannot be restored" in line]
+    assert len(said) == 1, out
+    assert said[0].startswith("checkpoint 8 cannot be restored (8: array ") and " cannot be read (" in said[0]
+    assert said[0].endswith(f"; moved to {run}/checkpoints-damaged; resuming from checkpoint 4, the newest intact one")
+    assert "TensorStore" not in out and "<bound method" not in out
+    assert remote_files(f"{run}/checkpoints-damaged") == {f"8/{name}": raw for name, raw in damaged.items()}
+    assert [deterministic(r) for r in metrics(run)] == [deterministic(r) for r in straight]
+    resumed, step = rundir.Run(run).load_params()
+    assert step == 8
+    jax.tree.map(np.testing.assert_array_equal, resumed, params)
+    assert {name.split("/")[1] for name in remote_files(run) if name.startswith("checkpoints/")} == {"4", "8"}
+
+
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_a_step_damaged_twice_keeps_both(where, gcs_bucket, tmp_path):
+    """A checkpoint moved aside when one of its step already lies in checkpoints-damaged/ (damaged again
+    after a resume saved it anew) goes beside it as <step>.1: both kept, byte for byte, locally and in a
+    bucket alike."""
+    files = {"checkpoints/8/a": b"second", "checkpoints/8/d/b": b"second b", "checkpoints/4/a": b"intact",
+             "checkpoints-damaged/8/a": b"first"}
+    if where == "local":
+        location = tmp_path / "run"
+        for name, raw in files.items():
+            (location / name).parent.mkdir(parents=True, exist_ok=True)
+            (location / name).write_bytes(raw)
+        listing = lambda: local_files(location)  # noqa: E731
+    else:
+        location = f"{gcs_bucket}/run"
+        for name, raw in files.items():
+            store().pipe_file(f"{location}/{name}", raw)
+        listing = lambda: remote_files(location)  # noqa: E731
+    assert rundir.Run(location).move_aside(8) == "8.1"
+    assert listing() == {"checkpoints/4/a": b"intact", "checkpoints-damaged/8/a": b"first",
+                         "checkpoints-damaged/8.1/a": b"second", "checkpoints-damaged/8.1/d/b": b"second b"}
