@@ -291,11 +291,13 @@ class Run(storage.RunDir):
     # Checkpoints
 
     def checkpoint_steps(self) -> list[int]:
-        """The steps of the saved checkpoints, oldest first ([] when there are none)."""
-        from etils import epath  # orbax's own path layer: local, or gs:// as orbax itself reaches it
+        """The steps of the complete checkpoints, oldest first ([] when there are none), as orbax counts
+        them: locally a step's directory appears only once complete; in a bucket a step's objects make
+        a checkpoint only once its save has written the commit marker (commit_success.txt), last."""
+        import orbax.checkpoint as ocp
 
-        ckpt = epath.Path(self.checkpoint_dir())
-        return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
+        forget_listings(self.checkpoint_dir())  # tensorstore writes the arrays past etils' listing cache
+        return sorted(ocp.path.step.checkpoint_steps(self.checkpoint_dir()))
 
     def checkpoint_manager(self, keep: int | None = None, async_save: bool = False):
         """An orbax CheckpointManager of RUN/checkpoints: a step directory appears only once complete,
@@ -376,6 +378,13 @@ class Run(storage.RunDir):
             ckpt = pathlib.Path(self.checkpoint_dir())
             for leftover in [ckpt / DELETING, *(ckpt.glob("*.orbax-checkpoint-tmp*") if unfinished else [])]:
                 shutil.rmtree(leftover, ignore_errors=True)
+        elif unfinished:  # in a bucket a save writes under its step's own name: those without a commit marker
+            complete = set(self.checkpoint_steps())
+            for name in self.names_in(CHECKPOINTS):
+                if name.isdigit() and int(name) not in complete:
+                    with contextlib.suppress(Exception):  # no access: the next save of that step replaces them
+                        self.fs.rm(f"{self.root}/{CHECKPOINTS}/{name}", recursive=True)
+            forget_listings(self.checkpoint_dir())
 
     def damaged_dir(self) -> str:
         """RUN/checkpoints-damaged, as a local path or URL (where restore moves what it cannot read)."""
@@ -411,6 +420,7 @@ class Run(storage.RunDir):
     def names_in(self, sub: str) -> list[str]:
         """The names in RUN/sub ([] when there is none)."""
         path = self._path(sub)
+        self.fs.invalidate_cache(path)  # what others wrote meanwhile (orbax, tensorstore) is listed too
         return self._do(sub, lambda: [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
                         if self.fs.isdir(path) else [])
 
@@ -722,12 +732,29 @@ class SaveErrors(logging.Filter):
         return False
 
     def reason(self) -> str:
-        """The first failure, in a few words: the system's reason when it gave one."""
-        for message in self.messages:
-            why = storage.os_problem(RuntimeError(message))
-            if why:
-                return why
+        """The first failure, in a few words: an object store's answer or the system's reason when
+        there is one."""
+        for problem in (store_problem, lambda message: storage.os_problem(RuntimeError(message))):
+            for message in self.messages:
+                why = problem(message)
+                if why:
+                    return why
         return (self.messages[0].split("\n")[0][:200] if self.messages else "no reason given")
+
+
+def store_problem(message: str) -> str | None:
+    """A write that an object store refused, from tensorstore's or gcsfs's error: the HTTP status and the
+    first sentence of the store's reason ("HTTP 403: ... does not have storage.objects.create access to
+    the Google Cloud Storage object"); None for any other error."""
+    code = re.search(r"http_response_code='(\d+)'", message)  # tensorstore (the arrays)
+    said = re.search(r"Error writing (?:\"[^\"]*\" in OCDBT database at )?\S+: ([^\[]+)", message)
+    if code and said:
+        return f"HTTP {code.group(1)}: {said.group(1).split('. ')[0].strip()}"
+    said = re.search(r"\b(Forbidden|Bad Request): https?://\S+\n(.+)", message)  # gcsfs (orbax's metadata files)
+    if said:
+        code = {"Forbidden": 403, "Bad Request": 400}[said.group(1)]
+        return f"HTTP {code}: {said.group(2).split('. ')[0].strip()}"
+    return None
 
 
 SAVE_ERRORS = SaveErrors()  # one for the process: orbax logs through the one absl logger

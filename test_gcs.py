@@ -375,3 +375,39 @@ def test_a_step_damaged_twice_keeps_both(where, gcs_bucket, tmp_path):
     assert rundir.Run(location).move_aside(8) == "8.1"
     assert listing() == {"checkpoints/4/a": b"intact", "checkpoints-damaged/8/a": b"first",
                          "checkpoints-damaged/8.1/a": b"second", "checkpoints-damaged/8.1/d/b": b"second b"}
+
+
+def orbax_restore(run: str, step: int):
+    """The raw checkpointed state at `step` of a run in the bucket, read by orbax directly."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(f"{run}/checkpoints") as mngr:
+        return mngr.restore(step, args=ocp.args.StandardRestore())
+
+
+def test_a_save_the_bucket_refuses_stops_the_run_with_one_line(journey, gcs_refusals, capsys):
+    """The bucket refuses the writes of checkpoint 8 (access withdrawn; async save, as by default): the run
+    stops with one line giving the reason and the newest complete checkpoint, 4, which stays as saved;
+    with access back, --resume ends as the straight run did."""
+    bucket, straight, params, _ = journey
+    run = copy_run(journey, "refused")
+    fs, root = store(), run.removeprefix("gs://")
+    fs.rm(f"{root}/checkpoints/8", recursive=True)
+    fs.rm_file(f"{root}/summary.json")
+    gcs_refusals(f"{run}/checkpoints/8/default")  # the arrays: the save writes other files first
+    capsys.readouterr()
+    assert train.cli(["--resume", f"run_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert gcs_refusals.refused() >= 1
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not line.startswith("train:")]
+    assert lines == [f"error: saving checkpoint 8 in {run}/checkpoints failed (HTTP 403: test@example.com does not "
+                     f"have storage.objects.create access to the Google Cloud Storage object); the newest "
+                     f"complete checkpoint is 4: fix the cause, then continue with --resume"], err
+    assert {name.split("/")[1] for name in remote_files(run) if name.startswith("checkpoints/")} == {"4"}
+    jax.tree.map(np.testing.assert_array_equal, orbax_restore(run, 4), orbax_restore(f"{bucket}/run", 4))
+    gcs_refusals.lift()
+    assert train.main(["--resume", f"run_dir={run}"]) == 0
+    assert [deterministic(r) for r in metrics(run)] == [deterministic(r) for r in straight]
+    resumed, step = rundir.Run(run).load_params()
+    assert step == 8
+    jax.tree.map(np.testing.assert_array_equal, resumed, params)
