@@ -30,6 +30,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -59,6 +60,7 @@ DELETING = ".deleting"  # inside RUN/checkpoints
 LOCK = ".lock"
 LEASE_RENEW = 10.0  # seconds between a lease's heartbeats (a run directory in an object store)
 LEASE_TTL = 60.0  # a lease whose heartbeat is older than this is free: its holder is gone
+LEASE_TTL_ENV = "GPT_LEASE_TTL"  # seconds, instead of LEASE_TTL; the lease is then renewed every sixth of it
 LEASE_SETTLE = 1.0  # seconds between writing a lease and reading it back
 FINGERPRINTS = "fingerprints"  # the key of a checkpoint's custom metadata that holds them
 TOKENS = "tokens"  # ... and the one of the tokens trained up to it (context and batch may change on resume)
@@ -66,6 +68,23 @@ TOKENS = "tokens"  # ... and the one of the tokens trained up to it (context and
 
 class RunError(UserError):
     """A user-caused problem with a run directory or its checkpoints; str(e) is one line."""
+
+
+def lease_times() -> tuple[float, float]:
+    """(seconds a lease lasts, seconds between its heartbeats): LEASE_TTL and LEASE_RENEW, or with
+    GPT_LEASE_TTL=SECONDS set that and a sixth of it. A shorter lease lets a resume after a kill go ahead
+    sooner; at least 6 s, as a bucket takes about one write of an object per second."""
+    text = os.environ.get(LEASE_TTL_ENV, "").strip()
+    if not text:
+        return LEASE_TTL, LEASE_RENEW
+    try:
+        ttl = float(text)
+    except ValueError:
+        ttl = math.nan
+    if not (math.isfinite(ttl) and ttl >= 6):
+        raise RunError(f"{LEASE_TTL_ENV}={text}: the seconds a run directory's lease in a bucket lasts, a number "
+                       f"of at least 6 (it is renewed every sixth of them); unset, {LEASE_TTL:.0f}")
+    return ttl, ttl / 6
 
 
 def eval_results_name(step: int) -> str:
@@ -116,7 +135,7 @@ class Run(storage.RunDir):
         so a killed run never blocks its resume. In an object store, which has no locks, it is a lease:
         RUN/.lock names its holder and a heartbeat renewed every LEASE_RENEW seconds, and is taken by
         writing it and reading it back; a holder whose heartbeat has stopped (a killed process) is
-        waited out for at most LEASE_TTL seconds, a live one is refused."""
+        waited out for at most LEASE_TTL seconds, a live one is refused (see lease_times)."""
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "purpose": purpose,
                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         release = self._lease(holder) if self.remote else self._flock(holder)
@@ -145,6 +164,7 @@ class Run(storage.RunDir):
         return lambda: os.close(fd)  # the flock goes with the descriptor; the file stays (no unlink race)
 
     def _lease(self, holder: dict):
+        ttl, every = lease_times()
         holder = {**holder, "token": os.urandom(8).hex()}
         waited = 0.0
         while True:
@@ -155,14 +175,14 @@ class Run(storage.RunDir):
             other = self._parse_lock(raw)
             if other and other.get("token") != holder["token"]:
                 age = time.time() - float(other.get("heartbeat", 0))
-                if age < LEASE_TTL:
-                    if age < 2 * LEASE_RENEW or waited >= LEASE_TTL:  # alive: it renews its heartbeat
+                if age < ttl:
+                    if age < 2 * every or waited >= ttl:  # alive: it renews its heartbeat
                         raise RunError(f"run directory {self} is in use by {self._holder(raw)}; one process writes "
                                        f"a run at a time (wait for it to end, or stop it first)")
                     print(f"{self.show(LOCK)}: held by {self._holder(raw)}, whose heartbeat stopped "
-                          f"{age:.0f}s ago; waiting up to {LEASE_TTL - age:.0f}s for it to expire", flush=True)
-                    time.sleep(min(LEASE_RENEW, LEASE_TTL - age + 0.1))
-                    waited += min(LEASE_RENEW, LEASE_TTL - age + 0.1)
+                          f"{age:.0f}s ago; waiting up to {ttl - age:.0f}s for it to expire", flush=True)
+                    time.sleep(min(every, ttl - age + 0.1))
+                    waited += min(every, ttl - age + 0.1)
                     continue
             self.write_text(LOCK, json.dumps({**holder, "heartbeat": time.time()}) + "\n")
             time.sleep(LEASE_SETTLE)  # a writer racing us has written by now: the store keeps the last write
@@ -171,7 +191,7 @@ class Run(storage.RunDir):
         stop = threading.Event()
 
         def renew():
-            while not stop.wait(LEASE_RENEW):
+            while not stop.wait(every):
                 try:
                     self.write_text(LOCK, json.dumps({**holder, "heartbeat": time.time()}) + "\n")
                 except storage.StorageError:

@@ -5,10 +5,13 @@ in one, exporting and importing there, and a bucket that does not exist.
 import gzip
 import hashlib
 import json
+import os
 import pathlib
 import random
+import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import fsspec
@@ -411,3 +414,83 @@ def test_a_save_the_bucket_refuses_stops_the_run_with_one_line(journey, gcs_refu
     resumed, step = rundir.Run(run).load_params()
     assert step == 8
     jax.tree.map(np.testing.assert_array_equal, resumed, params)
+
+
+def checkpoints(run: str) -> list[int]:
+    """The complete checkpoints of a run in the bucket: in a bucket orbax marks a step's directory
+    complete with commit_success.txt, written last."""
+    names = store().find(f"{run.removeprefix('gs://')}/checkpoints", maxdepth=2)
+    return sorted(int(n.split("/")[-2]) for n in names if n.endswith("/commit_success.txt"))
+
+
+def test_a_run_in_a_bucket_stopped_by_sigterm_then_killed_resumes_exactly(journey, gcs_refusals, capsys,
+                                                                          monkeypatch):
+    """`python train.py` with data and run directory in the bucket: SIGTERM during its first step (it
+    saves that step and exits 143); `--resume`, killed with SIGKILL while it saves checkpoint 8 (its
+    commit marker held back by a busy store), which leaves the lease it held and checkpoint 8 written
+    but not committed; `--resume` waits out the lease (GPT_LEASE_TTL=6), resumes from checkpoint 4
+    and ends with the straight run's metrics and parameters."""
+    bucket, straight, params, cwd = journey
+    run = f"{bucket}/killed"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", rundir.LEASE_TTL_ENV: "6"}
+    command = [sys.executable, str(REPO / "train.py")]
+
+    first = subprocess.Popen([*command, *tiny(run, f"{bucket}/data")], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    for line in first.stdout:  # printed as the loop starts: the first step (and its compilation) is under way
+        if line.startswith("model test:"):
+            break
+    first.send_signal(signal.SIGTERM)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM after step 1" in out and "Traceback" not in err
+    assert checkpoints(run) == [1]
+
+    gcs_refusals(f"{run}/checkpoints/8/commit_success.txt", status=503)
+    second = subprocess.Popen([*command, "--resume", f"run_dir={run}"], cwd=cwd, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while gcs_refusals.refused() == 0 and second.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert second.poll() is None, second.communicate()[1]
+        second.kill()
+        second.wait(timeout=60)
+    finally:
+        second.kill()
+        second.communicate()
+    gcs_refusals.lift()
+    left = remote_files(run)
+    lease = json.loads(left[rundir.LOCK])
+    assert lease["pid"] == second.pid and lease["purpose"] == "train.py --resume"
+    assert "checkpoints/8/commit_success.txt" not in left and any(n.startswith("checkpoints/8/") for n in left)
+    assert checkpoints(run) == [1, 4]
+
+    monkeypatch.setenv(rundir.LEASE_TTL_ENV, "6")
+    while time.time() - lease["heartbeat"] < 2 * 6 / 6 + 0.2:  # no longer renewed as a live holder's is
+        time.sleep(0.1)
+    capsys.readouterr()
+    assert train.main(["--resume", f"run_dir={run}"]) == 0
+    out = capsys.readouterr().out
+    assert f"held by train.py --resume (pid {second.pid} on " in out and "waiting up to" in out
+    assert "cannot be restored" not in out and "resuming from step 4" in out
+    assert [deterministic(r) for r in metrics(run)] == [deterministic(r) for r in straight]
+    assert checkpoints(run) == [1, 4, 8]
+    resumed, step = rundir.Run(run).load_params()
+    assert step == 8
+    jax.tree.map(np.testing.assert_array_equal, resumed, params)
+    assert rundir.LOCK not in remote_files(run)  # released
+
+
+@pytest.mark.parametrize("value", ["soon", "5", "nan"])
+def test_a_lease_time_that_is_not_one_is_one_line(value, journey, capsys, monkeypatch):
+    """GPT_LEASE_TTL must be a number of seconds, at least 6: anything else stops a run in a bucket with one
+    line naming it, before the run directory is touched."""
+    run = f"{journey[0]}/run"
+    before = remote_files(run)
+    monkeypatch.setenv(rundir.LEASE_TTL_ENV, value)
+    capsys.readouterr()
+    assert train.cli(["--resume", f"run_dir={run}", "training.steps=9"]) == 2
+    assert capsys.readouterr().err == (f"error: GPT_LEASE_TTL={value}: the seconds a run directory's lease in a bucket "
+                                       f"lasts, a number of at least 6 (it is renewed every sixth of them); unset, 60\n")
+    assert remote_files(run) == before
