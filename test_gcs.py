@@ -482,6 +482,64 @@ def test_a_run_in_a_bucket_stopped_by_sigterm_then_killed_resumes_exactly(journe
     assert rundir.LOCK not in remote_files(run)  # released
 
 
+def test_the_tools_read_and_write_a_run_in_the_bucket(journey, tmp_path, capsys, monkeypatch):
+    """On the journey's run in the bucket, each tool does what it does on a local copy of the run: sample.py
+    prints the same text; eval.py scores the same and writes its results into the bucket (nothing beside
+    the command); training.init_from=gs://... starts from its parameters (a step at learning rate 0 keeps
+    them exactly); convert_torch.py --import-hf reads a transformers export in the bucket as its local copy."""
+    bucket, _, params, _ = journey
+    run, local = f"{bucket}/run", tmp_path / "run"
+    for name, raw in remote_files(run).items():
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(raw)
+    monkeypatch.chdir(tmp_path)
+
+    def command(tool, *args) -> str:
+        capsys.readouterr()
+        assert tool.cli([str(a) for a in args]) == 0
+        return capsys.readouterr().out
+
+    sample_args = ["--prompt", "the cat", "--temperature", "0.8", "--seed", "3", "--num-samples", "2",
+                   "--max-new-tokens", "12"]
+    import sample
+    assert command(sample, "--checkpoint", run, *sample_args) == command(sample, "--checkpoint", local, *sample_args)
+
+    import eval as eval_lib
+    eval_args = ["--lengths", "1x,2x", "--max-tokens", "3000"]
+    said = command(eval_lib, "--checkpoint", run, *eval_args)
+    assert f"-> {run}/eval/step8.json: lengths 32, 64 written" in said
+    command(eval_lib, "--checkpoint", local, *eval_args)
+    written = remote_files(f"{run}/eval")
+    there, here = json.loads(written["step8.json"]), json.loads((local / "eval" / "step8.json").read_text())
+    assert there.pop("updated") and here.pop("updated")  # when each was written
+    assert there == here and [r["length"] for r in there["perplexity"]["rows"]] == [32, 64]
+    assert written["step8-perplexity.png"].startswith(b"\x89PNG")
+
+    tuned = f"{bucket}/tuned"
+    assert train.main(tiny(tuned, f"{bucket}/data", f"training.init_from={run}", "training.steps=1",
+                           "training.lr=0", "training.min_lr=0")) == 0
+    assert f"parameters from {run}" in capsys.readouterr().out
+    started, step = rundir.Run(tuned).load_params()
+    assert step == 1
+    jax.tree.map(np.testing.assert_array_equal, started, params)
+
+    hf, exported = f"{bucket}/export-hf-for-import", tmp_path / "hf"
+    assert convert_torch.main(["--checkpoint", run, "--out", hf, "--format", "hf"]) == 0
+    assert convert_torch.main(["--checkpoint", run, "--out", str(exported), "--format", "hf"]) == 0
+    said = command(convert_torch, "--import-hf", hf, "--out", tmp_path / "from-bucket")
+    assert f"imported {hf} into run directory {tmp_path / 'from-bucket'} (step 0)" in said
+    command(convert_torch, "--import-hf", exported, "--out", tmp_path / "from-disk")
+    a, b = rundir.Run(tmp_path / "from-bucket"), rundir.Run(tmp_path / "from-disk")
+    assert a.config().model == b.config().model
+    assert a.read_bytes("tokenizer.json") == b.read_bytes("tokenizer.json") == local_files(local)["tokenizer.json"]
+    jax.tree.map(np.testing.assert_array_equal, a.load_params()[0], b.load_params()[0])
+    capsys.readouterr()
+    assert convert_torch.cli(["--import-hf", f"{bucket}/no-such-model", "--out", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err == (f"error: {bucket}/no-such-model is not a transformers checkpoint "
+                                       f"directory: no config.json\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["from-bucket", "from-disk", "hf", "run"]
+
+
 @pytest.mark.parametrize("value", ["soon", "5", "nan"])
 def test_a_lease_time_that_is_not_one_is_one_line(value, journey, capsys, monkeypatch):
     """GPT_LEASE_TTL must be a number of seconds, at least 6: anything else stops a run in a bucket with one
