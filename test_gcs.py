@@ -428,11 +428,12 @@ def test_a_run_in_a_bucket_stopped_by_sigterm_then_killed_resumes_exactly(journe
     """`python train.py` with data and run directory in the bucket: SIGTERM during its first step (it
     saves that step and exits 143); `--resume`, killed with SIGKILL while it saves checkpoint 8 (its
     commit marker held back by a busy store), which leaves the lease it held and checkpoint 8 written
-    but not committed; `--resume` waits out the lease (GPT_LEASE_TTL=6), resumes from checkpoint 4
+    but not committed; `--resume` waits out the lease (GPT_LEASE_TTL=8 s), resumes from checkpoint 4
     and ends with the straight run's metrics and parameters."""
     bucket, straight, params, cwd = journey
     run = f"{bucket}/killed"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", rundir.LEASE_TTL_ENV: "6"}
+    ttl = 8  # seconds: the lease is renewed every 8/6 s, and a holder two renewals late is taken for dead
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", rundir.LEASE_TTL_ENV: str(ttl)}
     command = [sys.executable, str(REPO / "train.py")]
 
     first = subprocess.Popen([*command, *tiny(run, f"{bucket}/data")], cwd=cwd, env=env, stdout=subprocess.PIPE,
@@ -453,12 +454,14 @@ def test_a_run_in_a_bucket_stopped_by_sigterm_then_killed_resumes_exactly(journe
         deadline = time.time() + 120
         while gcs_refusals.refused() == 0 and second.poll() is None and time.time() < deadline:
             time.sleep(0.1)
-        assert second.poll() is None, second.communicate()[1]
+        assert second.poll() is None, second.communicate()[1]  # still saving checkpoint 8
+        assert gcs_refusals.refused() > 0
         second.kill()
         second.wait(timeout=60)
     finally:
         second.kill()
         second.communicate()
+    assert second.returncode == -signal.SIGKILL
     gcs_refusals.lift()
     left = remote_files(run)
     lease = json.loads(left[rundir.LOCK])
@@ -466,8 +469,8 @@ def test_a_run_in_a_bucket_stopped_by_sigterm_then_killed_resumes_exactly(journe
     assert "checkpoints/8/commit_success.txt" not in left and any(n.startswith("checkpoints/8/") for n in left)
     assert checkpoints(run) == [1, 4]
 
-    monkeypatch.setenv(rundir.LEASE_TTL_ENV, "6")
-    while time.time() - lease["heartbeat"] < 2 * 6 / 6 + 0.2:  # no longer renewed as a live holder's is
+    monkeypatch.setenv(rundir.LEASE_TTL_ENV, str(ttl))
+    while time.time() - lease["heartbeat"] < 2 * ttl / 6 + 0.2:  # no longer renewed as a live holder's is
         time.sleep(0.1)
     capsys.readouterr()
     assert train.main(["--resume", f"run_dir={run}"]) == 0
