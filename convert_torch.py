@@ -25,10 +25,11 @@ Exports carry the real vocabulary: `vocab_size` is the tokenizer's and the embed
 rows. model.py pads its embedding to a multiple of 128 and gives the padding rows the logit
 PADDED_LOGIT, so a softmax over the real rows alone is the same distribution.
 
-Import (`--import-hf`) turns a transformers directory (local, or at a gs:// URL: copied to a temporary
-directory first) of any of those six families into a run directory whose step-0 checkpoint holds the parameters (the embedding padded with zero rows),
-reading the architecture from config.json as transformers reads it and refusing, with the reasons,
-what model.py cannot express (post-LayerNorm OPT, scaled rotary embeddings, ...). A field of
+Import (`--import-hf`) turns a transformers directory (local, or at a gs:// URL: copied to a
+temporary directory first) of any of those six families into a run directory whose step-0
+checkpoint holds the parameters (the embedding padded with zero rows), reading the architecture
+from config.json as transformers reads it and refusing, with the reasons, what model.py cannot
+express (post-LayerNorm OPT, scaled rotary embeddings, ...). A field of
 config.json that is not what it must be (HF_FIELDS), or a tokenizer that does not load, is one
 error line naming it, before anything is written. `training.init_from=RUN_DIR` starts a
 fine-tuning run from it. Every config.json we write also carries the JAX model's config under

@@ -1,6 +1,8 @@
 """gs:// paths against a Google Cloud Storage server on 127.0.0.1 (conftest.py's `gcs_server`,
 gcs_emulator.py): preparing data into and from a bucket, training with the data and the run directory
-in one, exporting and importing there, and a bucket that does not exist.
+in one, exporting and importing there, and a bucket that does not exist; then what a run on a pod meets
+in its bucket: a damaged checkpoint, a save the store refuses, SIGTERM and SIGKILL, and the tools that
+read the run, write beside it and start from it.
 """
 import gzip
 import hashlib
