@@ -163,3 +163,32 @@ def gcs_module_bucket(gcs_server, tmp_path_factory):
     with pytest.MonkeyPatch.context() as env, _new_bucket() as bucket:
         env.setattr(shards, "_checked_remote", {})
         yield bucket
+
+
+@pytest.fixture
+def gcs_refusals(gcs_server):
+    """refuse(url, status=403): the server refuses every write and delete of an object under url
+    (gs://BUCKET/prefix) with that status, as the service does when a bucket's permissions change under a
+    job (403) or it is overloaded (503, which clients retry); refuse.refused(): how many requests it
+    has refused so far. Lifted at the end of the test, or by refuse.lift()."""
+    import json
+    import urllib.request
+
+    def post(rules):
+        request = urllib.request.Request(f"{gcs_server}/_emulator/refusals", data=json.dumps(rules).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        urllib.request.urlopen(request, timeout=10).read()
+
+    def refuse(url: str, status: int = 403) -> None:
+        bucket, _, prefix = url.removeprefix("gs://").partition("/")
+        post([{"bucket": bucket, "prefix": prefix, "status": status}])
+
+    def refused() -> int:
+        with urllib.request.urlopen(f"{gcs_server}/_emulator/refusals", timeout=10) as answer:
+            return sum(rule["refused"] for rule in json.loads(answer.read()))
+
+    refuse.refused, refuse.lift = refused, lambda: post([])
+    try:
+        yield refuse
+    finally:
+        post([])

@@ -25,10 +25,11 @@ Exports carry the real vocabulary: `vocab_size` is the tokenizer's and the embed
 rows. model.py pads its embedding to a multiple of 128 and gives the padding rows the logit
 PADDED_LOGIT, so a softmax over the real rows alone is the same distribution.
 
-Import (`--import-hf`) turns a local transformers directory of any of those six families into a
-run directory whose step-0 checkpoint holds the parameters (the embedding padded with zero rows),
-reading the architecture from config.json as transformers reads it and refusing, with the reasons,
-what model.py cannot express (post-LayerNorm OPT, scaled rotary embeddings, ...). A field of
+Import (`--import-hf`) turns a transformers directory (local, or at a gs:// URL: copied to a
+temporary directory first) of any of those six families into a run directory whose step-0
+checkpoint holds the parameters (the embedding padded with zero rows), reading the architecture
+from config.json as transformers reads it and refusing, with the reasons, what model.py cannot
+express (post-LayerNorm OPT, scaled rotary embeddings, ...). A field of
 config.json that is not what it must be (HF_FIELDS), or a tokenizer that does not load, is one
 error line naming it, before anything is written. `training.init_from=RUN_DIR` starts a
 fine-tuning run from it. Every config.json we write also carries the JAX model's config under
@@ -1020,15 +1021,57 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
     return layout
 
 
+HF_READ = (CONFIG_NAME, TOKENIZER_NAME, "vocab.json", "merges.txt")  # what an import reads, with the weights
+
+
+def fetch_hf_dir(url: str, scratch: pathlib.Path) -> pathlib.Path:
+    """The files of a transformers directory at a URL (gs://...) that an import reads, copied into
+    `scratch`: config.json, the tokenizer's files and the weights (model*.safetensors, else
+    pytorch_model.bin); the rest (other weight formats, READMEs) stays where it is."""
+    import fnmatch
+
+    import storage
+
+    fs, path = storage.filesystem(url, error=ConvertError)
+
+    def one_line(e: Exception) -> str:
+        return storage.os_problem(e) or (str(e).splitlines() or [type(e).__name__])[0][:200]
+
+    try:
+        files = {info["name"].rstrip("/").rsplit("/", 1)[-1]: info["name"] for info in fs.ls(path, detail=True)
+                 if info["type"] == "file"} if fs.isdir(path) else {}
+    except Exception as e:  # no access, no network
+        raise ConvertError(f"cannot list {url}: {one_line(e)}") from None
+    weights = sorted(n for n in files if fnmatch.fnmatch(n, "model*.safetensors")) or \
+        [n for n in files if n == "pytorch_model.bin"]
+    for name in [n for n in HF_READ if n in files] + weights:
+        try:
+            fs.get_file(files[name], str(scratch / name))
+        except Exception as e:  # a full local disk, a lost connection
+            raise ConvertError(f"cannot copy {url}/{name} to {scratch}: {one_line(e)}") from None
+    return scratch
+
+
 def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     """A transformers directory (GPT-2, BLOOM, GPT-J, GPT-NeoX, OPT, LLaMA, or our own hf export) -> a run directory
-    with config.yaml, tokenizer.json (when the directory has a tokenizer) and a step-0 checkpoint of params."""
+    with config.yaml, tokenizer.json (when the directory has a tokenizer) and a step-0 checkpoint of params.
+    A directory at a URL (gs://...) is copied into a temporary local directory first, and named by its
+    URL in what is said of it."""
     import config as config_lib
     import rundir
     import storage
     from model import GPTConfig
 
-    hf_dir = pathlib.Path(hf_dir)
+    if storage.is_url(hf_dir):
+        url = str(hf_dir).rstrip("/")
+        _check_out(out, None, overwrite, "import")  # before the copy
+        with tempfile.TemporaryDirectory(prefix="import-hf-") as scratch:
+            local = fetch_hf_dir(url, pathlib.Path(scratch))
+            try:
+                return import_hf(local, out, overwrite)
+            except ConvertError as e:
+                raise ConvertError(str(e).replace(str(local), url)) from None
+    hf_dir = pathlib.Path(storage.local_path(hf_dir))
     out = _check_out(out, hf_dir, overwrite, "import")
     if not (hf_dir / CONFIG_NAME).is_file():
         raise ConvertError(f"{hf_dir} is not a transformers checkpoint directory: no {CONFIG_NAME}")

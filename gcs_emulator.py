@@ -21,6 +21,16 @@ Added to the emulator as shipped, as the real service behaves:
   dropped one is retried only about a second later.
 - nothing is kept of deleted objects (the emulator keeps them "soft-deleted" by default) and no
   metadata file is rewritten on every change: a memory store needs neither, and both grow with a session.
+
+And one thing for the tests, which the real service does when a bucket's permissions change under a job
+or it is overloaded: writes refused. `POST /_emulator/refusals` with a JSON list of rules
+`{"bucket": B, "prefix": P, "status": 403}` makes every write or delete of an object in B whose name
+starts with P get that status (403: access denied, not retried by clients; 503: unavailable, retried
+with backoff) with the service's JSON error body, until the next POST replaces the rules (`[]`: none).
+`GET /_emulator/refusals` gives the rules, each with `refused`, the number of requests it has refused.
+A rule sees requests by the name they write: simple, multipart and resumable uploads (the request that
+starts one), copies and rewrites (their destination), deletes and metadata updates; not the parts of a
+batch request.
 """
 from __future__ import annotations
 
@@ -66,6 +76,43 @@ def _refused(request, storage) -> http.HTTPStatus | None:
 NETWORK = {"latency_s": 0.0, "bytes_per_s": None}  # what --latency-ms and --bandwidth-mbs set
 
 
+_RULES: list[dict] = []  # the writes refused (POST /_emulator/refusals)
+
+
+def _written(request) -> tuple[str, str] | None:
+    """(bucket, object name) of the object a request writes or deletes; None for a read (or a name it
+    does not say)."""
+    if request.method == "GET":
+        return None
+    params = request.params or {}
+    if params.get("dest_object_id"):  # copyTo, rewriteTo
+        return params["dest_bucket_name"], params["dest_object_id"]
+    name = params.get("object_id") or (request.query.get("name") or [None])[0]
+    if name is None and request.query.get("uploadType") and "upload_id" not in request.query:
+        data = request.data  # the metadata of a multipart or resumable upload
+        if isinstance(data, dict):
+            name = (data.get("meta") if isinstance(data.get("meta"), dict) else data).get("name")
+    return (params["bucket_name"], name) if name and params.get("bucket_name") else None
+
+
+def _refusal(request) -> dict | None:
+    """The rule that refuses this request, counted; None when none does."""
+    written = _written(request) if _RULES else None
+    for rule in _RULES if written else ():
+        if written[0] == rule["bucket"] and written[1].startswith(rule["prefix"]):
+            rule["refused"] += 1
+            return rule
+    return None
+
+
+def _rules(request, response, storage, *args, **kwargs):
+    """GET: the rules and their counts; POST: replace them."""
+    if request.method == "POST":
+        _RULES[:] = [{"bucket": r["bucket"], "prefix": r.get("prefix", ""), "status": int(r.get("status", 403)),
+                      "refused": 0} for r in request.data or []]
+    response.json(_RULES)
+
+
 def _guarded(handler):
     def handle(request, response, storage, *args, **kwargs):
         if request.method == "GET" and NETWORK["latency_s"]:
@@ -81,10 +128,20 @@ def _guarded(handler):
 
 
 def _answer(handler, request, response, storage, *args, **kwargs):
-    """The emulator's answer, with the generation checks and headers it lacks."""
+    """The emulator's answer, with the generation checks and headers it lacks, and the refusals asked for."""
     refused = _refused(request, storage)
     if refused is not None:
         response.status = refused
+        return None
+    rule = _refusal(request)
+    if rule is not None:
+        request.data  # noqa: B018  (the body is read, so that the connection stays in step)
+        response.status = http.HTTPStatus(rule["status"])
+        permission = f"storage.objects.{'delete' if request.method == 'DELETE' else 'create'}"
+        message = (f"test@example.com does not have {permission} access to the Google Cloud Storage object. "
+                   f"Permission '{permission}' denied on resource (or it may not exist).")
+        response.json({"error": {"code": rule["status"],
+                                 "message": message if rule["status"] == 403 else response.status.phrase}})
         return None
     result = handler(request, response, storage, *args, **kwargs)
     media = request.method == "GET" and (handler is emulator.objects.download or
@@ -98,8 +155,9 @@ def _answer(handler, request, response, storage, *args, **kwargs):
 
 
 # the routing table holds the handlers themselves: each is wrapped in place
-emulator.HANDLERS = tuple((pattern, {method: _guarded(handler) for method, handler in handlers.items()})
-                          for pattern, handlers in emulator.HANDLERS)
+emulator.HANDLERS = ((r"^/_emulator/refusals$", {"GET": _rules, "POST": _rules}),
+                     *((pattern, {method: _guarded(handler) for method, handler in handlers.items()})
+                       for pattern, handlers in emulator.HANDLERS))
 
 
 class _Server(http.server.HTTPServer):

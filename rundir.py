@@ -12,7 +12,8 @@
                                 fingerprint of every array in its metadata, checked on every restore
     RUN/checkpoints/.deleting/  old checkpoints being deleted: renamed here first, so that a kill during
                                 a deletion never leaves half a checkpoint under its step's name
-    RUN/checkpoints-damaged/    checkpoints a resume could not restore, moved aside (never deleted)
+    RUN/checkpoints-damaged/    checkpoints a resume could not restore, moved aside (never deleted): <step>/,
+                                or <step>.1/, ... for a step damaged again
 
 `Run` is a storage.RunDir (a local path, or a URL such as gs://bucket/runs/x, whose files go
 through fsspec and whose checkpoints orbax writes itself) that knows these files. train.py writes a
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import logging
+import math
 import os
 import pathlib
 import re
@@ -57,6 +60,7 @@ DELETING = ".deleting"  # inside RUN/checkpoints
 LOCK = ".lock"
 LEASE_RENEW = 10.0  # seconds between a lease's heartbeats (a run directory in an object store)
 LEASE_TTL = 60.0  # a lease whose heartbeat is older than this is free: its holder is gone
+LEASE_TTL_ENV = "GPT_LEASE_TTL"  # seconds, instead of LEASE_TTL; the lease is then renewed every sixth of it
 LEASE_SETTLE = 1.0  # seconds between writing a lease and reading it back
 FINGERPRINTS = "fingerprints"  # the key of a checkpoint's custom metadata that holds them
 TOKENS = "tokens"  # ... and the one of the tokens trained up to it (context and batch may change on resume)
@@ -64,6 +68,23 @@ TOKENS = "tokens"  # ... and the one of the tokens trained up to it (context and
 
 class RunError(UserError):
     """A user-caused problem with a run directory or its checkpoints; str(e) is one line."""
+
+
+def lease_times() -> tuple[float, float]:
+    """(seconds a lease lasts, seconds between its heartbeats): LEASE_TTL and LEASE_RENEW, or with
+    GPT_LEASE_TTL=SECONDS set that and a sixth of it. A shorter lease lets a resume after a kill go ahead
+    sooner; at least 6 s, as a bucket takes about one write of an object per second."""
+    text = os.environ.get(LEASE_TTL_ENV, "").strip()
+    if not text:
+        return LEASE_TTL, LEASE_RENEW
+    try:
+        ttl = float(text)
+    except ValueError:
+        ttl = math.nan
+    if not (math.isfinite(ttl) and ttl >= 6):
+        raise RunError(f"{LEASE_TTL_ENV}={text}: the seconds a run directory's lease in a bucket lasts, a number "
+                       f"of at least 6 (it is renewed every sixth of them); unset, {LEASE_TTL:.0f}")
+    return ttl, ttl / 6
 
 
 def eval_results_name(step: int) -> str:
@@ -114,7 +135,7 @@ class Run(storage.RunDir):
         so a killed run never blocks its resume. In an object store, which has no locks, it is a lease:
         RUN/.lock names its holder and a heartbeat renewed every LEASE_RENEW seconds, and is taken by
         writing it and reading it back; a holder whose heartbeat has stopped (a killed process) is
-        waited out for at most LEASE_TTL seconds, a live one is refused."""
+        waited out for at most LEASE_TTL seconds, a live one is refused (see lease_times)."""
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "purpose": purpose,
                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         release = self._lease(holder) if self.remote else self._flock(holder)
@@ -143,6 +164,7 @@ class Run(storage.RunDir):
         return lambda: os.close(fd)  # the flock goes with the descriptor; the file stays (no unlink race)
 
     def _lease(self, holder: dict):
+        ttl, every = lease_times()
         holder = {**holder, "token": os.urandom(8).hex()}
         waited = 0.0
         while True:
@@ -153,14 +175,14 @@ class Run(storage.RunDir):
             other = self._parse_lock(raw)
             if other and other.get("token") != holder["token"]:
                 age = time.time() - float(other.get("heartbeat", 0))
-                if age < LEASE_TTL:
-                    if age < 2 * LEASE_RENEW or waited >= LEASE_TTL:  # alive: it renews its heartbeat
+                if age < ttl:
+                    if age < 2 * every or waited >= ttl:  # alive: it renews its heartbeat
                         raise RunError(f"run directory {self} is in use by {self._holder(raw)}; one process writes "
                                        f"a run at a time (wait for it to end, or stop it first)")
                     print(f"{self.show(LOCK)}: held by {self._holder(raw)}, whose heartbeat stopped "
-                          f"{age:.0f}s ago; waiting up to {LEASE_TTL - age:.0f}s for it to expire", flush=True)
-                    time.sleep(min(LEASE_RENEW, LEASE_TTL - age + 0.1))
-                    waited += min(LEASE_RENEW, LEASE_TTL - age + 0.1)
+                          f"{age:.0f}s ago; waiting up to {ttl - age:.0f}s for it to expire", flush=True)
+                    time.sleep(min(every, ttl - age + 0.1))
+                    waited += min(every, ttl - age + 0.1)
                     continue
             self.write_text(LOCK, json.dumps({**holder, "heartbeat": time.time()}) + "\n")
             time.sleep(LEASE_SETTLE)  # a writer racing us has written by now: the store keeps the last write
@@ -169,7 +191,7 @@ class Run(storage.RunDir):
         stop = threading.Event()
 
         def renew():
-            while not stop.wait(LEASE_RENEW):
+            while not stop.wait(every):
                 try:
                     self.write_text(LOCK, json.dumps({**holder, "heartbeat": time.time()}) + "\n")
                 except storage.StorageError:
@@ -289,11 +311,13 @@ class Run(storage.RunDir):
     # Checkpoints
 
     def checkpoint_steps(self) -> list[int]:
-        """The steps of the saved checkpoints, oldest first ([] when there are none)."""
-        from etils import epath  # orbax's own path layer: local, or gs:// as orbax itself reaches it
+        """The steps of the complete checkpoints, oldest first ([] when there are none), as orbax counts
+        them: locally a step's directory appears only once complete; in a bucket a step's objects make
+        a checkpoint only once its save has written the commit marker (commit_success.txt), last."""
+        import orbax.checkpoint as ocp
 
-        ckpt = epath.Path(self.checkpoint_dir())
-        return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
+        forget_listings(self.checkpoint_dir())  # tensorstore writes the arrays past etils' listing cache
+        return sorted(ocp.path.step.checkpoint_steps(self.checkpoint_dir()))
 
     def checkpoint_manager(self, keep: int | None = None, async_save: bool = False):
         """An orbax CheckpointManager of RUN/checkpoints: a step directory appears only once complete,
@@ -374,13 +398,57 @@ class Run(storage.RunDir):
             ckpt = pathlib.Path(self.checkpoint_dir())
             for leftover in [ckpt / DELETING, *(ckpt.glob("*.orbax-checkpoint-tmp*") if unfinished else [])]:
                 shutil.rmtree(leftover, ignore_errors=True)
+        elif unfinished:  # in a bucket a save writes under its step's own name: those without a commit marker
+            complete = set(self.checkpoint_steps())
+            for name in self.names_in(CHECKPOINTS):
+                if name.isdigit() and int(name) not in complete:
+                    with contextlib.suppress(Exception):  # no access: the next save of that step replaces them
+                        self.fs.rm(f"{self.root}/{CHECKPOINTS}/{name}", recursive=True)
+            forget_listings(self.checkpoint_dir())
+
+    def damaged_dir(self) -> str:
+        """RUN/checkpoints-damaged, as a local path or URL (where restore moves what it cannot read)."""
+        if self.remote:
+            return f"{self.location}/{DAMAGED}"
+        return str(pathlib.Path(self.checkpoint_dir()).parent / DAMAGED)
+
+    def move_aside(self, step: int) -> str:
+        """Move checkpoint `step` whole into RUN/checkpoints-damaged/ as <step> (<step>.1, .2, ... when an
+        earlier one of that step lies there already); returns the name it got. Locally one rename; a
+        bucket, which has no folders and no rename, gets a copy of every object under the step's prefix
+        (made by the store itself), then the originals are deleted: a stop in between leaves both, never
+        neither."""
+        aside = self.damaged_dir()
+        taken = set(self.names_in(DAMAGED))
+        name = next(n for n in itertools.chain([str(step)], (f"{step}.{i}" for i in itertools.count(1)))
+                    if n not in taken)
+        if not self.remote:
+            def move():
+                pathlib.Path(aside).mkdir(exist_ok=True)
+                (pathlib.Path(self.checkpoint_dir()) / str(step)).rename(pathlib.Path(aside) / name)
+
+            self._do(DAMAGED, move)
+            return name
+        src = f"{self.root}/{CHECKPOINTS}/{step}"
+        objects = self._do(f"{CHECKPOINTS}/{step}", lambda: self.fs.find(src))
+        for path in objects:
+            self._do(f"{DAMAGED}/{name}", self.fs.copy, path, f"{self.root}/{DAMAGED}/{name}{path[len(src):]}")
+        self._do(f"{CHECKPOINTS}/{step}", self.fs.rm, objects)
+        self.fs.invalidate_cache(self.root)
+        return name
+
+    def names_in(self, sub: str) -> list[str]:
+        """The names in RUN/sub ([] when there is none)."""
+        path = self._path(sub)
+        self.fs.invalidate_cache(path)  # what others wrote meanwhile (orbax, tensorstore) is listed too
+        return self._do(sub, lambda: [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
+                        if self.fs.isdir(path) else [])
 
     def restore(self, mngr, abstract_state, say):
         """(state, step) from the newest checkpoint that restores. Damaged newer ones are moved aside to
         checkpoints-damaged/ (never deleted), saying which and why; a checkpoint whose tree differs from
         this run's (another model or optimizer) is a RunError naming the differing keys."""
         import orbax.checkpoint as ocp
-        from etils import epath
 
         ckpt_dir = self.checkpoint_dir()
         default_hook, sys.unraisablehook = sys.unraisablehook, drop_closed_loop_errors
@@ -411,13 +479,19 @@ class Run(storage.RunDir):
                 continue
             sys.unraisablehook = default_hook
             if damaged:
-                aside = epath.Path(ckpt_dir).parent / DAMAGED
-                aside.mkdir(parents=True, exist_ok=True)
-                for bad, _ in damaged:  # a new save at that step must not meet the damaged directory
-                    (epath.Path(ckpt_dir) / str(bad)).rename(aside / str(bad))
+                import jax
+
+                if jax.process_index() == 0:  # a new save at that step must not meet the damaged directory
+                    for bad, _ in damaged:
+                        self.move_aside(bad)
+                if jax.process_count() > 1:
+                    from jax.experimental import multihost_utils
+
+                    multihost_utils.sync_global_devices("damaged checkpoints moved aside")
+                forget_listings(ckpt_dir)
                 mngr.reload()
                 say(f"checkpoint {', '.join(str(d) for d, _ in damaged)} cannot be restored "
-                    f"({'; '.join(f'{d}: {why}' for d, why in damaged)}); moved to {aside}; "
+                    f"({'; '.join(f'{d}: {why}' for d, why in damaged)}); moved to {self.damaged_dir()}; "
                     f"resuming from checkpoint {step}, the newest intact one")
             return state, step
         # (the hook stays: the caller exits)
@@ -544,6 +618,19 @@ def load_init_params(location, shardings):
     return jax.device_put(params, shardings)
 
 
+def forget_listings(url) -> None:
+    """orbax lists a bucket through etils.epath's own fsspec filesystem, whose cached listings do not see
+    what another client changed (a checkpoint moved aside): drop them."""
+    if not storage.is_url(url):
+        return
+    from etils import epath
+
+    try:
+        epath.backend.fsspec_backend.fs(str(url)).invalidate_cache()
+    except Exception:  # another epath backend, without a cache of ours to drop
+        pass
+
+
 # ----------------------------------------------------------------------------------------------
 # What is wrong with a checkpoint, in the user's terms
 
@@ -665,12 +752,29 @@ class SaveErrors(logging.Filter):
         return False
 
     def reason(self) -> str:
-        """The first failure, in a few words: the system's reason when it gave one."""
-        for message in self.messages:
-            why = storage.os_problem(RuntimeError(message))
-            if why:
-                return why
+        """The first failure, in a few words: an object store's answer or the system's reason when
+        there is one."""
+        for problem in (store_problem, lambda message: storage.os_problem(RuntimeError(message))):
+            for message in self.messages:
+                why = problem(message)
+                if why:
+                    return why
         return (self.messages[0].split("\n")[0][:200] if self.messages else "no reason given")
+
+
+def store_problem(message: str) -> str | None:
+    """A write that an object store refused, from tensorstore's or gcsfs's error: the HTTP status and the
+    first sentence of the store's reason ("HTTP 403: ... does not have storage.objects.create access to
+    the Google Cloud Storage object"); None for any other error."""
+    code = re.search(r"http_response_code='(\d+)'", message)  # tensorstore (the arrays)
+    said = re.search(r"Error writing (?:\"[^\"]*\" in OCDBT database at )?\S+: ([^\[]+)", message)
+    if code and said:
+        return f"HTTP {code.group(1)}: {said.group(1).split('. ')[0].strip()}"
+    said = re.search(r"\b(Forbidden|Bad Request): https?://\S+\n(.+)", message)  # gcsfs (orbax's metadata files)
+    if said:
+        code = {"Forbidden": 403, "Bad Request": 400}[said.group(1)]
+        return f"HTTP {code}: {said.group(2).split('. ')[0].strip()}"
+    return None
 
 
 SAVE_ERRORS = SaveErrors()  # one for the process: orbax logs through the one absl logger

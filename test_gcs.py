@@ -1,14 +1,19 @@
 """gs:// paths against a Google Cloud Storage server on 127.0.0.1 (conftest.py's `gcs_server`,
 gcs_emulator.py): preparing data into and from a bucket, training with the data and the run directory
-in one, exporting and importing there, and a bucket that does not exist.
+in one, exporting and importing there, and a bucket that does not exist; then what a run on a pod meets
+in its bucket: a damaged checkpoint, a save the store refuses, SIGTERM and SIGKILL, and the tools that
+read the run, write beside it and start from it.
 """
 import gzip
 import hashlib
 import json
+import os
 import pathlib
 import random
+import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import fsspec
@@ -311,3 +316,244 @@ def test_an_import_into_a_bucket_is_a_run_directory_there(journey, tmp_path, cap
     jax.tree.map(np.testing.assert_array_equal, a, b)
     assert convert_torch.cli(["--import-hf", str(hf), "--out", url]) == 2
     assert capsys.readouterr().err.strip() == f"error: {url} already exists; choose another --out or pass --overwrite"
+
+
+# ----------------------------------------------------------------------------------------------
+# What a pod run meets in a bucket: a damaged checkpoint, a save refused, a kill, the tools after it
+
+
+def copy_run(journey, name: str) -> str:
+    """A copy of the journey's finished run (checkpoints 4 and 8) at BUCKET/name, copied inside the bucket."""
+    bucket = journey[0]
+    fs, src, dst = store(), f"{bucket}/run".removeprefix("gs://"), f"{bucket}/{name}".removeprefix("gs://")
+    for path in fs.find(src):
+        fs.copy(path, dst + path[len(src):])
+    return f"{bucket}/{name}"
+
+
+def test_a_damaged_checkpoint_in_a_bucket_is_moved_aside_and_the_run_resumes(journey, capsys):
+    """As on a local disk (test_train's damaged-checkpoint test): every array object of checkpoint 8
+    truncated, --resume says so in one message, moves it whole to RUN/checkpoints-damaged/8 in the bucket,
+    resumes from 4 and ends as the straight run did; and it has left nothing that trips a later resume."""
+    bucket, straight, params, _ = journey
+    run = copy_run(journey, "damaged")
+    fs, root = store(), run.removeprefix("gs://")
+    damaged = {}
+    for path in fs.find(f"{root}/checkpoints/8"):
+        if "METADATA" not in path.rsplit("/", 1)[-1] and fs.size(path) > 0:
+            fs.pipe_file(path, b"\0" * 7)
+        damaged[path[len(root) + len("/checkpoints/8/"):]] = fs.cat_file(path)
+    capsys.readouterr()
+    assert train.main(["--resume", f"run_dir={run}"]) == 0
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "cannot be restored" in line]
+    assert len(said) == 1, out
+    assert said[0].startswith("checkpoint 8 cannot be restored (8: array ") and " cannot be read (" in said[0]
+    assert said[0].endswith(f"; moved to {run}/checkpoints-damaged; resuming from checkpoint 4, the newest intact one")
+    assert "TensorStore" not in out and "<bound method" not in out
+    assert remote_files(f"{run}/checkpoints-damaged") == {f"8/{name}": raw for name, raw in damaged.items()}
+    assert [deterministic(r) for r in metrics(run)] == [deterministic(r) for r in straight]
+    resumed, step = rundir.Run(run).load_params()
+    assert step == 8
+    jax.tree.map(np.testing.assert_array_equal, resumed, params)
+    assert {name.split("/")[1] for name in remote_files(run) if name.startswith("checkpoints/")} == {"4", "8"}
+
+
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_a_step_damaged_twice_keeps_both(where, gcs_bucket, tmp_path):
+    """A checkpoint moved aside when one of its step already lies in checkpoints-damaged/ (damaged again
+    after a resume saved it anew) goes beside it as <step>.1: both kept, byte for byte, locally and in a
+    bucket alike."""
+    files = {"checkpoints/8/a": b"second", "checkpoints/8/d/b": b"second b", "checkpoints/4/a": b"intact",
+             "checkpoints-damaged/8/a": b"first"}
+    if where == "local":
+        location = tmp_path / "run"
+        for name, raw in files.items():
+            (location / name).parent.mkdir(parents=True, exist_ok=True)
+            (location / name).write_bytes(raw)
+        listing = lambda: local_files(location)  # noqa: E731
+    else:
+        location = f"{gcs_bucket}/run"
+        for name, raw in files.items():
+            store().pipe_file(f"{location}/{name}", raw)
+        listing = lambda: remote_files(location)  # noqa: E731
+    assert rundir.Run(location).move_aside(8) == "8.1"
+    assert listing() == {"checkpoints/4/a": b"intact", "checkpoints-damaged/8/a": b"first",
+                         "checkpoints-damaged/8.1/a": b"second", "checkpoints-damaged/8.1/d/b": b"second b"}
+
+
+def orbax_restore(run: str, step: int):
+    """The raw checkpointed state at `step` of a run in the bucket, read by orbax directly."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(f"{run}/checkpoints") as mngr:
+        return mngr.restore(step, args=ocp.args.StandardRestore())
+
+
+def test_a_save_the_bucket_refuses_stops_the_run_with_one_line(journey, gcs_refusals, capsys):
+    """The bucket refuses the writes of checkpoint 8 (access withdrawn; async save, as by default): the run
+    stops with one line giving the reason and the newest complete checkpoint, 4, which stays as saved;
+    with access back, --resume ends as the straight run did."""
+    bucket, straight, params, _ = journey
+    run = copy_run(journey, "refused")
+    fs, root = store(), run.removeprefix("gs://")
+    fs.rm(f"{root}/checkpoints/8", recursive=True)
+    fs.rm_file(f"{root}/summary.json")
+    gcs_refusals(f"{run}/checkpoints/8/default")  # the arrays: the save writes other files first
+    capsys.readouterr()
+    assert train.cli(["--resume", f"run_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert gcs_refusals.refused() >= 1
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not line.startswith("train:")]
+    assert lines == [f"error: saving checkpoint 8 in {run}/checkpoints failed (HTTP 403: test@example.com does not "
+                     f"have storage.objects.create access to the Google Cloud Storage object); the newest "
+                     f"complete checkpoint is 4: fix the cause, then continue with --resume"], err
+    assert {name.split("/")[1] for name in remote_files(run) if name.startswith("checkpoints/")} == {"4"}
+    jax.tree.map(np.testing.assert_array_equal, orbax_restore(run, 4), orbax_restore(f"{bucket}/run", 4))
+    gcs_refusals.lift()
+    assert train.main(["--resume", f"run_dir={run}"]) == 0
+    assert [deterministic(r) for r in metrics(run)] == [deterministic(r) for r in straight]
+    resumed, step = rundir.Run(run).load_params()
+    assert step == 8
+    jax.tree.map(np.testing.assert_array_equal, resumed, params)
+
+
+def checkpoints(run: str) -> list[int]:
+    """The complete checkpoints of a run in the bucket: in a bucket orbax marks a step's directory
+    complete with commit_success.txt, written last."""
+    names = store().find(f"{run.removeprefix('gs://')}/checkpoints", maxdepth=2)
+    return sorted(int(n.split("/")[-2]) for n in names if n.endswith("/commit_success.txt"))
+
+
+def test_a_run_in_a_bucket_stopped_by_sigterm_then_killed_resumes_exactly(journey, gcs_refusals, capsys,
+                                                                          monkeypatch):
+    """`python train.py` with data and run directory in the bucket: SIGTERM during its first step (it
+    saves that step and exits 143); `--resume`, killed with SIGKILL while it saves checkpoint 8 (its
+    commit marker held back by a busy store), which leaves the lease it held and checkpoint 8 written
+    but not committed; `--resume` waits out the lease (GPT_LEASE_TTL=8 s), resumes from checkpoint 4
+    and ends with the straight run's metrics and parameters."""
+    bucket, straight, params, cwd = journey
+    run = f"{bucket}/killed"
+    ttl = 8  # seconds: the lease is renewed every 8/6 s, and a holder two renewals late is taken for dead
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", rundir.LEASE_TTL_ENV: str(ttl)}
+    command = [sys.executable, str(REPO / "train.py")]
+
+    first = subprocess.Popen([*command, *tiny(run, f"{bucket}/data")], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    for line in first.stdout:  # printed as the loop starts: the first step (and its compilation) is under way
+        if line.startswith("model test:"):
+            break
+    first.send_signal(signal.SIGTERM)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM after step 1" in out and "Traceback" not in err
+    assert checkpoints(run) == [1]
+
+    gcs_refusals(f"{run}/checkpoints/8/commit_success.txt", status=503)
+    second = subprocess.Popen([*command, "--resume", f"run_dir={run}"], cwd=cwd, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while gcs_refusals.refused() == 0 and second.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert second.poll() is None, second.communicate()[1]  # still saving checkpoint 8
+        assert gcs_refusals.refused() > 0
+        second.kill()
+        second.wait(timeout=60)
+    finally:
+        second.kill()
+        second.communicate()
+    assert second.returncode == -signal.SIGKILL
+    gcs_refusals.lift()
+    left = remote_files(run)
+    lease = json.loads(left[rundir.LOCK])
+    assert lease["pid"] == second.pid and lease["purpose"] == "train.py --resume"
+    assert "checkpoints/8/commit_success.txt" not in left and any(n.startswith("checkpoints/8/") for n in left)
+    assert checkpoints(run) == [1, 4]
+
+    monkeypatch.setenv(rundir.LEASE_TTL_ENV, str(ttl))
+    while time.time() - lease["heartbeat"] < 2 * ttl / 6 + 0.2:  # no longer renewed as a live holder's is
+        time.sleep(0.1)
+    capsys.readouterr()
+    assert train.main(["--resume", f"run_dir={run}"]) == 0
+    out = capsys.readouterr().out
+    assert f"held by train.py --resume (pid {second.pid} on " in out and "waiting up to" in out
+    assert "cannot be restored" not in out and "resuming from step 4" in out
+    assert [deterministic(r) for r in metrics(run)] == [deterministic(r) for r in straight]
+    assert checkpoints(run) == [1, 4, 8]
+    resumed, step = rundir.Run(run).load_params()
+    assert step == 8
+    jax.tree.map(np.testing.assert_array_equal, resumed, params)
+    assert rundir.LOCK not in remote_files(run)  # released
+
+
+def test_the_tools_read_and_write_a_run_in_the_bucket(journey, tmp_path, capsys, monkeypatch):
+    """On the journey's run in the bucket, each tool does what it does on a local copy of the run: sample.py
+    prints the same text; eval.py scores the same and writes its results into the bucket (nothing beside
+    the command); training.init_from=gs://... starts from its parameters (a step at learning rate 0 keeps
+    them exactly); convert_torch.py --import-hf reads a transformers export in the bucket as its local copy."""
+    bucket, _, params, _ = journey
+    run, local = f"{bucket}/run", tmp_path / "run"
+    for name, raw in remote_files(run).items():
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(raw)
+    monkeypatch.chdir(tmp_path)
+
+    def command(tool, *args) -> str:
+        capsys.readouterr()
+        assert tool.cli([str(a) for a in args]) == 0
+        return capsys.readouterr().out
+
+    sample_args = ["--prompt", "the cat", "--temperature", "0.8", "--seed", "3", "--num-samples", "2",
+                   "--max-new-tokens", "12"]
+    import sample
+    assert command(sample, "--checkpoint", run, *sample_args) == command(sample, "--checkpoint", local, *sample_args)
+
+    import eval as eval_lib
+    eval_args = ["--lengths", "1x,2x", "--max-tokens", "3000"]
+    said = command(eval_lib, "--checkpoint", run, *eval_args)
+    assert f"-> {run}/eval/step8.json: lengths 32, 64 written" in said
+    command(eval_lib, "--checkpoint", local, *eval_args)
+    written = remote_files(f"{run}/eval")
+    there, here = json.loads(written["step8.json"]), json.loads((local / "eval" / "step8.json").read_text())
+    assert there.pop("updated") and here.pop("updated")  # when each was written
+    assert there == here and [r["length"] for r in there["perplexity"]["rows"]] == [32, 64]
+    assert written["step8-perplexity.png"].startswith(b"\x89PNG")
+
+    tuned = f"{bucket}/tuned"
+    assert train.main(tiny(tuned, f"{bucket}/data", f"training.init_from={run}", "training.steps=1",
+                           "training.lr=0", "training.min_lr=0")) == 0
+    assert f"parameters from {run}" in capsys.readouterr().out
+    started, step = rundir.Run(tuned).load_params()
+    assert step == 1
+    jax.tree.map(np.testing.assert_array_equal, started, params)
+
+    hf, exported = f"{bucket}/export-hf-for-import", tmp_path / "hf"
+    assert convert_torch.main(["--checkpoint", run, "--out", hf, "--format", "hf"]) == 0
+    assert convert_torch.main(["--checkpoint", run, "--out", str(exported), "--format", "hf"]) == 0
+    said = command(convert_torch, "--import-hf", hf, "--out", tmp_path / "from-bucket")
+    assert f"imported {hf} into run directory {tmp_path / 'from-bucket'} (step 0)" in said
+    command(convert_torch, "--import-hf", exported, "--out", tmp_path / "from-disk")
+    a, b = rundir.Run(tmp_path / "from-bucket"), rundir.Run(tmp_path / "from-disk")
+    assert a.config().model == b.config().model
+    assert a.read_bytes("tokenizer.json") == b.read_bytes("tokenizer.json") == local_files(local)["tokenizer.json"]
+    jax.tree.map(np.testing.assert_array_equal, a.load_params()[0], b.load_params()[0])
+    capsys.readouterr()
+    assert convert_torch.cli(["--import-hf", f"{bucket}/no-such-model", "--out", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err == (f"error: {bucket}/no-such-model is not a transformers checkpoint "
+                                       f"directory: no config.json\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["from-bucket", "from-disk", "hf", "run"]
+
+
+@pytest.mark.parametrize("value", ["soon", "5", "nan"])
+def test_a_lease_time_that_is_not_one_is_one_line(value, journey, capsys, monkeypatch):
+    """GPT_LEASE_TTL must be a number of seconds, at least 6: anything else stops a run in a bucket with one
+    line naming it, before the run directory is touched."""
+    run = f"{journey[0]}/run"
+    before = remote_files(run)
+    monkeypatch.setenv(rundir.LEASE_TTL_ENV, value)
+    capsys.readouterr()
+    assert train.cli(["--resume", f"run_dir={run}", "training.steps=9"]) == 2
+    assert capsys.readouterr().err == (f"error: GPT_LEASE_TTL={value}: the seconds a run directory's lease in a bucket "
+                                       f"lasts, a number of at least 6 (it is renewed every sixth of them); unset, 60\n")
+    assert remote_files(run) == before
