@@ -130,17 +130,18 @@ class Stream:
     `check` tests a batch read from it against the vocabulary: a flipped byte in a shard gives an id
     that would index the embedding out of range, so it is caught here and named, not met as a NaN loss."""
 
-    def __init__(self, data_dir, split: str):
+    def __init__(self, data_dir, split: str, masks: bool = False):
+        """`masks`: the split's loss-mask shards (prompt/completion data, one uint8 a token) instead."""
         self.index = shards.load_index(data_dir)
         splits = self.index["splits"]
         if split not in splits:
             raise DataError(f"{data_dir}: no split {split!r} (has: {', '.join(splits)})")
         self.split, self.vocab_size = split, int(self.index["vocab_size"])
         self.source = shards.Source(data_dir)
-        self.dtype = np.dtype(self.index["dtype"]).newbyteorder("<")
+        self.dtype = np.dtype(np.uint8 if masks else self.index["dtype"]).newbyteorder("<")
         self.directory, self.itemsize = self.source.location, self.dtype.itemsize
         self.names, self.shards, self.starts = [], [], [0]  # shards: local memory maps, none for a URL
-        for shard in splits[split]["shards"]:
+        for shard in splits[split]["mask_shards" if masks else "shards"]:
             if int(shard["tokens"]):
                 self.names.append(shard["file"])
                 self.starts.append(self.starts[-1] + int(shard["tokens"]))
@@ -347,25 +348,25 @@ class Examples:
         self.index = index = self.stream.index
         if not shards.is_prompt_completion(index):
             raise DataError(f"{data_dir} is not prompt/completion data (prepare it with --format prompt_completion)")
-        # the loss masks, one byte a token, are read whole (from a URL too): every example's bounds come
-        # from them, and the packing plan needs every example's length
-        source, masks = self.stream.source, []
-        for shard in index["splits"][split]["mask_shards"]:
-            file, n = source.show(shard["file"]), int(shard["tokens"])
-            if n:
-                masks.append(np.frombuffer(source.read_bytes(shard["file"]), np.uint8) if source.remote
-                             else source.memmap(shard["file"], np.uint8, n))
-                if len(masks[-1]) != n:
-                    raise DataError(f"{file}: {len(masks[-1])} loss-mask bytes, index.json records {n}")
-                if int(masks[-1].max()) > shards.END:  # a corrupt byte: weights and example bounds would be wrong
-                    at = int(np.flatnonzero(masks[-1] > shards.END)[0])
-                    raise DataError(f"{file}: byte {at} is {int(masks[-1][at])}, not a loss-mask value "
-                                    f"({shards.PROMPT}, {shards.COMPLETION} or {shards.END}): the shard is corrupt")
-        self.mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
-        if len(self.mask) != self.stream.tokens:
-            raise DataError(f"{data_dir}: split {split!r} has {len(self.mask)} mask bytes for "
+        # the loss masks, one byte a token, are read like the tokens; at start every shard of them is
+        # read once, a shard at a time (from a URL too, kept nowhere), for the examples' bounds: the
+        # packing plan needs every example's length
+        self.masks, ends = Stream(data_dir, split, masks=True), []
+        if self.masks.tokens != self.stream.tokens:
+            raise DataError(f"{data_dir}: split {split!r} has {self.masks.tokens} mask bytes for "
                             f"{self.stream.tokens} tokens; re-run data.py")
-        ends = np.flatnonzero(self.mask == shards.END) + 1  # (n,) one past each example's last token
+        source = self.masks.source
+        for i, name in enumerate(self.masks.names):
+            n = self.masks.starts[i + 1] - self.masks.starts[i]
+            mask = np.frombuffer(source.read_bytes(name), np.uint8) if source.remote else self.masks.shards[i]
+            if len(mask) != n:
+                raise DataError(f"{source.show(name)}: {len(mask)} loss-mask bytes, index.json records {n}")
+            if int(mask.max()) > shards.END:  # a corrupt byte: weights and example bounds would be wrong
+                at = int(np.flatnonzero(mask > shards.END)[0])
+                raise DataError(f"{source.show(name)}: byte {at} is {int(mask[at])}, not a loss-mask value "
+                                f"({shards.PROMPT}, {shards.COMPLETION} or {shards.END}): the shard is corrupt")
+            ends.append(np.flatnonzero(mask == shards.END) + 1 + self.masks.starts[i])
+        ends = np.concatenate(ends) if ends else np.zeros(0, np.int64)  # one past each example's last token
         self.starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         self.lengths = (ends - self.starts).astype(np.int64)
         self.eot = int(index["eot_id"])
@@ -373,19 +374,19 @@ class Examples:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def fill(self, examples, read: Iterator[np.ndarray], tokens: np.ndarray, weights: np.ndarray,
-             segments: np.ndarray) -> None:
-        """Writes examples (ids), their tokens the next arrays of `read`, one after another into one row:
-        tokens (T+1,), weights (T,), segments (T,)."""
+    def fill(self, examples, read: Iterator[np.ndarray], masks: Iterator[np.ndarray], tokens: np.ndarray,
+             weights: np.ndarray, segments: np.ndarray) -> None:
+        """Writes examples (ids), their tokens and loss masks the next arrays of `read` and `masks`, one
+        after another into one row: tokens (T+1,), weights (T,), segments (T,)."""
         T = len(weights)
         mask = np.zeros(T + 1, np.uint8)
         seg = np.zeros(T + 1, np.int32)
         tokens[:] = self.eot
         pos = 0
         for k, e in enumerate(examples, 1):
-            start, n = int(self.starts[e]), int(self.lengths[e])
+            n = int(self.lengths[e])
             tokens[pos:pos + n] = next(read)
-            mask[pos:pos + n] = self.mask[start:start + n]
+            mask[pos:pos + n] = next(masks)
             seg[pos:pos + n] = k
             pos += n
         segments[:] = seg[:-1]
@@ -395,10 +396,10 @@ class Examples:
         """A batch of len(rows) rows, row i holding the examples rows[i] (ids), its token ids checked against
         the vocabulary (one max; a corrupt shard is a DataError naming it)."""
         batch = empty_batch(len(rows), seq_len)
-        read = iter(self.stream.read_spans([(int(self.starts[e]), int(self.lengths[e]))
-                                            for examples in rows for e in examples]))  # one request from a URL
+        spans = [(int(self.starts[e]), int(self.lengths[e])) for examples in rows for e in examples]
+        read, masks = iter(self.stream.read_spans(spans)), iter(self.masks.read_spans(spans))  # a request each
         for i, examples in enumerate(rows):
-            self.fill(examples, read, batch["tokens"][i], batch["weights"][i], batch["segments"][i])
+            self.fill(examples, read, masks, batch["tokens"][i], batch["weights"][i], batch["segments"][i])
         self.stream.check(batch["tokens"], lambda: ((int(self.starts[e]), int(self.lengths[e]))
                                                     for examples in rows for e in examples))
         return batch

@@ -319,9 +319,10 @@ def test_an_index_without_shard_hashes_is_checked_by_size(prepared, bucket):
                                   loader.TextLoader(prepared, "val", 16, 2).get_batch(3))
 
 
-def test_remote_prompt_completion_data_reads_its_loss_masks(bucket, tmp_path):
-    """A fine-tuning directory in the store: the mask shards are read whole (the examples' bounds), the
-    tokens by ranges, and the loader's batches equal those read from the local directory."""
+def test_remote_prompt_completion_data_reads_its_loss_masks(bucket, tmp_path, monkeypatch):
+    """A fine-tuning directory in the store: at start each train mask shard is read once (the examples'
+    bounds), then each batch is two requests of byte ranges, its examples' tokens and their loss
+    masks, the same spans; the batches equal those read from the local directory."""
     records = [{"in_text": " " + " ".join(random.Random(i).choices(WORDS, k=4)) + " =",
                 "out_text": " " + " ".join(random.Random(-i).choices(WORDS, k=3))} for i in range(60)]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -332,11 +333,19 @@ def test_remote_prompt_completion_data_reads_its_loss_masks(bucket, tmp_path):
     assert masks and all(s.get("sha256") for split in index["splits"].values() for s in split["mask_shards"])
     url = f"{bucket}/pairs"
     upload(local, url)
+    reads = record_reads(monkeypatch)
     a = loader.PromptCompletionLoader(url, "train", 24, 4, seed=1)
+    train_masks = [s["file"] for s in index["splits"]["train"]["mask_shards"]]
+    assert sorted(name for kind, name in reads) == sorted(["index.json", "tokenizer.json", *train_masks])
     b = loader.PromptCompletionLoader(local, "train", 24, 4, seed=1)
     for step in (0, 5):
+        reads.clear()
+        got = a.get_batch(step)
         for key, value in b.get_batch(step).items():
-            np.testing.assert_array_equal(a.get_batch(step)[key], value)
+            np.testing.assert_array_equal(got[key], value)
+        (k1, tokens), (k2, masks_read) = reads
+        assert (k1, k2) == ("ranges", "ranges") and [(a, b) for _, a, b in masks_read] == [
+            (a // 2, b // 2) for _, a, b in tokens]  # the same spans: 2 bytes a token, 1 a mask byte
 
 
 def test_a_remote_finetuned_run_samples_only_the_completion(bucket, tmp_path, monkeypatch, capsys):
