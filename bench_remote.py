@@ -142,7 +142,7 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
             try:
                 itemsize = 2
                 for rows in (16, 64):
-                    shards._checked_remote.clear()  # as a new process: index, tokenizer, listing again
+                    shards.forget_checked()  # as a new process: index, tokenizer, listing again
                     for key in counts:
                         counts[key] = 0
                     start = time.perf_counter()

@@ -150,7 +150,7 @@ def gcs_bucket(gcs_server, tmp_path, monkeypatch):
     """gs://BUCKET, a fresh bucket on the test GCS server, with no memory of earlier checks of data there."""
     import shards
 
-    monkeypatch.setattr(shards, "_checked_remote", {})
+    shards.forget_checked()
     with _new_bucket() as bucket:
         yield bucket
 
@@ -160,8 +160,8 @@ def gcs_module_bucket(gcs_server, tmp_path_factory):
     """gs://BUCKET for a whole test module (a journey several tests look at)."""
     import shards
 
-    with pytest.MonkeyPatch.context() as env, _new_bucket() as bucket:
-        env.setattr(shards, "_checked_remote", {})
+    shards.forget_checked()
+    with _new_bucket() as bucket:
         yield bucket
 
 

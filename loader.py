@@ -158,9 +158,9 @@ class Stream:
                             f"({self.tokens} tokens){hint}")
         return n
 
-    def read_spans(self, spans: list[tuple[int, int]]) -> list[np.ndarray]:
-        """stream[start : start + n] of each (start, n), in the shards' dtype, across shard boundaries; from
-        a URL all of them in one request."""
+    def read_spans(self, spans: list[tuple[int, int]], out: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """stream[start : start + n] of each (start, n), across shard boundaries, into `out` (arrays of
+        those lengths; by default new ones in the shards' dtype); from a URL all of them in one request."""
         pieces = []  # (span, shard, first, end, offset in the span's array)
         for k, (start, n) in enumerate(spans):
             i = bisect.bisect_right(self.starts, start) - 1
@@ -170,7 +170,7 @@ class Stream:
                 pieces.append((k, i, pos, pos + take, done))
                 done += take
                 i, pos = i + 1, 0
-        out = [np.empty(n, self.dtype) for _, n in spans]
+        out = [np.empty(n, self.dtype) for _, n in spans] if out is None else out
         if self.source.remote:
             raw = self.source.read_ranges([(self.names[i], a * self.itemsize, b * self.itemsize)
                                            for _, i, a, b, _ in pieces])
@@ -187,8 +187,9 @@ class Stream:
 
     def read_rows(self, starts, n: int) -> np.ndarray:
         """int32 (len(starts), n): row i = stream[starts[i] : starts[i] + n]."""
-        rows = self.read_spans([(int(start), n) for start in starts])
-        return np.stack(rows).astype(np.int32) if rows else np.empty((0, n), np.int32)
+        rows = np.empty((len(starts), n), np.int32)
+        self.read_spans([(int(start), n) for start in starts], list(rows))  # each row written in place
+        return rows
 
     def check(self, tokens: np.ndarray, spans: Callable[[], Iterable[tuple[int, int]]]) -> None:
         """Raises DataError if an id in `tokens` (int32, read from this stream) is outside the vocabulary.

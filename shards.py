@@ -336,6 +336,12 @@ class Source:
 _checked_remote: dict[str, dict] = {}  # URL -> its index, checked against a listing in this process
 
 
+def forget_checked() -> None:
+    """Check every data directory at a URL again at its next use, as a new process would: its index,
+    tokenizer and listing (the versions a resume compares) read anew."""
+    _checked_remote.clear()
+
+
 class IndexedFile(NamedTuple):
     """A file that index.json names, with what it records about it."""
     file: str  # its name inside the directory

@@ -54,10 +54,10 @@ def prepared(tmp_path_factory):
 
 
 @pytest.fixture
-def bucket(monkeypatch, tmp_path):
+def bucket():
     """A fresh memory:// location, and no memory of earlier checks of its data directories."""
     url = f"memory://bucket-{uuid.uuid4().hex[:8]}"
-    monkeypatch.setattr(shards, "_checked_remote", {})
+    shards.forget_checked()
     yield url
     fs, root = fsspec.core.url_to_fs(url)
     if fs.exists(root):
@@ -170,7 +170,7 @@ def test_a_damaged_remote_shard_is_one_clear_error(prepared, bucket, tmp_path, c
     raw = bytearray((prepared / name).read_bytes())
     raw[6:8] = (65535).to_bytes(2, "little")  # token 3 of the shard: id 65535, outside the vocabulary of 300
     fs.pipe_file(f"{root}/{name}", bytes(raw))
-    shards._checked_remote.clear()
+    shards.forget_checked()
     stream = loader.Stream(url, "train")
     first = stream.starts[1]  # the damaged shard's first token in the split's stream
     with pytest.raises(data.DataError) as e:
@@ -217,7 +217,7 @@ def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeyp
     data_fs, data_root = fsspec.core.url_to_fs(data_url)
     time.sleep(0.01)
     data_fs.pipe_file(f"{data_root}/{name}", data_fs.cat_file(f"{data_root}/{name}"))
-    monkeypatch.setattr(shards, "_checked_remote", {})  # as a new process would list it
+    shards.forget_checked()  # as a new process would list it
     before = rows()
     capsys.readouterr()
     assert train.cli(["--resume", f"run_dir={run_url}", "training.steps=10"]) == 2
@@ -314,7 +314,7 @@ def test_an_index_without_shard_hashes_is_checked_by_size(prepared, bucket):
     tokens = index["splits"]["val"]["shards"][0]["tokens"]
     assert str(err.value) == f"{url}/{name}: expected {size} bytes ({tokens} uint16 tokens), found {size - 2} bytes"
     fs.pipe_file(f"{root}/{name}", (prepared / name).read_bytes())
-    shards._checked_remote.clear()  # (a new process would list it again)
+    shards.forget_checked()  # (a new process would list it again)
     np.testing.assert_array_equal(loader.TextLoader(url, "val", 16, 2).get_batch(3),
                                   loader.TextLoader(prepared, "val", 16, 2).get_batch(3))
 

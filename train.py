@@ -167,13 +167,22 @@ def main(argv=None) -> int:
         handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         with contextlib.ExitStack() as held:  # the run directory's lock, released however run() ends
-            return run(argv, stop, held)
+            return run(args, stop, held)
     except Interrupted as e:
         print(f"stopped by {e} during start-up: nothing trained, nothing saved", flush=True)
         return 128 + e.signum
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
+
+
+def new_config(args) -> config_lib.Config:
+    """The config of a new run: --config with the overrides; fine-tuning (training.init_from) without
+    `model=NAME` takes init_from's model, the command line's model.FIELD=VALUE on top."""
+    cfg = config_lib.load_config(args.config, args.overrides)
+    if cfg.training.init_from and not config_lib.names_model(args.overrides):
+        cfg = config_lib.load_config(args.config, args.overrides, model=rundir.init_model(cfg.training.init_from))
+    return cfg
 
 
 def plan_run(args) -> int:
@@ -186,16 +195,13 @@ def plan_run(args) -> int:
     if not 0 < args.mfu <= 1:
         raise config_lib.ConfigError(f"--mfu must be in (0, 1], got {args.mfu}")
     jax.config.update("jax_platforms", "cpu")
-    cfg = config_lib.load_config(args.config, args.overrides)
-    if cfg.training.init_from and not config_lib.names_model(args.overrides):
-        cfg = config_lib.load_config(args.config, args.overrides, model=rundir.init_model(cfg.training.init_from))
-    print(plan.report(cfg, plan.target(args.device, args.devices), mfu=args.mfu))
+    print(plan.report(new_config(args), plan.target(args.device, args.devices), mfu=args.mfu))
     return 0
 
 
-def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
-    """main() without the signal handlers: `stop["signal"]` is set when one arrives; the run directory's
-    lock goes into `held`."""
+def run(args, stop: dict, held: contextlib.ExitStack) -> int:
+    """main() without the signal handlers, for the parsed command line `args`: `stop["signal"]` is set
+    when one arrives; the run directory's lock goes into `held`."""
     t_start = time.perf_counter()
     sharding_lib.initialize_distributed()  # before any other JAX call; a no-op for a single process
     is_main = jax.process_index() == 0  # only process 0 writes files and logs
@@ -204,15 +210,11 @@ def run(argv, stop: dict, held: contextlib.ExitStack) -> int:
     # ------------------------------------------------------------------------------------------
     # Config and run directory: a resume reads the run's own config (command-line overrides still
     # apply, e.g. training.steps); a new run needs an empty directory
-    args = parse_args(argv)
     if args.resume:  # the overrides apply to the run's own config.yaml, read below, not to --config's
         location = config_lib.run_dir_of(args.config, args.overrides)
     else:
-        cfg = config_lib.load_config(args.config, args.overrides)
+        cfg = new_config(args)
         if cfg.training.init_from and not config_lib.names_model(args.overrides):
-            # fine-tuning: the model is init_from's own, the command line's model.FIELD=VALUE on top
-            cfg = config_lib.load_config(args.config, args.overrides,
-                                         model=rundir.init_model(cfg.training.init_from))
             say(f"model {cfg.model_name}: training.init_from's ({cfg.training.init_from})")
         location = cfg.run_dir
     try:
