@@ -45,15 +45,11 @@ import numpy as np
 
 import data  # imports no tokenizer yet: the library's thread pool starts at the first batch encoding
 import loader as loader_lib
-from errors import UserError
+from errors import BenchError
 
 ROOT = pathlib.Path(__file__).resolve().parent
 PREP_RATIO_TARGET = 0.8  # of the tokenizers library's own batch encoding
 LOADER_TARGET = 20e6  # tokens/s on one core
-
-
-class BenchError(UserError):
-    """A problem with the benchmark's arguments or inputs; str() is one line naming it."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,7 +358,7 @@ def _print_rows(rows: list[tuple[str, str]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description="Performance benchmarks, recorded in bench/.")
+    parser = errors.ArgumentParser(error=BenchError, description="Performance benchmarks, recorded in bench/.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     p = commands.add_parser("data", help="preparation throughput, loader throughput, prefetch waiting",

@@ -31,11 +31,7 @@ import time
 
 import numpy as np
 
-from errors import UserError
-
-
-class TrainBenchError(UserError):
-    """A bad argument (model name, attention on this backend, shape); str() is one line."""
+from errors import TrainBenchError
 
 
 # ---------------------------------------------------------------------------------------------

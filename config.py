@@ -24,17 +24,13 @@ import typing
 import yaml
 
 import sharding
-from errors import UserError
-from loader import BATCHING
+from errors import ConfigError
+from shards import BATCHING
 from model import GPTConfig
 
 CONF_DIR = pathlib.Path(__file__).resolve().parent / "conf"
 DEFAULT_CONFIG = CONF_DIR / "config.yaml"
 MODEL_SIZES = CONF_DIR / "model_config.yaml"
-
-
-class ConfigError(UserError):
-    """A user-caused configuration problem; str(e) is one line."""
 
 
 @dataclasses.dataclass

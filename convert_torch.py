@@ -893,7 +893,7 @@ def read_hf_tokenizer(hf_dir: pathlib.Path):
     """The tokenizer of a transformers directory, checked to load: the path of its tokenizer.json (copied as it
     is), else a byte-level BPE tokenizers.Tokenizer built from vocab.json and merges.txt, else None."""
     import shards
-    from corpus import DataError
+    from errors import DataError
 
     if (hf_dir / TOKENIZER_NAME).is_file():
         try:

@@ -37,7 +37,6 @@ import errors  # light: nothing but the standard library
 if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
 
-import argparse
 import collections
 import os
 import pathlib
@@ -51,7 +50,8 @@ import corpus
 import finetune_data
 import shards
 import storage
-from corpus import DataError, default_corpus_files
+from corpus import default_corpus_files
+from errors import DataError
 
 DEFAULT_DATA_DIR = pathlib.Path(__file__).resolve().parent / "data" / "pystdlib"
 
@@ -280,7 +280,7 @@ def _beam_flags(options: list[str], runner: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; a user error raises (cli() prints it)."""
-    parser = argparse.ArgumentParser(description="Tokenize a corpus into memory-mapped shards "
+    parser = errors.ArgumentParser(error=DataError, description="Tokenize a corpus into memory-mapped shards "
                                                  "(no --input: this Python's stdlib sources).")
     parser.add_argument("--input", action="append", default=[], metavar="PATTERN",
                         help="glob, directory, or hf:NAME[/CONFIG]:SPLIT; repeatable")

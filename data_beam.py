@@ -46,7 +46,7 @@ import numpy as np
 
 import corpus
 import shards
-from corpus import DataError
+from errors import DataError
 
 _root = logging.getLogger()
 _level = _root.level

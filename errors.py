@@ -1,11 +1,13 @@
-"""The user-error base class and the one runner every command line goes through.
+"""The user errors, the one-line argument parser, and the one runner every command line goes through.
 
 A mistake a user can make (a path, a config key, a data file, a shape, a checkpoint) raises a
-subclass of `UserError` whose str() is one line naming the problem: corpus.DataError (defined here,
-so that storage.py and corpus.py both raise it),
-config.ConfigError, storage.StorageError, sharding.ShardingError, rundir.RunError, and each tool's
-own. `run_cli(main)` turns one into `error: ...` on stderr and the error's exit status (2; 1 for a run
-that diverged), and a Ctrl-C that gets through into `error: interrupted` and 130: never a traceback.
+subclass of `UserError` whose str() is one line naming the problem. Every such class is here, one
+per concern (DataError for data, ConfigError for the config, RunError for a run directory, ...), so
+that any file raises any of them without importing another's module; each module also binds the
+ones it raises (`config.ConfigError` is `errors.ConfigError`). `ArgumentParser` makes argparse's
+mistakes such an error too. `run_cli(main)` turns one into `error: ...` on stderr and the error's
+exit status (2; 1 for a run that diverged), and a Ctrl-C that gets through into
+`error: interrupted` and 130: never a traceback.
 
     def cli(argv=None) -> int:
         return errors.run_cli(main, argv)
@@ -14,6 +16,7 @@ Imports nothing of the project.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -27,8 +30,66 @@ class UserError(Exception):
 
 
 class DataError(UserError):
-    """A problem with data the user can fix (a path, a file, a setting); str() is one line naming it.
-    Raised as corpus.DataError (the name it is known by) by corpus.py, storage.py and the data tools."""
+    """A problem with data the user can fix (a path, a file, a setting); str() is one line naming it."""
+
+
+class ConfigError(UserError):
+    """A user-caused configuration problem; str(e) is one line."""
+
+
+class StorageError(UserError):
+    """A run directory's storage cannot be reached (no filesystem package, no access); str(e) is one line."""
+
+
+class ShardingError(UserError):
+    """A mesh or sharding the configuration asks for cannot be built; str(e) is one line."""
+
+
+class RunError(UserError):
+    """A user-caused problem with a run directory or its checkpoints; str(e) is one line."""
+
+
+class Diverged(UserError):
+    """The loss or the parameters stopped being finite: exit status 1, as a failed run, not bad input."""
+
+    exit_status = 1
+
+
+class PlanError(UserError):
+    """A target device or mesh the plan cannot take; str(e) is one line."""
+
+
+class EvalError(UserError):
+    """A user-caused problem with an evaluation request; str(e) is one line."""
+
+
+class SampleError(UserError):
+    """A user-caused problem with a sampling request; str(e) is one line."""
+
+
+class ConvertError(UserError):
+    """A user-caused problem (paths, steps, unsupported layouts, key mismatches); str(e) is one line."""
+
+
+class BenchError(UserError):
+    """A problem with the benchmark's arguments or inputs; str() is one line naming it."""
+
+
+class TrainBenchError(UserError):
+    """A bad argument of bench.py train (model name, attention on this backend, shape); str() is one line."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a mistake in the arguments (an unknown flag, a missing value) raised as `error`
+    (a UserError class): one line, the message and then `hint` (default: where --help is), instead of
+    argparse's usage block. Sub-commands' parsers are of this class too."""
+
+    def __init__(self, *args, hint: str | None = None, error: type[UserError] = UserError, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hint, self.error_class = hint, error
+
+    def error(self, message):
+        raise self.error_class(f"{message} ({self.hint or f'see python {self.prog} --help'})")
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

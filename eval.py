@@ -35,7 +35,6 @@ import errors  # light: nothing but the standard library
 if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
 
-import argparse
 import datetime
 import difflib
 import json
@@ -59,8 +58,8 @@ import rundir
 import sample
 import shards
 import storage
-from corpus import DataError, hub_offline
-from errors import UserError
+from corpus import hub_offline
+from errors import DataError, EvalError
 from model import GPT
 
 DEFAULT_LENGTHS = "1x,2x,4x,8x"
@@ -70,10 +69,6 @@ REFERENCE_COLUMNS = (("lambada_openai", "perplexity", "LAMBADA ppl"), ("lambada_
                      ("piqa", "acc", "PIQA acc"), ("winogrande", "acc", "Winogrande acc"),
                      ("hellaswag", "acc_norm", "HellaSwag acc_norm"))
 MIN_BUCKET = 16  # the shortest padded request length; buckets double from here up to max_length
-
-
-class EvalError(UserError):
-    """A user-caused problem with an evaluation request; str(e) is one line."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -435,13 +430,8 @@ def task_table(results: dict) -> list[tuple[str, float]]:
 # Command line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block
-        raise EvalError(f"{message} (see python eval.py --help)")
-
-
 def parse_args(argv):
-    p = _Parser(description="Perplexity against context length, and zero-shot benchmarks, for a trained run.")
+    p = errors.ArgumentParser(error=EvalError, description="Perplexity against context length, and zero-shot benchmarks, for a trained run.")
     p.add_argument("--checkpoint", required=True, metavar="RUN_DIR",
                    help="run directory (config, checkpoints, tokenizer)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step; default the last")

@@ -31,7 +31,7 @@ import numpy as np
 
 import corpus
 import shards
-from corpus import DataError
+from errors import DataError
 from shards import COMPLETION, END, PROMPT
 
 CHUNK_EXAMPLES = 4096  # examples per encode_batch call

@@ -36,9 +36,9 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 import shards
-from corpus import DataError
+from shards import BATCHING
+from errors import DataError
 
-BATCHING = ("packing", "padding")  # how prompt/completion examples fill rows
 REMOTE_GROUP = 8  # text batches read from a URL in one request, twice that read ahead: the requests'
 # latency is hidden behind the steps, and paid once per 8 batches, not once per batch
 

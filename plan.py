@@ -66,13 +66,9 @@ import numpy as np
 import model as model_lib
 import sharding as sharding_lib
 import step as step_lib
-from errors import UserError
+from errors import PlanError
 
 GiB = 2**30
-
-
-class PlanError(UserError):
-    """A target device or mesh the plan cannot take; str(e) is one line."""
 
 
 # ----------------------------------------------------------------------------------------------

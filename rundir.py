@@ -46,7 +46,7 @@ import yaml
 import config as config_lib
 import shards
 import storage
-from errors import UserError
+from errors import RunError, UserError
 
 CONFIG = "config.yaml"
 DATA = "data.json"
@@ -64,10 +64,6 @@ LEASE_TTL_ENV = "GPT_LEASE_TTL"  # seconds, instead of LEASE_TTL; the lease is t
 LEASE_SETTLE = 1.0  # seconds between writing a lease and reading it back
 FINGERPRINTS = "fingerprints"  # the key of a checkpoint's custom metadata that holds them
 TOKENS = "tokens"  # ... and the one of the tokens trained up to it (context and batch may change on resume)
-
-
-class RunError(UserError):
-    """A user-caused problem with a run directory or its checkpoints; str(e) is one line."""
 
 
 def lease_times() -> tuple[float, float]:

@@ -31,7 +31,6 @@ import errors  # light: nothing but the standard library
 if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
 
-import argparse
 import sys
 import time
 from typing import Callable
@@ -43,12 +42,8 @@ from flax import nnx
 
 import rundir
 import shards
-from errors import UserError
+from errors import SampleError
 from model import GPT, GPTConfig, init_cache
-
-
-class SampleError(UserError):
-    """A user-caused problem with a sampling request; str(e) is one line."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,13 +139,8 @@ def truncate(tokens: np.ndarray, eot_id: int | None) -> list[int]:
 # Command line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block
-        raise SampleError(f"{message} (see python sample.py --help)")
-
-
 def parse_args(argv):
-    p = _Parser(description="Generate text from a trained run.")
+    p = errors.ArgumentParser(error=SampleError, description="Generate text from a trained run.")
     p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="run directory (config, checkpoints, tokenizer)")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=100,

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from errors import UserError
+from errors import ShardingError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch is split over both data-parallel axes
@@ -59,10 +59,6 @@ REPLICATED_RULES = tuple((name, None) for name in LOGICAL_AXES)
 # tensor-parallel dimensions over `tensor`, everything else replicated.
 ACTIVATION_RULES = {"batch": BATCH_AXES, "heads": "tensor", "mlp": "tensor", "vocab": "tensor",
                     "length": None, "embed": None, "kv": None}
-
-
-class ShardingError(UserError):
-    """A mesh or sharding the configuration asks for cannot be built; str(e) is one line."""
 
 
 # ----------------------------------------------------------------------------------------------

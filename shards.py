@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import numpy as np
 
 import storage
-from corpus import DataError
+from errors import DataError
 
 FORMAT_VERSION = 1
 EOT_TOKEN = "<|endoftext|>"
@@ -50,6 +50,7 @@ EOT_CANDIDATES = (EOT_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
 CHUNK_BYTES = 1 << 20  # text per encode_batch call: large enough to amortise, small enough to bound memory
 PROMPT_COMPLETION = "prompt_completion"  # index["kind"] of prompt/completion data; text data has no kind
 PROMPT, COMPLETION, END = 0, 1, 2  # loss-mask byte values of prompt/completion data
+BATCHING = ("packing", "padding")  # how the loader fills rows with prompt/completion examples (data.batching)
 
 
 # ---------------------------------------------------------------------------------------------

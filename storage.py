@@ -34,17 +34,12 @@ import tempfile
 import time
 from typing import Callable
 
-import fsspec
 
-from errors import UserError
+from errors import StorageError, UserError
 
 COPY_CHUNK = 1 << 24  # bytes per read while streaming a file (RunDir.chunks)
 FLUSH_SECONDS = 30.0  # a remote metrics.jsonl is uploaded at least this often while training logs
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-class StorageError(UserError):
-    """A run directory's storage cannot be reached (no filesystem package, no access); str(e) is one line."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -67,6 +62,8 @@ def filesystem(url: str, error=StorageError):
     """(fsspec filesystem, path inside it) of a URL; a missing package, a bad URL or a gs:// bucket that
     does not exist is one line."""
     try:
+        import fsspec  # here: a local run never needs it
+
         fs, path = fsspec.core.url_to_fs(url)
     except ImportError as e:  # fsspec names the package: "Please install gcsfs to access Google Storage"
         raise error(f"{url}: {e}") from None

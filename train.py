@@ -22,7 +22,6 @@ import errors  # light: nothing but the standard library
 if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
 
-import argparse
 import collections
 import contextlib
 import dataclasses
@@ -48,14 +47,8 @@ import shards
 import sharding as sharding_lib
 import step as step_lib
 import storage
-from errors import UserError
+from errors import Diverged
 from rundir import RunError
-
-
-class Diverged(UserError):
-    """The loss or the parameters stopped being finite: exit status 1, as a failed run, not bad input."""
-
-    exit_status = 1
 
 
 class Interrupted(Exception):
@@ -114,10 +107,11 @@ def report(summary: dict) -> str:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
+    parser = errors.ArgumentParser(
         description="Train a GPT. Without --resume, run_dir must not exist yet (or be empty); with --resume, "
         "the run continues from its last checkpoint with its own config.yaml, plus any key=value given.",
-        allow_abbrev=False,
+        allow_abbrev=False, error=config_lib.ConfigError,
+        hint="usage: python train.py [--config FILE] [key=value ...] [--resume] | --plan [--device NAME] [--devices N]",
     )
     parser.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue the run in run_dir from its last checkpoint")
@@ -132,12 +126,6 @@ def parse_args(argv):
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides of the config file's keys, e.g. training.lr=1e-3 model=124m; every "
                              "key, with its default and meaning, is in conf/config.yaml")
-
-    def error(message):  # one line, no usage block
-        raise config_lib.ConfigError(f"{message} (usage: python train.py [--config FILE] [key=value ...] [--resume] "
-                                     f"| --plan [--device NAME] [--devices N])")
-
-    parser.error = error
     return parser.parse_args(argv)
 
 
