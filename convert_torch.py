@@ -959,11 +959,12 @@ _OURS = {  # what --overwrite may replace, besides an empty directory
 
 
 def _check_out(out, source, overwrite: bool, kind: str = "export") -> pathlib.Path:
-    """Refuse, before anything is written, an --out that must not be written (storage.check_out: empty,
+    """Refuse, before anything is written, an --out that must not be written (outputs.check_out: empty,
     the current or home directory or one holding them, a file), one that is the source directory, holds it,
     or lies inside it (when it exists or --overwrite would replace it: that would delete what is being
     converted), an existing one without --overwrite, and with it one that is not this kind's output
     (`kind` "export": a config.json of ours; "import": a run directory)."""
+    import outputs
     import storage
 
     if not str(out).strip():
@@ -976,7 +977,7 @@ def _check_out(out, source, overwrite: bool, kind: str = "export") -> pathlib.Pa
             raise ConvertError(f"--out {out} {relation} the source directory {source}; choose an --out outside "
                                f"it (nothing was written or deleted)")
     ours, what = _OURS[kind]
-    out = storage.check_out(out, overwrite, ours=ours, what=what, hidden=True, error=ConvertError)
+    out = outputs.check_out(out, overwrite, ours=ours, what=what, hidden=True, error=ConvertError)
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConvertError(f"{out} already exists; choose another --out or pass --overwrite")
     return out
@@ -994,11 +995,12 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
     layout = "torch" if fmt == "torch" else hf_format(c) if fmt == "hf" else None
     if layout is None:
         raise ConvertError(f"--format must be torch or hf, got {fmt!r}")
+    import outputs
     import storage
 
     out = _check_out(out, source, overwrite)
     tensors = to_torch_tensors(params, c, layout)  # before touching `out`: a refusal leaves it alone
-    with storage.StagedDir(out, replace=overwrite, hidden=True, last=CONFIG_NAME) as staged:  # swapped in whole
+    with outputs.StagedDir(out, replace=overwrite, hidden=True, last=CONFIG_NAME) as staged:  # swapped in whole
         tmp = staged.path
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         storage.plain_mode(tmp / WEIGHTS_NAME)  # readable as the other files are, not owner-only
@@ -1058,6 +1060,7 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     A directory at a URL (gs://...) is copied into a temporary local directory first, and named by its
     URL in what is said of it."""
     import config as config_lib
+    import outputs
     import rundir
     import storage
     from model import GPTConfig
@@ -1104,7 +1107,7 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     run_cfg = dataclasses.replace(base, run_dir=str(out), model_name=f"imported-{layout}", model=gcfg,
                                   training=dataclasses.replace(base.training, seq_len=None))
     with contextlib.ExitStack() as held, \
-            storage.StagedDir(out, replace=overwrite, hidden=True, last=rundir.CONFIG) as staged:
+            outputs.StagedDir(out, replace=overwrite, hidden=True, last=rundir.CONFIG) as staged:
         if out.is_dir() and any(out.iterdir()):  # --overwrite of a run: not while a process writes it
             held.enter_context(rundir.Run(out).writer("convert_torch.py --import-hf --overwrite"))
         tmp = staged.path

@@ -16,9 +16,9 @@ token itself is encoded as that token, as the `tokenizers` library does. Without
 byte-level BPE is trained on the train documents.
 
 A directory is built in the sibling DIR.tmp-<pid> and swapped into place when complete
-(shards.Staged, storage.StagedDir), so an interrupted or failed run never leaves an index naming
+(shards.Staged, outputs.StagedDir), so an interrupted or failed run never leaves an index naming
 missing or partial shards, nor loses the directory it replaces. --out is checked before anything is
-written (storage.check_out): never the current or home directory or one holding them, and with
+written (outputs.check_out): never the current or home directory or one holding them, and with
 --overwrite only a data directory (one with index.json) or an empty one is replaced.
 
 `--runner beam` (data_beam.py, needs apache-beam) runs the tokenizing and shard writing as an Apache
@@ -27,7 +27,7 @@ default runner's, byte for byte (same tokenizer, encoding, shard writer, documen
 
 `--verify DIR` reads every file and checks its size and sha256 against index.json, listing each
 damaged one. Inputs, --out and --verify may be URLs (gs://bucket/dir): inputs are globbed and read
-through fsspec, --out is built locally and uploaded with index.json last (storage.StagedDir), --verify
+through fsspec, --out is built locally and uploaded with index.json last (outputs.StagedDir), --verify
 streams each file; the loader reads a URL by byte ranges, each process its own rows (shards.Source).
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ workers, one input file per task (a single huge file is one task).
 
 Workers read the inputs and write into DIR.tmp-<pid>, so --out and the inputs must be on a file
 system that the launcher and every worker see at the same paths (NFS, Filestore, a FUSE mount), and
-the workers must be able to import this file, corpus.py, shards.py, storage.py and errors.py (e.g. a
+the workers must be able to import this file, corpus.py, shards.py, outputs.py, storage.py and errors.py (e.g. a
 worker image holding the checkout). Files are written under temporary names and renamed when complete, so a retried task
 never leaves half a file; the launcher writes the index only after checking every shard's size.
 An input error (a corrupt file with --strict, a missing text field) is carried to the launcher as

@@ -19,7 +19,7 @@ files {split}_mask_NNNNN.bin, one byte per token (PROMPT, COMPLETION, or END for
 token that closes an example).
 
 Writing: `ShardWriter` cuts a split's tokens into shards, hashing each; `Staged` is the sibling
-DIR.tmp-<pid> a directory is built in, swapped into place only when complete (storage.StagedDir), so an
+DIR.tmp-<pid> a directory is built in, swapped into place only when complete (outputs.StagedDir), so an
 interrupted preparation never leaves an index naming missing or partial shards, nor loses the old DIR.
 Reading: `load_index` checks the index, the tokenizer's sha256 and every shard's size (truncated,
 extended, missing); `verify` reads every file against its sha256. `Source` reads a directory's files
@@ -41,6 +41,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 
+import outputs
 import storage
 from errors import DataError
 
@@ -217,10 +218,10 @@ def unigram_entropy(counts: np.ndarray) -> float:
 
 
 def check_out(out, overwrite: bool, inputs: list[str]) -> pathlib.Path:
-    """A data directory may be written at `out` (storage.check_out's rules): new, or with --overwrite an
+    """A data directory may be written at `out` (outputs.check_out's rules): new, or with --overwrite an
     existing data directory (one with index.json) or empty directory, holding no input (--overwrite must
     never delete one). Raises DataError, before anything is written."""
-    out = storage.check_out(out, overwrite, ours=lambda d: (d / "index.json").is_file(),
+    out = outputs.check_out(out, overwrite, ours=lambda d: (d / "index.json").is_file(),
                             what="a data directory (one with index.json)", error=DataError)
     if out.exists() and not overwrite:
         raise DataError(f"{out} exists; pass --overwrite to replace it")
@@ -230,9 +231,9 @@ def check_out(out, overwrite: bool, inputs: list[str]) -> pathlib.Path:
     return out
 
 
-class Staged(storage.StagedDir):
+class Staged(outputs.StagedDir):
     """The sibling directory DIR.tmp-<pid> a data directory is built in, swapped into place when complete
-    (storage.StagedDir: the old DIR is replaced in one step, and only with overwrite=True).
+    (outputs.StagedDir: the old DIR is replaced in one step, and only with overwrite=True).
 
         with shards.Staged(out, overwrite) as staged:   # a fresh, empty staged.path (dead runs' leftovers settled)
             ... write staged.path / files ...
@@ -240,7 +241,7 @@ class Staged(storage.StagedDir):
 
     Leaving the block without commit (an error, Ctrl-C) removes the staged directory and leaves DIR as it
     was; a failed write (a full disk) is one StorageError line naming DIR. A URL DIR (gs://bucket/dir) is
-    built on the local disk and uploaded with index.json last (storage.StagedDir says what a kill leaves)."""
+    built on the local disk and uploaded with index.json last (outputs.StagedDir says what a kill leaves)."""
 
     def __init__(self, out, overwrite: bool = False):
         super().__init__(out, replace=overwrite, last="index.json")

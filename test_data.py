@@ -646,8 +646,8 @@ def kill_at_random_moments(argv, cwd, staging, window: float, kills: int, reset,
 
 KILLED_AFTER_THE_OLD_MOVES_ASIDE = """
 import os, runpy, signal, sys
-import storage
-storage.exchange = lambda a, b: False  # as where renameat2 is unavailable: the old moves aside, then the new in
+import outputs
+outputs.exchange = lambda a, b: False  # as where renameat2 is unavailable: the old moves aside, then the new in
 out, real_rename = os.path.abspath(sys.argv[-1]), os.rename
 def rename(a, b):
     real_rename(a, b)

@@ -1,4 +1,5 @@
-"""Tests of eval.py: perplexity against context length and the lm-evaluation-harness adapter.
+"""Tests of eval.py (perplexity against context length, the command line) and harness.py (the
+lm-evaluation-harness adapter).
 
 Expectations come from second code paths: the model's full forward pass on each unpadded
 sequence with `jax.nn.log_softmax` (no buckets, no batching), the validation tokens read straight
@@ -22,6 +23,7 @@ from flax import nnx
 from lm_eval.api.instance import Instance
 
 import eval as E
+import harness
 import rundir
 import sample
 import shards
@@ -99,7 +101,7 @@ def expected_pair(model, ctx, cont, max_length):
 def test_loglikelihood_equals_direct_token_logprobs(loaded):
     model, tokenizer, eot = loaded
     # batch_tokens 64: buckets 16, 32, 64 hold 4, 2 and 1 rows, so requests spill over several batches
-    lm = E.JaxLM(model, tokenizer, eot_id=eot, max_length=64, batch_tokens=64, progress=False)
+    lm = harness.JaxLM(model, tokenizer, eot_id=eot, max_length=64, batch_tokens=64, progress=False)
     assert lm.buckets == [16, 32, 64]
     rng = np.random.default_rng(0)
     shapes = [(1, 1), (3, 5), (15, 1), (16, 1), (14, 4),  # (14, 4): the context fits bucket 16, the request needs 32
@@ -120,7 +122,7 @@ def test_loglikelihood_requests_split_text_where_the_whole_string_splits(loaded)
     """The harness's rule, written out: trailing whitespace of the context (any kind) joins the
     continuation, the tokens split where the context's own tokens end, an empty context is end-of-text."""
     model, tokenizer, eot = loaded
-    lm = E.JaxLM(model, tokenizer, eot_id=eot, max_length=32, batch_tokens=128, progress=False)
+    lm = harness.JaxLM(model, tokenizer, eot_id=eot, max_length=32, batch_tokens=128, progress=False)
     requests = [("alpha beta gamma", " delta"), ("alpha beta gamma ", "delta epsilon"), ("alpha beta.\n", "gamma"),
                 ("alpha\t", "beta"), ("alpha:\n  \t", "beta gamma"), ("", "alpha beta")]
     got = lm.loglikelihood([Instance("loglikelihood", {}, args, i) for i, args in enumerate(requests)])
@@ -147,12 +149,12 @@ def test_rolling_loglikelihood_equals_the_perplexity_computation(loaded):
         if L:
             break
         text += " " + rng.choice(WORDS)
-    lm = E.JaxLM(model, tokenizer, eot_id=eot, max_length=L, batch_tokens=4 * L, progress=False)
+    lm = harness.JaxLM(model, tokenizer, eot_id=eot, max_length=L, batch_tokens=4 * L, progress=False)
     got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])[0]
 
     stream = np.asarray([eot] + tokens, np.int32)
     windows = np.stack([stream[i * L: i * L + L + 1] for i in range(len(tokens) // L)])  # (n, L + 1)
-    nll, n = E.window_loss(E.make_scorer(model), [windows], rows=len(windows))
+    nll, n = E.window_loss(harness.make_scorer(model), [windows], rows=len(windows))
     assert n == len(tokens)
     assert got == pytest.approx(-nll, rel=1e-5)
     # and both equal the direct sum over the windows
@@ -176,7 +178,7 @@ def window_nll(model, stream, length: int, windows: int) -> float:
 def test_perplexity_table_scores_every_validation_token_once(run, loaded, corpus):  # noqa: F811
     model = loaded[0]
     stream = val_stream(corpus)
-    table = E.perplexity_table(E.make_scorer(model), corpus, [32, 48], 32, batch_tokens=200, progress=False)
+    table = E.perplexity_table(harness.make_scorer(model), corpus, [32, 48], 32, batch_tokens=200, progress=False)
     for row in table:
         L = row["length"]
         n_windows = (len(stream) - 1) // L
@@ -189,7 +191,7 @@ def test_perplexity_table_scores_every_validation_token_once(run, loaded, corpus
 
 def test_generate_until_matches_sample_generation(loaded):
     model, tokenizer, eot = loaded
-    lm = E.JaxLM(model, tokenizer, eot_id=eot, max_length=64, batch_tokens=256, progress=False)
+    lm = harness.JaxLM(model, tokenizer, eot_id=eot, max_length=64, batch_tokens=256, progress=False)
     contexts = ["alpha beta", "gamma delta epsilon zeta", "alpha beta"]
     kwargs = {"until": ["theta"], "max_gen_toks": 12, "do_sample": False}
     got = lm.generate_until([Instance("generate_until", {}, (c, dict(kwargs)), i) for i, c in enumerate(contexts)])
@@ -271,7 +273,7 @@ def test_loglikelihoods_equal_lm_evals_hf_backend_on_the_export(layout, run, lea
         hf.resize_token_embeddings(model.config.vocab_size)
     reference = HFLM(pretrained=hf, tokenizer=transformers.AutoTokenizer.from_pretrained(tmp_path / "hf"),
                      max_length=32, batch_size=4, device="cpu")
-    lm = E.JaxLM(model, tokenizer, eot_id=eot, max_length=32, batch_tokens=128, progress=False)
+    lm = harness.JaxLM(model, tokenizer, eot_id=eot, max_length=32, batch_tokens=128, progress=False)
 
     requests = list(PARITY_REQUESTS)
     with torch.no_grad():
@@ -304,7 +306,7 @@ def test_loglikelihoods_equal_lm_evals_hf_backend_on_the_export(layout, run, lea
                      batch_size=4, device="cpu")
     with torch.no_grad():
         want_docs = reference.loglikelihood_rolling(doc_requests, disable_tqdm=True)
-    default_lm = E.JaxLM(model, tokenizer, eot_id=eot, batch_tokens=128, progress=False)
+    default_lm = harness.JaxLM(model, tokenizer, eot_id=eot, batch_tokens=128, progress=False)
     assert default_lm.loglikelihood_rolling(doc_requests) == pytest.approx(want_docs, abs=1e-4)
     if layout != "bloom":  # the command line once (the harness indexes its whole task list each time)
         return
@@ -404,7 +406,7 @@ def test_local_tasks_end_to_end_give_hand_computed_accuracy(run, loaded, tmp_pat
 def test_reference_columns_lead_the_task_table():
     results = {"piqa": {"acc": 0.6, "acc_norm": 0.61, "samples": 10}, "lambada_openai": {"perplexity": 40.0, "acc": 0.3},
                "hellaswag": {"acc": 0.3, "acc_norm": 0.35}, "winogrande": {"acc": 0.52}, "other": {"f1": 0.5}}
-    rows = E.task_table(results)
+    rows = harness.task_table(results)
     assert [c for c, _ in rows[:5]] == ["LAMBADA ppl", "LAMBADA acc", "PIQA acc", "Winogrande acc", "HellaSwag acc_norm"]
     assert [v for _, v in rows[:5]] == [40.0, 0.3, 0.6, 0.52, 0.35]
     assert ("other f1", 0.5) in rows and ("piqa acc_norm", 0.61) in rows
@@ -593,7 +595,7 @@ def test_alibi_perplexity_at_twice_the_training_context(tmp_path, corpus):  # no
                        "training.batch_size=8", "training.seq_len=64", "training.warmup_steps=30",
                        "training.eval_every=200", "training.eval_windows=8", "checkpoint.every=200"]) == 0
     model, _ = rundir.Run(run_dir).load_model()
-    one, two = E.perplexity_table(E.make_scorer(model), corpus, [64, 128], 64, progress=False)
+    one, two = E.perplexity_table(harness.make_scorer(model), corpus, [64, 128], 64, progress=False)
     assert one["ppl"] < 0.5 * shards.load_index(corpus)["vocab_size"]  # it learned something
     assert two["ppl"] <= 1.1 * one["ppl"], (one, two)
 

@@ -23,9 +23,9 @@ import pytest
 
 import convert_torch
 import data
+import outputs
 import rundir
 import shards
-import storage
 import train
 from test_train import WORDS, deterministic, tiny
 
@@ -161,7 +161,7 @@ def test_an_upload_cut_short_leaves_no_directory_a_reader_takes_for_complete(cor
     stops at the same point), the directory has no index.json, a reader refuses it, and the next run
     with --overwrite replaces it."""
     url = f"{gcs_bucket}/data"
-    real, sent = storage.upload_file, []
+    real, sent = outputs.upload_file, []
 
     def drops_after_two(fs, local, remote):
         if len(sent) == 2:
@@ -169,14 +169,14 @@ def test_an_upload_cut_short_leaves_no_directory_a_reader_takes_for_complete(cor
         sent.append(remote)
         real(fs, local, remote)
 
-    monkeypatch.setattr(storage, "upload_file", drops_after_two)
+    monkeypatch.setattr(outputs, "upload_file", drops_after_two)
     status, err = data_cli("--input", corpus_dir, "--out", url, *PREPARE, capsys=capsys)
     assert status == 2 and err == [f"error: cannot write {url}: Connection reset by peer"]
     left = remote_files(url)
     assert "index.json" not in left and len([n for n in left if n.endswith(".bin")]) >= 1
     with pytest.raises(data.DataError, match=rf"{url}/index.json not found"):
         shards.load_index(url)
-    monkeypatch.setattr(storage, "upload_file", real)
+    monkeypatch.setattr(outputs, "upload_file", real)
     status, err = data_cli("--input", corpus_dir, "--out", url, *PREPARE, capsys=capsys)
     assert status == 2 and err == [f"error: {url} exists; pass --overwrite to replace it"]
     assert data_cli("--input", corpus_dir, "--out", url, *PREPARE, "--overwrite", capsys=capsys) == (0, [])
