@@ -727,6 +727,35 @@ def test_cli_torch_export_and_errors(trained_run, tmp_path, capsys):
     assert ct.cli(["--checkpoint", str(trained_run), "--step", "1", "--out", str(out), "--overwrite"]) == 0
 
 
+def test_torch_gpt_alone_beside_an_export_needs_nothing_of_the_repository(tmp_path):
+    """The README's promise: torch_gpt.py copied next to an export is all of this repository that loading
+    it needs (torch, numpy and safetensors installed; no JAX). In a fresh Python that cannot see the
+    repository, it loads the export of a model with many switches set (ALiBi with embed_norm, RMSNorm,
+    SwiGLU, grouped-query attention, parallel residual, a separate output with a bias) and gives the
+    JAX model's logits."""
+    fresh = tmp_path / "elsewhere"
+    fresh.mkdir()
+    shutil.copyfile(REPO / "torch_gpt.py", fresh / "torch_gpt.py")
+    m, params = jax_model(alibi_attn=True, embed_norm=True, norm="rmsnorm", activation="swiglu", num_kv_head=2,
+                          residual="parallel", tie_embeddings=False, head_bias=True, mlp_dim=48)
+    ct.export(params, m.config, fresh / "export")
+    toks = tokens(24)  # past the training context of 16
+    np.save(fresh / "tokens.npy", toks)
+    code = textwrap.dedent("""
+        import importlib.util, sys
+        for project in ("model", "errors", "hf_layouts", "convert_torch"):  # the repository is out of sight
+            assert importlib.util.find_spec(project) is None, (project, sys.path)
+        import numpy as np, torch
+        from torch_gpt import GPT
+        model = GPT.from_pretrained("export")
+        with torch.no_grad():
+            np.save("logits.npy", model(torch.from_numpy(np.load("tokens.npy"))).numpy())
+    """)
+    result = python_without({"jax", "jaxlib", "flax", "optax", "orbax"}, code, fresh)
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_allclose(np.load(fresh / "logits.npy"), np.asarray(m(toks)), atol=TOL, rtol=0)
+
+
 def test_a_run_directory_given_as_a_file_url(trained_run, tmp_path, capsys):
     """run_dir=file:///x trains (storage reads file:// as a local path); eval.py, sample.py and the
     export read such a run directory too, its tokenizer included."""

@@ -376,12 +376,21 @@ def test_export_refuses_what_the_layout_cannot_express(tmp_path, overrides, reas
 
 
 def test_the_standalone_torch_config_mirrors_model_py():
-    """torch_gpt.py stands alone beside an export, so TorchGPTConfig repeats GPTConfig's
-    architecture fields and derived sizes; they must not drift apart."""
+    """torch_gpt.py stands alone beside an export, so TorchGPTConfig repeats GPTConfig's architecture
+    fields (same names, order and defaults; GPTConfig's REQUIRED_FIELDS without one) and derived sizes,
+    and PADDED_LOGIT and the vocabulary's padding multiple; they must not drift apart."""
     jax_only = {"dtype", "remat", "attention"}
-    assert [f.name for f in dataclasses.fields(torch_gpt.TorchGPTConfig)] == \
-        [f.name for f in dataclasses.fields(model.GPTConfig) if f.name not in jax_only]
-    for switches in [dict(alibi_attn=True, embed_norm=True), {}, *SWITCHES.values()]:
+    mirror = dataclasses.fields(torch_gpt.TorchGPTConfig)
+    assert [f.name for f in mirror] == [f.name for f in dataclasses.fields(model.GPTConfig) if f.name not in jax_only]
+    defaults = {f.name: f.default for f in dataclasses.fields(model.GPTConfig)}
+    for f in mirror:
+        if f.name in model.GPTConfig.REQUIRED_FIELDS:
+            assert f.default is dataclasses.MISSING, f.name
+        else:
+            assert f.default == defaults[f.name] and type(f.default) is type(defaults[f.name]), f.name
+    assert torch_gpt.PADDED_LOGIT == model.PADDED_LOGIT and torch_gpt.VOCAB_MULTIPLE == model.VOCAB_MULTIPLE
+    for switches in [dict(alibi_attn=True, embed_norm=True), {}, *SWITCHES.values(), dict(vocab_size=50257),
+                     dict(mlp_dim=40, num_kv_head=1, attention_bias=False, bias=True)]:
         cfg = model.GPTConfig(**{**SMALL, **switches})
         torch_cfg = torch_gpt.TorchGPTConfig.from_dict(dataclasses.asdict(cfg))
         for name in ("positions", "kv_heads", "ffn_dim", "attn_bias", "head_dim", "padded_vocab_size"):
