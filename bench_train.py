@@ -7,7 +7,7 @@ What is timed, for each framework, on one device and the same batch of B x T ran
   ours    the train_step of step.build, the very function train.py runs (state donated,
           shardings from sharding.py for a one-device mesh): forward, backward, gradient
           clipping and the AdamW update;
-  torch   convert_torch.GPT, the same architecture in PyTorch (scaled_dot_product_attention with
+  torch   torch_gpt.GPT, the same architecture in PyTorch (scaled_dot_product_attention with
           the ALiBi bias as a float mask), torch.compile by default on a GPU, autocast to the
           compute dtype, clip_grad_norm_ and torch.optim.AdamW (fused on a GPU);
   hf      for a learned-position model, transformers' GPT2LMHeadModel of the same shape (SDPA
@@ -151,14 +151,14 @@ def profile_steps(step, steps: int, directory, top: int = 30) -> dict:
 
 
 def _torch_model(mcfg, which: str):
-    """torch: convert_torch.GPT of the config; hf: GPT2LMHeadModel of its shape (learned positions). Both
+    """torch: torch_gpt.GPT of the config; hf: GPT2LMHeadModel of its shape (learned positions). Both
     map tokens (B, T) to logits (B, T, V_padded)."""
     import torch
 
     if which == "torch":
-        import convert_torch
+        import torch_gpt
 
-        return convert_torch.GPT(convert_torch.TorchGPTConfig.from_dict(dataclasses.asdict(mcfg)))
+        return torch_gpt.GPT(torch_gpt.TorchGPTConfig.from_dict(dataclasses.asdict(mcfg)))
     from transformers import GPT2Config, GPT2LMHeadModel
 
     class LogitsOnly(torch.nn.Module):
@@ -177,7 +177,7 @@ def _torch_model(mcfg, which: str):
 
 
 def bench_torch(mcfg, batch: int, seq: int, args, which: str, peak: float | None) -> dict:
-    """One framework's step on the same batch shape; which: torch (convert_torch.GPT) or hf (GPT2LMHeadModel)."""
+    """One framework's step on the same batch shape; which: torch (torch_gpt.GPT) or hf (GPT2LMHeadModel)."""
     import torch
     import torch.nn.functional as F
 

@@ -29,10 +29,12 @@ import config
 import convert_torch as ct
 import data
 import eval as E
+import hf_layouts
 import loader
 import model
 import rundir
 import shards
+import torch_gpt
 import train
 from test_data import PLACES, bad_place, kill_at_random_moments, make_docs, one_error_line, write_text_files
 from test_train import corpus, restore, rows, tiny  # noqa: F401  (corpus is a fixture)
@@ -107,19 +109,19 @@ def test_torch_module_matches_jax(tmp_path, overrides):
     written = load_file(str(tmp_path / "out" / "model.safetensors"))["wte.weight"]
     np.testing.assert_array_equal(written, params["wte"][:300])
     assert json.loads((tmp_path / "out" / "config.json").read_text())["gpt_jax"]["vocab_size"] == 300
-    tm = ct.GPT.from_pretrained(tmp_path / "out")
+    tm = torch_gpt.GPT.from_pretrained(tmp_path / "out")
     T = 16 if not m.config.alibi_attn else 4 * 16  # ALiBi beyond the training context
     toks = tokens(T)
     with torch.no_grad():
         got = tm(torch.tensor(toks)).numpy()
     assert got.shape == (2, T, 384)  # like model.py: padded, the padding rows at PADDED_LOGIT
-    np.testing.assert_array_equal(got[..., 300:], ct.PADDED_LOGIT)
+    np.testing.assert_array_equal(got[..., 300:], torch_gpt.PADDED_LOGIT)
     np.testing.assert_allclose(got, np.asarray(m(toks)), atol=TOL, rtol=0)
 
 
 def test_alibi_slopes_are_model_py_slopes():
     for n in (1, 3, 4, 6, 12, 16, 20):
-        np.testing.assert_array_equal(ct.alibi_slopes(n).numpy(), model.alibi_slopes(n))
+        np.testing.assert_array_equal(torch_gpt.alibi_slopes(n).numpy(), model.alibi_slopes(n))
 
 
 @pytest.mark.parametrize("overrides,layout", [
@@ -445,7 +447,7 @@ def test_overwrite_replaces_only_the_tools_own_output(gpt2_runs, tmp_path, capsy
     assert ct.cli(convert_argv("import", gpt2_runs, run, "--overwrite")) == 0
     b = ct.read_run(gpt2_runs / "run-b")[1]
     np.testing.assert_array_equal(ct.read_run(run)[1]["wte"], b["wte"])
-    exported = load_file(str(export / "model.safetensors"))[ct.embedding_key("torch")]
+    exported = load_file(str(export / "model.safetensors"))[hf_layouts.embedding_key("torch")]
     np.testing.assert_array_equal(exported, b["wte"][:300])  # the real vocabulary's rows
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "export", "run"]
 
@@ -533,7 +535,7 @@ def test_overwrite_killed_at_random_moments_keeps_the_old_or_the_new_output(gpt2
 
 def test_help_and_export_need_no_torch(tmp_path):
     m, params = jax_model(alibi_attn=True, embed_norm=True)
-    np.savez(tmp_path / "params.npz", **ct.flatten(params))
+    np.savez(tmp_path / "params.npz", **hf_layouts.flatten(params))
     (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(m.config)))
     code = textwrap.dedent("""
         repo, tmp = sys.argv[1:]
@@ -543,15 +545,16 @@ def test_help_and_export_need_no_torch(tmp_path):
         except ImportError:
             pass
         import json, runpy
+        sys.path.insert(0, repo)  # as `python convert_torch.py` puts the script's directory first
         sys.argv = ["convert_torch.py", "--help"]
         try:
             runpy.run_path(f"{repo}/convert_torch.py", run_name="__main__")
         except SystemExit as e:
             assert e.code == 0, e.code
-        sys.path.insert(0, repo)
         import numpy as np
         import convert_torch as ct
-        params = ct.unflatten(dict(np.load(f"{tmp}/params.npz")))
+        import hf_layouts
+        params = hf_layouts.unflatten(dict(np.load(f"{tmp}/params.npz")))
         ct.export(params, json.load(open(f"{tmp}/config.json")), f"{tmp}/hf", fmt="hf")
     """)
     result = python_without({"torch"}, code, tmp_path, REPO, tmp_path)
@@ -586,7 +589,7 @@ def test_hf_length_is_the_training_context_for_every_layout(corpus, tmp_path, al
 def test_generate_with_cache_equals_full_recomputation(tmp_path, overrides):
     m, params = jax_model(**overrides)
     ct.export(params, m.config, tmp_path / "out")
-    tm = ct.GPT.from_pretrained(tmp_path / "out")
+    tm = torch_gpt.GPT.from_pretrained(tmp_path / "out")
     prompt = torch.tensor(tokens(4))
     new = 12 if not m.config.alibi_attn else 40  # ALiBi: past the training context of 16
     got = tm.generate(prompt, new)
@@ -628,7 +631,7 @@ def test_exports_that_kept_the_padding_rows_still_load(tmp_path):
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     toks = tokens(16)
     with torch.no_grad():
-        got = ct.GPT.from_pretrained(tmp_path / "pt")(torch.tensor(toks)).numpy()
+        got = torch_gpt.GPT.from_pretrained(tmp_path / "pt")(torch.tensor(toks)).numpy()
     np.testing.assert_allclose(got, np.asarray(m(toks)), atol=TOL, rtol=0)
     ct.import_hf(tmp_path / "hf", tmp_path / "run")
     back = ct.read_run(tmp_path / "run")[1]["wte"]
@@ -686,7 +689,7 @@ def test_cli_exports_a_run_to_transformers(trained_run, tmp_path):
                              "--out", str(out), "--format", "hf"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     params = restore(trained_run, 1)["params"]
-    params = ct.unflatten(ct.flatten(params))
+    params = hf_layouts.unflatten(hf_layouts.flatten(params))
     mcfg = model_fields(rundir.Run(trained_run).config())
     toks = tokens(48)
     got, hf = hf_logits(out, toks)
@@ -706,23 +709,10 @@ def test_cli_torch_export_and_errors(trained_run, tmp_path, capsys):
     assert step == 2
     toks = tokens(20)
     with torch.no_grad():
-        got = ct.GPT.from_pretrained(out)(torch.tensor(toks)).numpy()
+        got = torch_gpt.GPT.from_pretrained(out)(torch.tensor(toks)).numpy()
     mcfg = model_fields(cfg)
     expected = jax_logits(params, mcfg, toks)
     np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
-    # the README's promise: convert_torch.py copied beside an export needs torch, numpy and safetensors,
-    # no JAX and nothing else of this repository
-    fresh = tmp_path / "elsewhere"
-    fresh.mkdir()
-    shutil.copyfile(REPO / "convert_torch.py", fresh / "convert_torch.py")
-    np.save(tmp_path / "tokens.npy", toks)
-    code = ("import numpy as np, torch\nfrom convert_torch import GPT\nmodel = GPT.from_pretrained(sys.argv[1])\n"
-            "with torch.no_grad():\n    np.save(sys.argv[3], model(torch.from_numpy(np.load(sys.argv[2]))).numpy())\n")
-    project = {p.stem for p in REPO.glob("*.py")} - {"convert_torch"}
-    result = python_without({"jax", "jaxlib", "flax", "optax", "orbax", *project}, code, fresh, out,
-                            tmp_path / "tokens.npy", tmp_path / "logits.npy")
-    assert result.returncode == 0, result.stderr
-    np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), expected, atol=TOL, rtol=0)
     capsys.readouterr()
     for argv, reason in [
         (["--checkpoint", str(trained_run), "--out", str(out)], "already exists"),
@@ -735,6 +725,35 @@ def test_cli_torch_export_and_errors(trained_run, tmp_path, capsys):
         assert err.startswith("error:") and reason in err and err.count("\n") == 1, err
     # --overwrite replaces it
     assert ct.cli(["--checkpoint", str(trained_run), "--step", "1", "--out", str(out), "--overwrite"]) == 0
+
+
+def test_torch_gpt_alone_beside_an_export_needs_nothing_of_the_repository(tmp_path):
+    """The README's promise: torch_gpt.py copied next to an export is all of this repository that loading
+    it needs (torch, numpy and safetensors installed; no JAX). In a fresh Python that cannot see the
+    repository, it loads the export of a model with many switches set (ALiBi with embed_norm, RMSNorm,
+    SwiGLU, grouped-query attention, parallel residual, a separate output with a bias) and gives the
+    JAX model's logits."""
+    fresh = tmp_path / "elsewhere"
+    fresh.mkdir()
+    shutil.copyfile(REPO / "torch_gpt.py", fresh / "torch_gpt.py")
+    m, params = jax_model(alibi_attn=True, embed_norm=True, norm="rmsnorm", activation="swiglu", num_kv_head=2,
+                          residual="parallel", tie_embeddings=False, head_bias=True, mlp_dim=48)
+    ct.export(params, m.config, fresh / "export")
+    toks = tokens(24)  # past the training context of 16
+    np.save(fresh / "tokens.npy", toks)
+    code = textwrap.dedent("""
+        import importlib.util, sys
+        for project in ("model", "errors", "hf_layouts", "convert_torch"):  # the repository is out of sight
+            assert importlib.util.find_spec(project) is None, (project, sys.path)
+        import numpy as np, torch
+        from torch_gpt import GPT
+        model = GPT.from_pretrained("export")
+        with torch.no_grad():
+            np.save("logits.npy", model(torch.from_numpy(np.load("tokens.npy"))).numpy())
+    """)
+    result = python_without({"jax", "jaxlib", "flax", "optax", "orbax"}, code, fresh)
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_allclose(np.load(fresh / "logits.npy"), np.asarray(m(toks)), atol=TOL, rtol=0)
 
 
 def test_a_run_directory_given_as_a_file_url(trained_run, tmp_path, capsys):
@@ -836,6 +855,6 @@ def test_imported_gpt2_gives_transformers_loss_in_training_and_eval(corpus, tmp_
     assert table[0]["tokens"] == 256 and table[0]["loss"] == pytest.approx(hf_loss(windows), abs=1e-4)
     # and lr 0 kept exactly the imported parameters
     _, imported, _ = ct.read_run(tmp_path / "imported")
-    tuned = ct.unflatten(ct.flatten(restore(run, 1)["params"]))
+    tuned = hf_layouts.unflatten(hf_layouts.flatten(restore(run, 1)["params"]))
     for a, b in zip(jax.tree.leaves(imported), jax.tree.leaves(tuned)):
         np.testing.assert_array_equal(a, b)

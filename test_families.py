@@ -27,11 +27,13 @@ from flax import nnx
 
 import config
 import convert_torch as ct
+import hf_layouts
 import loader
 import model
 import rundir
 import sample
 import sharding
+import torch_gpt
 import train
 from test_convert import TOL, jax_model, tokens
 from test_model import check_chunked_loss
@@ -189,7 +191,7 @@ def test_export_to_transformers_and_back_is_exact(tmp_path, family):
 def test_pytorch_module_export_follows_the_switches(tmp_path, family):
     m, params = jax_model(**{**SMALL, **SWITCHES[family]})
     assert ct.export(params, m.config, tmp_path / "pt") == "torch"
-    tm = ct.GPT.from_pretrained(tmp_path / "pt")
+    tm = torch_gpt.GPT.from_pretrained(tmp_path / "pt")
     T = 16 if m.config.positions == "learned" else 40  # rotary: past the training context of 16
     toks = tokens(T, vocab=V)
     with torch.no_grad():
@@ -290,12 +292,12 @@ def test_named_sizes_are_the_real_models(name):
     """`model=NAME` gives the architecture the import reads from the real config.json, and as many
     parameters as transformers builds for it (on the meta device: no memory)."""
     named = config.load_config(overrides=[f"model={name}"]).model
-    c, layout = ct.config_from_hf(REAL[name], name)
-    imported = model.GPTConfig(**dataclasses.asdict(c))
+    imported, layout = hf_layouts.config_from_hf(REAL[name], name)
     for field in model.GPTConfig.PARAMETER_FIELDS:
         assert getattr(named, field) == getattr(imported, field), field
     meta = {k: v for k, v in REAL[name].items() if k != "model_type"}
-    hf_cfg = transformers.AutoConfig.for_model(REAL[name]["model_type"], **{**meta, "vocab_size": c.padded_vocab_size})
+    hf_cfg = transformers.AutoConfig.for_model(REAL[name]["model_type"],
+                                               **{**meta, "vocab_size": imported.padded_vocab_size})
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     n_hf = sum(p.numel() for p in hf.parameters())  # shared (tied) parameters once
@@ -374,14 +376,23 @@ def test_export_refuses_what_the_layout_cannot_express(tmp_path, overrides, reas
 
 
 def test_the_standalone_torch_config_mirrors_model_py():
-    """convert_torch.py stands alone beside an export, so TorchGPTConfig repeats GPTConfig's
-    architecture fields and derived sizes; they must not drift apart."""
+    """torch_gpt.py stands alone beside an export, so TorchGPTConfig repeats GPTConfig's architecture
+    fields (same names, order and defaults; GPTConfig's REQUIRED_FIELDS without one) and derived sizes,
+    and PADDED_LOGIT and the vocabulary's padding multiple; they must not drift apart."""
     jax_only = {"dtype", "remat", "attention"}
-    assert [f.name for f in dataclasses.fields(ct.TorchGPTConfig)] == \
-        [f.name for f in dataclasses.fields(model.GPTConfig) if f.name not in jax_only]
-    for switches in [dict(alibi_attn=True, embed_norm=True), {}, *SWITCHES.values()]:
+    mirror = dataclasses.fields(torch_gpt.TorchGPTConfig)
+    assert [f.name for f in mirror] == [f.name for f in dataclasses.fields(model.GPTConfig) if f.name not in jax_only]
+    defaults = {f.name: f.default for f in dataclasses.fields(model.GPTConfig)}
+    for f in mirror:
+        if f.name in model.GPTConfig.REQUIRED_FIELDS:
+            assert f.default is dataclasses.MISSING, f.name
+        else:
+            assert f.default == defaults[f.name] and type(f.default) is type(defaults[f.name]), f.name
+    assert torch_gpt.PADDED_LOGIT == model.PADDED_LOGIT and torch_gpt.VOCAB_MULTIPLE == model.VOCAB_MULTIPLE
+    for switches in [dict(alibi_attn=True, embed_norm=True), {}, *SWITCHES.values(), dict(vocab_size=50257),
+                     dict(mlp_dim=40, num_kv_head=1, attention_bias=False, bias=True)]:
         cfg = model.GPTConfig(**{**SMALL, **switches})
-        torch_cfg = ct.TorchGPTConfig.from_dict(dataclasses.asdict(cfg))
+        torch_cfg = torch_gpt.TorchGPTConfig.from_dict(dataclasses.asdict(cfg))
         for name in ("positions", "kv_heads", "ffn_dim", "attn_bias", "head_dim", "padded_vocab_size"):
             assert getattr(torch_cfg, name) == getattr(cfg, name), name
 

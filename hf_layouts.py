@@ -1,0 +1,510 @@
+"""The transformers layouts: tensor names both ways, config.json both ways, what a layout cannot express.
+
+Every tensor of an export is one entry of a layout table (LAYOUTS: this project's own "torch" layout,
+torch_gpt.py's state dict, and the GPT-2, BLOOM, GPT-J, GPT-NeoX, OPT and LLaMA layouts of
+transformers): `to_torch_tensors` and `from_torch_tensors` map a model.py parameter tree to a layout's
+tensors and back, each tensor exactly once, listing missing, unexpected and mis-shaped keys.
+`hf_format` names the layout that expresses a model.GPTConfig exactly, or refuses with the reasons;
+`hf_config` writes that layout's config.json, and `config_from_hf` reads one as transformers does
+(HF_FIELDS: what each field must be), refusing with the reasons what model.py cannot express.
+Exports and imports (convert_torch.py) are built on these.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+import config as config_lib
+from errors import ConvertError
+from model import GPTConfig
+from torch_gpt import key_problems
+
+# ----------------------------------------------------------------------------------------------
+# Layouts: each entry maps one JAX parameter (a dotted path into the pure dict) to one tensor.
+# (jax_path or None, key, to_torch(array) -> array, from_torch(array) -> array, torch shape).
+# A None path is a zero tensor the layout needs but the model does not have (bias=False). A path
+# ending in #i is part i of a fused weight (q, k, v of c_attn; k, v of c_kv): its index along the
+# fused axis (1 of a kernel, 0 of a bias), for layouts that keep them as separate tensors.
+
+# Per layout: the key prefix of the body, the names of its parts, and how q, k, v are stored:
+# "3hd" one fused weight, rows (3, H, D); "h3d" one fused weight, rows (H, 3, D); "split" three.
+LAYOUTS = {
+    "torch": dict(P="", wte="wte", wpe="wpe", en="embed_norm", h="blocks", ln1="ln_1", ln2="ln_2",
+                  qkv="attn.c_attn", q="attn.c_q", kv="attn.c_kv", proj="attn.c_proj", fc="mlp.c_fc",
+                  gate="mlp.c_gate", fc2="mlp.c_proj", lnf="ln_f", head="lm_head", fused="3hd"),
+    "gpt2": dict(P="transformer.", wte="wte", wpe="wpe", h="h", ln1="ln_1", ln2="ln_2", qkv="attn.c_attn",
+                 proj="attn.c_proj", fc="mlp.c_fc", fc2="mlp.c_proj", lnf="ln_f", head="lm_head", fused="3hd"),
+    "bloom": dict(P="transformer.", wte="word_embeddings", en="word_embeddings_layernorm", h="h",
+                  ln1="input_layernorm", ln2="post_attention_layernorm", qkv="self_attention.query_key_value",
+                  proj="self_attention.dense", fc="mlp.dense_h_to_4h", fc2="mlp.dense_4h_to_h", lnf="ln_f",
+                  head="lm_head", fused="h3d"),
+    "gptj": dict(P="transformer.", wte="wte", h="h", ln1="ln_1", q="attn.q_proj", k="attn.k_proj",
+                 v="attn.v_proj", proj="attn.out_proj", fc="mlp.fc_in", fc2="mlp.fc_out", lnf="ln_f",
+                 head="lm_head", fused="split"),
+    "gpt_neox": dict(P="gpt_neox.", wte="embed_in", h="layers", ln1="input_layernorm",
+                     ln2="post_attention_layernorm", qkv="attention.query_key_value", proj="attention.dense",
+                     fc="mlp.dense_h_to_4h", fc2="mlp.dense_4h_to_h", lnf="final_layer_norm", head="embed_out",
+                     fused="h3d"),
+    "opt": dict(P="model.decoder.", wte="embed_tokens", wpe="embed_positions", h="layers", ln1="self_attn_layer_norm",
+                ln2="final_layer_norm", q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj",
+                proj="self_attn.out_proj", fc="fc1", fc2="fc2", lnf="final_layer_norm", head="lm_head",
+                fused="split"),
+    "llama": dict(P="model.", wte="embed_tokens", h="layers", ln1="input_layernorm", ln2="post_attention_layernorm",
+                  q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj", proj="self_attn.o_proj",
+                  fc="mlp.up_proj", gate="mlp.gate_proj", fc2="mlp.down_proj", lnf="norm", head="lm_head",
+                  fused="split"),
+}
+# The biases a layout always has, written as zeros when the model has none (which is exact); a
+# layout's other biases follow switches in its config.
+ALWAYS_BIASED = {"torch": (), "gpt2": ("bias", "attn_bias", "norm_bias"), "bloom": ("bias", "attn_bias", "norm_bias"),
+                 "gptj": ("bias", "norm_bias", "head_bias"), "gpt_neox": ("bias", "norm_bias"),
+                 "opt": ("norm_bias",), "llama": ()}
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM", "gptj": "GPTJForCausalLM",
+              "gpt_neox": "GPTNeoXForCausalLM", "opt": "OPTForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def head_key(fmt: str) -> str:
+    """The key of a layout's output projection (untied, or a tied copy some checkpoints carry)."""
+    return f"{LAYOUTS[fmt]['head']}.weight"
+
+
+def embedding_key(fmt: str) -> str:
+    n = LAYOUTS[fmt]
+    return f"{n['P']}{n['wte']}.weight"
+
+
+def _layout(c: GPTConfig, fmt: str) -> list[tuple]:
+    if fmt not in LAYOUTS:
+        raise ConvertError(f"unknown format {fmt!r}")
+    d, H, K, D, Fw = c.embedding_dim, c.num_head, c.kv_heads, c.head_dim, c.ffn_dim
+    n, P, conv1d = LAYOUTS[fmt], LAYOUTS[fmt]["P"], fmt == "gpt2"  # GPT-2's Conv1D weights are (in, out)
+    always = ALWAYS_BIASED[fmt] + (("bias", "attn_bias") if fmt == "opt" and (c.bias or c.attn_bias) else ())
+    has = {None: True, "bias": c.bias, "attn_bias": c.attn_bias, "norm_bias": c.bias and c.norm == "layernorm",
+           "head_bias": c.head_bias}
+    same = (lambda a: a, lambda a: a)
+    entries = []
+
+    def add(path, key, fns, shape, gate=None):
+        if not has[gate]:
+            if gate not in always:
+                return  # neither the model nor the layout has it
+            path = None
+        entries.append((path, key, fns[0], fns[1], shape))
+
+    def norm(path, key):
+        add(f"{path}.scale", f"{key}.weight", same, (d,))
+        add(f"{path}.bias", f"{key}.bias", same, (d,), "norm_bias")
+
+    def linear(path, key, jax_shape, n_in, gate, part=""):
+        """A Dense of model.py (kernel jax_shape, its first n_in dims the input) as a Linear (or Conv1D)."""
+        i, o = math.prod(jax_shape[:n_in]), math.prod(jax_shape[n_in:])
+        if conv1d:
+            fns, shape = (lambda a: a.reshape(i, o), lambda a: a.reshape(jax_shape)), (i, o)
+        else:
+            fns, shape = (lambda a: a.reshape(i, o).T, lambda a: a.T.reshape(jax_shape)), (o, i)
+        add(f"{path}.kernel{part}", f"{key}.weight", fns, shape)
+        out = jax_shape[n_in:]
+        add(f"{path}.bias{part}", f"{key}.bias", (lambda a: a.reshape(-1), lambda a: a.reshape(out)), (o,), gate)
+
+    V, pad = c.vocab_size, c.padded_vocab_size - c.vocab_size
+    # the files hold the real vocabulary's rows; model.py's padding rows (no logit depends on them) come back zero
+    real_rows = (lambda a: a[:V], lambda a: np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)]))
+    add("wte", f"{P}{n['wte']}.weight", real_rows, (V, d))
+    if c.positions == "learned":
+        add("wpe", f"{P}{n['wpe']}.weight", same, (c.block_size + c.position_offset, d))
+    if c.embed_norm:
+        norm("embed_norm", f"{P}{n['en']}")
+    for i in range(c.N):
+        j, k = f"blocks.{i}", f"{P}{n['h']}.{i}"
+        norm(f"{j}.ln_1", f"{k}.{n['ln1']}")
+        if n["fused"] == "split":  # q, k and v as three tensors, from c_attn (or c_q and c_kv) in parts
+            parts = [(f"{j}.attn.c_attn", "#0", H), (f"{j}.attn.c_attn", "#1", H), (f"{j}.attn.c_attn", "#2", H)] \
+                if K == H else [(f"{j}.attn.c_q", "", H), (f"{j}.attn.c_kv", "#0", K), (f"{j}.attn.c_kv", "#1", K)]
+            for (path, part, heads), name in zip(parts, ("q", "k", "v")):
+                linear(path, f"{k}.{n[name]}", (d, heads, D), 1, "attn_bias", part)
+        elif K != H:
+            linear(f"{j}.attn.c_q", f"{k}.{n['q']}", (d, H, D), 1, "attn_bias")
+            linear(f"{j}.attn.c_kv", f"{k}.{n['kv']}", (d, 2, K, D), 1, "attn_bias")
+        elif n["fused"] == "3hd":
+            linear(f"{j}.attn.c_attn", f"{k}.{n['qkv']}", (d, 3, H, D), 1, "attn_bias")
+        else:  # "h3d": the output rows ordered (H, 3, D)
+            add(f"{j}.attn.c_attn.kernel", f"{k}.{n['qkv']}.weight",
+                (lambda a: a.transpose(2, 1, 3, 0).reshape(3 * d, d),
+                 lambda a: a.reshape(H, 3, D, d).transpose(3, 1, 0, 2)), (3 * d, d))
+            add(f"{j}.attn.c_attn.bias", f"{k}.{n['qkv']}.bias",
+                (lambda a: a.transpose(1, 0, 2).reshape(3 * d), lambda a: a.reshape(H, 3, D).transpose(1, 0, 2)),
+                (3 * d,), "attn_bias")
+        linear(f"{j}.attn.c_proj", f"{k}.{n['proj']}", (H, D, d), 2, "attn_bias")
+        if c.residual != "parallel_shared":
+            norm(f"{j}.ln_2", f"{k}.{n['ln2']}")
+        linear(f"{j}.mlp.c_fc", f"{k}.{n['fc']}", (d, Fw), 1, "bias")
+        if c.activation == "swiglu":
+            linear(f"{j}.mlp.c_gate", f"{k}.{n['gate']}", (d, Fw), 1, "bias")
+        linear(f"{j}.mlp.c_proj", f"{k}.{n['fc2']}", (Fw, d), 1, "bias")
+    norm("ln_f", f"{P}{n['lnf']}")
+    if not c.tie_embeddings:
+        add("lm_head", f"{n['head']}.weight", real_rows, (V, d))
+    add("head_bias", "head_bias" if fmt == "torch" else f"{n['head']}.bias", real_rows, (V,), "head_bias")
+    return entries
+
+
+def _check_keys(found: dict, expected: dict, where: str) -> None:
+    """Raise a ConvertError listing missing, unexpected and mis-shaped keys (name -> shape dicts)."""
+    problems = key_problems(found, expected)
+    if problems:
+        raise ConvertError(f"{where} does not match the model: " + "; ".join(problems))
+
+
+def flatten(params: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    """A pure dict of parameters -> {'blocks.0.attn.c_attn.kernel': float32 array}."""
+    flat = {}
+    for k, v in params.items():
+        if isinstance(v, dict):
+            flat.update(flatten(v, f"{prefix}{k}."))
+        else:
+            flat[f"{prefix}{k}"] = np.asarray(v, dtype=np.float32)
+    return flat
+
+
+def unflatten(flat: dict[str, np.ndarray]) -> dict:
+    """The inverse of flatten, with integer block indices as nnx.to_pure_dict gives them."""
+    tree: dict = {}
+    for path, v in flat.items():
+        node, parts = tree, [int(p) if p.isdigit() else p for p in path.split(".")]
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = v
+    return tree
+
+
+def _part_axis(path: str) -> int:
+    return 1 if path.endswith("kernel") else 0  # a fused kernel (d, 3 or 2, heads, D); a bias (3 or 2, heads, D)
+
+
+def to_torch_tensors(params: dict, c: GPTConfig, fmt: str) -> dict[str, np.ndarray]:
+    """JAX parameters (a pure dict) -> {key: array} in a layout; every parameter used exactly once."""
+    flat, entries = flatten(params), _layout(c, fmt)
+    split = {p.split("#")[0] for p, *_ in entries if p is not None and "#" in p}
+    for base in split & set(flat):  # fused weights the layout stores in parts
+        whole = flat.pop(base)
+        for i in range(whole.shape[_part_axis(base)]):
+            flat[f"{base}#{i}"] = np.take(whole, i, axis=_part_axis(base))
+    expected = {path: inv(np.zeros(shape, np.float32)).shape for path, _, _, inv, shape in entries if path is not None}
+    _check_keys({p: a.shape for p, a in flat.items()}, expected, "the checkpoint's parameters")
+    out = {}
+    for path, key, fwd, _, shape in entries:
+        out[key] = np.zeros(shape, np.float32) if path is None else np.ascontiguousarray(fwd(flat[path]))
+    return out
+
+
+def from_torch_tensors(tensors: dict[str, np.ndarray], c: GPTConfig, fmt: str, where: str) -> dict:
+    """{key: array} in a layout -> JAX parameters (a pure dict); every tensor used exactly once."""
+    entries = _layout(c, fmt)
+    _check_keys({k: tuple(v.shape) for k, v in tensors.items()}, {k: s for _, k, _, _, s in entries}, where)
+    flat, parts = {}, {}
+    for path, key, _, inv, _ in entries:
+        a = np.asarray(tensors[key], np.float32)
+        if path is None:
+            if np.any(a != 0):
+                raise ConvertError(f"{key} in {where} is not zero, but the model has no such bias")
+            continue
+        if "#" in path:
+            base, i = path.split("#")
+            parts.setdefault(base, {})[int(i)] = inv(a)
+        else:
+            flat[path] = np.ascontiguousarray(inv(a))
+    for base, pieces in parts.items():  # k and v (and q) back into one fused weight
+        flat[base] = np.stack([pieces[i] for i in sorted(pieces)], axis=_part_axis(base))
+    return unflatten(flat)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face configs
+
+# transformers' activation names -> (model.py's activation, gelu_approximate); silu is LLaMA's gated MLP
+ACTIVATION_NAMES = {"gelu_new": ("gelu", True), "gelu_pytorch_tanh": ("gelu", True), "gelu": ("gelu", False),
+                    "relu": ("relu", None), "silu": ("swiglu", None)}
+
+
+def hf_format(c: GPTConfig) -> str:
+    """The transformers layout that expresses the model exactly ('gpt2', 'bloom', 'gptj', 'gpt_neox',
+    'opt' or 'llama'), or a ConvertError saying why none does."""
+    if c.positions == "alibi":
+        fmt, family = "bloom", "an ALiBi model maps to BLOOM"
+    elif c.positions == "learned":
+        fmt, family = ("opt", "a model with learned positions at offset 2 maps to OPT") if c.position_offset == 2 \
+            else ("gpt2", "a model with learned positions maps to GPT-2")
+    elif c.rotary_interleaved:
+        fmt, family = "gptj", "a model with interleaved rotary embeddings maps to GPT-J"
+    elif c.norm == "rmsnorm":
+        fmt, family = "llama", "a rotary model with RMSNorm maps to LLaMA"
+    else:
+        fmt, family = "gpt_neox", "a rotary model with LayerNorm maps to GPT-NeoX"
+    gelu = c.activation == "gelu"
+    why = [
+        (c.position_offset not in (0, 2) and fmt in ("gpt2", "opt"), f"position_offset: {c.position_offset}"),
+        (c.embed_norm != (fmt == "bloom"), f"embed_norm: {str(c.embed_norm).lower()}"),
+        (fmt != "llama" and c.norm != "layernorm", f"norm: {c.norm}"),
+        (fmt == "llama" and c.activation != "swiglu", f"activation: {c.activation}"),
+        (fmt != "llama" and c.activation == "swiglu", "activation: swiglu"),
+        (fmt == "bloom" and not gelu, f"activation: {c.activation}"),
+        (fmt == "bloom" and gelu and not c.gelu_approximate, "gelu_approximate: false (BLOOM's GELU is the tanh one)"),
+        (fmt == "gptj" and not gelu, f"activation: {c.activation}"),
+        (fmt == "gptj" and c.residual != "parallel_shared", f"residual: {c.residual} (GPT-J's is parallel_shared)"),
+        (fmt in ("gpt2", "bloom", "opt", "llama") and c.residual != "sequential", f"residual: {c.residual}"),
+        (fmt == "gpt_neox" and c.residual == "parallel_shared", "residual: parallel_shared"),
+        (fmt != "llama" and c.kv_heads != c.num_head, f"num_kv_head: {c.kv_heads} (fewer than the query heads)"),
+        (fmt == "bloom" and c.mlp_dim not in (None, 4 * c.embedding_dim), f"mlp_dim: {c.mlp_dim}"),
+        (fmt != "gptj" and c.head_bias, "head_bias: true"),
+        (fmt in ("gpt2", "bloom") and not c.tie_embeddings, "tie_embeddings: false"),
+        (fmt in ("gptj", "gpt_neox") and c.tie_embeddings, "tie_embeddings: true"),
+        (fmt == "gptj" and c.attn_bias, "attention biases (GPT-J has none)"),
+        (fmt == "gptj" and c.rotary_base != 10000, f"rotary_base: {c.rotary_base} (GPT-J's is 10000)"),
+        (fmt == "llama" and c.rotary_dim != c.head_dim, f"rotary_dim: {c.rotary_dim} (LLaMA rotates whole heads)"),
+        (fmt == "gpt_neox" and int(c.head_dim * (c.rotary_dim / c.head_dim)) != c.rotary_dim,
+         f"rotary_dim: {c.rotary_dim}"),
+        (fmt == "opt" and c.layer_norm_epsilon != 1e-5, f"layer_norm_epsilon: {c.layer_norm_epsilon} (OPT's is 1e-5)"),
+    ]
+    why = [msg for bad, msg in why if bad]
+    if why:
+        raise ConvertError(f"cannot export to --format hf: {family}, which cannot express {', '.join(why)}; "
+                           f"use --format torch")
+    return fmt
+
+
+def hf_config(c: GPTConfig, fmt: str, eot_id: int | None) -> dict:
+    common = {"architectures": [HF_CLASSES[fmt]], "model_type": fmt, "vocab_size": c.vocab_size,
+              "tie_word_embeddings": c.tie_embeddings, "bos_token_id": eot_id, "eos_token_id": eot_id,
+              "use_cache": True, "dtype": "float32", "initializer_range": 0.02}
+    act = {"gelu": "gelu_new" if c.gelu_approximate else "gelu", "relu": "relu", "swiglu": "silu"}[c.activation]
+    rope = {"rope_type": "default", "rope_theta": c.rotary_base}
+    if fmt == "gpt2":
+        return {**common, "n_positions": c.block_size, "n_embd": c.embedding_dim, "n_layer": c.N, "n_head": c.num_head,
+                "n_inner": c.mlp_dim, "activation_function": act, "layer_norm_epsilon": c.layer_norm_epsilon,
+                "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout,
+                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+    if fmt == "bloom":
+        return {**common, "hidden_size": c.embedding_dim, "n_layer": c.N, "n_head": c.num_head,
+                "layer_norm_epsilon": c.layer_norm_epsilon, "hidden_dropout": c.dropout,
+                "attention_dropout": c.dropout, "apply_residual_connection_post_layernorm": False,
+                "pretraining_tp": 1, "slow_but_exact": False, "seq_length": c.block_size}
+    if fmt == "gptj":
+        return {**common, "n_positions": c.block_size, "n_embd": c.embedding_dim, "n_layer": c.N, "n_head": c.num_head,
+                "rotary_dim": c.rotary_dim, "n_inner": c.mlp_dim, "activation_function": act,
+                "layer_norm_epsilon": c.layer_norm_epsilon, "resid_pdrop": c.dropout, "embd_pdrop": c.dropout,
+                "attn_pdrop": c.dropout}
+    if fmt == "gpt_neox":
+        factor = c.rotary_dim / c.head_dim
+        return {**common, "hidden_size": c.embedding_dim, "num_hidden_layers": c.N, "num_attention_heads": c.num_head,
+                "intermediate_size": c.ffn_dim, "hidden_act": act, "max_position_embeddings": c.block_size,
+                "layer_norm_eps": c.layer_norm_epsilon, "use_parallel_residual": c.residual == "parallel",
+                "attention_bias": c.attn_bias, "rope_parameters": {**rope, "partial_rotary_factor": factor},
+                "rotary_pct": factor, "rotary_emb_base": c.rotary_base,  # the same, for older transformers
+                "hidden_dropout": c.dropout, "attention_dropout": c.dropout}
+    if fmt == "opt":
+        return {**common, "hidden_size": c.embedding_dim, "num_hidden_layers": c.N, "num_attention_heads": c.num_head,
+                "ffn_dim": c.ffn_dim, "max_position_embeddings": c.block_size, "activation_function": act,
+                "do_layer_norm_before": True, "_remove_final_layer_norm": False,
+                "word_embed_proj_dim": c.embedding_dim, "enable_bias": c.bias or c.attn_bias,
+                "layer_norm_elementwise_affine": True, "pad_token_id": eot_id, "dropout": c.dropout,
+                "attention_dropout": c.dropout, "layerdrop": 0.0}
+    return {**common, "hidden_size": c.embedding_dim, "num_hidden_layers": c.N, "num_attention_heads": c.num_head,
+            "num_key_value_heads": c.kv_heads, "head_dim": c.head_dim, "intermediate_size": c.ffn_dim,
+            "hidden_act": act, "max_position_embeddings": c.block_size, "rms_norm_eps": c.layer_norm_epsilon,
+            "rope_parameters": rope, "rope_theta": c.rotary_base, "attention_bias": c.attn_bias, "mlp_bias": c.bias,
+            "attention_dropout": c.dropout, "pretraining_tp": 1}
+
+
+# Every config.json field the import reads, and what it must be: one check, so a malformed field is one
+# line naming it and its value. Null only where transformers gives null a meaning (a default size).
+_INT = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731  (JSON true is no size)
+_NUMBER = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+HF_KINDS = {  # kind -> (what the error says the field must be, the check)
+    "size": ("a positive integer", lambda v: _INT(v) and v > 0),
+    "size or null": ("a positive integer or null", lambda v: v is None or _INT(v) and v > 0),
+    "positive": ("a positive number", lambda v: _NUMBER(v) and v > 0),
+    "fraction": ("a number in (0, 1]", lambda v: _NUMBER(v) and 0 < v <= 1),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "string": ("a string", lambda v: isinstance(v, str)),
+    "object or null": ("an object or null", lambda v: v is None or isinstance(v, dict)),
+}
+HF_FIELDS = {
+    **dict.fromkeys(("model_type", "activation_function", "hidden_act", "rope_type", "type"), "string"),
+    **dict.fromkeys(("vocab_size", "n_positions", "max_position_embeddings", "seq_length", "n_embd", "hidden_size",
+                     "n_layer", "num_hidden_layers", "n_head", "num_attention_heads", "intermediate_size", "ffn_dim"),
+                    "size"),
+    **dict.fromkeys(("n_inner", "num_key_value_heads", "head_dim", "rotary_dim", "word_embed_proj_dim"), "size or null"),
+    **dict.fromkeys(("layer_norm_epsilon", "layer_norm_eps", "rms_norm_eps", "rope_theta", "rotary_emb_base"),
+                    "positive"),
+    **dict.fromkeys(("partial_rotary_factor", "rotary_pct"), "fraction"),
+    **dict.fromkeys(("tie_word_embeddings", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+                     "add_cross_attention", "apply_residual_connection_post_layernorm", "use_parallel_residual",
+                     "attention_bias", "mlp_bias", "enable_bias", "do_layer_norm_before", "_remove_final_layer_norm",
+                     "layer_norm_elementwise_affine"), "bool"),
+    **dict.fromkeys(("rope_parameters", "rope_scaling"), "object or null"),
+}
+
+
+def _shown(value) -> str:
+    """A config.json value as JSON spells it (null, true, "768"), cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def hf_field(meta: dict, key: str, default, where: str, within: str = ""):
+    """meta[key] (`default` where it is absent) if it is what HF_FIELDS says, else a ConvertError naming the
+    field (inside `within`, e.g. 'rope_parameters.') and its value."""
+    if key not in meta:
+        return default
+    what, ok = HF_KINDS[HF_FIELDS[key]]
+    if not ok(meta[key]):
+        raise ConvertError(f"{where}: {within}{key} must be {what}, got {_shown(meta[key])}")
+    return meta[key]
+
+
+def _rope(get, where: str, family: str, theta_key: str, factor_key: str | None, default_factor: float
+          ) -> tuple[float, float]:
+    """(base, fraction of the head rotated) as transformers reads them; plain rotary embeddings only.
+
+    As in transformers, a `rope_scaling` (the older key) that is set replaces `rope_parameters` whole;
+    then the base and fraction come from it, else from the family's own top-level keys. Any rope_type
+    but the default, in either key, is refused: model.py cannot express scaled rotary embeddings."""
+    found = {key: get(key) or {} for key in ("rope_scaling", "rope_parameters")}
+    for key, params in found.items():
+        kind = hf_field(params, "rope_type", hf_field(params, "type", "default", where, f"{key}."), where, f"{key}.")
+        if kind != "default":
+            raise ConvertError(f"{where}: this {family} cannot be expressed by model.py: {key} with rope_type "
+                               f"{kind!r} (scaled rotary embeddings; model.py has the plain ones only)")
+    key = "rope_scaling" if found["rope_scaling"] else "rope_parameters"
+    base = hf_field(found[key], "rope_theta", get(theta_key, 10000.0), where, f"{key}.")
+    factor = hf_field(found[key], "partial_rotary_factor", get(factor_key, default_factor) if factor_key
+                      else default_factor, where, f"{key}.")
+    return float(base), float(factor)
+
+
+def _exported_config(meta: dict, where: str) -> tuple[GPTConfig, str]:
+    """(config, layout) of a config.json written by an export: the JAX model config under `gpt_jax`,
+    checked as config.yaml's model section is, and the layout its tensors are in. The config keeps the
+    architecture and dropout, as one read from transformers' fields does; how the model is computed
+    (dtype, remat, attention) is left to the importing run (the defaults)."""
+    layout = "torch" if meta.get("format") == "torch" else hf_field(meta, "model_type", None, where)
+    if layout not in HF_CLASSES and layout != "torch":
+        raise ConvertError(f"{where}: an export's config.json (it has gpt_jax) with model_type {layout!r}, not one "
+                           f"of the layouts exports write ({', '.join(HF_CLASSES)}), nor format \"torch\"")
+    block = meta["gpt_jax"]
+    if not isinstance(block, dict):
+        raise ConvertError(f"{where}: gpt_jax (the exported JAX model config) must be an object, got {_shown(block)}")
+    missing = [name for name in GPTConfig.REQUIRED_FIELDS if name not in block]
+    if missing:
+        raise ConvertError(f"{where}: gpt_jax (the exported JAX model config) lacks {', '.join(missing)}")
+    try:
+        _, gcfg = config_lib.resolve_model({k: v for k, v in block.items() if k != "name"}, {})
+    except config_lib.ConfigError as e:
+        raise ConvertError(f"{where}: gpt_jax (the exported JAX model config) is not a valid model config: {e}"
+                           ) from None
+    return GPTConfig(**{name: getattr(gcfg, name) for name in (*GPTConfig.PARAMETER_FIELDS, "dropout")}), layout
+
+
+def config_from_hf(meta, where: str) -> tuple[GPTConfig, str]:
+    """(config, layout) of a transformers config.json (parsed); refuses, with the reasons, what model.py cannot
+    express, and a malformed field (HF_FIELDS) with its name and value. `where` names the file in errors."""
+    if not isinstance(meta, dict):
+        raise ConvertError(f"{where} must hold a JSON object of the model's settings, got {_shown(meta)}")
+    if "gpt_jax" in meta:  # written by an export: the exact original config
+        return _exported_config(meta, where)
+    get = lambda key, default=None: hf_field(meta, key, default, where)  # noqa: E731
+    kind = get("model_type")
+    names = {"gpt2": "GPT-2", "bloom": "BLOOM", "gptj": "GPT-J", "gpt_neox": "GPT-NeoX", "opt": "OPT",
+             "llama": "LLaMA"}
+    if kind not in names:
+        raise ConvertError(f"{where}: model_type {kind!r} is not supported; import reads the decoder-only "
+                           f"{', '.join(names.values())} layouts (model_type {', '.join(names)})")
+
+    def model_config(**fields) -> GPTConfig:
+        try:
+            return GPTConfig(**fields)
+        except ValueError as e:
+            raise ConvertError(f"{where} gives a model that model.py refuses: {e}") from None
+
+    def refuse_if(*checks):
+        why = [msg for bad, msg in checks if bad]
+        if why:
+            raise ConvertError(f"{where}: this {names[kind]} cannot be expressed by model.py: {', '.join(why)}")
+
+    def activation(key, default, allowed):
+        """(the MLP switches for config.json's activation name, the check refusing it unless its kind is allowed)"""
+        name = get(key, default)
+        kind, approximate = ACTIVATION_NAMES.get(name, (None, None))
+        known = [n for n, (k, _) in ACTIVATION_NAMES.items() if k in allowed]
+        switches = {"activation": kind or "gelu", **({} if approximate is None else {"gelu_approximate": approximate})}
+        return switches, (kind not in allowed, f"{key} {name!r} (only {', '.join(known)})")
+
+    if kind == "gpt2":
+        d, (act, bad_act) = get("n_embd", 768), activation("activation_function", "gelu_new", ("gelu", "relu"))
+        refuse_if(bad_act,
+                  (not get("scale_attn_weights", True), "scale_attn_weights false"),
+                  (get("scale_attn_by_inverse_layer_idx", False), "scale_attn_by_inverse_layer_idx true"),
+                  (get("add_cross_attention", False), "cross-attention"),
+                  (not get("tie_word_embeddings", True), "untied output embedding"))
+        return model_config(vocab_size=get("vocab_size", 50257), block_size=get("n_positions", 1024),
+                            embedding_dim=d, num_head=get("n_head", 12), N=get("n_layer", 12), alibi_attn=False,
+                            mlp_dim=get("n_inner"), layer_norm_epsilon=get("layer_norm_epsilon", 1e-5), **act), kind
+    if kind == "bloom":
+        refuse_if((get("apply_residual_connection_post_layernorm", False), "post-LayerNorm residual"),
+                  (not get("tie_word_embeddings", True), "untied output embedding"))
+        return model_config(vocab_size=get("vocab_size", 250880), block_size=get("seq_length", 2048),
+                            embedding_dim=get("hidden_size", 64), num_head=get("n_head", 8),
+                            N=get("n_layer", 2), alibi_attn=True, bias=True, embed_norm=True,
+                            gelu_approximate=True, layer_norm_epsilon=get("layer_norm_epsilon", 1e-5)), kind
+    if kind == "gptj":
+        act, bad_act = activation("activation_function", "gelu_new", ("gelu",))
+        refuse_if(bad_act,
+                  (get("rotary_dim", 64) is None, "rotary_dim null (rotary over the whole model width)"))
+        return model_config(vocab_size=get("vocab_size", 50400), block_size=get("n_positions", 2048),
+                            embedding_dim=get("n_embd", 4096), num_head=get("n_head", 16), N=get("n_layer", 28),
+                            alibi_attn=False, rotary_dim=get("rotary_dim", 64), rotary_interleaved=True,
+                            residual="parallel_shared", attention_bias=False, mlp_dim=get("n_inner"),
+                            tie_embeddings=get("tie_word_embeddings", False), head_bias=True,
+                            layer_norm_epsilon=get("layer_norm_epsilon", 1e-5), **act), kind
+    d, H = get("hidden_size", 768), get("num_attention_heads", 12)
+    if kind == "gpt_neox":
+        act, bad_act = activation("hidden_act", "gelu", ("gelu", "relu"))
+        base, factor = _rope(get, where, names[kind], "rotary_emb_base", "rotary_pct", 0.25)
+        rotary_dim = int(d // H * factor)
+        refuse_if(bad_act,
+                  (rotary_dim < 2 or rotary_dim % 2, f"{rotary_dim} rotary dims per head (an even number from 2)"),
+                  (get("head_dim") not in (None, d // H), f"head_dim {get('head_dim')} (not hidden_size / heads)"))
+        return model_config(vocab_size=get("vocab_size", 50432), block_size=get("max_position_embeddings", 2048),
+                            embedding_dim=d, num_head=H, N=get("num_hidden_layers", 12), alibi_attn=False,
+                            rotary_dim=rotary_dim, rotary_base=base,
+                            residual="parallel" if get("use_parallel_residual", True) else "sequential",
+                            attention_bias=get("attention_bias", True), mlp_dim=get("intermediate_size"),
+                            tie_embeddings=get("tie_word_embeddings", False),
+                            layer_norm_epsilon=get("layer_norm_eps", 1e-5), **act), kind
+    if kind == "opt":
+        act, bad_act = activation("activation_function", "relu", ("gelu", "relu"))
+        refuse_if(bad_act,
+                  (not get("do_layer_norm_before", True), "post-LayerNorm blocks (do_layer_norm_before false)"),
+                  (get("_remove_final_layer_norm", False), "no final LayerNorm"),
+                  (get("word_embed_proj_dim") not in (None, d), "an embedding projection (word_embed_proj_dim)"),
+                  (not get("layer_norm_elementwise_affine", True), "LayerNorms without scales"))
+        bias = get("enable_bias", True)
+        return model_config(vocab_size=get("vocab_size", 50272), block_size=get("max_position_embeddings", 2048),
+                            embedding_dim=d, num_head=H, N=get("num_hidden_layers", 12), alibi_attn=False,
+                            position_offset=2, bias=bias, attention_bias=bias, mlp_dim=get("ffn_dim"),
+                            tie_embeddings=get("tie_word_embeddings", True), layer_norm_epsilon=1e-5, **act), kind
+    base, factor = _rope(get, where, names[kind], "rope_theta", None, 1.0)
+    act, bad_act = activation("hidden_act", "silu", ("swiglu",))
+    refuse_if(bad_act,
+              (factor != 1.0, f"partial_rotary_factor {factor} (LLaMA rotates whole heads)"),
+              (get("head_dim") not in (None, d // H), f"head_dim {get('head_dim')} (not hidden_size / heads)"))
+    return model_config(vocab_size=get("vocab_size", 32000), block_size=get("max_position_embeddings", 2048),
+                        embedding_dim=d, num_head=H, N=get("num_hidden_layers", 32), alibi_attn=False,
+                        rotary_dim=d // H, rotary_base=base, norm="rmsnorm", **act,
+                        num_kv_head=get("num_key_value_heads"), bias=get("mlp_bias", False),
+                        attention_bias=get("attention_bias", False), mlp_dim=get("intermediate_size", 11008),
+                        tie_embeddings=get("tie_word_embeddings", False),
+                        layer_norm_epsilon=get("rms_norm_eps", 1e-6)), kind
+
