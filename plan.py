@@ -63,6 +63,7 @@ import re
 
 import numpy as np
 
+import attention as attention_lib
 import model as model_lib
 import sharding as sharding_lib
 import step as step_lib
@@ -80,7 +81,7 @@ class Kind:
     label: str
     memory: float  # bytes of HBM per JAX device
     peak_key: str | None  # step.PEAK_FLOPS's key: the chip's dense bfloat16 peak
-    backend: str  # "gpu" or "tpu": what model.resolve_attention picks for
+    backend: str  # "gpu" or "tpu": what attention.resolve_attention picks for
     per_chip: int = 1  # JAX devices per chip (TPU v2, v3: two TensorCores, each its own device)
     slice_names: str = ""  # what the number in a slice name (v3-32) counts: "cores" or "chips"
     one_host: int = 4  # chips a single-host slice has at most; larger slices have 4 chips per host
@@ -233,7 +234,7 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
     F_in = 2 * F if m.activation == "swiglu" else F  # the MLP's input projections: SwiGLU's gate and up
     c = np.dtype(model_lib.DTYPES[m.dtype]).itemsize
     masked = t.fcm_max_ratio > 0  # the masked path (xla with a (B, T, T) mask)
-    impl = "xla" if masked else model_lib.resolve_attention(m, dev.backend)
+    impl = "xla" if masked else attention_lib.resolve_attention(m, dev.backend)
     norms = 1 if m.residual == "parallel_shared" else 2
     BT = B * T
     narrow = c < 4  # the weights' compute-dtype copies exist

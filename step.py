@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import attention as attention_lib
 import model as model_lib
 import sharding as sharding_lib
 
@@ -122,7 +123,7 @@ def make_masked_loss(loss_fn, fcm_max_ratio: float = 0.0):
     def masked_loss(params, batch, dropout_key=None, fcm_key=None):
         tokens, segments = batch["tokens"], batch.get("segments")
         B, T = tokens.shape[0], tokens.shape[1] - 1
-        mask = model_lib.attention_mask(B, T, segment_ids=segments, fcm_key=fcm_key, fcm_max_ratio=fcm_max_ratio)
+        mask = attention_lib.attention_mask(B, T, segment_ids=segments, fcm_key=fcm_key, fcm_max_ratio=fcm_max_ratio)
         return loss_fn(params, tokens, batch.get("weights"), dropout_key, mask=mask, segment_ids=segments)
 
     return masked_loss

@@ -30,6 +30,7 @@ import convert_torch as ct
 import data
 import eval as E
 import loader
+import attention
 import model
 import rundir
 import shards
@@ -119,7 +120,7 @@ def test_torch_module_matches_jax(tmp_path, overrides):
 
 def test_alibi_slopes_are_model_py_slopes():
     for n in (1, 3, 4, 6, 12, 16, 20):
-        np.testing.assert_array_equal(ct.alibi_slopes(n).numpy(), model.alibi_slopes(n))
+        np.testing.assert_array_equal(ct.alibi_slopes(n).numpy(), attention.alibi_slopes(n))
 
 
 @pytest.mark.parametrize("overrides,layout", [

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from flax import nnx
 
+import attention as A
 import model as M
 
 TINY = M.GPTConfig(vocab_size=200, block_size=16, embedding_dim=32, num_head=4, N=2)
@@ -51,9 +52,9 @@ def test_alibi_slopes_follow_the_paper(n):
         c *= 2
     expected = [2 ** (-8 * i / c) for i in range(1, c + 1)]
     expected += [2 ** (-8 * j / (2 * c)) for j in range(1, 4 * c, 2)][: n - c]
-    np.testing.assert_allclose(M.alibi_slopes(n), expected, rtol=1e-6)
+    np.testing.assert_allclose(A.alibi_slopes(n), expected, rtol=1e-6)
     if n == 8:  # the paper's example: 1/2, 1/4, ..., 1/256
-        np.testing.assert_allclose(M.alibi_slopes(8), [1 / 2 ** i for i in range(1, 9)], rtol=1e-6)
+        np.testing.assert_allclose(A.alibi_slopes(8), [1 / 2 ** i for i in range(1, 9)], rtol=1e-6)
 
 
 def naive_attention(q, k, v, slopes):
@@ -76,10 +77,10 @@ def test_attention_adds_alibi_bias_under_causal_mask(impl):
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 7, 4, 8)), jnp.float32) for _ in range(3))
     cfg = dataclasses.replace(TINY, attention=impl)
-    got = M.attention(q, k, v, cfg)
+    got = A.attention(q, k, v, cfg)
     slopes = [2 ** (-8 * i / 4) for i in range(1, 5)]
     np.testing.assert_allclose(np.asarray(got), naive_attention(q, k, v, slopes), atol=1e-5)
-    no_alibi = M.attention(q, k, v, dataclasses.replace(cfg, alibi_attn=False))
+    no_alibi = A.attention(q, k, v, dataclasses.replace(cfg, alibi_attn=False))
     np.testing.assert_allclose(np.asarray(no_alibi), naive_attention(q, k, v, [0.0] * 4), atol=1e-5)
 
 
@@ -277,22 +278,22 @@ def test_auto_attention_picks_the_measured_fastest_per_backend():
     cfg = M.GPTConfig()
     assert cfg.attention == "auto"
     bf16 = dataclasses.replace(cfg, dtype="bfloat16")
-    assert M.resolve_attention(bf16, "gpu") == "pallas"  # ALiBi: the bias made in-kernel
-    assert M.resolve_attention(dataclasses.replace(bf16, alibi_attn=False), "gpu") == "cudnn"
+    assert A.resolve_attention(bf16, "gpu") == "pallas"  # ALiBi: the bias made in-kernel
+    assert A.resolve_attention(dataclasses.replace(bf16, alibi_attn=False), "gpu") == "cudnn"
     rotary = dataclasses.replace(bf16, alibi_attn=False, rotary_dim=16)
-    assert M.resolve_attention(rotary, "gpu") == "cudnn"  # head size 64
+    assert A.resolve_attention(rotary, "gpu") == "cudnn"  # head size 64
     gptj_heads = dataclasses.replace(rotary, embedding_dim=256 * 12)  # head size 256: past cuDNN's 128
-    assert M.resolve_attention(gptj_heads, "gpu") == "xla"
-    assert M.resolve_attention(dataclasses.replace(bf16, dtype="float16"), "gpu") == "pallas"
+    assert A.resolve_attention(gptj_heads, "gpu") == "xla"
+    assert A.resolve_attention(dataclasses.replace(bf16, dtype="float16"), "gpu") == "pallas"
     for other in ("cpu", "tpu"):
-        assert M.resolve_attention(bf16, other) == "xla"
-    assert M.resolve_attention(cfg, "gpu") == "xla"  # float32
-    assert M.resolve_attention(dataclasses.replace(bf16, dropout=0.1), "gpu") == "xla"  # only xla drops
+        assert A.resolve_attention(bf16, other) == "xla"
+    assert A.resolve_attention(cfg, "gpu") == "xla"  # float32
+    assert A.resolve_attention(dataclasses.replace(bf16, dropout=0.1), "gpu") == "xla"  # only xla drops
     for impl in ("xla", "dot_product", "cudnn", "pallas"):  # a named implementation is kept everywhere
-        assert M.resolve_attention(dataclasses.replace(bf16, attention=impl), "cpu") == impl
+        assert A.resolve_attention(dataclasses.replace(bf16, attention=impl), "cpu") == impl
     # auto on this backend computes what its choice computes
     x = tokens((2, 9))
-    chosen = M.resolve_attention(TINY)
+    chosen = A.resolve_attention(TINY)
     auto, named = build(dataclasses.replace(TINY, attention="auto")), build(dataclasses.replace(TINY, attention=chosen))
     np.testing.assert_array_equal(auto(x), named(x))
 
