@@ -32,8 +32,8 @@ training path `__call__` does not touch it.
 
 Every parameter carries logical axis names in its `axes` metadata (`vocab`, `embed`, `heads`,
 `kv`, `mlp`, or None for a replicated dimension) and the main activations are constrained by
-name through `logical_constraint`. `sharding.py` maps these names to mesh axes; the model never
-sees a mesh. (The names live in our own metadata key rather than NNX's `out_sharding`, which NNX
+name through `logical_constraint` (logical_axes.py). `sharding.py` maps these names to mesh axes;
+the model never sees a mesh. (The names live in our own metadata key rather than NNX's `out_sharding`, which NNX
 applies eagerly and which then requires a mesh even on one CPU.)
 
 Precision: parameters are float32; matrix products run in the compute `dtype`; attention scores,
@@ -41,12 +41,9 @@ the softmax, the logits and the loss are float32 whatever the compute dtype.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +52,7 @@ from flax import nnx
 
 from attention import (ATTENTION_IMPLS, apply_rotary, attention, cached_attention, dropout, rotary_angles,
                        segment_positions)
+from logical_axes import activation_sharding_of, logical_constraint
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = {
@@ -195,45 +193,7 @@ class GPTConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# Logical axis names for activations. sharding.py installs a function from a tuple of names to a
-# sharding; without one (a single device, or plain data parallelism) the constraint is a no-op.
-
-_activation_sharding: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
-    "activation_sharding", default=None
-)
-
-
-@contextlib.contextmanager
-def activation_sharding(names_to_sharding: Callable):
-    """Within this context, traced model code constrains activations with `names_to_sharding(axes)`."""
-    token = _activation_sharding.set(names_to_sharding)
-    try:
-        yield
-    finally:
-        _activation_sharding.reset(token)
-
-
-def activation_sharding_of(axes: tuple[str | None, ...]):
-    """The sharding that activations with logical axis names `axes` get in this context; None outside one."""
-    to_sharding = _activation_sharding.get()
-    return None if to_sharding is None else to_sharding(axes)
-
-
-def logical_constraint(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-    sharding = activation_sharding_of(axes)
-    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
-
-
-def param_axes(state):
-    """The logical axis names of every parameter, as a pytree shaped like `state`."""
-    return jax.tree.map(
-        lambda v: v.get_metadata("axes"), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-
-
-# ----------------------------------------------------------------------------------------------
 # Layers
-
 
 
 def _fold(key: jax.Array | None, i: int) -> jax.Array | None:

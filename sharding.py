@@ -1,7 +1,7 @@
 """Device mesh, the one logical-axis rules table, ZeRO stages 0-3, batch placement, multi-host start-up.
 
     devices ──make_mesh──> Mesh (data, fsdp, tensor)
-    model.param_axes (logical names per weight dim) ──RULES for the ZeRO stage──> PartitionSpec per weight
+    logical_axes.param_axes (names per weight dim) ──RULES for the ZeRO stage──> PartitionSpec per weight
     state {params, opt_state, step, rng} ──state_shardings──> NamedSharding per leaf (jit in/out shardings)
     this process's loader rows ──place_batch──> one global jax.Array split over (data, fsdp)
 
@@ -55,7 +55,7 @@ ZERO_RULES = (("embed", ZERO_AXES), ("mlp", ZERO_AXES), ("vocab", ZERO_AXES), ("
               ("heads", ZERO_AXES))
 REPLICATED_RULES = tuple((name, None) for name in LOGICAL_AXES)
 
-# Activations (model.logical_constraint names): batch over the data-parallel axes, the
+# Activations (logical_axes.logical_constraint names): batch over the data-parallel axes, the
 # tensor-parallel dimensions over `tensor`, everything else replicated.
 ACTIVATION_RULES = {"batch": BATCH_AXES, "heads": "tensor", "mlp": "tensor", "vocab": "tensor",
                     "length": None, "embed": None, "kv": None}
@@ -262,7 +262,7 @@ def with_shardings(abstract_tree, shardings):
 
 
 def activation_rules(mesh):
-    """For model.activation_sharding: a tuple of activation axis names -> NamedSharding."""
+    """For logical_axes.activation_sharding: a tuple of activation axis names -> NamedSharding."""
 
     def to_sharding(names):
         unknown = [n for n in names if n is not None and n not in ACTIVATION_RULES]

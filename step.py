@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 import attention as attention_lib
+import logical_axes
 import model as model_lib
 import sharding as sharding_lib
 
@@ -163,7 +164,7 @@ def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activat
     def train_step(state, batch):
         if activations is None:
             return _train_step(state, batch)
-        with model_lib.activation_sharding(activations):
+        with logical_axes.activation_sharding(activations):
             return _train_step(state, batch)
 
     def _train_step(state, batch):
@@ -216,7 +217,7 @@ def state_shapes(mcfg: model_lib.GPTConfig, t, abstract_vars=None):
         _, abstract_vars = make_loss(mcfg)
     tx, _ = make_optimizer(t)
     keys = jax.random.split(jax.random.key(0))  # shapes only: the seed changes no shape
-    return jax.eval_shape(make_init_state(mcfg, tx), *keys), nnx.to_pure_dict(model_lib.param_axes(abstract_vars))
+    return jax.eval_shape(make_init_state(mcfg, tx), *keys), nnx.to_pure_dict(logical_axes.param_axes(abstract_vars))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +265,7 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
     @functools.partial(jax.jit, in_shardings=(state_sharding["params"], batch_sharding), out_shardings=replicated)
     def eval_step(params, batch):
         """Summed loss and count of a validation batch: no dropout, no FCM; segments kept apart."""
-        with model_lib.activation_sharding(activations):
+        with logical_axes.activation_sharding(activations):
             loss, n = masked_loss(params, batch)
         return loss * n, n
 

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import attention as A
 import bench
 import config
 import flash_alibi
-import attention as A
+import logical_axes
 import model as M
 import sharding
 import step
@@ -159,7 +160,7 @@ def test_zero3_train_step_with_pallas_lowers_for_cuda(monkeypatch):
     init_state = step.make_init_state(mcfg, tx)
     keys = jax.random.split(jax.random.key(0))
     abstract_state = jax.eval_shape(init_state, *keys)
-    axes = nnx.to_pure_dict(M.param_axes(abstract_vars))
+    axes = nnx.to_pure_dict(logical_axes.param_axes(abstract_vars))
     state_sharding, grad_sharding, _ = sharding.state_shardings(abstract_state, axes, mesh, 3)
     train_step = step.make_train_step(loss_fn, tx, 2, grad_sharding, sharding.activation_rules(mesh))
     batch = jax.ShapeDtypeStruct((16, 65), jnp.int32, sharding=sharding.batch_sharding(mesh))

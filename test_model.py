@@ -13,6 +13,7 @@ import yaml
 from flax import nnx
 
 import attention as A
+import logical_axes
 import model as M
 
 TINY = M.GPTConfig(vocab_size=200, block_size=16, embedding_dim=32, num_head=4, N=2)
@@ -368,7 +369,7 @@ def test_activation_sharding_hook_sees_the_named_activations():
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     graphdef, params = nnx.split(build(TINY))
-    with M.activation_sharding(to_sharding):
+    with logical_axes.activation_sharding(to_sharding):
         jax.jit(lambda p: nnx.merge(graphdef, p)(tokens((1, 8))))(params)
     assert ("batch", "length", "embed") in seen
     assert ("batch", "length", "heads", "kv") in seen

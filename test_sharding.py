@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import config
+import logical_axes
 import model
 import rundir
 import sharding
@@ -58,12 +59,12 @@ def one_step(mesh, stage, params, opt_state, tokens, cfg=None):
     cfg, graphdef, variables = tiny_model(cfg)
     tx = optax.adamw(1e-2, eps=1e-3, weight_decay=0.1)
     abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p)}, params)
-    axes = nnx.to_pure_dict(model.param_axes(variables))
+    axes = nnx.to_pure_dict(logical_axes.param_axes(variables))
     shardings, grad_sh, _ = sharding.state_shardings(abstract, axes, mesh, stage)
     act = sharding.activation_rules(mesh)
 
     def step(state, tokens):
-        with model.activation_sharding(act):
+        with logical_axes.activation_sharding(act):
             loss, g = jax.value_and_grad(lambda p: loss_fn(graphdef, variables, p, tokens))(state["params"])
         g = jax.lax.with_sharding_constraint(g, grad_sh)
         updates, opt = tx.update(g, state["opt_state"], state["params"])
@@ -137,7 +138,7 @@ def test_rules_table(stage, mesh_sizes):
     mesh = sharding.make_mesh(*mesh_sizes)
     cfg, _, variables = tiny_model()
     params = nnx.to_pure_dict(variables)
-    axes = nnx.to_pure_dict(model.param_axes(variables))
+    axes = nnx.to_pure_dict(logical_axes.param_axes(variables))
     tx = optax.adamw(1e-2)
     abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)},
                               params)
@@ -199,7 +200,7 @@ def compile_memory(stage):
     tx = optax.adamw(1e-2)
     mesh = sharding.make_mesh(8, 1, 1)
     state = jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p)}, params)
-    shardings, grad_sh, _ = sharding.state_shardings(state, nnx.to_pure_dict(model.param_axes(variables)), mesh, stage)
+    shardings, grad_sh, _ = sharding.state_shardings(state, nnx.to_pure_dict(logical_axes.param_axes(variables)), mesh, stage)
     constrain = lambda g: jax.lax.with_sharding_constraint(g, grad_sh)  # noqa: E731
 
     def step(state, batch):
