@@ -262,7 +262,7 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
     attention += B * T * T if masked else 0  # the bool (B, T, T) mask
 
     chunk = _loss_chunk(t)  # tokens per device at a time
-    if chunk and BT > chunk:  # chunked: one chunk's float32 logits and gradient at a time, as model.py cuts them
+    if chunk and BT > chunk:  # chunked: one chunk's float32 logits and gradient at a time, as loss.py cuts them
         chunks = -(-T // max(1, chunk // B))
         rows = -(-T // chunks)  # positions of each row in a chunk
         # the chunk's logits (float32), their gradient (float32, then in the compute dtype), the gradients

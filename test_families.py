@@ -28,6 +28,7 @@ from flax import nnx
 import config
 import convert_torch as ct
 import loader
+import loss as loss_lib
 import model
 import rundir
 import sample
@@ -256,7 +257,7 @@ def test_attention_kernels_take_rotary_and_grouped_query_attention(impl):
 
     def loss_and_grad(m):
         graphdef, state = nnx.split(m)
-        f = lambda s: model.cross_entropy(nnx.merge(graphdef, s)(toks[:, :-1]), toks[:, 1:])[0]  # noqa: E731
+        f = lambda s: loss_lib.cross_entropy(nnx.merge(graphdef, s)(toks[:, :-1]), toks[:, 1:])[0]  # noqa: E731
         return jax.value_and_grad(f)(state)
 
     (ref_loss, ref_g), (loss, g) = loss_and_grad(ref_model), loss_and_grad(other)

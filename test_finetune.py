@@ -20,6 +20,7 @@ import data
 import finetune_data
 import loader
 import attention as attention_lib
+import loss as loss_lib
 import model as model_lib
 import rundir
 import sample
@@ -384,7 +385,7 @@ def test_fcm_training_learns_and_evaluation_is_unaffected(corpus, tmp_path):  # 
     losses, counts = [], []
     for tokens in loader.eval_windows(corpus, "val", cfg.seq_len, 8, max_windows=cfg.training.eval_windows):
         logits = model(jnp.asarray(tokens[:, :-1]))
-        loss, n = model_lib.cross_entropy(logits, jnp.asarray(tokens[:, 1:]))
+        loss, n = loss_lib.cross_entropy(logits, jnp.asarray(tokens[:, 1:]))
         losses.append(float(loss) * float(n))
         counts.append(float(n))
     assert abs(sum(losses) / sum(counts) - got[-1]["val_loss"]) < 1e-4

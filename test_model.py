@@ -14,6 +14,7 @@ from flax import nnx
 
 import attention as A
 import logical_axes
+import loss as loss_lib
 import model as M
 
 TINY = M.GPTConfig(vocab_size=200, block_size=16, embedding_dim=32, num_head=4, N=2)
@@ -29,7 +30,7 @@ def tokens(shape, vocab=200, seed=0):
 
 def loss_fn(graphdef, params, batch, key=None):
     logits = nnx.merge(graphdef, params)(batch[:, :-1], dropout_key=key)
-    return M.cross_entropy(logits, batch[:, 1:])[0]
+    return loss_lib.cross_entropy(logits, batch[:, 1:])[0]
 
 
 @pytest.mark.parametrize("alibi", [True, False])
@@ -215,7 +216,7 @@ def test_padded_vocabulary_rows_never_take_probability():
     assert real.max() < -5  # strongly negative, as trained weights give
     log_probs = real - (real.max() + np.log(np.exp(real - real.max()).sum()))
     want = -log_probs[np.asarray(batch[:, 1:])].mean()
-    got = float(M.cross_entropy(logits, batch[:, 1:])[0])
+    got = float(loss_lib.cross_entropy(logits, batch[:, 1:])[0])
     assert abs(got - want) < 1e-4 * want
     probs = jax.nn.softmax(logits, axis=-1)
     assert float(probs[..., cfg.vocab_size:].max()) == 0.0
@@ -258,17 +259,17 @@ def test_tied_logits_backward_runs_in_the_compute_dtype():
         out, vjp = jax.vjp(lambda a, b: f(a, b, dtype), x.astype(dtype), w)
         return (out, *vjp(g))
 
-    for got, want in zip(grads(M.tied_logits, jnp.float32), grads(autodiff, jnp.float32)):
+    for got, want in zip(grads(loss_lib.tied_logits, jnp.float32), grads(autodiff, jnp.float32)):
         np.testing.assert_array_equal(got, want)  # float32: the same products, bit for bit
 
     backward = lambda f: lambda a, b: jax.vjp(lambda a, b: f(a, b, jnp.bfloat16), a, b)[1](g)  # noqa: E731
     plain = _dot_operand_dtypes(backward(autodiff), x.astype(jnp.bfloat16), w)
-    ours = _dot_operand_dtypes(backward(M.tied_logits), x.astype(jnp.bfloat16), w)
+    ours = _dot_operand_dtypes(backward(loss_lib.tied_logits), x.astype(jnp.bfloat16), w)
     assert any("float32" in pair for pair in plain)  # what this replaces: float32 in a product (XLA: TF32)
     assert len(ours) == 3 and all(pair == ("bfloat16", "bfloat16") for pair in ours)  # forward and 2 backward
 
     exact = grads(autodiff, jnp.float32)
-    logits, dx, dw = grads(M.tied_logits, jnp.bfloat16)
+    logits, dx, dw = grads(loss_lib.tied_logits, jnp.bfloat16)
     assert logits.dtype == jnp.float32 and dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
     for got, want in zip((logits, dx, dw), exact):  # bfloat16 rounding of the operands, no more
         rel = float(jnp.abs(got.astype(jnp.float32) - want).max() / jnp.abs(want).max())
@@ -306,10 +307,10 @@ def test_cross_entropy_with_weights():
     weights = (rng.random((2, 5)) > 0.4).astype(np.float32)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
-    loss, n = M.cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
+    loss, n = loss_lib.cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
     assert float(n) == weights.sum()
     np.testing.assert_allclose(float(loss), (nll * weights).sum() / weights.sum(), rtol=1e-5)
-    loss, n = M.cross_entropy(jnp.asarray(logits), jnp.asarray(targets))
+    loss, n = loss_lib.cross_entropy(jnp.asarray(logits), jnp.asarray(targets))
     assert float(n) == 10
     np.testing.assert_allclose(float(loss), nll.mean(), rtol=1e-5)
 
@@ -436,7 +437,7 @@ def whole_and_chunked(cfg, batch, weights, chunk):
     graphdef, params = nnx.split(build(cfg))
 
     def whole(p):
-        return M.cross_entropy(nnx.merge(graphdef, p)(batch[:, :-1]), batch[:, 1:], weights)
+        return loss_lib.cross_entropy(nnx.merge(graphdef, p)(batch[:, :-1]), batch[:, 1:], weights)
 
     def chunked(p):
         return nnx.merge(graphdef, p).loss(batch[:, :-1], batch[:, 1:], weights, chunk=chunk)

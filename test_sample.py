@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import attention as A
+import loss as loss_lib
 import model as M
 import rundir
 import sample
@@ -142,7 +143,7 @@ def test_training_forward_unchanged_by_the_refactor():
     V = cfg.vocab_size
     got = np.asarray(m(jnp.asarray(toks)))[0]
     np.testing.assert_allclose(got[:, :V], expected[:, :V], atol=2e-4, rtol=1e-4)
-    assert (got[:, V:] == M.PADDED_LOGIT).all() and M.PADDED_LOGIT < -1e8  # the padding rows: never chosen
+    assert (got[:, V:] == loss_lib.PADDED_LOGIT).all() and loss_lib.PADDED_LOGIT < -1e8  # the padding rows: never chosen
 
 
 # ----------------------------------------------------------------------------------------------

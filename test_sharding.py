@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import config
 import logical_axes
+import loss as loss_lib
 import model
 import rundir
 import sharding
@@ -46,7 +47,7 @@ def loss_fn(graphdef, variables, params, tokens):
     fresh = jax.tree.map(lambda v: v, variables)
     nnx.replace_by_pure_dict(fresh, params)
     logits = nnx.merge(graphdef, fresh)(tokens[:, :-1])
-    return model.cross_entropy(logits, tokens[:, 1:])[0]
+    return loss_lib.cross_entropy(logits, tokens[:, 1:])[0]
 
 
 def one_step(mesh, stage, params, opt_state, tokens, cfg=None):
