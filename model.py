@@ -178,6 +178,12 @@ class GPTConfig:
         return 4 * self.embedding_dim if self.mlp_dim is None else self.mlp_dim
 
     @property
+    def axis_sizes(self) -> dict[str, int]:
+        """The size of each logical axis the parameters name (logical_axes.py), for sharding.check_model."""
+        return {"vocab": self.padded_vocab_size, "embed": self.embedding_dim, "heads": self.num_head,
+                "kv_heads": self.kv_heads, "kv": self.head_dim, "mlp": self.ffn_dim}
+
+    @property
     def attn_bias(self) -> bool:
         return self.bias if self.attention_bias is None else self.attention_bias
 
@@ -236,10 +242,10 @@ class Attention(nnx.Module):
         if K == H:  # q, k and v in one weight: (d, 3, H, D)
             self.c_attn = dense((d, 3, H, D), ("embed", None, "heads", "kv"), 1, std=0.02)
             self.c_q = self.c_kv = None
-        else:  # grouped-query attention: q (d, H, D), and k and v (d, 2, K, D)
+        else:  # grouped-query attention: q (d, H, D), and k and v (d, 2, K, D) with their own axis name
             self.c_attn = None
             self.c_q = dense((d, H, D), ("embed", "heads", "kv"), 1, std=0.02)
-            self.c_kv = dense((d, 2, K, D), ("embed", None, "heads", "kv"), 1, std=0.02)
+            self.c_kv = dense((d, 2, K, D), ("embed", None, "kv_heads", "kv"), 1, std=0.02)
         # residual projection, scaled down by depth as in GPT-2: (H, D, d)
         self.c_proj = dense((H, D, d), ("heads", "kv", "embed"), 2, std=0.02 / math.sqrt(2 * cfg.N))
         self.cfg = cfg
@@ -254,7 +260,7 @@ class Attention(nnx.Module):
         else:
             q = logical_constraint(self.c_q("btd,dhc->bthc", x), ("batch", "length", "heads", "kv"))  # (B, T, H, D)
             kv = self.c_kv("btd,dshc->btshc", x)  # (B, T, 2, K, D)
-            kv = logical_constraint(kv, ("batch", "length", None, "heads", "kv"))
+            kv = logical_constraint(kv, ("batch", "length", None, "kv_heads", "kv"))
             k, v = kv[:, :, 0], kv[:, :, 1]
         if rope is not None:
             q, k = (apply_rotary(a, rope, self.cfg.rotary_interleaved) for a in (q, k))

@@ -220,8 +220,7 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
     split that does not divide."""
     m, t, sh = cfg.model, cfg.training, cfg.sharding
     mesh = sharding_lib.abstract_mesh(sh.data, sh.fsdp, sh.tensor, n=dev.count)
-    sharding_lib.check_model(mesh, num_head=m.num_head, mlp_dim=m.ffn_dim, vocab=m.padded_vocab_size,
-                             num_kv_head=m.kv_heads)
+    sharding_lib.check_model(mesh, m.axis_sizes)
     sharding_lib.check_batch(mesh, t.batch_size, t.micro_batches)
     state = state or _State(cfg)
     placed, fallbacks = state.placed(mesh, sh.zero_stage)

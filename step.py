@@ -243,8 +243,7 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
     """Everything a run on `mesh` at `zero_stage` executes, for the model `mcfg` and the
     config.TrainingConfig `t`: the model's shapes first (no memory), then the shardings from
     sharding.py's rules, then jax.jit with them. Checks that tensor parallelism divides the model."""
-    sharding_lib.check_model(mesh, num_head=mcfg.num_head, mlp_dim=mcfg.ffn_dim, vocab=mcfg.padded_vocab_size,
-                             num_kv_head=mcfg.kv_heads)
+    sharding_lib.check_model(mesh, mcfg.axis_sizes)
     # the model's shapes and axis names, no memory; training.loss_chunk counts one device's tokens,
     # so the loss's chunk over the whole (micro-)batch is that many on every data-parallel device
     loss_fn, abstract_vars = make_loss(mcfg, t.loss_chunk * sharding_lib.axis_size(mesh, sharding_lib.BATCH_AXES))

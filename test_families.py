@@ -391,5 +391,4 @@ def test_tensor_parallelism_must_split_the_key_value_heads():
     cfg = model.GPTConfig(**{**SMALL, **SWITCHES["llama"]})  # 4 query heads, 2 key/value heads
     mesh = sharding.make_mesh(2, 1, 4)
     with pytest.raises(sharding.ShardingError, match=r"model.num_kv_head \(2\) is not divisible by the tensor axis"):
-        sharding.check_model(mesh, num_head=cfg.num_head, mlp_dim=cfg.ffn_dim, vocab=cfg.padded_vocab_size,
-                             num_kv_head=cfg.kv_heads)
+        sharding.check_model(mesh, cfg.axis_sizes)

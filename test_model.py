@@ -353,7 +353,7 @@ def test_initial_weights_have_gpt2_standard_deviations():
 def test_every_parameter_has_logical_axis_names():
     cfg = dataclasses.replace(TINY, alibi_attn=False, embed_norm=True)
     state = nnx.state(build(cfg))
-    names = {"batch", "length", "embed", "heads", "kv", "mlp", "vocab", None}
+    names = {"batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", None}
     leaves = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
     assert len(leaves) == len(jax.tree.leaves(state))
     for var in leaves:
