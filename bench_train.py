@@ -235,8 +235,8 @@ def bench_torch(mcfg, batch: int, seq: int, args, which: str, peak: float | None
 
 def resolve(args):
     """(name, GPTConfig, seq) from the command line; TrainBenchError for a bad choice."""
+    import attention as attention_lib
     import config as config_lib
-    import model as model_lib
 
     sizes = config_lib.load_model_sizes()
     if args.model not in sizes:
@@ -257,7 +257,7 @@ def resolve(args):
                                   f"model {name}")
         mcfg = dataclasses.replace(mcfg, block_size=seq)  # ALiBi: the context is what is fed
     try:
-        model_lib.check_attention_backend(mcfg)  # before anything is timed
+        attention_lib.check_attention_backend(mcfg)  # before anything is timed
     except ValueError as e:
         raise TrainBenchError(str(e)) from None
     if args.peak_tflops is not None and args.peak_tflops <= 0:
@@ -287,6 +287,7 @@ def targets(name: str, mcfg, seq: int, ours: dict, results: dict) -> dict:
 
 def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     """(results for the JSON record, table rows, one-line summary)."""
+    import attention as attention_lib
     import model as model_lib
 
     name, mcfg, seq = resolve(args)
@@ -334,7 +335,7 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     results["targets"] = targets(name, mcfg, seq, ours, results)
 
     peak = ours["peak_flops"]
-    resolved = model_lib.resolve_attention(mcfg)
+    resolved = attention_lib.resolve_attention(mcfg)
     attention = mcfg.attention if resolved == mcfg.attention else f"{mcfg.attention} ({resolved})"
     results["attention"] = resolved
     gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
@@ -403,6 +404,7 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
     import jax
     import jax.numpy as jnp
 
+    import attention as attention_lib
     import model as model_lib
 
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
@@ -425,11 +427,11 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
     def fwd_bwd(impl, to=dtype):
         """jit of (q, k, v, g) -> ((sum(y * g), y), (dq, dk, dv)), attention computed in dtype `to`."""
         cfg = config(impl.split(":")[0], jnp.dtype(to).name)
-        attend = functools.partial(model_lib.attention, cfg=cfg)
+        attend = functools.partial(attention_lib.attention, cfg=cfg)
         if kernel_settings.get(impl):  # pallas:FWDxBWD[xWARPS[xSTAGES]]: the kernel itself, with these settings
             import flash_alibi
 
-            slopes = model_lib.alibi_slopes(H) if args.alibi else None
+            slopes = attention_lib.alibi_slopes(H) if args.alibi else None
             attend = functools.partial(flash_alibi.flash_alibi_attention, slopes=slopes, **kernel_settings[impl])
 
         def loss(q, k, v, g):
@@ -448,7 +450,7 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
             ("device", f"{results['device_kind']} ({results['platform']})")]
     for impl in impls:
         try:
-            model_lib.check_attention_backend(config(impl.split(":")[0]))  # and GPTConfig's own checks
+            attention_lib.check_attention_backend(config(impl.split(":")[0]))  # and GPTConfig's own checks
         except ValueError as e:
             results["impls"][impl] = {"unavailable": str(e)}
             rows.append((impl, f"unavailable here: {e}"))

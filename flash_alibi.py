@@ -2,7 +2,7 @@
 
     flash_alibi_attention(q, k, v, slopes)     q, k, v (B, T, H, D) -> (B, T, H, D)
 
-The same function as model.attention's reference path (`attention: xla`) for self-attention: query
+The same function as attention.py's reference path (`attention: xla`) for self-attention: query
 i sees key j <= i with the score q_i . k_j / sqrt(D) - slope_h * (i - j), softmax in float32. No
 (T, T) array is ever stored: the forward pass walks the key blocks of each query block with an
 online softmax and keeps only the output and the log-sum-exp per row (O(T) memory); the bias is
@@ -24,8 +24,8 @@ Shapes the kernels do not take directly are padded in the wrapper, which is exac
     nothing to dk and dv;
   D to a power of two (Triton's tiles need one, e.g. 96 -> 128): zero columns add nothing to
     q . k, and the output's extra columns are dropped. The scale stays 1/sqrt(real D).
-Dropout and masks other than the causal one are not supported here; model.py keeps those on
-the XLA reference path. Under a device mesh model.py calls this per device (shard_map over the
+Dropout and masks other than the causal one are not supported here; attention.py keeps those on
+the XLA reference path. Under a device mesh attention.py calls this per device (shard_map over the
 batch rows and heads), since XLA cannot partition a Pallas call.
 """
 from __future__ import annotations
@@ -239,7 +239,7 @@ def flash_alibi_attention(q, k, v, slopes=None, *, block_fwd: int = BLOCK_FWD, b
                           num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
                           interpret: bool | None = None) -> jax.Array:
     """Causal self-attention of q, k, v (B, T, H, D) -> (B, T, H, D) in q's dtype, with the ALiBi
-    bias -slopes[h] * (i - j) (slopes (H,), e.g. model.alibi_slopes(H); None: no bias).
+    bias -slopes[h] * (i - j) (slopes (H,), e.g. attention.alibi_slopes(H); None: no bias).
 
     Differentiable in q, k and v. `interpret`: None runs the Triton kernels on a GPU and interpret
     mode on the CPU. Block sizes are powers of two of at least 16; a short sequence uses smaller ones.

@@ -21,39 +21,37 @@ Written against Flax NNX, Flax's current API. The model holds parameters only: d
 from an explicit key passed to `__call__` (folded per layer and site), so the training step stays
 a pure function of (params, batch, key) and no RNG state lives in the module.
 
-ALiBi (Press, Smith & Lewis, "Train Short, Test Long", ICLR 2022) adds `-slope_h * (i - j)` to
-the scaled attention score of query i and key j <= i, with one fixed slope per head and no
-position embedding. The bias is built for whatever length is fed, so a model trained at context
-T runs at 2T, 4T, 8T. With `alibi_attn: false` the model uses GPT-2's learned absolute
-positions instead and refuses inputs longer than `block_size`.
+ALiBi biases, rotary embeddings, the attention implementations and the masks are attention.py's;
+ALiBi runs at any length, so a model trained at context T runs at 2T, 4T, 8T. With `alibi_attn:
+false` (and no rotary embeddings) the model uses GPT-2's learned absolute positions instead and
+refuses inputs longer than `block_size`.
 
 Generation uses a separate path: `GPT.decode(tokens, cache, pos)` runs the same layers on new
 tokens at positions pos.. against a preallocated KV cache (`init_cache`), for sample.py; the
 training path `__call__` does not touch it.
 
-Every parameter carries logical axis names in its `axes` metadata (`vocab`, `embed`, `heads`,
-`kv`, `mlp`, or None for a replicated dimension) and the main activations are constrained by
-name through `logical_constraint`. `sharding.py` maps these names to mesh axes; the model never
-sees a mesh. (The names live in our own metadata key rather than NNX's `out_sharding`, which NNX
-applies eagerly and which then requires a mesh even on one CPU.)
+Every parameter carries logical axis names in its `axes` metadata and the main activations are
+constrained by name (logical_axes.py); `sharding.py` maps the names to mesh axes, and the model
+never sees a mesh. (The names live in our own metadata key rather than NNX's `out_sharding`, which
+NNX applies eagerly and which then requires a mesh even on one CPU.)
 
 Precision: parameters are float32; matrix products run in the compute `dtype`; attention scores,
-the softmax, the logits and the loss are float32 whatever the compute dtype.
+the softmax, the logits and the loss (loss.py) are float32 whatever the compute dtype.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 from flax import nnx
+
+from attention import (ATTENTION_IMPLS, apply_rotary, attention, cached_attention, dropout, rotary_angles,
+                       segment_positions)
+from logical_axes import activation_sharding_of, logical_constraint
+from loss import PADDED_LOGIT, chunked_cross_entropy, cross_entropy, tied_logits
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = {
@@ -62,15 +60,7 @@ REMAT_POLICIES = {
     # keep the outputs of weight matmuls, recompute attention scores and elementwise ops
     "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-# auto: the fastest measured for this backend and model (`resolve_attention`); xla: the reference
-# below; dot_product: jax.nn.dot_product_attention with JAX's default implementation (XLA's, as of
-# JAX 0.10); cudnn: the same forced to cuDNN's fused kernel (NVIDIA GPU only); pallas: flash_alibi.py's
-# kernel, which makes the ALiBi bias inside (O(T) memory)
-ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn", "pallas")
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding and logits matmuls tile well
-# the logit of every padding row (ids >= vocab_size): its probability is exactly 0 in float32 next to
-# any real logit, so every softmax is over the real vocabulary; finite, so 0 * logit stays 0
-PADDED_LOGIT = -1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +178,12 @@ class GPTConfig:
         return 4 * self.embedding_dim if self.mlp_dim is None else self.mlp_dim
 
     @property
+    def axis_sizes(self) -> dict[str, int]:
+        """The size of each logical axis the parameters name (logical_axes.py), for sharding.check_model."""
+        return {"vocab": self.padded_vocab_size, "embed": self.embedding_dim, "heads": self.num_head,
+                "kv_heads": self.kv_heads, "kv": self.head_dim, "mlp": self.ffn_dim}
+
+    @property
     def attn_bias(self) -> bool:
         return self.bias if self.attention_bias is None else self.attention_bias
 
@@ -199,112 +195,7 @@ class GPTConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# Logical axis names for activations. sharding.py installs a function from a tuple of names to a
-# sharding; without one (a single device, or plain data parallelism) the constraint is a no-op.
-
-_activation_sharding: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
-    "activation_sharding", default=None
-)
-
-
-@contextlib.contextmanager
-def activation_sharding(names_to_sharding: Callable):
-    """Within this context, traced model code constrains activations with `names_to_sharding(axes)`."""
-    token = _activation_sharding.set(names_to_sharding)
-    try:
-        yield
-    finally:
-        _activation_sharding.reset(token)
-
-
-def logical_constraint(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-    to_sharding = _activation_sharding.get()
-    return x if to_sharding is None else jax.lax.with_sharding_constraint(x, to_sharding(axes))
-
-
-def param_axes(state):
-    """The logical axis names of every parameter, as a pytree shaped like `state`."""
-    return jax.tree.map(
-        lambda v: v.get_metadata("axes"), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# ALiBi
-
-
-def alibi_slopes(n_head: int) -> np.ndarray:
-    """Per-head ALiBi slopes, float32 (n_head,).
-
-    For a power of two n: the geometric sequence 2^(-8/n), 2^(-16/n), ..., 2^(-8). Otherwise the
-    paper's rule: the n' = 2^floor(log2 n) slopes of the closest lower power of two, followed by
-    every other slope of the sequence for 2n' (its 1st, 3rd, 5th, ...) until n slopes are taken.
-    """
-
-    def geometric(n: int) -> list[float]:
-        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
-
-    closest = 2 ** int(math.floor(math.log2(n_head)))
-    slopes = geometric(closest) + geometric(2 * closest)[0::2][: n_head - closest]
-    return np.asarray(slopes, dtype=np.float32)
-
-
-def alibi_bias(n_head: int, q_len: int, k_len: int) -> jax.Array:
-    """-slope * (i - j) for query i, key j, float32 (n_head, q_len, k_len); queries are the last q_len keys."""
-    return alibi_bias_at(n_head, jnp.arange(k_len - q_len, k_len), jnp.arange(k_len))
-
-
-def alibi_bias_at(n_head: int, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
-    """-slope * (i - j) for query positions i (Tq,) and key positions j (Tk,), float32 (n_head, Tq, Tk).
-
-    The positions may be traced, e.g. a decode step's queries at pos..pos+Tq-1 against a whole cache.
-    """
-    i = q_pos[:, None]  # (Tq, 1) absolute query positions
-    j = k_pos[None, :]  # (1, Tk)
-    distance = (i - j).astype(jnp.float32)  # (Tq, Tk); negative above the diagonal, masked anyway
-    return -jnp.asarray(alibi_slopes(n_head))[:, None, None] * distance  # (H, Tq, Tk)
-
-
-# ----------------------------------------------------------------------------------------------
-# Rotary position embeddings (Su et al., "RoFormer", 2021; GPT-J, GPT-NeoX, LLaMA)
-
-
-def rotary_angles(cfg: GPTConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array] | None:
-    """(cos, sin) float32 (T, rotary_dim/2) of the angles p * base^(-2i/rotary_dim) at positions p (T,);
-    None without rotary embeddings. Computed once per forward pass and shared by every layer."""
-    if not cfg.rotary_dim:
-        return None
-    exponents = jnp.arange(0, cfg.rotary_dim, 2, dtype=jnp.float32) / cfg.rotary_dim
-    inv_freq = 1.0 / (jnp.float32(cfg.rotary_base) ** exponents)  # (rotary_dim/2,)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, rotary_dim/2)
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rotary(x: jax.Array, rope: tuple[jax.Array, jax.Array], interleaved: bool) -> jax.Array:
-    """Rotate the first rotary_dim dims of every head of x (B, T, H, D) by the angles of `rope`, in float32.
-
-    Dim pairs (a, b) turn into (a cos - b sin, b cos + a sin): pairs (2i, 2i+1) when interleaved
-    (GPT-J), (i, i + rotary_dim/2) otherwise (GPT-NeoX, LLaMA). The other dims pass unchanged.
-    """
-    cos, sin = (r[None, :, None, :] for r in rope)  # (1, T, 1, rotary_dim/2)
-    half = cos.shape[-1]
-    xf = x.astype(jnp.float32)
-    rot, rest = xf[..., : 2 * half], xf[..., 2 * half:]
-    a, b = (rot[..., 0::2], rot[..., 1::2]) if interleaved else (rot[..., :half], rot[..., half:])
-    a, b = a * cos - b * sin, b * cos + a * sin
-    rot = jnp.stack([a, b], axis=-1).reshape(rot.shape) if interleaved else jnp.concatenate([a, b], axis=-1)
-    return jnp.concatenate([rot, rest], axis=-1).astype(x.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
 # Layers
-
-
-def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
-    if key is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
 def _fold(key: jax.Array | None, i: int) -> jax.Array | None:
@@ -344,125 +235,6 @@ def _norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm | nnx.RMSNorm:
     )
 
 
-def attention(q, k, v, cfg: GPTConfig, dropout_key=None, mask=None) -> jax.Array:
-    """Causal attention of q (B, T, H, D) over k, v (B, T, K, D) -> (B, T, H, D), with the ALiBi bias
-    when configured. K key/value heads divide the H query heads: query head h reads key/value head
-    h // (H / K) (grouped-query attention; K = H is plain multi-head attention).
-
-    `mask` (B, T, T) bool, optional: query i may see key j only where mask[b, i, j] is also true
-    (packed segments, forgetful causal masking; see `attention_mask`). A masked call always takes
-    the reference path.
-    """
-    B, T, H, D = q.shape
-    if mask is not None:
-        return _attend(q, k, v, jnp.arange(T), jnp.arange(T), cfg, dropout_key, mask)
-    impl = resolve_attention(cfg)
-    if impl == "pallas":  # O(T) memory: the bias is made inside the kernel from the slopes
-        group = H // k.shape[2]  # the kernel takes as many key/value heads as query heads
-        k, v = (jnp.repeat(x, group, axis=2) if group > 1 else x for x in (k, v))
-        return _pallas_attention(q, k, v, cfg)
-    if impl == "cudnn":
-        check_attention_backend(dataclasses.replace(cfg, attention=impl))
-        # cuDNN's fused kernel takes even lengths only; one extra key after every query is hidden
-        # by the causal mask, and the extra query row is dropped. Its backward pass also computes
-        # the gradient of the constant bias, (1, H, T, T), and throws it away: O(T^2) memory again.
-        if T % 2:
-            q, k, v = (jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0))) for x in (q, k, v))
-        n = q.shape[1]
-        bias = alibi_bias(H, n, n)[None].astype(q.dtype) if cfg.alibi_attn else None  # (1, H, n, n)
-        y = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True, implementation="cudnn")
-        return y[:, :T]
-    if impl == "dot_product":
-        bias = alibi_bias(H, T, T)[None].astype(q.dtype) if cfg.alibi_attn else None  # (1, H, T, T)
-        return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True)
-    return _attend(q, k, v, jnp.arange(T), jnp.arange(T), cfg, dropout_key)
-
-
-def _pallas_attention(q, k, v, cfg: GPTConfig) -> jax.Array:
-    """flash_alibi's kernel. Under sharding.py's activation rules each device runs it on its own
-    rows and heads (shard_map): a Pallas call is opaque to XLA's partitioner, which would otherwise
-    gather q, k and v whole onto every device. The slopes are split with the heads."""
-    import flash_alibi  # only when chosen: Pallas is not needed otherwise
-
-    H = q.shape[2]
-    slopes = alibi_slopes(H) if cfg.alibi_attn else np.zeros(H, np.float32)
-    to_sharding = _activation_sharding.get()
-    if to_sharding is None:
-        return flash_alibi.flash_alibi_attention(q, k, v, slopes)
-    sharding = to_sharding(("batch", "length", "heads", "kv"))
-    spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
-    if spec[1] is not None or spec[3] is not None:
-        raise ValueError(f"model.attention=pallas needs whole sequences and head dimensions on each device; "
-                         f"the activation sharding splits (batch, length, heads, kv) as {spec}")
-    qkv_spec = jax.sharding.PartitionSpec(*spec)
-    run = jax.shard_map(flash_alibi.flash_alibi_attention, mesh=sharding.mesh,
-                        in_specs=(qkv_spec, qkv_spec, qkv_spec, jax.sharding.PartitionSpec(spec[2])),
-                        out_specs=qkv_spec, check_vma=False)
-    return run(q, k, v, jnp.asarray(slopes))
-
-
-def resolve_attention(cfg: GPTConfig, backend: str | None = None) -> str:
-    """The implementation `cfg.attention` stands for on `backend` (default: JAX's default backend).
-
-    `auto` is the fastest correct one measured there (bench/RESULTS.md, `python bench.py attention`
-    and `train`): on an NVIDIA GPU in bfloat16 or float16, `pallas` for ALiBi models (the bias is
-    made in-kernel; cuDNN takes 1.25x its time at 760m's shape, 1.7x at T=8192, and O(T^2) memory
-    for its bias gradient) and `cudnn` for learned positions and rotary models (no bias; 3% ahead of
-    pallas on 124m's step), whose heads cuDNN's fused kernel takes: a size of at most 128, a multiple
-    of 8 (GPT-J's 256 is not). Everywhere else `xla`: the CPU, TPUs, float32 (not measured on a GPU)
-    and attention dropout (only xla has it)."""
-    if cfg.attention != "auto":
-        return cfg.attention
-    backend = backend or jax.default_backend()
-    if backend == "gpu" and cfg.dtype != "float32" and cfg.dropout == 0:
-        if cfg.alibi_attn:
-            return "pallas"
-        return "cudnn" if cfg.head_dim <= 128 and cfg.head_dim % 8 == 0 else "xla"
-    return "xla"
-
-
-def check_attention_backend(cfg: GPTConfig) -> None:
-    """Raises ValueError (one line) when `cfg.attention` cannot run on the default JAX backend."""
-    backend = jax.default_backend()
-    if cfg.attention == "cudnn" and backend != "gpu":
-        raise ValueError(f"model.attention=cudnn needs an NVIDIA GPU (cuDNN); this JAX runs on {backend}: "
-                         f"use attention=xla, dot_product or pallas")
-    if cfg.attention == "pallas" and backend == "tpu":
-        raise ValueError("model.attention=pallas is a Triton kernel for NVIDIA GPUs; on a TPU use attention=xla "
-                         "or dot_product")
-
-
-def cached_attention(q, k_cache, v_cache, pos, cfg: GPTConfig) -> jax.Array:
-    """Attention of queries q (B, T, H, D) at positions pos..pos+T-1 over caches (B, L, H, D) -> (B, T, H, D).
-
-    Cache slots at and beyond pos + T (still empty) are never seen. The `xla` implementation's
-    float32 scores and softmax, whatever `cfg.attention` says.
-    """
-    T, L = q.shape[1], k_cache.shape[1]
-    y = _attend(q, k_cache.astype(q.dtype), v_cache, pos + jnp.arange(T), jnp.arange(L), cfg)
-    return y.astype(q.dtype)
-
-
-def _attend(q, k, v, q_pos, k_pos, cfg: GPTConfig, dropout_key=None, mask=None) -> jax.Array:
-    """The reference attention: queries q (B, Tq, H, D) at positions q_pos (Tq,), keys and values
-    (B, Tk, K, D) at k_pos (Tk,); query i sees key j iff j <= i (and mask[b, i, j], when a (B, Tq, Tk)
-    mask is given), with -slope * (i - j) under ALiBi. Query head h reads key/value head h // (H / K)."""
-    B, Tq, H, D = q.shape
-    K, Tk = k.shape[2], k.shape[1]
-    qg = q.reshape(B, Tq, K, H // K, D)  # the query heads in groups, one per key/value head
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)  # (B, K, G, Tq, Tk)
-    scores = scores.reshape(B, H, Tq, Tk) * (1.0 / math.sqrt(D))
-    if cfg.alibi_attn:
-        scores = scores + alibi_bias_at(H, q_pos, k_pos)[None]  # (1, H, Tq, Tk)
-    causal = k_pos[None, :] <= q_pos[:, None]  # (Tq, Tk)
-    if mask is not None:
-        causal = (causal[None] & mask)[:, None]  # (B, 1, Tq, Tk)
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)  # float32, always: a bf16 softmax destabilises training
-    probs = _dropout(probs, cfg.dropout, dropout_key).astype(v.dtype).reshape(B, K, H // K, Tq, Tk)
-    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(B, Tq, H, D)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         d, H, K, D, dtype = cfg.embedding_dim, cfg.num_head, cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype]
@@ -470,10 +242,10 @@ class Attention(nnx.Module):
         if K == H:  # q, k and v in one weight: (d, 3, H, D)
             self.c_attn = dense((d, 3, H, D), ("embed", None, "heads", "kv"), 1, std=0.02)
             self.c_q = self.c_kv = None
-        else:  # grouped-query attention: q (d, H, D), and k and v (d, 2, K, D)
+        else:  # grouped-query attention: q (d, H, D), and k and v (d, 2, K, D) with their own axis name
             self.c_attn = None
             self.c_q = dense((d, H, D), ("embed", "heads", "kv"), 1, std=0.02)
-            self.c_kv = dense((d, 2, K, D), ("embed", None, "heads", "kv"), 1, std=0.02)
+            self.c_kv = dense((d, 2, K, D), ("embed", None, "kv_heads", "kv"), 1, std=0.02)
         # residual projection, scaled down by depth as in GPT-2: (H, D, d)
         self.c_proj = dense((H, D, d), ("heads", "kv", "embed"), 2, std=0.02 / math.sqrt(2 * cfg.N))
         self.cfg = cfg
@@ -488,7 +260,7 @@ class Attention(nnx.Module):
         else:
             q = logical_constraint(self.c_q("btd,dhc->bthc", x), ("batch", "length", "heads", "kv"))  # (B, T, H, D)
             kv = self.c_kv("btd,dshc->btshc", x)  # (B, T, 2, K, D)
-            kv = logical_constraint(kv, ("batch", "length", None, "heads", "kv"))
+            kv = logical_constraint(kv, ("batch", "length", None, "kv_heads", "kv"))
             k, v = kv[:, :, 0], kv[:, :, 1]
         if rope is not None:
             q, k = (apply_rotary(a, rope, self.cfg.rotary_interleaved) for a in (q, k))
@@ -501,7 +273,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, rope=None, dropout_key=None, mask=None) -> jax.Array:
         q, k, v = self.qkv(x, rope)
-        return self.out(attention(q, k, v, self.cfg, dropout_key, mask))  # (B, T, d)
+        sharding = activation_sharding_of(("batch", "length", "heads", "kv"))  # the Pallas kernel's, per device
+        return self.out(attention(q, k, v, self.cfg, dropout_key, mask, sharding))  # (B, T, d)
 
     def decode(self, x: jax.Array, rope, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array):
         """Attention of x (B, T, d) at positions pos..pos+T-1 over a cache (B, L, K, D) of earlier keys.
@@ -549,12 +322,12 @@ class Block(nnx.Module):
 
     def _residual(self, x: jax.Array, h: jax.Array, a: jax.Array, dropout_key) -> jax.Array:
         """The block's output from its input x, x's first norm h and the attention output a."""
-        a = _dropout(a, self.dropout, _fold(dropout_key, 1))
+        a = dropout(a, self.dropout, _fold(dropout_key, 1))
         if self.sequential:  # the MLP reads the stream after attention
             x = x + a
-            return x + _dropout(self.mlp(self.ln_2(x)), self.dropout, _fold(dropout_key, 2))
+            return x + dropout(self.mlp(self.ln_2(x)), self.dropout, _fold(dropout_key, 2))
         m = self.mlp(h if self.ln_2 is None else self.ln_2(x))  # parallel: from the block's input
-        return x + a + _dropout(m, self.dropout, _fold(dropout_key, 2))
+        return x + a + dropout(m, self.dropout, _fold(dropout_key, 2))
 
     def __call__(self, x: jax.Array, rope=None, dropout_key=None, mask=None) -> jax.Array:
         h = self.ln_1(x)
@@ -566,35 +339,6 @@ class Block(nnx.Module):
         h = self.ln_1(x)
         y, k_cache, v_cache = self.attn.decode(h, rope, k_cache, v_cache, pos)
         return self._residual(x, h, y, None), k_cache, v_cache
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def tied_logits(x: jax.Array, wte: jax.Array, dtype) -> jax.Array:
-    """The output projection x (B, T, d) @ wte (V, d).T (the tied token embedding, or a separate
-    lm_head) in the compute dtype, with float32 accumulation and result (the loss needs it):
-    float32 (B, T, V).
-
-    The backward pass takes the logits' float32 gradient in the compute dtype, as every other
-    activation gradient of the model: left to autodiff, a float32 cotangent against bfloat16
-    operands turns both backward products, the largest of a small model, into float32 (TF32)
-    matrix products at half the rate. The embedding's gradient still accumulates in float32.
-    With dtype float32 nothing is rounded: the same products as plain autodiff."""
-    return jnp.einsum("btd,vd->btv", x, wte.astype(dtype), preferred_element_type=jnp.float32)
-
-
-def _tied_logits_fwd(x, wte, dtype):
-    return tied_logits(x, wte, dtype), (x, wte)
-
-
-def _tied_logits_bwd(dtype, residuals, g):
-    x, wte = residuals
-    g = g.astype(dtype)  # (B, T, V)
-    dx = jnp.einsum("btv,vd->btd", g, wte.astype(dtype), preferred_element_type=jnp.float32)  # (B, T, d)
-    dwte = jnp.einsum("btv,btd->vd", g, x.astype(dtype), preferred_element_type=jnp.float32)  # (V, d)
-    return dx.astype(x.dtype), dwte.astype(wte.dtype)
-
-
-tied_logits.defvjp(_tied_logits_fwd, _tied_logits_bwd)
 
 
 def _block_forward(block: Block, x: jax.Array, rope, dropout_key, mask=None):
@@ -639,7 +383,7 @@ class GPT(nnx.Module):
         cfg = self.config
         T = tokens.shape[1]
         x = self._embed(tokens, 0, T, segment_ids)
-        x = _dropout(x, cfg.dropout, _fold(dropout_key, cfg.N))
+        x = dropout(x, cfg.dropout, _fold(dropout_key, cfg.N))
         x = logical_constraint(x, ("batch", "length", "embed"))
         rope = rotary_angles(cfg, jnp.arange(T))
         for i, block in enumerate(self.blocks):
@@ -726,49 +470,6 @@ class GPT(nnx.Module):
         return self.head(self.ln_f(x)), {"k": k_all, "v": v_all}
 
 
-# ----------------------------------------------------------------------------------------------
-# Attention masks beyond causal: packed segments and forgetful causal masking
-
-
-def segment_positions(segment_ids: jax.Array) -> jax.Array:
-    """Each token's position within its segment, int32 (B, T), for segment ids (B, T) that are
-    constant over each run of consecutive tokens: 0 at every token whose id differs from the one before."""
-    T = segment_ids.shape[1]
-    t = jnp.arange(T)
-    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
-                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)  # (B, T)
-    first = jax.lax.cummax(jnp.where(starts, t, 0), axis=1)  # (B, T) index of the segment's first token
-    return (t - first).astype(jnp.int32)
-
-
-def attention_mask(batch: int, length: int, *, segment_ids: jax.Array | None = None, fcm_key=None,
-                   fcm_max_ratio: float = 0.0) -> jax.Array | None:
-    """The extra attention mask (B, T, T) bool for `GPT.__call__` (True = may attend), or None.
-
-    segment_ids (B, T): query i sees key j only within its own segment (packed examples).
-    Forgetful causal masking (Liu et al. 2022, arXiv 2210.13432), when fcm_key is given and
-    fcm_max_ratio > 0: each sequence draws a ratio r ~ U(0, fcm_max_ratio) and hides each key
-    position with probability r from every query. The first token (of the sequence and of each
-    segment) stays visible, and a token always sees itself, so no query is left without a key.
-    For training only: evaluation and generation use no FCM.
-    """
-    if segment_ids is None and (fcm_key is None or fcm_max_ratio <= 0):
-        return None
-    mask = jnp.ones((batch, length, length), bool)
-    if segment_ids is not None:
-        mask = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, Tq, Tk)
-    if fcm_key is not None and fcm_max_ratio > 0:
-        ratio_key, drop_key = jax.random.split(fcm_key)
-        ratio = jax.random.uniform(ratio_key, (batch, 1), maxval=fcm_max_ratio)  # (B, 1) one r per sequence
-        visible = jax.random.uniform(drop_key, (batch, length)) >= ratio  # (B, Tk) P(hidden) = r
-        visible = visible.at[:, 0].set(True)
-        if segment_ids is not None:
-            visible = visible | (segment_positions(segment_ids) == 0)
-        diagonal = jnp.eye(length, dtype=bool)[None]  # (1, Tq, Tk)
-        mask = mask & (visible[:, None, :] | diagonal)
-    return mask
-
-
 def init_cache(config: GPTConfig, batch: int, max_len: int) -> dict:
     """An empty KV cache for `GPT.decode`: {"k", "v"}: zeros (N, batch, max_len, K, D) in the compute dtype,
     K the key/value heads (num_kv_head)."""
@@ -778,133 +479,7 @@ def init_cache(config: GPTConfig, batch: int, max_len: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Loss and counting
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None):
-    """Mean next-token cross-entropy in float32 over counted tokens, and the count.
-
-    logits (B, T, V), targets (B, T) int; weights (B, T) optional, e.g. 1 on completion tokens and
-    0 on the prompt. Returns (loss, n) where n = sum of weights (B * T without weights).
-    """
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)  # (B, T)
-    if weights is None:
-        weights = jnp.ones_like(losses)
-    weights = weights.astype(jnp.float32)
-    n = weights.sum()
-    return (losses * weights).sum() / jnp.maximum(n, 1.0), n
-
-
-def chunked_cross_entropy(h: jax.Array, head: jax.Array, bias: jax.Array | None, targets: jax.Array,
-                          weights: jax.Array | None = None, *, vocab_size: int, chunk: int, dtype=jnp.float32):
-    """`cross_entropy` of the logits h @ head.T (+ bias), computed about `chunk` tokens at a time, so that
-    only one chunk's float32 logits (chunk, V) exist at once, in the forward pass and in the backward.
-
-    h (B, T, d): final hidden states (`GPT.hidden`); head (V_padded, d), bias (V_padded,) or None: the
-    output projection (`GPT.head_weights`); targets, weights (B, T) as for `cross_entropy`; ids >=
-    vocab_size are padding, masked to PADDED_LOGIT as in `GPT.head`; dtype: the compute dtype of the
-    products, whose logits and softmax are float32. Returns (loss, n) as `cross_entropy` does: the
-    same numbers up to the order of float32 sums. The weights take no gradient.
-
-    A chunk is the same span of positions in every row, (B, T / chunks), so the batch keeps its
-    data-parallel sharding through the loop; a vocabulary split over the tensor axis stays split
-    (the logsumexp and the target logit are reductions over it). The gradients are computed in the
-    forward pass, while each chunk's logits exist (the loss is a scalar, so its cotangent only
-    scales them), and kept: dh (B, T, d) and the head's float32 gradient, the size of the head itself.
-    """
-    B, T, _ = h.shape
-    per_row = max(1, chunk // B)  # positions of each row in a chunk
-    chunks = -(-T // per_row)
-    per_row = -(-T // chunks)  # as even as the chunk count allows: the padding is < chunks positions
-    w = jnp.ones((B, T), jnp.float32) if weights is None else weights.astype(jnp.float32)
-    n = w.sum()
-    plan = (chunks, per_row, vocab_size, jnp.dtype(dtype), h.dtype, head.dtype)
-    # the gradients are the weighted sum's, O(1) per token, and reach 1/n only through the cotangent:
-    # as through the whole logits, a float16 product of them does not underflow when n is large
-    return _chunked_loss_sum(h, head, bias, targets, w, plan) / jnp.maximum(n, 1.0), n
-
-
-def _chunked_loss_and_grads(h, head, bias, targets, weights, plan, grads: bool):
-    """sum(weights * cross-entropy) over chunks of positions, and with `grads` its gradients with respect
-    to h (float32 (B, T, d)), head and bias (float32). weights (B, T) float32; plan: (chunks, positions
-    per row in a chunk, vocab_size, compute dtype, h's dtype, head's dtype)."""
-    B, T, d = h.shape
-    chunks, per_row, vocab_size, dtype = plan[:4]
-    V = head.shape[0]
-    pad = chunks * per_row - T  # padded positions have weight 0: no loss, no gradient
-
-    def split(x):  # (B, T, ...) -> (chunks, B, per_row, ...)
-        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) if pad else x
-        return x.reshape(B, chunks, per_row, *x.shape[2:]).swapaxes(0, 1)
-
-    hs = logical_constraint(split(h), (None, "batch", "length", "embed"))  # (chunks, B, per_row, d)
-    ts, ws = split(targets), split(weights)  # (chunks, B, per_row)
-    weight = logical_constraint(head.astype(dtype), ("vocab", "embed"))  # (V, d), gathered once if ZeRO-3 split it
-    vocab = jnp.arange(V)
-    real = vocab < vocab_size
-
-    def step(carry, xs):
-        h_c, t_c, w_c = xs  # (B, c, d), (B, c), (B, c)
-        h_c = logical_constraint(h_c, ("batch", "length", "embed"))
-        logits = jnp.einsum("btd,vd->btv", h_c, weight, preferred_element_type=jnp.float32)  # (B, c, V)
-        if bias is not None:
-            logits = logits + bias
-        if V > vocab_size:
-            logits = jnp.where(real, logits, PADDED_LOGIT)
-        logits = logical_constraint(logits, ("batch", "length", "vocab"))
-        # optax.softmax_cross_entropy_with_integer_labels: log(sum(exp(shifted))) - shifted[target]
-        shifted = logits - logits.max(axis=-1, keepdims=True)
-        log_z = jnp.log(jnp.exp(shifted).sum(axis=-1))  # (B, c)
-        is_target = vocab == t_c[..., None]  # (B, c, V)
-        losses = log_z - jnp.where(is_target, shifted, 0.0).sum(axis=-1)  # (B, c)
-        loss_sum = carry["loss"] + (losses * w_c).sum()
-        if not grads:
-            return {"loss": loss_sum}, None
-        # d loss_sum / d logits, float32 (B, c, V): softmax - one-hot, weighted. Made from the logits
-        # again rather than from exp(shifted), so each reduction and this product fuse with their
-        # own exp and only the logits and the product below are stored
-        g = (jnp.exp(shifted - log_z[..., None]) - is_target) * w_c[..., None]
-        if V > vocab_size:
-            g = jnp.where(real, g, 0.0)
-        g = logical_constraint(g, ("batch", "length", "vocab"))
-        low = g.astype(dtype)  # the products in the compute dtype, as tied_logits' backward pass
-        dh = jnp.einsum("btv,vd->btd", low, weight, preferred_element_type=jnp.float32)  # (B, c, d)
-        dhead = carry["head"] + jnp.einsum("btv,btd->vd", low, h_c.astype(dtype), preferred_element_type=jnp.float32)
-        out = {"loss": loss_sum, "head": logical_constraint(dhead, ("vocab", "embed"))}
-        if bias is not None:
-            out["bias"] = logical_constraint(carry["bias"] + g.sum(axis=(0, 1)), ("vocab",))
-        return out, logical_constraint(dh, ("batch", "length", "embed"))
-
-    init = {"loss": jnp.zeros((), jnp.float32)}
-    if grads:
-        init["head"] = logical_constraint(jnp.zeros((V, d), jnp.float32), ("vocab", "embed"))
-        if bias is not None:
-            init["bias"] = logical_constraint(jnp.zeros((V,), jnp.float32), ("vocab",))
-    out, dh = jax.lax.scan(step, init, (hs, ts, ws))
-    if not grads:
-        return out["loss"]
-    dh = dh.swapaxes(0, 1).reshape(B, chunks * per_row, d)[:, :T]  # (B, T, d)
-    return out["loss"], (dh, out["head"], out.get("bias"))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _chunked_loss_sum(h, head, bias, targets, weights, plan):
-    return _chunked_loss_and_grads(h, head, bias, targets, weights, plan, grads=False)
-
-
-def _chunked_loss_sum_fwd(h, head, bias, targets, weights, plan):
-    return _chunked_loss_and_grads(h, head, bias, targets, weights, plan, grads=True)
-
-
-def _chunked_loss_sum_bwd(plan, grads, ct):
-    """The gradients computed in the forward pass, scaled by the cotangent; none for targets and weights."""
-    dh, dhead, dbias = grads
-    h_dtype, head_dtype = plan[4:]
-    return ((ct * dh).astype(h_dtype), (ct * dhead).astype(head_dtype),
-            None if dbias is None else (ct * dbias).astype(dbias.dtype), None, None)
-
-
-_chunked_loss_sum.defvjp(_chunked_loss_sum_fwd, _chunked_loss_sum_bwd)
+# Parameter and FLOP counts
 
 
 def param_count(cfg: GPTConfig) -> int:

@@ -63,6 +63,7 @@ import re
 
 import numpy as np
 
+import attention as attention_lib
 import model as model_lib
 import sharding as sharding_lib
 import step as step_lib
@@ -80,7 +81,7 @@ class Kind:
     label: str
     memory: float  # bytes of HBM per JAX device
     peak_key: str | None  # step.PEAK_FLOPS's key: the chip's dense bfloat16 peak
-    backend: str  # "gpu" or "tpu": what model.resolve_attention picks for
+    backend: str  # "gpu" or "tpu": what attention.resolve_attention picks for
     per_chip: int = 1  # JAX devices per chip (TPU v2, v3: two TensorCores, each its own device)
     slice_names: str = ""  # what the number in a slice name (v3-32) counts: "cores" or "chips"
     one_host: int = 4  # chips a single-host slice has at most; larger slices have 4 chips per host
@@ -219,8 +220,7 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
     split that does not divide."""
     m, t, sh = cfg.model, cfg.training, cfg.sharding
     mesh = sharding_lib.abstract_mesh(sh.data, sh.fsdp, sh.tensor, n=dev.count)
-    sharding_lib.check_model(mesh, num_head=m.num_head, mlp_dim=m.ffn_dim, vocab=m.padded_vocab_size,
-                             num_kv_head=m.kv_heads)
+    sharding_lib.check_model(mesh, m.axis_sizes)
     sharding_lib.check_batch(mesh, t.batch_size, t.micro_batches)
     state = state or _State(cfg)
     placed, fallbacks = state.placed(mesh, sh.zero_stage)
@@ -233,7 +233,7 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
     F_in = 2 * F if m.activation == "swiglu" else F  # the MLP's input projections: SwiGLU's gate and up
     c = np.dtype(model_lib.DTYPES[m.dtype]).itemsize
     masked = t.fcm_max_ratio > 0  # the masked path (xla with a (B, T, T) mask)
-    impl = "xla" if masked else model_lib.resolve_attention(m, dev.backend)
+    impl = "xla" if masked else attention_lib.resolve_attention(m, dev.backend)
     norms = 1 if m.residual == "parallel_shared" else 2
     BT = B * T
     narrow = c < 4  # the weights' compute-dtype copies exist
@@ -261,7 +261,7 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
     attention += B * T * T if masked else 0  # the bool (B, T, T) mask
 
     chunk = _loss_chunk(t)  # tokens per device at a time
-    if chunk and BT > chunk:  # chunked: one chunk's float32 logits and gradient at a time, as model.py cuts them
+    if chunk and BT > chunk:  # chunked: one chunk's float32 logits and gradient at a time, as loss.py cuts them
         chunks = -(-T // max(1, chunk // B))
         rows = -(-T // chunks)  # positions of each row in a chunk
         # the chunk's logits (float32), their gradient (float32, then in the compute dtype), the gradients

@@ -1,7 +1,7 @@
 """Device mesh, the one logical-axis rules table, ZeRO stages 0-3, batch placement, multi-host start-up.
 
     devices ──make_mesh──> Mesh (data, fsdp, tensor)
-    model.param_axes (logical names per weight dim) ──RULES for the ZeRO stage──> PartitionSpec per weight
+    logical_axes.param_axes (names per weight dim) ──RULES for the ZeRO stage──> PartitionSpec per weight
     state {params, opt_state, step, rng} ──state_shardings──> NamedSharding per leaf (jit in/out shardings)
     this process's loader rows ──place_batch──> one global jax.Array split over (data, fsdp)
 
@@ -26,7 +26,7 @@ size. Rules whose mesh axes have size 1 are skipped (sharding over one device is
 A ZeRO rule that cannot apply for divisibility falls through to the next rule, and `describe`
 names every such weight: ZeRO then shards that weight along another dimension or leaves it
 replicated, never silently. A dimension with a logical name no rule covers is an error.
-Tensor-parallel divisibility (heads, MLP width, vocabulary) is checked up front by `check_model`.
+Tensor-parallel divisibility (every dimension TENSOR_RULES splits) is checked up front by `check_model`.
 
 Only `model.py`'s axis names matter here; nothing else of the project is imported.
 """
@@ -45,20 +45,24 @@ MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch is split over both data-parallel axes
 ZERO_AXES = ("data", "fsdp")  # ZeRO shards state over the same devices
 ZERO_STAGES = (0, 1, 2, 3)  # 0 replicated | 1 optimizer state | 2 + gradients | 3 + parameters sharded
-LOGICAL_AXES = ("vocab", "embed", "heads", "kv", "mlp")  # the names model.py puts on weights
+# The logical axis names model.py puts on weights, and the config that sets each one's size (for messages)
+AXIS_SOURCES = {"vocab": "the padded vocabulary", "embed": "model.embedding_dim", "heads": "model.num_head",
+                "kv_heads": "model.num_kv_head", "kv": "the head size (model.embedding_dim / model.num_head)",
+                "mlp": "the MLP width (model.mlp_dim or 4 x embedding_dim)"}
+LOGICAL_AXES = tuple(AXIS_SOURCES)
 
 # The rules table: (logical axis name, mesh axes or None). Tensor parallelism comes first, then
 # (only for the parts of the state the ZeRO stage shards) the ZeRO rules, largest dimensions
 # first, then an explicit "replicated" for every known name.
-TENSOR_RULES = (("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"))
+TENSOR_RULES = (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"))
 ZERO_RULES = (("embed", ZERO_AXES), ("mlp", ZERO_AXES), ("vocab", ZERO_AXES), ("kv", ZERO_AXES),
-              ("heads", ZERO_AXES))
+              ("heads", ZERO_AXES), ("kv_heads", ZERO_AXES))
 REPLICATED_RULES = tuple((name, None) for name in LOGICAL_AXES)
 
-# Activations (model.logical_constraint names): batch over the data-parallel axes, the
+# Activations (logical_axes.logical_constraint names): batch over the data-parallel axes, the
 # tensor-parallel dimensions over `tensor`, everything else replicated.
-ACTIVATION_RULES = {"batch": BATCH_AXES, "heads": "tensor", "mlp": "tensor", "vocab": "tensor",
-                    "length": None, "embed": None, "kv": None}
+ACTIVATION_RULES = {"batch": BATCH_AXES, "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
+                    "vocab": "tensor", "length": None, "embed": None, "kv": None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,14 +157,15 @@ def _mesh_entry(mesh, axes):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def check_model(mesh, *, num_head: int, mlp_dim: int, vocab: int, num_kv_head: int | None = None) -> None:
-    """Tensor parallelism must split the query and key/value heads, the MLP width and the padded vocabulary evenly."""
-    t = mesh.shape["tensor"]
-    kv = () if num_kv_head is None or num_kv_head == num_head else (("model.num_kv_head", num_kv_head),)
-    mlp = ("the MLP width (model.mlp_dim or 4 x embedding_dim)", mlp_dim)
-    for what, size in (("model.num_head", num_head), *kv, mlp, ("the padded vocabulary", vocab)):
-        if size % t:
-            raise ShardingError(f"{what} ({size}) is not divisible by the tensor axis (sharding.tensor={t})")
+def check_model(mesh, sizes: dict[str, int]) -> None:
+    """Every dimension the rules table splits for tensor parallelism (TENSOR_RULES: query and key/value
+    heads, MLP width, padded vocabulary) must divide evenly. `sizes`: the model's size along each
+    logical axis (model.GPTConfig.axis_sizes)."""
+    for name, axes in TENSOR_RULES:
+        n = axis_size(mesh, axes)
+        if sizes[name] % n:
+            raise ShardingError(f"{AXIS_SOURCES[name]} ({sizes[name]}) is not divisible by the {axes} axis "
+                                f"(sharding.{axes}={n})")
 
 
 def check_batch(mesh, batch_size: int, micro_batches: int) -> None:
@@ -262,7 +267,7 @@ def with_shardings(abstract_tree, shardings):
 
 
 def activation_rules(mesh):
-    """For model.activation_sharding: a tuple of activation axis names -> NamedSharding."""
+    """For logical_axes.activation_sharding: a tuple of activation axis names -> NamedSharding."""
 
     def to_sharding(names):
         unknown = [n for n in names if n is not None and n not in ACTIVATION_RULES]

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import attention as attention_lib
+import logical_axes
 import model as model_lib
 import sharding as sharding_lib
 
@@ -122,7 +124,7 @@ def make_masked_loss(loss_fn, fcm_max_ratio: float = 0.0):
     def masked_loss(params, batch, dropout_key=None, fcm_key=None):
         tokens, segments = batch["tokens"], batch.get("segments")
         B, T = tokens.shape[0], tokens.shape[1] - 1
-        mask = model_lib.attention_mask(B, T, segment_ids=segments, fcm_key=fcm_key, fcm_max_ratio=fcm_max_ratio)
+        mask = attention_lib.attention_mask(B, T, segment_ids=segments, fcm_key=fcm_key, fcm_max_ratio=fcm_max_ratio)
         return loss_fn(params, tokens, batch.get("weights"), dropout_key, mask=mask, segment_ids=segments)
 
     return masked_loss
@@ -162,7 +164,7 @@ def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activat
     def train_step(state, batch):
         if activations is None:
             return _train_step(state, batch)
-        with model_lib.activation_sharding(activations):
+        with logical_axes.activation_sharding(activations):
             return _train_step(state, batch)
 
     def _train_step(state, batch):
@@ -215,7 +217,7 @@ def state_shapes(mcfg: model_lib.GPTConfig, t, abstract_vars=None):
         _, abstract_vars = make_loss(mcfg)
     tx, _ = make_optimizer(t)
     keys = jax.random.split(jax.random.key(0))  # shapes only: the seed changes no shape
-    return jax.eval_shape(make_init_state(mcfg, tx), *keys), nnx.to_pure_dict(model_lib.param_axes(abstract_vars))
+    return jax.eval_shape(make_init_state(mcfg, tx), *keys), nnx.to_pure_dict(logical_axes.param_axes(abstract_vars))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,8 +243,7 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
     """Everything a run on `mesh` at `zero_stage` executes, for the model `mcfg` and the
     config.TrainingConfig `t`: the model's shapes first (no memory), then the shardings from
     sharding.py's rules, then jax.jit with them. Checks that tensor parallelism divides the model."""
-    sharding_lib.check_model(mesh, num_head=mcfg.num_head, mlp_dim=mcfg.ffn_dim, vocab=mcfg.padded_vocab_size,
-                             num_kv_head=mcfg.kv_heads)
+    sharding_lib.check_model(mesh, mcfg.axis_sizes)
     # the model's shapes and axis names, no memory; training.loss_chunk counts one device's tokens,
     # so the loss's chunk over the whole (micro-)batch is that many on every data-parallel device
     loss_fn, abstract_vars = make_loss(mcfg, t.loss_chunk * sharding_lib.axis_size(mesh, sharding_lib.BATCH_AXES))
@@ -263,7 +264,7 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
     @functools.partial(jax.jit, in_shardings=(state_sharding["params"], batch_sharding), out_shardings=replicated)
     def eval_step(params, batch):
         """Summed loss and count of a validation batch: no dropout, no FCM; segments kept apart."""
-        with model_lib.activation_sharding(activations):
+        with logical_axes.activation_sharding(activations):
             loss, n = masked_loss(params, batch)
         return loss * n, n
 

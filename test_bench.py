@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import attention as A
 import bench
 import config
 import flash_alibi
+import logical_axes
 import model as M
 import sharding
 import step
@@ -25,10 +27,10 @@ ON_GPU = jax.default_backend() == "gpu"
 
 
 def reference(q, k, v, alibi=True):
-    """model.py's XLA attention (the reference implementation), in float32."""
+    """attention.py's XLA attention (the reference implementation), in float32."""
     B, T, H, D = q.shape
     cfg = M.GPTConfig(num_head=H, embedding_dim=H * D, alibi_attn=alibi, attention="xla")
-    return M.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), cfg)
+    return A.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), cfg)
 
 
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
@@ -38,7 +40,7 @@ def test_flash_kernel_matches_reference_forward_and_gradients(dtype, tol):
     B, T, H, D = 2, 40, 3, 8
     q, k, v, g = (jax.random.normal(key, (B, T, H, D), jnp.float32) for key in jax.random.split(jax.random.key(0), 4))
     q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
-    slopes = M.alibi_slopes(H)
+    slopes = A.alibi_slopes(H)
 
     def ours(q, k, v):
         return flash_alibi.flash_alibi_attention(q, k, v, slopes, block_fwd=16, block_bwd=16)
@@ -104,7 +106,7 @@ def test_flash_kernel_lowers_to_triton_for_cuda(monkeypatch, B, T, H, D, dtype, 
     x = jax.ShapeDtypeStruct((B, T, H, D), dtype)
 
     def loss(q, k, v):
-        return flash_alibi.flash_alibi_attention(q, k, v, M.alibi_slopes(H), **settings).astype(jnp.float32).sum()
+        return flash_alibi.flash_alibi_attention(q, k, v, A.alibi_slopes(H), **settings).astype(jnp.float32).sum()
 
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(lowering_platforms=("cuda",)).as_text()
     calls = triton_calls(text, with_warps=True)
@@ -126,8 +128,7 @@ def test_pallas_attention_runs_per_device_under_a_mesh(monkeypatch, data, fsdp):
         cfg = M.GPTConfig(num_head=H, embedding_dim=H * D, attention=impl)
 
         def loss(q, k, v):
-            with M.activation_sharding(rules):
-                return jnp.sum(M.attention(q, k, v, cfg) * g)
+            return jnp.sum(A.attention(q, k, v, cfg, sharding=rules(("batch", "length", "heads", "kv"))) * g)
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
@@ -159,7 +160,7 @@ def test_zero3_train_step_with_pallas_lowers_for_cuda(monkeypatch):
     init_state = step.make_init_state(mcfg, tx)
     keys = jax.random.split(jax.random.key(0))
     abstract_state = jax.eval_shape(init_state, *keys)
-    axes = nnx.to_pure_dict(M.param_axes(abstract_vars))
+    axes = nnx.to_pure_dict(logical_axes.param_axes(abstract_vars))
     state_sharding, grad_sharding, _ = sharding.state_shardings(abstract_state, axes, mesh, 3)
     train_step = step.make_train_step(loss_fn, tx, 2, grad_sharding, sharding.activation_rules(mesh))
     batch = jax.ShapeDtypeStruct((16, 65), jnp.int32, sharding=sharding.batch_sharding(mesh))
@@ -179,11 +180,11 @@ def test_cudnn_dispatch():
     q, k, v = (jax.random.normal(key, (B, T, H, D)) for key in jax.random.split(jax.random.key(3), 3))
     cfg = M.GPTConfig(num_head=H, embedding_dim=H * D, attention="cudnn", dtype="bfloat16")
     if ON_GPU:
-        got = M.attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), cfg)
+        got = A.attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), cfg)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(reference(q, k, v)), atol=3e-2)
     else:
         with pytest.raises(ValueError, match="attention=cudnn needs an NVIDIA GPU"):
-            M.attention(q, k, v, cfg)
+            A.attention(q, k, v, cfg)
     with pytest.raises(ValueError, match="cudnn needs model.dtype bfloat16 or float16"):
         M.GPTConfig(attention="cudnn")  # float32
     with pytest.raises(ValueError, match="cannot drop attention probabilities"):
@@ -245,7 +246,7 @@ def test_bench_train_profile_records_device_time_per_operation(tmp_path, capsys)
     r = json.loads(path.read_text())["results"]
     assert r["loss_chunk"] == 8 and "loss_chunk 8" in printed
     assert abs(r["jax"]["loss_first"] - math.log(512)) < 0.1  # a fresh model's loss, through the chunked loss
-    assert r["attention"] == M.resolve_attention(M.GPTConfig(**r["config"]))  # auto, resolved for this backend
+    assert r["attention"] == A.resolve_attention(M.GPTConfig(**r["config"]))  # auto, resolved for this backend
     profile = r["jax"]["profile"]
     assert profile["steps"] == 2 and profile["trace"].startswith(str(trace_dir))
     assert list(trace_dir.rglob("perfetto_trace.json.gz"))

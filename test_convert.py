@@ -25,6 +25,7 @@ import yaml
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+import attention
 import config
 import convert_torch as ct
 import data
@@ -121,7 +122,7 @@ def test_torch_module_matches_jax(tmp_path, overrides):
 
 def test_alibi_slopes_are_model_py_slopes():
     for n in (1, 3, 4, 6, 12, 16, 20):
-        np.testing.assert_array_equal(torch_gpt.alibi_slopes(n).numpy(), model.alibi_slopes(n))
+        np.testing.assert_array_equal(torch_gpt.alibi_slopes(n).numpy(), attention.alibi_slopes(n))
 
 
 @pytest.mark.parametrize("overrides,layout", [

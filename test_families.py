@@ -29,6 +29,7 @@ import config
 import convert_torch as ct
 import hf_layouts
 import loader
+import loss as loss_lib
 import model
 import rundir
 import sample
@@ -258,7 +259,7 @@ def test_attention_kernels_take_rotary_and_grouped_query_attention(impl):
 
     def loss_and_grad(m):
         graphdef, state = nnx.split(m)
-        f = lambda s: model.cross_entropy(nnx.merge(graphdef, s)(toks[:, :-1]), toks[:, 1:])[0]  # noqa: E731
+        f = lambda s: loss_lib.cross_entropy(nnx.merge(graphdef, s)(toks[:, :-1]), toks[:, 1:])[0]  # noqa: E731
         return jax.value_and_grad(f)(state)
 
     (ref_loss, ref_g), (loss, g) = loss_and_grad(ref_model), loss_and_grad(other)
@@ -388,7 +389,7 @@ def test_the_standalone_torch_config_mirrors_model_py():
             assert f.default is dataclasses.MISSING, f.name
         else:
             assert f.default == defaults[f.name] and type(f.default) is type(defaults[f.name]), f.name
-    assert torch_gpt.PADDED_LOGIT == model.PADDED_LOGIT and torch_gpt.VOCAB_MULTIPLE == model.VOCAB_MULTIPLE
+    assert torch_gpt.PADDED_LOGIT == loss_lib.PADDED_LOGIT and torch_gpt.VOCAB_MULTIPLE == model.VOCAB_MULTIPLE
     for switches in [dict(alibi_attn=True, embed_norm=True), {}, *SWITCHES.values(), dict(vocab_size=50257),
                      dict(mlp_dim=40, num_kv_head=1, attention_bias=False, bias=True)]:
         cfg = model.GPTConfig(**{**SMALL, **switches})
@@ -401,5 +402,4 @@ def test_tensor_parallelism_must_split_the_key_value_heads():
     cfg = model.GPTConfig(**{**SMALL, **SWITCHES["llama"]})  # 4 query heads, 2 key/value heads
     mesh = sharding.make_mesh(2, 1, 4)
     with pytest.raises(sharding.ShardingError, match=r"model.num_kv_head \(2\) is not divisible by the tensor axis"):
-        sharding.check_model(mesh, num_head=cfg.num_head, mlp_dim=cfg.ffn_dim, vocab=cfg.padded_vocab_size,
-                             num_kv_head=cfg.kv_heads)
+        sharding.check_model(mesh, cfg.axis_sizes)

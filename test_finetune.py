@@ -1,5 +1,5 @@
 """Tests of prompt/completion fine-tuning (finetune_data.py, the masked model path, train.py,
-sample.py) and of forgetful causal masking (model.attention_mask, train.py's step)."""
+sample.py) and of forgetful causal masking (attention.attention_mask, train.py's step)."""
 import itertools
 import json
 import pathlib
@@ -19,6 +19,8 @@ import config
 import data
 import finetune_data
 import loader
+import attention as attention_lib
+import loss as loss_lib
 import model as model_lib
 import rundir
 import sample
@@ -240,7 +242,7 @@ def test_packed_examples_do_not_attend_to_each_other(alibi):
 
     def packed(tokens):
         seg = jnp.asarray(segments)
-        mask = model_lib.attention_mask(1, 32, segment_ids=seg)
+        mask = attention_lib.attention_mask(1, 32, segment_ids=seg)
         return np.asarray(model(jnp.asarray(tokens), mask=mask, segment_ids=seg))[0]
 
     logits = packed(tokens)
@@ -261,7 +263,7 @@ def test_default_path_unchanged_without_mask():
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 16)))
     everything = jnp.ones((2, 16, 16), bool)  # an all-true mask takes the masked path: the same attention
     np.testing.assert_allclose(model(tokens, mask=everything), model(tokens), atol=1e-5)
-    assert model_lib.attention_mask(2, 16) is None
+    assert attention_lib.attention_mask(2, 16) is None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -336,7 +338,7 @@ def test_finetune_with_fcm_resumes_exactly(reversal, tmp_path):
 
 def test_fcm_mask_fraction_first_token_and_diagonal():
     B, T, max_ratio = 4000, 24, 0.4
-    mask = np.asarray(model_lib.attention_mask(B, T, fcm_key=jax.random.key(0), fcm_max_ratio=max_ratio))
+    mask = np.asarray(attention_lib.attention_mask(B, T, fcm_key=jax.random.key(0), fcm_max_ratio=max_ratio))
     i, j = np.tril_indices(T, -1)
     assert mask[:, np.arange(T), np.arange(T)].all()  # a token always sees itself
     assert mask[:, :, 0].all()  # the first token is always visible
@@ -358,9 +360,9 @@ def test_fcm_mask_fraction_first_token_and_diagonal():
     assert abs(last.var() - want) < 0.15 * want
     # with segments: each segment's first token stays visible, and segments stay apart
     seg = jnp.asarray(np.repeat([[1, 2, 3]], 64, 0).repeat(8, 1))  # (64, 24)
-    m = np.asarray(model_lib.attention_mask(64, T, segment_ids=seg, fcm_key=jax.random.key(1), fcm_max_ratio=0.9))
+    m = np.asarray(attention_lib.attention_mask(64, T, segment_ids=seg, fcm_key=jax.random.key(1), fcm_max_ratio=0.9))
     assert m[:, 8:16, 8].all() and m[:, 16:, 16].all() and not m[:, 8:, :8].any()
-    assert model_lib.attention_mask(2, T, fcm_key=jax.random.key(0), fcm_max_ratio=0.0) is None
+    assert attention_lib.attention_mask(2, T, fcm_key=jax.random.key(0), fcm_max_ratio=0.0) is None
 
 
 def test_fcm_training_learns_and_evaluation_is_unaffected(corpus, tmp_path):  # noqa: F811
@@ -383,7 +385,7 @@ def test_fcm_training_learns_and_evaluation_is_unaffected(corpus, tmp_path):  # 
     losses, counts = [], []
     for tokens in loader.eval_windows(corpus, "val", cfg.seq_len, 8, max_windows=cfg.training.eval_windows):
         logits = model(jnp.asarray(tokens[:, :-1]))
-        loss, n = model_lib.cross_entropy(logits, jnp.asarray(tokens[:, 1:]))
+        loss, n = loss_lib.cross_entropy(logits, jnp.asarray(tokens[:, 1:]))
         losses.append(float(loss) * float(n))
         counts.append(float(n))
     assert abs(sum(losses) / sum(counts) - got[-1]["val_loss"]) < 1e-4

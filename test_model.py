@@ -12,6 +12,9 @@ import pytest
 import yaml
 from flax import nnx
 
+import attention as A
+import logical_axes
+import loss as loss_lib
 import model as M
 
 TINY = M.GPTConfig(vocab_size=200, block_size=16, embedding_dim=32, num_head=4, N=2)
@@ -27,7 +30,7 @@ def tokens(shape, vocab=200, seed=0):
 
 def loss_fn(graphdef, params, batch, key=None):
     logits = nnx.merge(graphdef, params)(batch[:, :-1], dropout_key=key)
-    return M.cross_entropy(logits, batch[:, 1:])[0]
+    return loss_lib.cross_entropy(logits, batch[:, 1:])[0]
 
 
 @pytest.mark.parametrize("alibi", [True, False])
@@ -51,9 +54,9 @@ def test_alibi_slopes_follow_the_paper(n):
         c *= 2
     expected = [2 ** (-8 * i / c) for i in range(1, c + 1)]
     expected += [2 ** (-8 * j / (2 * c)) for j in range(1, 4 * c, 2)][: n - c]
-    np.testing.assert_allclose(M.alibi_slopes(n), expected, rtol=1e-6)
+    np.testing.assert_allclose(A.alibi_slopes(n), expected, rtol=1e-6)
     if n == 8:  # the paper's example: 1/2, 1/4, ..., 1/256
-        np.testing.assert_allclose(M.alibi_slopes(8), [1 / 2 ** i for i in range(1, 9)], rtol=1e-6)
+        np.testing.assert_allclose(A.alibi_slopes(8), [1 / 2 ** i for i in range(1, 9)], rtol=1e-6)
 
 
 def naive_attention(q, k, v, slopes):
@@ -76,10 +79,10 @@ def test_attention_adds_alibi_bias_under_causal_mask(impl):
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 7, 4, 8)), jnp.float32) for _ in range(3))
     cfg = dataclasses.replace(TINY, attention=impl)
-    got = M.attention(q, k, v, cfg)
+    got = A.attention(q, k, v, cfg)
     slopes = [2 ** (-8 * i / 4) for i in range(1, 5)]
     np.testing.assert_allclose(np.asarray(got), naive_attention(q, k, v, slopes), atol=1e-5)
-    no_alibi = M.attention(q, k, v, dataclasses.replace(cfg, alibi_attn=False))
+    no_alibi = A.attention(q, k, v, dataclasses.replace(cfg, alibi_attn=False))
     np.testing.assert_allclose(np.asarray(no_alibi), naive_attention(q, k, v, [0.0] * 4), atol=1e-5)
 
 
@@ -213,7 +216,7 @@ def test_padded_vocabulary_rows_never_take_probability():
     assert real.max() < -5  # strongly negative, as trained weights give
     log_probs = real - (real.max() + np.log(np.exp(real - real.max()).sum()))
     want = -log_probs[np.asarray(batch[:, 1:])].mean()
-    got = float(M.cross_entropy(logits, batch[:, 1:])[0])
+    got = float(loss_lib.cross_entropy(logits, batch[:, 1:])[0])
     assert abs(got - want) < 1e-4 * want
     probs = jax.nn.softmax(logits, axis=-1)
     assert float(probs[..., cfg.vocab_size:].max()) == 0.0
@@ -256,17 +259,17 @@ def test_tied_logits_backward_runs_in_the_compute_dtype():
         out, vjp = jax.vjp(lambda a, b: f(a, b, dtype), x.astype(dtype), w)
         return (out, *vjp(g))
 
-    for got, want in zip(grads(M.tied_logits, jnp.float32), grads(autodiff, jnp.float32)):
+    for got, want in zip(grads(loss_lib.tied_logits, jnp.float32), grads(autodiff, jnp.float32)):
         np.testing.assert_array_equal(got, want)  # float32: the same products, bit for bit
 
     backward = lambda f: lambda a, b: jax.vjp(lambda a, b: f(a, b, jnp.bfloat16), a, b)[1](g)  # noqa: E731
     plain = _dot_operand_dtypes(backward(autodiff), x.astype(jnp.bfloat16), w)
-    ours = _dot_operand_dtypes(backward(M.tied_logits), x.astype(jnp.bfloat16), w)
+    ours = _dot_operand_dtypes(backward(loss_lib.tied_logits), x.astype(jnp.bfloat16), w)
     assert any("float32" in pair for pair in plain)  # what this replaces: float32 in a product (XLA: TF32)
     assert len(ours) == 3 and all(pair == ("bfloat16", "bfloat16") for pair in ours)  # forward and 2 backward
 
     exact = grads(autodiff, jnp.float32)
-    logits, dx, dw = grads(M.tied_logits, jnp.bfloat16)
+    logits, dx, dw = grads(loss_lib.tied_logits, jnp.bfloat16)
     assert logits.dtype == jnp.float32 and dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
     for got, want in zip((logits, dx, dw), exact):  # bfloat16 rounding of the operands, no more
         rel = float(jnp.abs(got.astype(jnp.float32) - want).max() / jnp.abs(want).max())
@@ -277,22 +280,22 @@ def test_auto_attention_picks_the_measured_fastest_per_backend():
     cfg = M.GPTConfig()
     assert cfg.attention == "auto"
     bf16 = dataclasses.replace(cfg, dtype="bfloat16")
-    assert M.resolve_attention(bf16, "gpu") == "pallas"  # ALiBi: the bias made in-kernel
-    assert M.resolve_attention(dataclasses.replace(bf16, alibi_attn=False), "gpu") == "cudnn"
+    assert A.resolve_attention(bf16, "gpu") == "pallas"  # ALiBi: the bias made in-kernel
+    assert A.resolve_attention(dataclasses.replace(bf16, alibi_attn=False), "gpu") == "cudnn"
     rotary = dataclasses.replace(bf16, alibi_attn=False, rotary_dim=16)
-    assert M.resolve_attention(rotary, "gpu") == "cudnn"  # head size 64
+    assert A.resolve_attention(rotary, "gpu") == "cudnn"  # head size 64
     gptj_heads = dataclasses.replace(rotary, embedding_dim=256 * 12)  # head size 256: past cuDNN's 128
-    assert M.resolve_attention(gptj_heads, "gpu") == "xla"
-    assert M.resolve_attention(dataclasses.replace(bf16, dtype="float16"), "gpu") == "pallas"
+    assert A.resolve_attention(gptj_heads, "gpu") == "xla"
+    assert A.resolve_attention(dataclasses.replace(bf16, dtype="float16"), "gpu") == "pallas"
     for other in ("cpu", "tpu"):
-        assert M.resolve_attention(bf16, other) == "xla"
-    assert M.resolve_attention(cfg, "gpu") == "xla"  # float32
-    assert M.resolve_attention(dataclasses.replace(bf16, dropout=0.1), "gpu") == "xla"  # only xla drops
+        assert A.resolve_attention(bf16, other) == "xla"
+    assert A.resolve_attention(cfg, "gpu") == "xla"  # float32
+    assert A.resolve_attention(dataclasses.replace(bf16, dropout=0.1), "gpu") == "xla"  # only xla drops
     for impl in ("xla", "dot_product", "cudnn", "pallas"):  # a named implementation is kept everywhere
-        assert M.resolve_attention(dataclasses.replace(bf16, attention=impl), "cpu") == impl
+        assert A.resolve_attention(dataclasses.replace(bf16, attention=impl), "cpu") == impl
     # auto on this backend computes what its choice computes
     x = tokens((2, 9))
-    chosen = M.resolve_attention(TINY)
+    chosen = A.resolve_attention(TINY)
     auto, named = build(dataclasses.replace(TINY, attention="auto")), build(dataclasses.replace(TINY, attention=chosen))
     np.testing.assert_array_equal(auto(x), named(x))
 
@@ -304,10 +307,10 @@ def test_cross_entropy_with_weights():
     weights = (rng.random((2, 5)) > 0.4).astype(np.float32)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
-    loss, n = M.cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
+    loss, n = loss_lib.cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights))
     assert float(n) == weights.sum()
     np.testing.assert_allclose(float(loss), (nll * weights).sum() / weights.sum(), rtol=1e-5)
-    loss, n = M.cross_entropy(jnp.asarray(logits), jnp.asarray(targets))
+    loss, n = loss_lib.cross_entropy(jnp.asarray(logits), jnp.asarray(targets))
     assert float(n) == 10
     np.testing.assert_allclose(float(loss), nll.mean(), rtol=1e-5)
 
@@ -350,7 +353,7 @@ def test_initial_weights_have_gpt2_standard_deviations():
 def test_every_parameter_has_logical_axis_names():
     cfg = dataclasses.replace(TINY, alibi_attn=False, embed_norm=True)
     state = nnx.state(build(cfg))
-    names = {"batch", "length", "embed", "heads", "kv", "mlp", "vocab", None}
+    names = {"batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", None}
     leaves = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
     assert len(leaves) == len(jax.tree.leaves(state))
     for var in leaves:
@@ -367,7 +370,7 @@ def test_activation_sharding_hook_sees_the_named_activations():
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     graphdef, params = nnx.split(build(TINY))
-    with M.activation_sharding(to_sharding):
+    with logical_axes.activation_sharding(to_sharding):
         jax.jit(lambda p: nnx.merge(graphdef, p)(tokens((1, 8))))(params)
     assert ("batch", "length", "embed") in seen
     assert ("batch", "length", "heads", "kv") in seen
@@ -434,7 +437,7 @@ def whole_and_chunked(cfg, batch, weights, chunk):
     graphdef, params = nnx.split(build(cfg))
 
     def whole(p):
-        return M.cross_entropy(nnx.merge(graphdef, p)(batch[:, :-1]), batch[:, 1:], weights)
+        return loss_lib.cross_entropy(nnx.merge(graphdef, p)(batch[:, :-1]), batch[:, 1:], weights)
 
     def chunked(p):
         return nnx.merge(graphdef, p).loss(batch[:, :-1], batch[:, 1:], weights, chunk=chunk)

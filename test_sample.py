@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import attention as A
+import loss as loss_lib
 import model as M
 import rundir
 import sample
@@ -126,7 +128,7 @@ def test_training_forward_unchanged_by_the_refactor():
     qkv = np.einsum("td,dshc->tshc", h, b["attn"]["c_attn"]["kernel"]) + b["attn"]["c_attn"]["bias"]
     q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # (T, H, D)
     T, H, D = q.shape
-    slopes = M.alibi_slopes(H).astype(np.float64)
+    slopes = A.alibi_slopes(H).astype(np.float64)
     i, j = np.arange(T)[:, None], np.arange(T)[None, :]
     s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(D) - slopes[:, None, None] * (i - j)
     s = np.where(j <= i, s, -np.inf)
@@ -141,7 +143,7 @@ def test_training_forward_unchanged_by_the_refactor():
     V = cfg.vocab_size
     got = np.asarray(m(jnp.asarray(toks)))[0]
     np.testing.assert_allclose(got[:, :V], expected[:, :V], atol=2e-4, rtol=1e-4)
-    assert (got[:, V:] == M.PADDED_LOGIT).all() and M.PADDED_LOGIT < -1e8  # the padding rows: never chosen
+    assert (got[:, V:] == loss_lib.PADDED_LOGIT).all() and loss_lib.PADDED_LOGIT < -1e8  # the padding rows: never chosen
 
 
 # ----------------------------------------------------------------------------------------------

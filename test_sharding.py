@@ -4,6 +4,7 @@ table, gradients that leave the reduction sharded, resharding on restore, two pr
 Runs on the 8 simulated CPU devices of conftest.py; the 4-device and two-process runs are
 subprocesses of `python train.py` with their own XLA_FLAGS.
 """
+import dataclasses
 import json
 import os
 import pathlib
@@ -22,6 +23,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import config
+import logical_axes
+import loss as loss_lib
 import model
 import rundir
 import sharding
@@ -45,7 +48,7 @@ def loss_fn(graphdef, variables, params, tokens):
     fresh = jax.tree.map(lambda v: v, variables)
     nnx.replace_by_pure_dict(fresh, params)
     logits = nnx.merge(graphdef, fresh)(tokens[:, :-1])
-    return model.cross_entropy(logits, tokens[:, 1:])[0]
+    return loss_lib.cross_entropy(logits, tokens[:, 1:])[0]
 
 
 def one_step(mesh, stage, params, opt_state, tokens, cfg=None):
@@ -58,12 +61,12 @@ def one_step(mesh, stage, params, opt_state, tokens, cfg=None):
     cfg, graphdef, variables = tiny_model(cfg)
     tx = optax.adamw(1e-2, eps=1e-3, weight_decay=0.1)
     abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p)}, params)
-    axes = nnx.to_pure_dict(model.param_axes(variables))
+    axes = nnx.to_pure_dict(logical_axes.param_axes(variables))
     shardings, grad_sh, _ = sharding.state_shardings(abstract, axes, mesh, stage)
     act = sharding.activation_rules(mesh)
 
     def step(state, tokens):
-        with model.activation_sharding(act):
+        with logical_axes.activation_sharding(act):
             loss, g = jax.value_and_grad(lambda p: loss_fn(graphdef, variables, p, tokens))(state["params"])
         g = jax.lax.with_sharding_constraint(g, grad_sh)
         updates, opt = tx.update(g, state["opt_state"], state["params"])
@@ -137,7 +140,7 @@ def test_rules_table(stage, mesh_sizes):
     mesh = sharding.make_mesh(*mesh_sizes)
     cfg, _, variables = tiny_model()
     params = nnx.to_pure_dict(variables)
-    axes = nnx.to_pure_dict(model.param_axes(variables))
+    axes = nnx.to_pure_dict(logical_axes.param_axes(variables))
     tx = optax.adamw(1e-2)
     abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p), "step": jnp.zeros((), jnp.int32)},
                               params)
@@ -159,6 +162,43 @@ def test_rules_table(stage, mesh_sizes):
         shard = x.addressable_shards[0].data.shape
         split = [x.shape[i] // shard[i] for i in range(x.ndim)]
         assert np.prod(split) == np.prod([sharding.axis_size(mesh, e) for e in s.spec if e])
+
+
+def grouped_query_test_model():
+    """The `test` size (d=32, 4 query heads of 8) with 2 key/value heads."""
+    return dataclasses.replace(config.load_config(overrides=["model=test"]).model, num_kv_head=2)
+
+
+def test_key_value_heads_have_their_own_rule():
+    """The key/value weight of a grouped-query model names its head dimension kv_heads, and the table's
+    kv_heads row places it: over `tensor` as the query heads by default, elsewhere if that row says so."""
+    mesh = sharding.make_mesh(2, 2, 2)
+    _, _, variables = tiny_model(grouped_query_test_model())
+    params, axes = nnx.to_pure_dict(variables), nnx.to_pure_dict(logical_axes.param_axes(variables))
+    attn = lambda tree: tree["blocks"][0]["attn"]  # noqa: E731
+    assert attn(axes)["c_kv"]["kernel"] == ("embed", None, "kv_heads", "kv")  # (d, 2, K, D)
+    rules = sharding.rules_for(3)["params"]
+    specs = sharding.param_specs(params, axes, rules, mesh)
+    assert attn(specs)["c_kv"]["kernel"] == P(Z, None, "tensor", None)
+    assert attn(specs)["c_q"]["kernel"] == P(Z, "tensor", None)  # (d, H, D)
+    replicated_kv = tuple((name, None if name == "kv_heads" else axes) for name, axes in rules)
+    specs = sharding.param_specs(params, axes, replicated_kv, mesh)
+    assert attn(specs)["c_kv"]["kernel"] == P(Z, None, None, None)  # ZeRO's kv rule finds Z taken by embed
+    assert attn(specs)["c_q"]["kernel"] == P(Z, "tensor", None)
+
+
+def test_check_model_checks_every_dimension_the_table_splits_over_tensor(monkeypatch):
+    cfg = grouped_query_test_model()
+    sharding.check_model(sharding.make_mesh(4, 1, 2), cfg.axis_sizes)  # 2 divides 4 and 2 heads, 128, 384
+    with pytest.raises(sharding.ShardingError) as e:
+        sharding.check_model(sharding.make_mesh(2, 1, 4), cfg.axis_sizes)
+    assert str(e.value) == "model.num_kv_head (2) is not divisible by the tensor axis (sharding.tensor=4)"
+    # a row the table gains is checked too, with no other change
+    monkeypatch.setattr(sharding, "TENSOR_RULES", sharding.TENSOR_RULES + (("embed", "tensor"),))
+    sizes = {**cfg.axis_sizes, "kv_heads": 4, "embed": 34}
+    with pytest.raises(sharding.ShardingError) as e:
+        sharding.check_model(sharding.make_mesh(2, 1, 4), sizes)
+    assert str(e.value) == "model.embedding_dim (34) is not divisible by the tensor axis (sharding.tensor=4)"
 
 
 def test_uncovered_parameter_is_an_error():
@@ -199,7 +239,7 @@ def compile_memory(stage):
     tx = optax.adamw(1e-2)
     mesh = sharding.make_mesh(8, 1, 1)
     state = jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p)}, params)
-    shardings, grad_sh, _ = sharding.state_shardings(state, nnx.to_pure_dict(model.param_axes(variables)), mesh, stage)
+    shardings, grad_sh, _ = sharding.state_shardings(state, nnx.to_pure_dict(logical_axes.param_axes(variables)), mesh, stage)
     constrain = lambda g: jax.lax.with_sharding_constraint(g, grad_sh)  # noqa: E731
 
     def step(state, batch):

@@ -34,7 +34,7 @@ except ImportError:  # the converter, which imports this file, exports without t
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-PADDED_LOGIT = -1e9  # the logit of the embedding's padding rows, as model.PADDED_LOGIT
+PADDED_LOGIT = -1e9  # the logit of the embedding's padding rows, as loss.PADDED_LOGIT
 VOCAB_MULTIPLE = 128  # the embedding's rows are padded to a multiple of this, as model.VOCAB_MULTIPLE
 # the keys whose rows are the vocabulary: written with the real rows only, padded back on reading
 VOCAB_ROWS = ("wte.weight", "lm_head.weight", "head_bias")
@@ -59,7 +59,7 @@ _Module = nn.Module if nn is not None else object  # without torch the classes e
 
 
 def alibi_slopes(n_head: int) -> torch.Tensor:
-    """model.alibi_slopes, in torch: 2^(-8(i+1)/n) for the nearest lower power of two n, then every
+    """attention.alibi_slopes, in torch: 2^(-8(i+1)/n) for the nearest lower power of two n, then every
     other slope of the sequence for 2n until n_head are taken. float32 (n_head,)."""
     closest = 2 ** int(math.floor(math.log2(n_head)))
     geometric = lambda n: [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]  # noqa: E731
@@ -132,7 +132,7 @@ def _norm(c: TorchGPTConfig):
 
 
 def rotary_angles(c: TorchGPTConfig, positions: torch.Tensor):
-    """model.rotary_angles in torch: (cos, sin) float32 (T, rotary_dim/2) at positions (T,), or None."""
+    """attention.rotary_angles in torch: (cos, sin) float32 (T, rotary_dim/2) at positions (T,), or None."""
     if not c.rotary_dim:
         return None
     inv_freq = 1.0 / (torch.tensor(c.rotary_base, dtype=torch.float32)
@@ -142,7 +142,7 @@ def rotary_angles(c: TorchGPTConfig, positions: torch.Tensor):
 
 
 def apply_rotary(x: torch.Tensor, rope, interleaved: bool) -> torch.Tensor:
-    """model.apply_rotary in torch, for x (B, H, T, D): pairs (2i, 2i+1) or (i, i + rotary_dim/2) rotated."""
+    """attention.apply_rotary in torch, for x (B, H, T, D): pairs (2i, 2i+1) or (i, i + rotary_dim/2) rotated."""
     cos, sin = rope  # (T, r)
     r = cos.shape[-1]
     rot, rest = x[..., : 2 * r], x[..., 2 * r:]

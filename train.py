@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+import attention as attention_lib
 import config as config_lib
 import data
 import loader
@@ -244,7 +245,7 @@ def run(args, stop: dict, held: contextlib.ExitStack) -> int:
     t, ck, sh = cfg.training, cfg.checkpoint, cfg.sharding
     on_main(lambda: check_wandb(cfg))  # before anything is written
     try:
-        model_lib.check_attention_backend(cfg.model)  # e.g. attention=cudnn without a GPU, before any work
+        attention_lib.check_attention_backend(cfg.model)  # e.g. attention=cudnn without a GPU, before any work
     except ValueError as e:
         raise RunError(str(e)) from None
     if jax.process_count() > 1:  # every process has checked run_dir before process 0 writes into it
