@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 
+import checkpoints
 import config
 import data
 import rundir
@@ -261,7 +262,7 @@ def test_no_intact_checkpoint_is_one_error_line(finished_run, tmp_path):
 
 
 def test_fingerprints_follow_their_formula_on_any_placement():
-    """rundir.fingerprints against the formula written out in numpy, for every dtype a state holds, and
+    """checkpoints.fingerprints against the formula written out in numpy, for every dtype a state holds, and
     the same for an array sharded over the 8 devices as for the whole array."""
     def formula(x: np.ndarray) -> str:
         u = (x if x.dtype == bool else x.view(f"u{x.dtype.itemsize}")).astype(np.uint64).reshape(-1)
@@ -279,17 +280,17 @@ def test_fingerprints_follow_their_formula_on_any_placement():
         "rng": rng.integers(0, 2**32, size=(2,), dtype=np.uint32),
         "mask": rng.random(size=(7,)) > 0.5,
     }
-    got = rundir.fingerprints(tree)
+    got = checkpoints.fingerprints(tree)
     assert got == {name: formula(np.asarray(x)) for name, x in tree.items()}
     mesh = jax.make_mesh((8,), ("d",))
     sharded = jax.device_put(tree["w"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
-    assert rundir.fingerprints({"w": sharded}) == {"w": got["w"]}
+    assert checkpoints.fingerprints({"w": sharded}) == {"w": got["w"]}
     flipped = tree["w"].copy()
     flipped.view(np.uint32)[3, 7] ^= 1 << 31  # one bit: the sign of one element
-    assert rundir.fingerprints({"w": flipped})["w"] != got["w"]
+    assert checkpoints.fingerprints({"w": flipped})["w"] != got["w"]
     swapped = tree["w"].copy()
     swapped[[0, 1]] = swapped[[1, 0]]  # the same numbers in other places
-    assert rundir.fingerprints({"w": swapped})["w"] != got["w"]
+    assert checkpoints.fingerprints({"w": swapped})["w"] != got["w"]
 
 
 def flip_bits(run_dir: pathlib.Path, step: int, trials: int, seed: int = 0):
@@ -348,11 +349,11 @@ def test_old_checkpoints_leave_by_one_rename(tmp_path, monkeypatch):
     there, so a kill during a deletion never leaves half a checkpoint under a step's name."""
     run = rundir.Run(tmp_path / "run")
     state = {"params": {"w": np.arange(6, dtype=np.float32)}, "step": np.asarray(0, np.int32)}
-    monkeypatch.setattr(rundir.Run, "purge_deleted", lambda self, unfinished=False: None)  # see what rotation left
-    with run.checkpoint_manager(keep=1) as mngr:
+    monkeypatch.setattr(checkpoints.Checkpoints, "purge_deleted", lambda self, unfinished=False: None)  # see what rotation left
+    with run.checkpoints(keep=1, write=True) as saver:
         for step in (1, 2):
-            run.save_checkpoint(mngr, step, state)
-            mngr.wait_until_finished()
+            saver.save(step, state)
+            saver.wait()
     ckpt = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in ckpt.iterdir()) == [".deleting", "2"]
     assert (ckpt / ".deleting" / "1" / "commit_success.txt").is_file()  # moved whole, not deleted in place
@@ -360,9 +361,10 @@ def test_old_checkpoints_leave_by_one_rename(tmp_path, monkeypatch):
     for f in sorted((ckpt / ".deleting" / "1").rglob("*"))[::2]:
         if f.is_file():
             f.unlink()
-    assert run.checkpoint_steps() == [2] and run.load_params()[1] == 2
+    assert run.checkpoints().steps() == [2] and run.load_params()[1] == 2
     monkeypatch.undo()
-    run.checkpoint_manager(keep=1).close()  # the next writer clears it away
+    with run.checkpoints(keep=1, write=True) as saver:
+        saver.manager()  # the next writer clears it away
     assert sorted(p.name for p in ckpt.iterdir()) == ["2"]
 
 

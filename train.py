@@ -317,19 +317,16 @@ def run(args, stop: dict, held: contextlib.ExitStack) -> int:
 
     # ------------------------------------------------------------------------------------------
     # Checkpoint: orbax, asynchronous; a resume restores the newest intact checkpoint
-    mngr = run_dir.checkpoint_manager(ck.keep, ck.async_save)
-    ckpt_dir = run_dir.checkpoint_dir()  # a resolved local path, or the URL (orbax writes gs:// itself)
-    last_ckpt = mngr.latest_step()
+    ckpts = held.enter_context(run_dir.checkpoints(ck.keep, ck.async_save, write=True))  # closed last
+    ckpt_dir = ckpts.dir  # a resolved local path, or the URL (orbax writes gs:// itself)
+    saved_steps = ckpts.steps()
+    last_ckpt = saved_steps[-1] if saved_steps else None
     if args.resume and last_ckpt is not None:
-        try:
-            state, last_ckpt = run_dir.restore(mngr, fns.abstract_state, say)
-        except RunError:
-            mngr.close()
-            raise
+        state, last_ckpt = ckpts.restore(fns.abstract_state, say)
         start_step = int(state["step"])
         saved = run_dir.config()  # as the run was last configured
         saved_steps = saved.training.steps
-        tokens_before = run_dir.checkpoint_tokens(mngr, last_ckpt)  # (None: saved before tokens were kept)
+        tokens_before = ckpts.tokens(last_ckpt)  # (None: saved before tokens were kept)
         if tokens_before is None:
             tokens_before = start_step * saved.training.batch_size * saved.seq_len
         if saved_steps != t.steps and start_step < t.steps:
@@ -338,7 +335,6 @@ def run(args, stop: dict, held: contextlib.ExitStack) -> int:
                 f"steps, so the learning rate of step {start_step + 1} goes from {before:.3g} to "
                 f"{float(fns.schedule(start_step)):.3g}")
         if start_step >= t.steps:
-            mngr.close()
             say(f"{run_dir} is already trained to step {start_step}; to train further: "
                 f"python train.py --resume run_dir={run_dir} training.steps=N")
             return 0
@@ -351,7 +347,6 @@ def run(args, stop: dict, held: contextlib.ExitStack) -> int:
             say(f"parameters from {t.init_from}")
         start_step, tokens_before = 0, 0
     if stop["signal"] is not None:  # before the first step: nothing to save
-        mngr.close()
         raise Interrupted(stop["signal"])
 
     # ------------------------------------------------------------------------------------------
@@ -452,7 +447,7 @@ def run(args, stop: dict, held: contextlib.ExitStack) -> int:
                 if not bool(fns.all_finite(state["params"])):
                     raise Diverged(f"parameters are not finite after step {step}; "
                                    f"last good checkpoint: {last_ckpt} ({run_dir})")
-                run_dir.save_checkpoint(mngr, step, state, tokens=trained(step))
+                ckpts.save(step, state, tokens=trained(step))
                 last_ckpt = step
             if is_main:
                 metrics_file.flush()  # a remote metrics.jsonl is uploaded whole; locally a no-op
@@ -465,12 +460,10 @@ def run(args, stop: dict, held: contextlib.ExitStack) -> int:
         bar.close()
         batches.close()  # stops the loader's prefetch thread
         try:
-            run_dir.check_saved(mngr)  # the last started save completes, even on an error (or a RunError)
+            ckpts.close()  # the last started save completes, even on an error (or a RunError)
         finally:
-            mngr.close()
             if metrics_file is not None:
                 metrics_file.close()
-    run_dir.purge_deleted()  # the checkpoints the last rotation retired
 
     # ------------------------------------------------------------------------------------------
     # Summary
