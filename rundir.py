@@ -24,6 +24,7 @@ its metadata) or that does not fit the model: a RunError, one line in the user's
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -74,6 +75,26 @@ def lease_times() -> tuple[float, float]:
 def eval_results_name(step: int) -> str:
     """eval.py's results file for checkpoint `step`."""
     return f"eval/step{step}.json"
+
+
+MEASURED = ("data", "split", "split_tokens", "max_tokens")  # the fields of a results row that name its series
+
+
+def results_problem(results) -> str | None:
+    """Why a parsed results file is not one eval.py wrote (None if it is)."""
+    if not isinstance(results, dict):
+        return "not a JSON object"
+    section = results.get("perplexity", {"rows": []})
+    rows = section.get("rows") if isinstance(section, dict) else None
+    # the fields that merging, the plot and wandb read
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("length"), int)
+                                             and all(k in r for k in ("multiple", "loss", "ppl")) for r in rows):
+        return "its perplexity section has no list of rows with length, multiple, loss and ppl"
+    if not all(isinstance(r.get(k), (str, int, float, type(None))) for r in rows for k in MEASURED):
+        return f"a perplexity row's {', '.join(MEASURED)} are not plain values"
+    if not isinstance(results.get("tasks", {}), dict):
+        return "its tasks section is not an object"
+    return None
 
 
 class Run(storage.RunDir):
@@ -290,6 +311,33 @@ class Run(storage.RunDir):
 
     def save_summary(self, summary: dict) -> None:
         self.write_text(SUMMARY, json.dumps(summary, indent=2) + "\n")
+
+    # ------------------------------------------------------------------------------------------
+    # eval.py's results: RUN/eval/step<N>.json (eval_results_name), added to section by section
+
+    def read_results(self, name: str) -> dict:
+        """The JSON results file `name` ({} if there is none yet), checked to be one that eval.py can add to."""
+        if not self.is_file(name):
+            return {}
+        try:
+            results = json.loads(self.read_text(name))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            results, why = None, f"unreadable JSON ({e})"
+        else:
+            why = results_problem(results)
+        if why:
+            raise RunError(f"{self.show(name)} is not an eval.py results file: {why}; move it away to evaluate "
+                           "this step again (eval.py adds to that file and never overwrites it)")
+        return results
+
+    def write_results(self, name: str, section: str, merge: typing.Callable[[object], object]) -> object:
+        """Replace one section of the JSON results file `name` by merge(its current value or None), keeping
+        the other sections; the file is re-read first and replaced at once. Returns the new section."""
+        results = self.read_results(name)
+        results[section] = merge(results.get(section))
+        results["updated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.write_text(name, json.dumps(results, indent=2) + "\n")
+        return results[section]
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints (checkpoints.py)
