@@ -109,8 +109,7 @@ class Run(storage.RunDir):
             raise RunError(f"{self} is not a run directory: {CONFIG} not found in it")
         text = self.read_bytes(CONFIG)
         raw = config_lib.apply_overrides(config_lib.parse_yaml(text, self.show(CONFIG)), overrides)
-        sizes = config_lib.load_model_sizes() if config_lib.MODEL_SIZES.is_file() else {}  # the model is resolved
-        return config_lib.from_dict(raw, sizes=sizes)
+        return config_lib.from_saved(raw)  # the model as saved, whatever conf/model_config.yaml says now
 
     def save_config(self, cfg: config_lib.Config) -> str:
         """Write config.yaml at once (a crash never leaves half a config); returns how it is named."""

@@ -26,6 +26,7 @@ import yaml
 import checkpoints
 import config
 import data
+import model
 import rundir
 import shards
 import train
@@ -450,6 +451,32 @@ def test_config_overrides_and_round_trip(tmp_path):
     t = big.training
     assert 0.45e6 < t.batch_size * big.seq_len < 0.55e6 and big.seq_len == 1024
     assert (t.lr, t.min_lr, t.warmup_steps, t.weight_decay, t.b2) == (3e-4, 3e-5, 2000, 0.1, 0.95)
+
+
+def test_a_run_reads_its_own_model_whatever_the_size_table_says(finished_run, tmp_path, monkeypatch):
+    """config.yaml holds every model field: reading a run (its config, its model, a fine-tuning's start)
+    never consults conf/model_config.yaml, whose entry for the run's size may have changed or gone."""
+    saved = yaml.safe_load((finished_run / "config.yaml").read_text())["model"]
+    assert saved["name"] == "test" and (saved["N"], saved["embedding_dim"], saved["vocab_size"]) == (2, 32, 300)
+    fields = {k: v for k, v in saved.items() if k != "name"}
+    tables = {
+        "resized": {"test": {**fields, "N": 5, "embedding_dim": 64, "num_head": 2}},
+        "gone": {"small": {**fields, "N": 6}},
+        "from a newer checkout": {"test": {**fields, "a_field_not_here_yet": 1}},  # an unknown key there
+        "not a table": ["test"],
+    }
+    for why, table in tables.items():
+        sizes = tmp_path / f"sizes-{len(why)}.yaml"
+        sizes.write_text(yaml.safe_dump(table))
+        monkeypatch.setattr(config, "MODEL_SIZES", sizes)
+        run = rundir.Run(finished_run)
+        cfg = run.config()
+        assert cfg.model_name == "test" and cfg.model == model.GPTConfig(**fields), why
+        gpt, step = run.load_model()
+        assert step == 8 and gpt.wte[...].shape == (384, 32), why  # 300 padded to 384, width 32
+        assert rundir.init_model(finished_run) == saved, why
+    monkeypatch.setattr(config, "MODEL_SIZES", tmp_path / "none.yaml")  # no table at all
+    assert rundir.Run(finished_run).config().model == model.GPTConfig(**fields)
 
 
 def test_default_config_has_a_comment_on_every_key():
