@@ -131,9 +131,10 @@ class Run(storage.RunDir):
     # The lock: one writer at a time
 
     @contextlib.contextmanager
-    def writer(self, purpose: str):
+    def writer(self, purpose: str, new: bool = False):
         """Hold RUN/.lock while writing the run (`purpose` names the writer to a second one, which gets
-        a RunError naming the first). The directory must exist.
+        a RunError naming the first). The directory must exist. `new`: a new run starts here, so the
+        directory must hold nothing else (check_new, under the lock: no other run started meanwhile).
 
         On a local disk it is an flock, which the system drops when its process ends however it ends,
         so a killed run never blocks its resume. In an object store, which has no locks, it is a lease:
@@ -144,6 +145,8 @@ class Run(storage.RunDir):
                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         release = self._lease(holder) if self.remote else self._flock(holder)
         try:
+            if new:
+                self.check_new()
             yield
         finally:
             release()
@@ -308,6 +311,16 @@ class Run(storage.RunDir):
             self.write_text(WANDB_ID, new + "\n")
         return new
 
+    def start_wandb(self, cfg: config_lib.Config):
+        """The run's W&B run: a resume (and eval.py) continues the one whose id the run directory keeps."""
+        import uuid
+
+        import wandb
+
+        return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or self.name,
+                          id=self.wandb_id(new=uuid.uuid4().hex[:8]), resume="allow", mode=cfg.wandb.mode,
+                          dir=None if self.remote else str(self), config=config_lib.to_dict(cfg))
+
     def save_summary(self, summary: dict) -> None:
         self.write_text(SUMMARY, json.dumps(summary, indent=2) + "\n")
 
@@ -392,6 +405,22 @@ class Run(storage.RunDir):
         return nnx.merge(graphdef, state), step
 
 
+def check_wandb(cfg: config_lib.Config) -> None:
+    """wandb.mode=online needs a W&B login (an API key from `wandb login` or WANDB_API_KEY), checked
+    without reaching the server; without a terminal to ask on, a missing one is a RunError."""
+    if cfg.wandb.mode != "online":
+        return
+    import wandb
+
+    try:
+        found = wandb.login(verify=False)  # False: no key, and none given at a prompt
+    except Exception:  # wandb's UsageError (no key, no terminal), or whatever its settings raise
+        found = False
+    if not found:
+        raise RunError("wandb.mode=online needs a W&B login: run `wandb login` (or set WANDB_API_KEY) first, "
+                       "or log with wandb.mode=offline and upload later with `wandb sync`") from None
+
+
 def open_run(location) -> Run:
     """The run directory at a local path or URL; a `Run` is passed through."""
     return location if isinstance(location, Run) else Run(location)
@@ -408,6 +437,15 @@ def existing(location) -> Run:
 
 # ----------------------------------------------------------------------------------------------
 # Starting from another run's parameters (training.init_from)
+
+
+def new_config(path, overrides: typing.Sequence[str]) -> config_lib.Config:
+    """The config of a new run: the config file `path` with the overrides; fine-tuning (training.init_from)
+    without `model=NAME` takes init_from's model, the command line's model.FIELD=VALUE on top."""
+    cfg = config_lib.load_config(path, overrides)
+    if cfg.training.init_from and not config_lib.names_model(overrides):
+        cfg = config_lib.load_config(path, overrides, model=init_model(cfg.training.init_from))
+    return cfg
 
 
 def init_model(location) -> dict:

@@ -26,7 +26,9 @@ import yaml
 import checkpoints
 import config
 import data
+import errors
 import model
+import progress
 import rundir
 import shards
 import train
@@ -204,7 +206,7 @@ def test_resume_errors(corpus, tmp_path, capsys):
     assert "nothing to resume" in capsys.readouterr().err
     # a run directory without a checkpoint: the run died before its first save
     run_dir = tmp_path / "early"
-    with pytest.raises(train.Diverged):
+    with pytest.raises(errors.Diverged):
         train.main(tiny(run_dir, corpus, "training.lr=1e30", "checkpoint.every=100"))
     capsys.readouterr()
     # a new run there is refused, saying what to do
@@ -719,7 +721,7 @@ def test_wandb_online_without_a_login_is_one_line_before_anything_is_written(fin
     assert not (tmp_path / "new").exists() and contents(finished_run) == before
     # with a key (never checked with the server) the check passes; in a fresh process (W&B keeps the
     # settings it read first) without the variables W&B set here (its service's address among them)
-    check = "import config, train; train.check_wandb(config.load_config(overrides=['wandb.mode=online']))"
+    check = "import config, rundir; rundir.check_wandb(config.load_config(overrides=['wandb.mode=online']))"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"WANDB_API_KEY": "k" * 40}
     result = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, env=env,
                             stdin=subprocess.DEVNULL)
@@ -741,6 +743,6 @@ def test_run_dir_that_cannot_be_made_is_one_line(corpus, tmp_path, capsys, where
 
 
 def test_perplexity_of_a_huge_finite_loss_is_a_number():
-    assert train.perplexity(2.0) == pytest.approx(math.exp(2.0))
-    assert train.perplexity(1e4) == math.exp(700.0)  # math.exp(1e4) overflows
-    json.dumps({"train_ppl": train.perplexity(1e4)}, allow_nan=False)  # the summary stays valid JSON
+    assert progress.perplexity(2.0) == pytest.approx(math.exp(2.0))
+    assert progress.perplexity(1e4) == math.exp(700.0)  # math.exp(1e4) overflows
+    json.dumps({"train_ppl": progress.perplexity(1e4)}, allow_nan=False)  # the summary stays valid JSON
