@@ -1,14 +1,16 @@
 """Typed configuration: YAML in conf/, dotted overrides, validation.
 
     conf/config.yaml ──yaml.safe_load──> nested dict ──key=value overrides──> Config (dataclasses)
-    Config ──to_dict──> RUN_DIR/config.yaml (model fully resolved; rundir.Run.save_config, .config)
+    Config ──to_dict──> RUN_DIR/config.yaml (model fully resolved; rundir.Run.save_config)
+    RUN_DIR/config.yaml ──from_saved──> Config (rundir.Run.config; the size table is not read)
 
 `model` in a config file is either a named size from conf/model_config.yaml (`model: small`) or a
 mapping `{name: small, <GPTConfig field>: value, ...}` whose fields override the named size. A
 mapping whose name is not a known size must give the architecture itself (vocab_size,
 block_size, embedding_dim, num_head, N), so a typo in a name never falls back to some default.
 The effective config written into a run directory holds every GPTConfig field, so eval, sample
-and convert need nothing but that directory.
+and convert need nothing but that directory: reading it back (from_saved) never consults the size
+table, which may have changed since the run was made.
 
 Every user mistake (unknown key, wrong type, unknown model size, a missing file) raises
 `ConfigError` with one line that names the problem and the valid choices.
@@ -179,9 +181,9 @@ def _build(cls, raw, prefix: str):
 # Model sizes
 
 
-def load_model_sizes(path=MODEL_SIZES) -> dict[str, dict]:
-    """The named sizes of conf/model_config.yaml: name -> {GPTConfig field: value}."""
-    path = pathlib.Path(path)
+def load_model_sizes(path=None) -> dict[str, dict]:
+    """The named sizes of conf/model_config.yaml (or `path`): name -> {GPTConfig field: value}."""
+    path = pathlib.Path(MODEL_SIZES if path is None else path)
     if not path.is_file():
         raise ConfigError(f"model size table {path} not found")
     sizes = yaml.safe_load(path.read_text()) or {}
@@ -204,6 +206,9 @@ def resolve_model(spec, sizes: dict[str, dict]) -> tuple[str, GPTConfig]:
         base = dict(sizes[name])
     elif all(k in spec for k in GPTConfig.REQUIRED_FIELDS):
         base, name = {}, name or "custom"
+    elif not sizes:  # a run's saved config (from_saved), which names no size but gives the model whole
+        raise ConfigError(f"model {name!r} is not given whole: a run's config.yaml sets every model field "
+                          f"({', '.join(GPTConfig.REQUIRED_FIELDS)} at least)")
     else:
         raise ConfigError(
             f"unknown model size {name!r}; valid sizes: {', '.join(sizes)} "
@@ -288,6 +293,13 @@ def from_dict(raw: dict, *, sizes: dict[str, dict] | None = None) -> Config:
     cfg.model_name, cfg.model = resolve_model(raw.get("model", "small"), load_model_sizes() if sizes is None else sizes)
     validate(cfg)
     return cfg
+
+
+def from_saved(raw: dict) -> Config:
+    """A run directory's config.yaml (with any overrides applied): its model section holds every field
+    (to_dict wrote it so), which is read as it is. This checkout's size table (conf/model_config.yaml) is
+    never consulted: its entry under the run's model_name may have changed, gone, or gained fields since."""
+    return from_dict(raw, sizes={})
 
 
 def validate(cfg: Config) -> None:

@@ -31,14 +31,12 @@ import errors  # light: nothing but the standard library
 if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
 
-import datetime
-import json
 import math
 import os
 import pathlib
 import sys
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import jax
 import numpy as np
@@ -126,7 +124,7 @@ def perplexity_table(scorer, data_dir, lengths: Sequence[int], train_len: int, *
 # What a perplexity row measured: rows that agree on all of these are one series (one line of the plot);
 # a row of another series is never replaced by, nor drawn with, a new one. A row written before rows
 # recorded their split's size and max_tokens counts as measured on an unknown amount.
-MEASURED = ("data", "split", "split_tokens", "max_tokens")
+MEASURED = rundir.MEASURED  # (rundir.py checks them in the results file it reads and writes)
 UNKNOWN = "unknown"
 
 
@@ -233,39 +231,6 @@ def run_data_dir(run: rundir.Run, cfg, override: str | None) -> str:
     return location if storage.is_url(location) else str(pathlib.Path(location).resolve())
 
 
-def read_results(run: rundir.Run, name: str) -> dict:
-    """The run's JSON results file `name` ({} if there is none yet), checked to be one that eval.py can add to."""
-    if not run.is_file(name):
-        return {}
-    try:
-        results = json.loads(run.read_text(name))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        results, why = None, f"unreadable JSON ({e})"
-    else:
-        why = results_problem(results)
-    if why:
-        raise EvalError(f"{run.show(name)} is not an eval.py results file: {why}; move it away to evaluate "
-                        "this step again (eval.py adds to that file and never overwrites it)")
-    return results
-
-
-def results_problem(results) -> str | None:
-    """Why a parsed results file is not one eval.py wrote (None if it is)."""
-    if not isinstance(results, dict):
-        return "not a JSON object"
-    section = results.get("perplexity", {"rows": []})
-    rows = section.get("rows") if isinstance(section, dict) else None
-    # the fields that merging, the plot and wandb read
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("length"), int)
-                                             and all(k in r for k in ("multiple", "loss", "ppl")) for r in rows):
-        return "its perplexity section has no list of rows with length, multiple, loss and ppl"
-    if not all(isinstance(r.get(k), (str, int, float, type(None))) for r in rows for k in MEASURED):
-        return f"a perplexity row's {', '.join(MEASURED)} are not plain values"
-    if not isinstance(results.get("tasks", {}), dict):
-        return "its tasks section is not an object"
-    return None
-
-
 def merge_perplexity(section: dict | None, rows: list[dict], data_dir: str, split: str, train_len: int) -> dict:
     """The results file's perplexity section with `rows` of (data_dir, split) merged in.
 
@@ -290,16 +255,6 @@ def _series_order(key: tuple) -> tuple:
     data_dir, split, split_tokens, max_tokens, length = key
     rank = (0, 0) if max_tokens is None else (1, -max_tokens) if isinstance(max_tokens, int) else (2, 0)
     return str(data_dir), str(split), str(split_tokens), rank, length
-
-
-def write_results(run: rundir.Run, name: str, section: str, merge: Callable[[object], object]) -> object:
-    """Replace one section of the run's JSON results file `name` by merge(its current value or None),
-    keeping the other sections; the file is re-read first and replaced at once. Returns the new section."""
-    results = read_results(run, name)
-    results[section] = merge(results.get(section))
-    results["updated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    run.write_text(name, json.dumps(results, indent=2) + "\n")
-    return results[section]
 
 
 def log_wandb(cfg, run: rundir.Run, step: int, table: list[dict] | None, tasks: dict | None,
@@ -363,7 +318,7 @@ def main(argv=None) -> int:
     if not run.remote:
         (pathlib.Path(run.location) / "eval").mkdir(exist_ok=True)
     results_name = rundir.eval_results_name(step)
-    read_results(run, results_name)  # a file eval.py cannot add to stops the run before any work
+    run.read_results(results_name)  # a file eval.py cannot add to stops the run before any work
     print(f"{run_dir} step {step}: {model_cfg.N} layers, d={model_cfg.embedding_dim}, "
           f"{model_cfg.positions} positions, trained at context {train_len}; "
           f"{jax.devices()[0].platform} x{jax.device_count()}", file=sys.stderr)
@@ -381,7 +336,7 @@ def main(argv=None) -> int:
         for r in new_rows:
             print(f"{r['length']:>8} {r['multiple']:>8.2f} {r['windows']:>8,} {r['tokens']:>11,} {r['loss']:>8.4f} "
                   f"{r['ppl']:>10.3f}  {scored(r)}")
-        saved = write_results(run, results_name, "perplexity",
+        saved = run.write_results(results_name, "perplexity",
                               lambda section: merge_perplexity(section, new_rows, data_dir, args.split, train_len))
         # the plot and wandb show every series of this data and split (as it is now), earlier runs' included,
         # one line per amount of data
@@ -412,7 +367,7 @@ def main(argv=None) -> int:
         print(f"\nzero-shot results ({time.perf_counter() - t0:.1f}s)")
         for column, value in harness.task_table(tasks):
             print(f"{column:<32} {value:>10.4f}")
-        saved = write_results(run, results_name, "tasks", lambda section: {**(section or {}), **tasks})
+        saved = run.write_results(results_name, "tasks", lambda section: {**(section or {}), **tasks})
         kept = sorted(set(saved) - set(tasks))
         print(f"-> {run.show(results_name)}: {', '.join(sorted(tasks))} written"
               + (f"; {', '.join(kept)} kept from earlier runs" if kept else ""))

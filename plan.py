@@ -61,13 +61,15 @@ import collections
 import dataclasses
 import re
 
+import jax
 import numpy as np
 
 import attention as attention_lib
 import model as model_lib
+import rundir
 import sharding as sharding_lib
 import step as step_lib
-from errors import PlanError
+from errors import ConfigError, PlanError
 
 GiB = 2**30
 
@@ -402,6 +404,19 @@ def alternatives(cfg, dev: Target, state: _State, limit: int = 4) -> tuple[list[
     e = planned(merged(chosen))
     order = [kind for kind, _, _ in _changes(cfg)]
     return [(" ".join(chosen[kind][0] for kind in sorted(chosen, key=order.index)), e)], True
+
+
+def run(args) -> int:
+    """`train.py --plan`: the configured run's memory per device, tokens, FLOPs and step time on --device
+    (`args`: train.py's parsed command line). JAX runs on the CPU alone here, so that planning never takes
+    an accelerator a run is using."""
+    if args.resume:
+        raise ConfigError("--plan plans a config (--config and key=value overrides), not --resume")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu must be in (0, 1], got {args.mfu}")
+    jax.config.update("jax_platforms", "cpu")
+    print(report(rundir.new_config(args.config, args.overrides), target(args.device, args.devices), mfu=args.mfu))
+    return 0
 
 
 def _fmt(n: float) -> str:

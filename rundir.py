@@ -8,17 +8,15 @@
     RUN/.lock                   who writes the run now (train.py, an import): one writer at a time
     RUN/wandb_id.txt            the W&B run id: a resume and eval.py log into the same W&B run
     RUN/eval/step<N>.json       eval.py's results for checkpoint N
-    RUN/checkpoints/<step>/     orbax checkpoints of the state {params, opt_state, step, rng}, each with a
-                                fingerprint of every array in its metadata, checked on every restore
-    RUN/checkpoints/.deleting/  old checkpoints being deleted: renamed here first, so that a kill during
-                                a deletion never leaves half a checkpoint under its step's name
-    RUN/checkpoints-damaged/    checkpoints a resume could not restore, moved aside (never deleted): <step>/,
-                                or <step>.1/, ... for a step damaged again
+    RUN/checkpoints/            orbax checkpoints of the state (checkpoints.py: saving, restoring past
+    RUN/checkpoints-damaged/    damaged ones, which are moved aside, fingerprints)
 
 `Run` is a storage.RunDir (a local path, or a URL such as gs://bucket/runs/x, whose files go
 through fsspec and whose checkpoints orbax writes itself) that knows these files. train.py writes a
 run; eval.py, sample.py and convert_torch.py read it through `Run.config`, `Run.load_model`,
 `Run.load_params` and `Run.tokenizer`; convert_torch.py's import writes one with `Run.save_params`.
+Every checkpoint is saved, restored and loaded through one owner, `Run.checkpoints()`, a
+checkpoints.Checkpoints.
 
 A run directory a user points at that is not one, a checkpoint that cannot be read (its arrays,
 its metadata) or that does not fit the model: a RunError, one line in the user's terms.
@@ -26,23 +24,19 @@ its metadata) or that does not fit the model: a RunError, one line in the user's
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
+import datetime
 import json
-import logging
 import math
 import os
 import pathlib
-import re
-import shutil
 import socket
-import sys
 import threading
 import time
 import typing
 
 import yaml
 
+import checkpoints as checkpoints_lib
 import config as config_lib
 import shards
 import storage
@@ -54,16 +48,11 @@ TOKENIZER = "tokenizer.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 WANDB_ID = "wandb_id.txt"
-CHECKPOINTS = "checkpoints"
-DAMAGED = "checkpoints-damaged"
-DELETING = ".deleting"  # inside RUN/checkpoints
 LOCK = ".lock"
 LEASE_RENEW = 10.0  # seconds between a lease's heartbeats (a run directory in an object store)
 LEASE_TTL = 60.0  # a lease whose heartbeat is older than this is free: its holder is gone
 LEASE_TTL_ENV = "GPT_LEASE_TTL"  # seconds, instead of LEASE_TTL; the lease is then renewed every sixth of it
 LEASE_SETTLE = 1.0  # seconds between writing a lease and reading it back
-FINGERPRINTS = "fingerprints"  # the key of a checkpoint's custom metadata that holds them
-TOKENS = "tokens"  # ... and the one of the tokens trained up to it (context and batch may change on resume)
 
 
 def lease_times() -> tuple[float, float]:
@@ -88,6 +77,26 @@ def eval_results_name(step: int) -> str:
     return f"eval/step{step}.json"
 
 
+MEASURED = ("data", "split", "split_tokens", "max_tokens")  # the fields of a results row that name its series
+
+
+def results_problem(results) -> str | None:
+    """Why a parsed results file is not one eval.py wrote (None if it is)."""
+    if not isinstance(results, dict):
+        return "not a JSON object"
+    section = results.get("perplexity", {"rows": []})
+    rows = section.get("rows") if isinstance(section, dict) else None
+    # the fields that merging, the plot and wandb read
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("length"), int)
+                                             and all(k in r for k in ("multiple", "loss", "ppl")) for r in rows):
+        return "its perplexity section has no list of rows with length, multiple, loss and ppl"
+    if not all(isinstance(r.get(k), (str, int, float, type(None))) for r in rows for k in MEASURED):
+        return f"a perplexity row's {', '.join(MEASURED)} are not plain values"
+    if not isinstance(results.get("tasks", {}), dict):
+        return "its tasks section is not an object"
+    return None
+
+
 class Run(storage.RunDir):
     """A run directory and the files in it (see the module docstring)."""
 
@@ -100,8 +109,7 @@ class Run(storage.RunDir):
             raise RunError(f"{self} is not a run directory: {CONFIG} not found in it")
         text = self.read_bytes(CONFIG)
         raw = config_lib.apply_overrides(config_lib.parse_yaml(text, self.show(CONFIG)), overrides)
-        sizes = config_lib.load_model_sizes() if config_lib.MODEL_SIZES.is_file() else {}  # the model is resolved
-        return config_lib.from_dict(raw, sizes=sizes)
+        return config_lib.from_saved(raw)  # the model as saved, whatever conf/model_config.yaml says now
 
     def save_config(self, cfg: config_lib.Config) -> str:
         """Write config.yaml at once (a crash never leaves half a config); returns how it is named."""
@@ -113,7 +121,7 @@ class Run(storage.RunDir):
         """A new run may start here: nothing is in the directory yet (but perhaps a lock)."""
         if not set(self.names()) - {LOCK}:
             return
-        if self.is_file(CONFIG) and not self.checkpoint_steps():
+        if self.is_file(CONFIG) and not self.checkpoints().steps():
             raise RunError(f"run directory {self} holds a run stopped before its first checkpoint; continue it "
                            f"with --resume (from step 0, with its saved config), or remove the directory to start anew")
         raise RunError(f"run directory {self} already exists; continue it with --resume, "
@@ -123,9 +131,10 @@ class Run(storage.RunDir):
     # The lock: one writer at a time
 
     @contextlib.contextmanager
-    def writer(self, purpose: str):
+    def writer(self, purpose: str, new: bool = False):
         """Hold RUN/.lock while writing the run (`purpose` names the writer to a second one, which gets
-        a RunError naming the first). The directory must exist.
+        a RunError naming the first). The directory must exist. `new`: a new run starts here, so the
+        directory must hold nothing else (check_new, under the lock: no other run started meanwhile).
 
         On a local disk it is an flock, which the system drops when its process ends however it ends,
         so a killed run never blocks its resume. In an object store, which has no locks, it is a lease:
@@ -136,6 +145,8 @@ class Run(storage.RunDir):
                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         release = self._lease(holder) if self.remote else self._flock(holder)
         try:
+            if new:
+                self.check_new()
             yield
         finally:
             release()
@@ -300,227 +311,63 @@ class Run(storage.RunDir):
             self.write_text(WANDB_ID, new + "\n")
         return new
 
+    def start_wandb(self, cfg: config_lib.Config):
+        """The run's W&B run: a resume (and eval.py) continues the one whose id the run directory keeps."""
+        import uuid
+
+        import wandb
+
+        return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or self.name,
+                          id=self.wandb_id(new=uuid.uuid4().hex[:8]), resume="allow", mode=cfg.wandb.mode,
+                          dir=None if self.remote else str(self), config=config_lib.to_dict(cfg))
+
     def save_summary(self, summary: dict) -> None:
         self.write_text(SUMMARY, json.dumps(summary, indent=2) + "\n")
 
     # ------------------------------------------------------------------------------------------
-    # Checkpoints
+    # eval.py's results: RUN/eval/step<N>.json (eval_results_name), added to section by section
 
-    def checkpoint_steps(self) -> list[int]:
-        """The steps of the complete checkpoints, oldest first ([] when there are none), as orbax counts
-        them: locally a step's directory appears only once complete; in a bucket a step's objects make
-        a checkpoint only once its save has written the commit marker (commit_success.txt), last."""
-        import orbax.checkpoint as ocp
-
-        forget_listings(self.checkpoint_dir())  # tensorstore writes the arrays past etils' listing cache
-        return sorted(ocp.path.step.checkpoint_steps(self.checkpoint_dir()))
-
-    def checkpoint_manager(self, keep: int | None = None, async_save: bool = False):
-        """An orbax CheckpointManager of RUN/checkpoints: a step directory appears only once complete,
-        and (on a local disk) an old one is renamed into .deleting/ before it is deleted."""
-        import orbax.checkpoint as ocp
-
-        logging.getLogger("absl").setLevel(logging.WARNING)
-        absl = logging.getLogger("absl")
-        if SAVE_ERRORS not in absl.filters:  # orbax's own reports of a failed save: kept for our one line
-            absl.addFilter(SAVE_ERRORS)
-        sys.unraisablehook = drop_closed_loop_errors  # a failed save's reads and writes end on closed loops
-        self.pending_save = None
-        self.purge_deleted(unfinished=True)
-        return ocp.CheckpointManager(
-            self.checkpoint_dir(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                                 todelete_subdir=DELETING),  # object stores delete in place
-            item_handlers=ocp.StandardCheckpointHandler(),  # so that a checkpoint's tree can be read before restoring
-        )
-
-    def save_checkpoint(self, mngr, step: int, state, tokens: int | None = None) -> None:
-        """Save `state` as checkpoint `step` (asynchronously if `mngr` saves so), with the fingerprint of
-        every array and the `tokens` trained so far in its metadata; then finish deleting the checkpoints
-        that rotation retired."""
-        import orbax.checkpoint as ocp
-
-        self.check_saved(mngr)
-        self.pending_save = step
-        SAVE_ERRORS.messages.clear()  # what is reported from here on is this save's
+    def read_results(self, name: str) -> dict:
+        """The JSON results file `name` ({} if there is none yet), checked to be one that eval.py can add to."""
+        if not self.is_file(name):
+            return {}
         try:
-            mngr.save(step, args=ocp.args.StandardSave(state), force=True,
-                      custom_metadata={FINGERPRINTS: fingerprints(state),
-                                       **({TOKENS: int(tokens)} if tokens is not None else {})})
-        except Exception as e:  # a synchronous save that failed
-            SAVE_ERRORS.messages.append(str(e))
-            self.check_saved(mngr)
-        self.purge_deleted()
+            results = json.loads(self.read_text(name))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            results, why = None, f"unreadable JSON ({e})"
+        else:
+            why = results_problem(results)
+        if why:
+            raise RunError(f"{self.show(name)} is not an eval.py results file: {why}; move it away to evaluate "
+                           "this step again (eval.py adds to that file and never overwrites it)")
+        return results
 
-    @staticmethod
-    def checkpoint_tokens(mngr, step: int) -> int | None:
-        """The tokens trained up to checkpoint `step`, as saved with it (None for a checkpoint without)."""
-        tokens = (mngr.metadata(step).custom_metadata or {}).get(TOKENS)
-        return int(tokens) if isinstance(tokens, int) else None
+    def write_results(self, name: str, section: str, merge: typing.Callable[[object], object]) -> object:
+        """Replace one section of the JSON results file `name` by merge(its current value or None), keeping
+        the other sections; the file is re-read first and replaced at once. Returns the new section."""
+        results = self.read_results(name)
+        results[section] = merge(results.get(section))
+        results["updated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.write_text(name, json.dumps(results, indent=2) + "\n")
+        return results[section]
 
-    def check_saved(self, mngr) -> None:
-        """Wait for the save in flight; a RunError if it did not complete (a full disk, no access): orbax
-        only logs that, and a run going on would leave the user believing in a checkpoint that is not there."""
-        step, self.pending_save = self.pending_save, None
-        try:
-            mngr.wait_until_finished()
-        except Exception as e:
-            SAVE_ERRORS.messages.append(str(e))
-        if step is None or step in self.checkpoint_steps():
-            return
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
-        try:
-            mngr.close()
-        except Exception:
-            pass
-        for _ in range(40):  # the failed save's partial files, once its last writes (failing too) have ended
-            self.purge_deleted(unfinished=True)
-            time.sleep(0.05)
-            if self.remote or not any(pathlib.Path(self.checkpoint_dir()).glob("*.orbax-checkpoint-tmp*")):
-                break
-        steps = self.checkpoint_steps()
-        reason = SAVE_ERRORS.reason()
-        raise RunError(f"saving checkpoint {step} in {self.checkpoint_dir()} failed ({reason}); "
-                       + (f"the newest complete checkpoint is {steps[-1]}: fix the cause, then continue with "
-                          f"--resume" if steps else "there is no complete checkpoint yet: fix the cause, then --resume "
-                          f"starts the run again from step 0"))
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints (checkpoints.py)
 
-    def purge_deleted(self, unfinished: bool = False) -> None:
-        """Delete what lies in RUN/checkpoints/.deleting/: old checkpoints already renamed out of the way
-        by orbax's rotation, whole or half deleted by a process that was killed. `unfinished`: also the
-        partial files of saves that never completed (none may be in flight). Only the holder of the
-        run's lock calls it."""
-        if not self.remote:
-            ckpt = pathlib.Path(self.checkpoint_dir())
-            for leftover in [ckpt / DELETING, *(ckpt.glob("*.orbax-checkpoint-tmp*") if unfinished else [])]:
-                shutil.rmtree(leftover, ignore_errors=True)
-        elif unfinished:  # in a bucket a save writes under its step's own name: those without a commit marker
-            complete = set(self.checkpoint_steps())
-            for name in self.names_in(CHECKPOINTS):
-                if name.isdigit() and int(name) not in complete:
-                    with contextlib.suppress(Exception):  # no access: the next save of that step replaces them
-                        self.fs.rm(f"{self.root}/{CHECKPOINTS}/{name}", recursive=True)
-            forget_listings(self.checkpoint_dir())
-
-    def damaged_dir(self) -> str:
-        """RUN/checkpoints-damaged, as a local path or URL (where restore moves what it cannot read)."""
-        if self.remote:
-            return f"{self.location}/{DAMAGED}"
-        return str(pathlib.Path(self.checkpoint_dir()).parent / DAMAGED)
-
-    def move_aside(self, step: int) -> str:
-        """Move checkpoint `step` whole into RUN/checkpoints-damaged/ as <step> (<step>.1, .2, ... when an
-        earlier one of that step lies there already); returns the name it got. Locally one rename; a
-        bucket, which has no folders and no rename, gets a copy of every object under the step's prefix
-        (made by the store itself), then the originals are deleted: a stop in between leaves both, never
-        neither."""
-        aside = self.damaged_dir()
-        taken = set(self.names_in(DAMAGED))
-        name = next(n for n in itertools.chain([str(step)], (f"{step}.{i}" for i in itertools.count(1)))
-                    if n not in taken)
-        if not self.remote:
-            def move():
-                pathlib.Path(aside).mkdir(exist_ok=True)
-                (pathlib.Path(self.checkpoint_dir()) / str(step)).rename(pathlib.Path(aside) / name)
-
-            self._do(DAMAGED, move)
-            return name
-        src = f"{self.root}/{CHECKPOINTS}/{step}"
-        objects = self._do(f"{CHECKPOINTS}/{step}", lambda: self.fs.find(src))
-        for path in objects:
-            self._do(f"{DAMAGED}/{name}", self.fs.copy, path, f"{self.root}/{DAMAGED}/{name}{path[len(src):]}")
-        self._do(f"{CHECKPOINTS}/{step}", self.fs.rm, objects)
-        self.fs.invalidate_cache(self.root)
-        return name
-
-    def names_in(self, sub: str) -> list[str]:
-        """The names in RUN/sub ([] when there is none)."""
-        path = self._path(sub)
-        self.fs.invalidate_cache(path)  # what others wrote meanwhile (orbax, tensorstore) is listed too
-        return self._do(sub, lambda: [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
-                        if self.fs.isdir(path) else [])
-
-    def restore(self, mngr, abstract_state, say):
-        """(state, step) from the newest checkpoint that restores. Damaged newer ones are moved aside to
-        checkpoints-damaged/ (never deleted), saying which and why; a checkpoint whose tree differs from
-        this run's (another model or optimizer) is a RunError naming the differing keys."""
-        import orbax.checkpoint as ocp
-
-        ckpt_dir = self.checkpoint_dir()
-        default_hook, sys.unraisablehook = sys.unraisablehook, drop_closed_loop_errors
-        damaged = []
-        for step in sorted(mngr.all_steps(), reverse=True):
-            try:
-                saved = mngr.item_metadata(step)
-                saved = getattr(saved, "tree", saved)  # the checkpoint's own description of its arrays
-            except Exception as e:
-                damaged.append((step, checkpoint_problem(e)))
-                continue
-            if saved is None:
-                damaged.append((step, "its description of the arrays (_METADATA) is missing or unreadable"))
-                continue
-            mismatch = tree_mismatch(saved, abstract_state)
-            if mismatch:
-                logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # as below: the caller exits
-                raise RunError(f"checkpoint {step} in {ckpt_dir} does not fit this run's model and optimizer "
-                               f"({mismatch}); resume with the run's own model settings")
-            try:
-                state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
-                corrupt = fingerprint_problem(mngr, step, state)
-            except Exception as e:  # a damaged checkpoint: a file missing, an array unreadable
-                damaged.append((step, checkpoint_problem(e)))
-                continue
-            if corrupt:  # it read, but not as it was written: flipped bits
-                damaged.append((step, corrupt))
-                continue
-            sys.unraisablehook = default_hook
-            if damaged:
-                import jax
-
-                if jax.process_index() == 0:  # a new save at that step must not meet the damaged directory
-                    for bad, _ in damaged:
-                        self.move_aside(bad)
-                if jax.process_count() > 1:
-                    from jax.experimental import multihost_utils
-
-                    multihost_utils.sync_global_devices("damaged checkpoints moved aside")
-                forget_listings(ckpt_dir)
-                mngr.reload()
-                say(f"checkpoint {', '.join(str(d) for d, _ in damaged)} cannot be restored "
-                    f"({'; '.join(f'{d}: {why}' for d, why in damaged)}); moved to {self.damaged_dir()}; "
-                    f"resuming from checkpoint {step}, the newest intact one")
-            return state, step
-        # (the hook stays: the caller exits)
-        logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
-        step, why = damaged[0]
-        raise RunError(f"checkpoint {step} in {ckpt_dir} cannot be restored: {why}" +
-                       (f"; nor can the {len(damaged) - 1} older one(s)" if len(damaged) > 1 else ""))
+    def checkpoints(self, keep: int | None = None, async_save: bool = False, *,
+                    write: bool = False) -> checkpoints_lib.Checkpoints:
+        """RUN/checkpoints: to read, or (`write`, for the holder of the run's lock) to save and restore,
+        keeping `keep` checkpoints, saving asynchronously if `async_save`."""
+        return checkpoints_lib.Checkpoints(self, keep, async_save, write=write)
 
     def load_params(self, step: int | None = None) -> tuple[dict, int]:
         """(params, step) of a checkpoint, the last one by default: a pure dict of numpy arrays with
         integer block indices, as `nnx.to_pure_dict` gives them (orbax hands dict keys back as strings).
         For init_from, export, eval and sampling."""
         import numpy as np
-        import orbax.checkpoint as ocp
 
-        ckpt_dir = self.checkpoint_dir()
-        steps = self.checkpoint_steps()
-        if not steps:
-            raise RunError(f"no checkpoint in {ckpt_dir}")
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            raise RunError(f"no checkpoint for step {step} in {ckpt_dir}; saved steps: {', '.join(map(str, steps))}")
-        sys.unraisablehook = drop_closed_loop_errors  # a failed read's other reads end on a closed loop
-        with ocp.CheckpointManager(ckpt_dir) as mngr:
-            try:
-                state = mngr.restore(step, args=ocp.args.StandardRestore())
-                corrupt = fingerprint_problem(mngr, step, state)
-            except Exception as e:  # a damaged checkpoint
-                logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
-                raise RunError(f"checkpoint {step} in {ckpt_dir} cannot be read: {checkpoint_problem(e)}") from None
-        if corrupt:
-            raise RunError(f"checkpoint {step} in {ckpt_dir} is corrupt: {corrupt}")
+        with self.checkpoints() as saved:
+            state, step = saved.load(step)
 
         def numpy_tree(tree):
             if not isinstance(tree, dict):
@@ -530,14 +377,14 @@ class Run(storage.RunDir):
         return numpy_tree(state["params"]), step
 
     def save_params(self, params: dict, step: int = 0) -> None:
-        """A checkpoint holding only parameters (an import): what init_from, eval, sample and export read."""
+        """A checkpoint holding only parameters (an import), saved at once: what init_from, eval, sample
+        and export read."""
         import jax
         import numpy as np
 
         state = {"params": jax.tree.map(np.asarray, params), "step": np.asarray(step, np.int32)}
-        with self.checkpoint_manager() as mngr:
-            self.save_checkpoint(mngr, step, state)
-            self.check_saved(mngr)
+        with self.checkpoints(write=True) as saver:
+            saver.save(step, state)
 
     def load_model(self, step: int | None = None):
         """(the run's model.GPT with the checkpoint's parameters, the checkpoint step)."""
@@ -558,6 +405,22 @@ class Run(storage.RunDir):
         return nnx.merge(graphdef, state), step
 
 
+def check_wandb(cfg: config_lib.Config) -> None:
+    """wandb.mode=online needs a W&B login (an API key from `wandb login` or WANDB_API_KEY), checked
+    without reaching the server; without a terminal to ask on, a missing one is a RunError."""
+    if cfg.wandb.mode != "online":
+        return
+    import wandb
+
+    try:
+        found = wandb.login(verify=False)  # False: no key, and none given at a prompt
+    except Exception:  # wandb's UsageError (no key, no terminal), or whatever its settings raise
+        found = False
+    if not found:
+        raise RunError("wandb.mode=online needs a W&B login: run `wandb login` (or set WANDB_API_KEY) first, "
+                       "or log with wandb.mode=offline and upload later with `wandb sync`") from None
+
+
 def open_run(location) -> Run:
     """The run directory at a local path or URL; a `Run` is passed through."""
     return location if isinstance(location, Run) else Run(location)
@@ -576,6 +439,15 @@ def existing(location) -> Run:
 # Starting from another run's parameters (training.init_from)
 
 
+def new_config(path, overrides: typing.Sequence[str]) -> config_lib.Config:
+    """The config of a new run: the config file `path` with the overrides; fine-tuning (training.init_from)
+    without `model=NAME` takes init_from's model, the command line's model.FIELD=VALUE on top."""
+    cfg = config_lib.load_config(path, overrides)
+    if cfg.training.init_from and not config_lib.names_model(overrides):
+        cfg = config_lib.load_config(path, overrides, model=init_model(cfg.training.init_from))
+    return cfg
+
+
 def init_model(location) -> dict:
     """training.init_from's model section (its name and every field): a fine-tuning run's model unless
     the command line names one (`model=NAME`)."""
@@ -590,7 +462,7 @@ def check_init_from(location, mcfg) -> None:
     try:
         src = open_run(location)
         src_model = src.config().model
-        has_checkpoint = bool(src.checkpoint_steps())
+        has_checkpoint = bool(src.checkpoints().steps())
     except UserError as e:
         raise RunError(f"training.init_from: {e}") from None
     if not has_checkpoint:
@@ -612,176 +484,3 @@ def load_init_params(location, shardings):
     except UserError as e:
         raise RunError(f"training.init_from: {e}") from None
     return jax.device_put(params, shardings)
-
-
-def forget_listings(url) -> None:
-    """orbax lists a bucket through etils.epath's own fsspec filesystem, whose cached listings do not see
-    what another client changed (a checkpoint moved aside): drop them."""
-    if not storage.is_url(url):
-        return
-    from etils import epath
-
-    try:
-        epath.backend.fsspec_backend.fs(str(url)).invalidate_cache()
-    except Exception:  # another epath backend, without a cache of ours to drop
-        pass
-
-
-# ----------------------------------------------------------------------------------------------
-# What is wrong with a checkpoint, in the user's terms
-
-
-def named_leaves(tree) -> list[tuple[str, typing.Any]]:
-    """(path/of/the/leaf, leaf) of a state tree; block indices read the same as ints or as orbax's strings."""
-    import jax
-
-    name = lambda k: getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))  # noqa: E731  (dict, list, attr)
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [("/".join(str(name(k)) for k in path), leaf) for path, leaf in flat]
-
-
-def fingerprints(tree) -> dict[str, str]:
-    """A 64-bit fingerprint of every array of a state, as 16 hex digits by leaf name.
-
-    For an array whose elements, read as unsigned integers of their width (widened to uint32; an
-    8-byte element as two), are u_i at row-major position i, it is the pair of uint32 sums (mod 2**32)
-        sum_i u_i * (2*i*0x9E3779B1 + 1)      and      sum_i rotl(u_i, 13) * (2*i*0x85EBCA77 + 0x27D4EB2F)
-    Every multiplier is odd, so any one flipped bit changes both sums; the weights depend on the
-    position, so moved elements change them too. It is computed where the arrays are (a sharded
-    state on its devices, by every process alike), one read of the state, and never gathers an
-    array onto one host."""
-    import jax
-
-    names, leaves = zip(*named_leaves(tree)) if jax.tree.leaves(tree) else ((), ())
-    sums = jax.device_get(_fingerprint_fn()(list(leaves)))
-    return {n: f"{int(a):08x}{int(b):08x}" for n, (a, b) in zip(names, sums)}
-
-
-@functools.cache
-def _fingerprint_fn():
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    def one(x):
-        x = jnp.asarray(x)
-        if x.dtype == jnp.bool_:
-            u = x.astype(jnp.uint32)
-        else:
-            width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-            u = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)  # 8 bytes: a last axis of 2
-        i = jnp.zeros(u.shape, jnp.uint32)  # the row-major position, without reshaping a sharded array
-        for axis, size in enumerate(u.shape):
-            i = i * np.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, u.shape, axis)
-        a = jnp.sum(u * (i * np.uint32(2 * 0x9E3779B1 % 2**32) + np.uint32(1)), dtype=jnp.uint32)
-        r = (u << np.uint32(13)) | (u >> np.uint32(19))
-        b = jnp.sum(r * (i * np.uint32(2 * 0x85EBCA77 % 2**32) + np.uint32(0x27D4EB2F)), dtype=jnp.uint32)
-        return jnp.stack([a, b])
-
-    return jax.jit(lambda leaves: [one(x) for x in leaves])
-
-
-def fingerprint_problem(mngr, step: int, state) -> str | None:
-    """Which arrays of a restored checkpoint differ from the fingerprints saved with it (None when all
-    agree, or for a checkpoint saved without them)."""
-    saved = (mngr.metadata(step).custom_metadata or {}).get(FINGERPRINTS)
-    if not isinstance(saved, dict):
-        return None
-    now = fingerprints(state)
-    bad = sorted(name for name in saved.keys() & now.keys() if saved[name] != now[name])
-    if not bad:
-        return None
-    return (f"array {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") +
-            " read back other than saved (its fingerprint differs): the files were altered or damaged")
-
-
-def tree_mismatch(saved, abstract_state) -> str | None:
-    """How a checkpoint's tree (its metadata) and this run's state differ: keys on one side only and
-    arrays of another shape, the first few of each; None when they agree."""
-    def shapes(tree) -> dict[str, tuple | None]:
-        return {name: getattr(leaf, "shape", None) for name, leaf in named_leaves(tree)}
-
-    def show(names) -> str:  # the parameters first: they say what differs in the model
-        first = sorted(names, key=lambda n: (not n.startswith("params/"), n))[:4]
-        return ", ".join(first) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
-    there, here = shapes(saved), shapes(abstract_state)
-    resized = [f"{k} {tuple(there[k])} there, {tuple(here[k])} here" for k in sorted(
-        there.keys() & here.keys(), key=lambda n: (not n.startswith("params/"), n))
-        if None not in (there[k], here[k]) and tuple(there[k]) != tuple(here[k])]
-    parts = ([f"only in the checkpoint: {show(there.keys() - here.keys())}"] if there.keys() - here.keys() else []) + \
-            ([f"only in this run: {show(here.keys() - there.keys())}"] if here.keys() - there.keys() else []) + \
-            ([f"other shapes: {', '.join(resized[:3])}" + (f" and {len(resized) - 3} more" if len(resized) > 3 else "")]
-             if resized else [])
-    return "; ".join(parts) or None
-
-
-def checkpoint_problem(error: BaseException) -> str:
-    """Why a checkpoint cannot be restored, in one line of the user's terms (an array's name, a
-    missing file), without the storage library's internals."""
-    chain = []
-    while error is not None and len(chain) < 10:
-        chain.append(error)
-        error = error.__cause__ or error.__context__
-    for e in reversed(chain):  # the innermost cause names the array: Error reading "params.wte/0.0" ...: why
-        match = re.search(r'Error reading "([^"/]+)[^"]*".*?: ([^;]+)', str(e))
-        if match:
-            why = match.group(2).split(" [tensorstore_spec")[0].strip()
-            return f"array {match.group(1)} cannot be read ({why[:160]})"
-    text = (str(chain[0]).splitlines() or [type(chain[0]).__name__])[0]
-    text = re.split(r"\s*See full TensorStore|\s*<bound method", text)[0]
-    return text[:200] or type(chain[0]).__name__
-
-
-class SaveErrors(logging.Filter):
-    """On orbax's logger: keeps its error reports (a background save that failed) for the one line
-    check_saved gives, instead of their tracebacks on stderr."""
-
-    def __init__(self):
-        super().__init__()
-        self.messages: list[str] = []
-
-    def filter(self, record) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        self.messages.append(record.getMessage())
-        return False
-
-    def reason(self) -> str:
-        """The first failure, in a few words: an object store's answer or the system's reason when
-        there is one."""
-        for problem in (store_problem, lambda message: storage.os_problem(RuntimeError(message))):
-            for message in self.messages:
-                why = problem(message)
-                if why:
-                    return why
-        return (self.messages[0].split("\n")[0][:200] if self.messages else "no reason given")
-
-
-def store_problem(message: str) -> str | None:
-    """A write that an object store refused, from tensorstore's or gcsfs's error: the HTTP status and the
-    first sentence of the store's reason ("HTTP 403: ... does not have storage.objects.create access to
-    the Google Cloud Storage object"); None for any other error."""
-    code = re.search(r"http_response_code='(\d+)'", message)  # tensorstore (the arrays)
-    said = re.search(r"Error writing (?:\"[^\"]*\" in OCDBT database at )?\S+: ([^\[]+)", message)
-    if code and said:
-        return f"HTTP {code.group(1)}: {said.group(1).split('. ')[0].strip()}"
-    said = re.search(r"\b(Forbidden|Bad Request): https?://\S+\n(.+)", message)  # gcsfs (orbax's metadata files)
-    if said:
-        code = {"Forbidden": 403, "Bad Request": 400}[said.group(1)]
-        return f"HTTP {code}: {said.group(2).split('. ')[0].strip()}"
-    return None
-
-
-SAVE_ERRORS = SaveErrors()  # one for the process: orbax logs through the one absl logger
-
-
-def drop_closed_loop_errors(unraisable) -> None:
-    """A sys.unraisablehook for checkpoints: when one read or write fails, tensorstore finishes the
-    other parallel ones on orbax's already closed asyncio loop, and each would print an 'Event loop is
-    closed' traceback (or, at exit, an ImportError of the interpreter shutting down) that buries the
-    one-line error. Drop exactly those."""
-    e = unraisable.exc_value
-    if not ((unraisable.exc_type is RuntimeError and "Event loop is closed" in str(e)) or
-            (unraisable.exc_type is ImportError and "shutting down" in str(e))):
-        sys.__unraisablehook__(unraisable)

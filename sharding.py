@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from errors import ShardingError
+from errors import RunError, ShardingError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch is split over both data-parallel axes
@@ -96,6 +96,24 @@ def initialize_distributed() -> bool:
 
 # ----------------------------------------------------------------------------------------------
 # Mesh
+
+
+def on_process_zero(check, stopped: str) -> None:
+    """Process 0 runs `check` (e.g. taking a run directory's lock); if it raises a RunError, every process
+    stops: process 0 with that error, the others with a RunError saying `stopped`."""
+    error = None
+    if jax.process_index() == 0:
+        try:
+            check()
+        except RunError as e:
+            error = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        if multihost_utils.broadcast_one_to_all(np.int32(error is not None)) and error is None:
+            error = RunError(stopped)
+    if error is not None:
+        raise error
 
 
 def check_sizes(data: int, fsdp: int, tensor: int) -> None:

@@ -127,10 +127,30 @@ class RunDir:
     def is_file(self, name: str) -> bool:
         return self._do(name, self.fs.isfile, self._path(name))
 
-    def names(self) -> list[str]:
-        """The names in the directory ([] when there is none)."""
-        return self._do("", lambda: [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
-                        if self.fs.isdir(self.root) else [])
+    def names(self, sub: str = "") -> list[str]:
+        """The names in the directory, or in RUN/sub ([] when there is none)."""
+        path = self._path(sub)
+        self.fs.invalidate_cache(path)  # what others wrote meanwhile (orbax, tensorstore) is listed too
+        return self._do(sub, lambda: [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
+                        if self.fs.isdir(path) else [])
+
+    def move(self, src: str, dst: str) -> None:
+        """Move the directory RUN/src whole to RUN/dst. Locally one rename; an object store, which has no
+        folders and no rename, gets a copy of every object under src (made by the store itself), then the
+        originals are deleted: a stop in between leaves both, never neither."""
+        if not self.remote:
+            def move():
+                target = pathlib.Path(self.root) / dst
+                target.parent.mkdir(parents=True, exist_ok=True)
+                (pathlib.Path(self.root) / src).rename(target)
+
+            self._do(dst, move)
+            return
+        objects = self._do(src, self.fs.find, self._path(src))
+        for path in objects:
+            self._do(dst, self.fs.copy, path, self._path(dst) + path[len(self._path(src)):])
+        self._do(src, self.fs.rm, objects)
+        self.fs.invalidate_cache(self.root)
 
     def delete(self, name: str) -> None:
         """Remove RUN/name (a file); nothing when it is not there."""

@@ -23,8 +23,12 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 
+import checkpoints
 import config
 import data
+import errors
+import model
+import progress
 import rundir
 import shards
 import train
@@ -202,7 +206,7 @@ def test_resume_errors(corpus, tmp_path, capsys):
     assert "nothing to resume" in capsys.readouterr().err
     # a run directory without a checkpoint: the run died before its first save
     run_dir = tmp_path / "early"
-    with pytest.raises(train.Diverged):
+    with pytest.raises(errors.Diverged):
         train.main(tiny(run_dir, corpus, "training.lr=1e30", "checkpoint.every=100"))
     capsys.readouterr()
     # a new run there is refused, saying what to do
@@ -261,7 +265,7 @@ def test_no_intact_checkpoint_is_one_error_line(finished_run, tmp_path):
 
 
 def test_fingerprints_follow_their_formula_on_any_placement():
-    """rundir.fingerprints against the formula written out in numpy, for every dtype a state holds, and
+    """checkpoints.fingerprints against the formula written out in numpy, for every dtype a state holds, and
     the same for an array sharded over the 8 devices as for the whole array."""
     def formula(x: np.ndarray) -> str:
         u = (x if x.dtype == bool else x.view(f"u{x.dtype.itemsize}")).astype(np.uint64).reshape(-1)
@@ -279,17 +283,17 @@ def test_fingerprints_follow_their_formula_on_any_placement():
         "rng": rng.integers(0, 2**32, size=(2,), dtype=np.uint32),
         "mask": rng.random(size=(7,)) > 0.5,
     }
-    got = rundir.fingerprints(tree)
+    got = checkpoints.fingerprints(tree)
     assert got == {name: formula(np.asarray(x)) for name, x in tree.items()}
     mesh = jax.make_mesh((8,), ("d",))
     sharded = jax.device_put(tree["w"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
-    assert rundir.fingerprints({"w": sharded}) == {"w": got["w"]}
+    assert checkpoints.fingerprints({"w": sharded}) == {"w": got["w"]}
     flipped = tree["w"].copy()
     flipped.view(np.uint32)[3, 7] ^= 1 << 31  # one bit: the sign of one element
-    assert rundir.fingerprints({"w": flipped})["w"] != got["w"]
+    assert checkpoints.fingerprints({"w": flipped})["w"] != got["w"]
     swapped = tree["w"].copy()
     swapped[[0, 1]] = swapped[[1, 0]]  # the same numbers in other places
-    assert rundir.fingerprints({"w": swapped})["w"] != got["w"]
+    assert checkpoints.fingerprints({"w": swapped})["w"] != got["w"]
 
 
 def flip_bits(run_dir: pathlib.Path, step: int, trials: int, seed: int = 0):
@@ -348,11 +352,11 @@ def test_old_checkpoints_leave_by_one_rename(tmp_path, monkeypatch):
     there, so a kill during a deletion never leaves half a checkpoint under a step's name."""
     run = rundir.Run(tmp_path / "run")
     state = {"params": {"w": np.arange(6, dtype=np.float32)}, "step": np.asarray(0, np.int32)}
-    monkeypatch.setattr(rundir.Run, "purge_deleted", lambda self, unfinished=False: None)  # see what rotation left
-    with run.checkpoint_manager(keep=1) as mngr:
+    monkeypatch.setattr(checkpoints.Checkpoints, "purge_deleted", lambda self, unfinished=False: None)  # see what rotation left
+    with run.checkpoints(keep=1, write=True) as saver:
         for step in (1, 2):
-            run.save_checkpoint(mngr, step, state)
-            mngr.wait_until_finished()
+            saver.save(step, state)
+            saver.wait()
     ckpt = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in ckpt.iterdir()) == [".deleting", "2"]
     assert (ckpt / ".deleting" / "1" / "commit_success.txt").is_file()  # moved whole, not deleted in place
@@ -360,9 +364,10 @@ def test_old_checkpoints_leave_by_one_rename(tmp_path, monkeypatch):
     for f in sorted((ckpt / ".deleting" / "1").rglob("*"))[::2]:
         if f.is_file():
             f.unlink()
-    assert run.checkpoint_steps() == [2] and run.load_params()[1] == 2
+    assert run.checkpoints().steps() == [2] and run.load_params()[1] == 2
     monkeypatch.undo()
-    run.checkpoint_manager(keep=1).close()  # the next writer clears it away
+    with run.checkpoints(keep=1, write=True) as saver:
+        saver.manager()  # the next writer clears it away
     assert sorted(p.name for p in ckpt.iterdir()) == ["2"]
 
 
@@ -448,6 +453,32 @@ def test_config_overrides_and_round_trip(tmp_path):
     t = big.training
     assert 0.45e6 < t.batch_size * big.seq_len < 0.55e6 and big.seq_len == 1024
     assert (t.lr, t.min_lr, t.warmup_steps, t.weight_decay, t.b2) == (3e-4, 3e-5, 2000, 0.1, 0.95)
+
+
+def test_a_run_reads_its_own_model_whatever_the_size_table_says(finished_run, tmp_path, monkeypatch):
+    """config.yaml holds every model field: reading a run (its config, its model, a fine-tuning's start)
+    never consults conf/model_config.yaml, whose entry for the run's size may have changed or gone."""
+    saved = yaml.safe_load((finished_run / "config.yaml").read_text())["model"]
+    assert saved["name"] == "test" and (saved["N"], saved["embedding_dim"], saved["vocab_size"]) == (2, 32, 300)
+    fields = {k: v for k, v in saved.items() if k != "name"}
+    tables = {
+        "resized": {"test": {**fields, "N": 5, "embedding_dim": 64, "num_head": 2}},
+        "gone": {"small": {**fields, "N": 6}},
+        "from a newer checkout": {"test": {**fields, "a_field_not_here_yet": 1}},  # an unknown key there
+        "not a table": ["test"],
+    }
+    for why, table in tables.items():
+        sizes = tmp_path / f"sizes-{len(why)}.yaml"
+        sizes.write_text(yaml.safe_dump(table))
+        monkeypatch.setattr(config, "MODEL_SIZES", sizes)
+        run = rundir.Run(finished_run)
+        cfg = run.config()
+        assert cfg.model_name == "test" and cfg.model == model.GPTConfig(**fields), why
+        gpt, step = run.load_model()
+        assert step == 8 and gpt.wte[...].shape == (384, 32), why  # 300 padded to 384, width 32
+        assert rundir.init_model(finished_run) == saved, why
+    monkeypatch.setattr(config, "MODEL_SIZES", tmp_path / "none.yaml")  # no table at all
+    assert rundir.Run(finished_run).config().model == model.GPTConfig(**fields)
 
 
 def test_default_config_has_a_comment_on_every_key():
@@ -690,7 +721,7 @@ def test_wandb_online_without_a_login_is_one_line_before_anything_is_written(fin
     assert not (tmp_path / "new").exists() and contents(finished_run) == before
     # with a key (never checked with the server) the check passes; in a fresh process (W&B keeps the
     # settings it read first) without the variables W&B set here (its service's address among them)
-    check = "import config, train; train.check_wandb(config.load_config(overrides=['wandb.mode=online']))"
+    check = "import config, rundir; rundir.check_wandb(config.load_config(overrides=['wandb.mode=online']))"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"WANDB_API_KEY": "k" * 40}
     result = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, env=env,
                             stdin=subprocess.DEVNULL)
@@ -712,6 +743,6 @@ def test_run_dir_that_cannot_be_made_is_one_line(corpus, tmp_path, capsys, where
 
 
 def test_perplexity_of_a_huge_finite_loss_is_a_number():
-    assert train.perplexity(2.0) == pytest.approx(math.exp(2.0))
-    assert train.perplexity(1e4) == math.exp(700.0)  # math.exp(1e4) overflows
-    json.dumps({"train_ppl": train.perplexity(1e4)}, allow_nan=False)  # the summary stays valid JSON
+    assert progress.perplexity(2.0) == pytest.approx(math.exp(2.0))
+    assert progress.perplexity(1e4) == math.exp(700.0)  # math.exp(1e4) overflows
+    json.dumps({"train_ppl": progress.perplexity(1e4)}, allow_nan=False)  # the summary stays valid JSON

@@ -1,0 +1,451 @@
+"""A run's checkpoints: RUN/checkpoints/, written by orbax, with one owner, `Checkpoints`.
+
+    RUN/checkpoints/<step>/     orbax checkpoints of the state {params, opt_state, step, rng}, each with a
+                                fingerprint of every array and the tokens trained so far in its metadata;
+                                the fingerprints are checked on every restore
+    RUN/checkpoints/.deleting/  old checkpoints being deleted: renamed here first, so that a kill during
+                                a deletion never leaves half a checkpoint under its step's name
+    RUN/checkpoints-damaged/    checkpoints a resume could not restore, moved aside (never deleted): <step>/,
+                                or <step>.1/, ... for a step damaged again
+
+train.py saves and restores through `Checkpoints` (asynchronously, rotating old ones out), an import
+saves its parameters through it (synchronously), and every reader (rundir.Run.load_params, hence
+init_from, eval, sample and export) loads through it. A save that fails (a full disk, no access to a
+bucket), a checkpoint that cannot be read or that does not fit the model: a RunError, one line in the
+user's terms, never orbax's or tensorstore's tracebacks.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import pathlib
+import re
+import shutil
+import sys
+import time
+import typing
+
+import storage
+from errors import RunError
+
+CHECKPOINTS = "checkpoints"
+DAMAGED = "checkpoints-damaged"
+DELETING = ".deleting"  # inside RUN/checkpoints
+FINGERPRINTS = "fingerprints"  # the key of a checkpoint's custom metadata that holds them
+TOKENS = "tokens"  # ... and the one of the tokens trained up to it (context and batch may change on resume)
+
+
+class Checkpoints:
+    """The checkpoints of one run directory (`run`, a storage.RunDir), and the orbax CheckpointManager
+    behind them, opened at the first save, restore or load and closed by close() (or `with`).
+
+    A writer (`write=True`: train.py, an import; only the holder of the run's lock) keeps `keep`
+    checkpoints, saves asynchronously if `async_save`, clears what killed saves and deletions left on
+    opening, and on close waits for its last save (a RunError if it failed) and finishes deleting what
+    rotation retired. A reader only reads."""
+
+    def __init__(self, run: storage.RunDir, keep: int | None = None, async_save: bool = False, *,
+                 write: bool = False):
+        self.run, self.dir = run, run.checkpoint_dir()  # a resolved local path, or the URL (orbax opens gs://)
+        self.keep, self.async_save, self.write = keep, async_save, write
+        self.pending = None  # the step of the save in flight
+        self.mngr = None
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def manager(self):
+        """The orbax CheckpointManager, opened on first use."""
+        import orbax.checkpoint as ocp
+
+        if self.mngr is not None:
+            return self.mngr
+        if not self.write:
+            self.mngr = ocp.CheckpointManager(self.dir)
+            return self.mngr
+        logging.getLogger("absl").setLevel(logging.WARNING)
+        absl = logging.getLogger("absl")
+        if SAVE_ERRORS not in absl.filters:  # orbax's own reports of a failed save: kept for our one line
+            absl.addFilter(SAVE_ERRORS)
+        sys.unraisablehook = drop_closed_loop_errors  # a failed save's reads and writes end on closed loops
+        self.purge_deleted(unfinished=True)
+        self.mngr = ocp.CheckpointManager(
+            self.dir,
+            options=ocp.CheckpointManagerOptions(max_to_keep=self.keep, enable_async_checkpointing=self.async_save,
+                                                 todelete_subdir=DELETING),  # object stores delete in place
+            item_handlers=ocp.StandardCheckpointHandler(),  # so that a checkpoint's tree can be read before restoring
+        )
+        return self.mngr
+
+    def close(self) -> None:
+        """A writer: wait for the save in flight (a RunError if it failed), then delete what rotation
+        retired. Either: close the manager."""
+        if self.mngr is None:
+            return
+        try:
+            if self.write:
+                self.wait()
+        finally:
+            self.mngr.close()
+            self.mngr = None
+        if self.write:
+            self.purge_deleted()
+
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints, oldest first ([] when there are none), as orbax counts
+        them: locally a step's directory appears only once complete; in a bucket a step's objects make
+        a checkpoint only once its save has written the commit marker (commit_success.txt), last."""
+        import orbax.checkpoint as ocp
+
+        forget_listings(self.dir)  # tensorstore writes the arrays past etils' listing cache
+        return sorted(ocp.path.step.checkpoint_steps(self.dir))
+
+    def tokens(self, step: int) -> int | None:
+        """The tokens trained up to checkpoint `step`, as saved with it (None for a checkpoint without)."""
+        tokens = (self.manager().metadata(step).custom_metadata or {}).get(TOKENS)
+        return int(tokens) if isinstance(tokens, int) else None
+
+    # ------------------------------------------------------------------------------------------
+    # Saving
+
+    def save(self, step: int, state, tokens: int | None = None) -> None:
+        """Save `state` as checkpoint `step` (asynchronously if so opened), with the fingerprint of every
+        array and the `tokens` trained so far in its metadata; then finish deleting the checkpoints that
+        rotation retired. The save before it must have completed: a RunError if it did not."""
+        import orbax.checkpoint as ocp
+
+        mngr = self.manager()
+        self.wait()
+        self.pending = step
+        SAVE_ERRORS.messages.clear()  # what is reported from here on is this save's
+        try:
+            mngr.save(step, args=ocp.args.StandardSave(state), force=True,
+                      custom_metadata={FINGERPRINTS: fingerprints(state),
+                                       **({TOKENS: int(tokens)} if tokens is not None else {})})
+        except Exception as e:  # a synchronous save that failed
+            SAVE_ERRORS.messages.append(str(e))
+            self.wait()
+        self.purge_deleted()
+
+    def wait(self) -> None:
+        """Wait for the save in flight; a RunError if it did not complete (a full disk, no access): orbax
+        only logs that, and a run going on would leave the user believing in a checkpoint that is not there."""
+        step, self.pending = self.pending, None
+        if self.mngr is None:
+            return
+        try:
+            self.mngr.wait_until_finished()
+        except Exception as e:
+            SAVE_ERRORS.messages.append(str(e))
+        if step is None or step in self.steps():
+            return
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
+        try:
+            self.mngr.close()
+        except Exception:
+            pass
+        for _ in range(40):  # the failed save's partial files, once its last writes (failing too) have ended
+            self.purge_deleted(unfinished=True)
+            time.sleep(0.05)
+            if self.run.remote or not any(pathlib.Path(self.dir).glob("*.orbax-checkpoint-tmp*")):
+                break
+        steps = self.steps()
+        reason = SAVE_ERRORS.reason()
+        raise RunError(f"saving checkpoint {step} in {self.dir} failed ({reason}); "
+                       + (f"the newest complete checkpoint is {steps[-1]}: fix the cause, then continue with "
+                          "--resume" if steps else "there is no complete checkpoint yet: fix the cause, then --resume "
+                          "starts the run again from step 0"))
+
+    def purge_deleted(self, unfinished: bool = False) -> None:
+        """Delete what lies in RUN/checkpoints/.deleting/: old checkpoints already renamed out of the way
+        by orbax's rotation, whole or half deleted by a process that was killed. `unfinished`: also the
+        partial files of saves that never completed (none may be in flight). Only the holder of the
+        run's lock calls it."""
+        if not self.run.remote:
+            ckpt = pathlib.Path(self.dir)
+            for leftover in [ckpt / DELETING, *(ckpt.glob("*.orbax-checkpoint-tmp*") if unfinished else [])]:
+                shutil.rmtree(leftover, ignore_errors=True)
+        elif unfinished:  # in a bucket a save writes under its step's own name: those without a commit marker
+            complete = set(self.steps())
+            for name in self.run.names(CHECKPOINTS):
+                if name.isdigit() and int(name) not in complete:
+                    with contextlib.suppress(Exception):  # no access: the next save of that step replaces them
+                        self.run.fs.rm(f"{self.run.root}/{CHECKPOINTS}/{name}", recursive=True)
+            forget_listings(self.dir)
+
+    # ------------------------------------------------------------------------------------------
+    # Restoring
+
+    def restore(self, abstract_state, say):
+        """(state, step) from the newest checkpoint that restores. Damaged newer ones are moved aside to
+        checkpoints-damaged/ (never deleted), saying which and why; a checkpoint whose tree differs from
+        this run's (another model or optimizer) is a RunError naming the differing keys."""
+        import orbax.checkpoint as ocp
+
+        mngr = self.manager()
+        default_hook, sys.unraisablehook = sys.unraisablehook, drop_closed_loop_errors
+        damaged = []
+        for step in sorted(mngr.all_steps(), reverse=True):
+            try:
+                saved = mngr.item_metadata(step)
+                saved = getattr(saved, "tree", saved)  # the checkpoint's own description of its arrays
+            except Exception as e:
+                damaged.append((step, checkpoint_problem(e)))
+                continue
+            if saved is None:
+                damaged.append((step, "its description of the arrays (_METADATA) is missing or unreadable"))
+                continue
+            mismatch = tree_mismatch(saved, abstract_state)
+            if mismatch:
+                logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # as below: the caller exits
+                raise RunError(f"checkpoint {step} in {self.dir} does not fit this run's model and optimizer "
+                               f"({mismatch}); resume with the run's own model settings")
+            try:
+                state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
+                corrupt = fingerprint_problem(mngr, step, state)
+            except Exception as e:  # a damaged checkpoint: a file missing, an array unreadable
+                damaged.append((step, checkpoint_problem(e)))
+                continue
+            if corrupt:  # it read, but not as it was written: flipped bits
+                damaged.append((step, corrupt))
+                continue
+            sys.unraisablehook = default_hook
+            if damaged:
+                import jax
+
+                if jax.process_index() == 0:  # a new save at that step must not meet the damaged directory
+                    for bad, _ in damaged:
+                        self.move_aside(bad)
+                if jax.process_count() > 1:
+                    from jax.experimental import multihost_utils
+
+                    multihost_utils.sync_global_devices("damaged checkpoints moved aside")
+                forget_listings(self.dir)
+                mngr.reload()
+                say(f"checkpoint {', '.join(str(d) for d, _ in damaged)} cannot be restored "
+                    f"({'; '.join(f'{d}: {why}' for d, why in damaged)}); moved to {self.damaged_dir()}; "
+                    f"resuming from checkpoint {step}, the newest intact one")
+            return state, step
+        # (the hook stays: the caller exits)
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
+        step, why = damaged[0]
+        raise RunError(f"checkpoint {step} in {self.dir} cannot be restored: {why}" +
+                       (f"; nor can the {len(damaged) - 1} older one(s)" if len(damaged) > 1 else ""))
+
+    def load(self, step: int | None = None) -> tuple[dict, int]:
+        """(state, step) of a checkpoint, the last one by default, as saved (dict keys as strings), its
+        fingerprints checked: for readers, which have no abstract state to restore into."""
+        import orbax.checkpoint as ocp
+
+        steps = self.steps()
+        if not steps:
+            raise RunError(f"no checkpoint in {self.dir}")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise RunError(f"no checkpoint for step {step} in {self.dir}; saved steps: {', '.join(map(str, steps))}")
+        sys.unraisablehook = drop_closed_loop_errors  # a failed read's other reads end on a closed loop
+        mngr = self.manager()
+        try:
+            state = mngr.restore(step, args=ocp.args.StandardRestore())
+            corrupt = fingerprint_problem(mngr, step, state)
+        except Exception as e:  # a damaged checkpoint
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
+            raise RunError(f"checkpoint {step} in {self.dir} cannot be read: {checkpoint_problem(e)}") from None
+        if corrupt:
+            raise RunError(f"checkpoint {step} in {self.dir} is corrupt: {corrupt}")
+        return state, step
+
+    def damaged_dir(self) -> str:
+        """RUN/checkpoints-damaged, as a local path or URL (where restore moves what it cannot read)."""
+        if self.run.remote:
+            return f"{self.run.location}/{DAMAGED}"
+        return str(pathlib.Path(self.dir).parent / DAMAGED)
+
+    def move_aside(self, step: int) -> str:
+        """Move checkpoint `step` whole into RUN/checkpoints-damaged/ as <step> (<step>.1, .2, ... when an
+        earlier one of that step lies there already); returns the name it got (see storage.RunDir.move:
+        a stop in the middle leaves both, never neither)."""
+        taken = set(self.run.names(DAMAGED))
+        name = next(n for n in itertools.chain([str(step)], (f"{step}.{i}" for i in itertools.count(1)))
+                    if n not in taken)
+        self.run.move(f"{CHECKPOINTS}/{step}", f"{DAMAGED}/{name}")
+        return name
+
+
+def forget_listings(url) -> None:
+    """orbax lists a bucket through etils.epath's own fsspec filesystem, whose cached listings do not see
+    what another client changed (a checkpoint moved aside): drop them."""
+    if not storage.is_url(url):
+        return
+    from etils import epath
+
+    try:
+        epath.backend.fsspec_backend.fs(str(url)).invalidate_cache()
+    except Exception:  # another epath backend, without a cache of ours to drop
+        pass
+
+
+# ----------------------------------------------------------------------------------------------
+# What is wrong with a checkpoint, in the user's terms
+
+
+def named_leaves(tree) -> list[tuple[str, typing.Any]]:
+    """(path/of/the/leaf, leaf) of a state tree; block indices read the same as ints or as orbax's strings."""
+    import jax
+
+    name = lambda k: getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))  # noqa: E731  (dict, list, attr)
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [("/".join(str(name(k)) for k in path), leaf) for path, leaf in flat]
+
+
+def fingerprints(tree) -> dict[str, str]:
+    """A 64-bit fingerprint of every array of a state, as 16 hex digits by leaf name.
+
+    For an array whose elements, read as unsigned integers of their width (widened to uint32; an
+    8-byte element as two), are u_i at row-major position i, it is the pair of uint32 sums (mod 2**32)
+        sum_i u_i * (2*i*0x9E3779B1 + 1)      and      sum_i rotl(u_i, 13) * (2*i*0x85EBCA77 + 0x27D4EB2F)
+    Every multiplier is odd, so any one flipped bit changes both sums; the weights depend on the
+    position, so moved elements change them too. It is computed where the arrays are (a sharded
+    state on its devices, by every process alike), one read of the state, and never gathers an
+    array onto one host."""
+    import jax
+
+    names, leaves = zip(*named_leaves(tree)) if jax.tree.leaves(tree) else ((), ())
+    sums = jax.device_get(_fingerprint_fn()(list(leaves)))
+    return {n: f"{int(a):08x}{int(b):08x}" for n, (a, b) in zip(names, sums)}
+
+
+@functools.cache
+def _fingerprint_fn():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def one(x):
+        x = jnp.asarray(x)
+        if x.dtype == jnp.bool_:
+            u = x.astype(jnp.uint32)
+        else:
+            width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+            u = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)  # 8 bytes: a last axis of 2
+        i = jnp.zeros(u.shape, jnp.uint32)  # the row-major position, without reshaping a sharded array
+        for axis, size in enumerate(u.shape):
+            i = i * np.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, u.shape, axis)
+        a = jnp.sum(u * (i * np.uint32(2 * 0x9E3779B1 % 2**32) + np.uint32(1)), dtype=jnp.uint32)
+        r = (u << np.uint32(13)) | (u >> np.uint32(19))
+        b = jnp.sum(r * (i * np.uint32(2 * 0x85EBCA77 % 2**32) + np.uint32(0x27D4EB2F)), dtype=jnp.uint32)
+        return jnp.stack([a, b])
+
+    return jax.jit(lambda leaves: [one(x) for x in leaves])
+
+
+def fingerprint_problem(mngr, step: int, state) -> str | None:
+    """Which arrays of a restored checkpoint differ from the fingerprints saved with it (None when all
+    agree, or for a checkpoint saved without them)."""
+    saved = (mngr.metadata(step).custom_metadata or {}).get(FINGERPRINTS)
+    if not isinstance(saved, dict):
+        return None
+    now = fingerprints(state)
+    bad = sorted(name for name in saved.keys() & now.keys() if saved[name] != now[name])
+    if not bad:
+        return None
+    return (f"array {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") +
+            " read back other than saved (its fingerprint differs): the files were altered or damaged")
+
+
+def tree_mismatch(saved, abstract_state) -> str | None:
+    """How a checkpoint's tree (its metadata) and this run's state differ: keys on one side only and
+    arrays of another shape, the first few of each; None when they agree."""
+    def shapes(tree) -> dict[str, tuple | None]:
+        return {name: getattr(leaf, "shape", None) for name, leaf in named_leaves(tree)}
+
+    def show(names) -> str:  # the parameters first: they say what differs in the model
+        first = sorted(names, key=lambda n: (not n.startswith("params/"), n))[:4]
+        return ", ".join(first) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+    there, here = shapes(saved), shapes(abstract_state)
+    resized = [f"{k} {tuple(there[k])} there, {tuple(here[k])} here" for k in sorted(
+        there.keys() & here.keys(), key=lambda n: (not n.startswith("params/"), n))
+        if None not in (there[k], here[k]) and tuple(there[k]) != tuple(here[k])]
+    parts = ([f"only in the checkpoint: {show(there.keys() - here.keys())}"] if there.keys() - here.keys() else []) + \
+            ([f"only in this run: {show(here.keys() - there.keys())}"] if here.keys() - there.keys() else []) + \
+            ([f"other shapes: {', '.join(resized[:3])}" + (f" and {len(resized) - 3} more" if len(resized) > 3 else "")]
+             if resized else [])
+    return "; ".join(parts) or None
+
+
+def checkpoint_problem(error: BaseException) -> str:
+    """Why a checkpoint cannot be restored, in one line of the user's terms (an array's name, a
+    missing file), without the storage library's internals."""
+    chain = []
+    while error is not None and len(chain) < 10:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for e in reversed(chain):  # the innermost cause names the array: Error reading "params.wte/0.0" ...: why
+        match = re.search(r'Error reading "([^"/]+)[^"]*".*?: ([^;]+)', str(e))
+        if match:
+            why = match.group(2).split(" [tensorstore_spec")[0].strip()
+            return f"array {match.group(1)} cannot be read ({why[:160]})"
+    text = (str(chain[0]).splitlines() or [type(chain[0]).__name__])[0]
+    text = re.split(r"\s*See full TensorStore|\s*<bound method", text)[0]
+    return text[:200] or type(chain[0]).__name__
+
+
+class SaveErrors(logging.Filter):
+    """On orbax's logger: keeps its error reports (a background save that failed) for the one line
+    check_saved gives, instead of their tracebacks on stderr."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def filter(self, record) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        self.messages.append(record.getMessage())
+        return False
+
+    def reason(self) -> str:
+        """The first failure, in a few words: an object store's answer or the system's reason when
+        there is one."""
+        for problem in (store_problem, lambda message: storage.os_problem(RuntimeError(message))):
+            for message in self.messages:
+                why = problem(message)
+                if why:
+                    return why
+        return (self.messages[0].split("\n")[0][:200] if self.messages else "no reason given")
+
+
+def store_problem(message: str) -> str | None:
+    """A write that an object store refused, from tensorstore's or gcsfs's error: the HTTP status and the
+    first sentence of the store's reason ("HTTP 403: ... does not have storage.objects.create access to
+    the Google Cloud Storage object"); None for any other error."""
+    code = re.search(r"http_response_code='(\d+)'", message)  # tensorstore (the arrays)
+    said = re.search(r"Error writing (?:\"[^\"]*\" in OCDBT database at )?\S+: ([^\[]+)", message)
+    if code and said:
+        return f"HTTP {code.group(1)}: {said.group(1).split('. ')[0].strip()}"
+    said = re.search(r"\b(Forbidden|Bad Request): https?://\S+\n(.+)", message)  # gcsfs (orbax's metadata files)
+    if said:
+        code = {"Forbidden": 403, "Bad Request": 400}[said.group(1)]
+        return f"HTTP {code}: {said.group(2).split('. ')[0].strip()}"
+    return None
+
+
+SAVE_ERRORS = SaveErrors()  # one for the process: orbax logs through the one absl logger
+
+
+def drop_closed_loop_errors(unraisable) -> None:
+    """A sys.unraisablehook for checkpoints: when one read or write fails, tensorstore finishes the
+    other parallel ones on orbax's already closed asyncio loop, and each would print an 'Event loop is
+    closed' traceback (or, at exit, an ImportError of the interpreter shutting down) that buries the
+    one-line error. Drop exactly those."""
+    e = unraisable.exc_value
+    if not ((unraisable.exc_type is RuntimeError and "Event loop is closed" in str(e)) or
+            (unraisable.exc_type is ImportError and "shutting down" in str(e))):
+        sys.__unraisablehook__(unraisable)

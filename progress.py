@@ -1,0 +1,239 @@
+"""The training loop's bookkeeping, for train.py: what happens around each step, kept in small objects
+so that train.run reads as the flat loop it is.
+
+    Stop       SIGTERM and SIGINT: the first stops the run cleanly (after a checkpoint of its step, or
+               before the first step with nothing saved: Interrupted); a second ends the process at once
+    Steps      per step: its metrics read one step late (so the device never waits on the host), checked
+               for divergence, logged to metrics.jsonl and W&B with tokens/s and MFU, the progress bar;
+               which steps evaluate and save; the summary at the end
+    report     the lines train.py ends with, from the summary
+"""
+from __future__ import annotations
+
+import collections
+import math
+import os
+import signal
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+import model as model_lib
+import shards
+import step as step_lib
+from errors import Diverged
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(700) so that a huge but finite loss still gives a number (JSON has no inf)."""
+    return math.exp(min(loss, 700.0))
+
+
+class Interrupted(Exception):
+    """SIGTERM or SIGINT arrived before the first training step: nothing was trained or saved."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Stop:
+    """`with Stop() as stop`: SIGTERM and SIGINT handlers (on the main thread only) for as long as the
+    run lasts. The first signal sets `stop.signal`: the loop saves a checkpoint of its step and ends, or
+    before the first step `check()` raises Interrupted. A second one stops the process at once, with
+    128 + N, not through orbax's and the loader's threads: the newest complete checkpoint is the one to
+    resume from (a save in flight never appears as a step), and the run directory's lock goes with the
+    process."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self.handlers = {}
+
+    def __enter__(self) -> Stop:
+        if threading.current_thread() is threading.main_thread():
+            self.handlers = {s: signal.signal(s, self.arrived) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self.handlers.items():
+            signal.signal(s, h)
+
+    def arrived(self, signum, frame) -> None:
+        if self.signal is not None:
+            sys.stdout.flush()
+            os.write(2, f"\nerror: stopped at once by a second {signal.Signals(signum).name}; resume from the "
+                        f"newest checkpoint with --resume\n".encode())
+            os._exit(128 + signum)
+        self.signal = signum
+
+    def check(self) -> None:
+        """Before the first step: a signal so far ends the start with Interrupted (nothing to save)."""
+        if self.signal is not None:
+            raise Interrupted(self.signal)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signal).name
+
+
+class Steps:
+    """The bookkeeping of train.py's step loop, from `start_step` on (`with Steps(...)`: the progress bar
+    closes however the loop ends). A step's metrics are read when the next step has been dispatched, so
+    reading them (and the NaN check) never stalls the device; `read()` reads the last one at once, before
+    an evaluation or a checkpoint. `metrics_file` (process 0's metrics.jsonl, continued after
+    start_step; None elsewhere) gives the run's time before this start; its rows' time_s go on from it."""
+
+    def __init__(self, cfg, schedule, stop: Stop, *, start_step: int, tokens_before: int, t_start: float,
+                 metrics_file, wandb_run, last_ckpt: int | None, run_dir):
+        t = cfg.training
+        self.t, self.every_save, self.schedule, self.stop = t, cfg.checkpoint.every, schedule, stop
+        self.step = self.start_step = start_step
+        self.tokens_before, self.tokens_per_step = tokens_before, t.batch_size * cfg.seq_len
+        self.flops_per_token = model_lib.flops_per_token(cfg.model, cfg.seq_len)
+        self.peak = step_lib.peak_flops(jax.local_devices()[0].device_kind)
+        self.metrics_file, self.wandb_run = metrics_file, wandb_run
+        self.last_ckpt, self.run_dir = last_ckpt, run_dir
+        rows = metrics_file.rows if metrics_file is not None else []
+        self.clock = float(rows[-1].get("time_s", 0.0)) if rows else 0.0  # the run's time before this start
+        self.t_start, self.mark = t_start, (start_step, t_start)  # (step, time) of the last logged step
+        self.recent_losses = collections.deque(maxlen=max(t.log_every, 20))
+        self.pending, self.last_row, self.val = None, {}, {}
+        self.bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step",
+                        disable=metrics_file is None, dynamic_ncols=True)
+
+    def __enter__(self) -> Steps:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop.signal is not None
+
+    def tokens(self, s: int) -> int:
+        """Tokens trained up to step s: this start's steps at its context and batch, on top of the restored."""
+        return self.tokens_before + (s - self.start_step) * self.tokens_per_step
+
+    def dispatched(self, metrics) -> tuple[bool, bool]:
+        """A step was dispatched with these (device) metrics: logs the step before it, and says whether
+        this one is to be (evaluated, saved): every eval_every and checkpoint.every steps, at the last
+        step, and a save when a signal came."""
+        self.step += 1
+        self.bar.update(1)
+        if self.pending is not None:  # the previous step: finished, or about to be
+            row = self.read()
+            if row["step"] % self.t.log_every == 0:
+                self.log(row)
+        self.pending = (self.step, metrics)
+        last = self.step == self.t.steps
+        return (self.step % self.t.eval_every == 0 or last,
+                self.step % self.every_save == 0 or last or self.stopping)
+
+    def read(self) -> dict:
+        """The last dispatched step's metrics as a row, once it has finished, checked to be finite."""
+        (s, metrics), self.pending = self.pending, None
+        metrics = jax.device_get(metrics)
+        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
+            raise Diverged(f"{what} at step {s}; last good checkpoint: {self.last_ckpt} ({self.run_dir})")
+        self.recent_losses.append(loss)
+        now = time.perf_counter()
+        if s == self.start_step + 1:
+            self.mark = (s, now)  # leave start-up and compilation out of tokens/s
+        return {"step": s, "loss": loss, "lr": float(self.schedule(s - 1)), "grad_norm": grad_norm,
+                "tokens": self.tokens(s), "time_s": self.clock + now - self.t_start}
+
+    def evaluated(self, row: dict, val: dict) -> None:
+        """The validation loss of the step of `row`, added to it and shown."""
+        self.val = val
+        row.update(val)
+        self.bar.write(f"step {row['step']}: val loss {val['val_loss']:.4f}, val ppl {val['val_ppl']:.2f}")
+
+    def log(self, row: dict) -> None:
+        """One line of metrics.jsonl (and W&B), with tokens/s and MFU since the last logged step."""
+        s, now = row["step"], row["time_s"] - self.clock + self.t_start
+        if s > self.mark[0]:
+            row["tokens_per_s"] = (s - self.mark[0]) * self.tokens_per_step / (now - self.mark[1])
+            if self.peak:
+                row["mfu"] = row["tokens_per_s"] * self.flops_per_token / (self.peak * jax.device_count())
+        self.mark, self.last_row = (s, now), row
+        if self.metrics_file is not None:
+            self.metrics_file.append(row)
+            if self.wandb_run is not None:
+                self.wandb_run.log(row, step=s)
+        postfix = {"loss": f"{row['loss']:.3f}"}
+        if "tokens_per_s" in row:
+            postfix["tok/s"] = f"{row['tokens_per_s']:.0f}"
+        if "mfu" in row:
+            postfix["mfu"] = f"{row['mfu']:.1%}"
+        self.bar.set_postfix(postfix)
+
+    def check_finite(self, params_finite) -> None:
+        """Before a save: parameters that are not all finite stop the run (Diverged), nothing saved."""
+        if not bool(params_finite):
+            raise Diverged(f"parameters are not finite after step {self.step}; "
+                           f"last good checkpoint: {self.last_ckpt} ({self.run_dir})")
+
+    def saved(self) -> None:
+        self.last_ckpt = self.step
+
+    def paused(self) -> None:
+        """After an evaluation or a save: the metrics uploaded (a remote metrics.jsonl is uploaded whole),
+        and the time it took left out of tokens/s."""
+        if self.metrics_file is not None:
+            self.metrics_file.flush()
+        self.mark = (self.step, time.perf_counter())
+
+    def finish(self) -> None:
+        """The loop has ended: the last dispatched step, if not read yet, is logged."""
+        if self.pending is not None:
+            self.log(self.read())
+
+    def summary(self, index: dict, n_params: int, val_windows: int, val_tokens: int, ckpt_dir) -> dict:
+        """summary.json: where training ended, with the unigram baseline of the tokens the loss counts
+        (with prompt/completion data, the completions alone)."""
+        completions = shards.is_prompt_completion(index)
+        entropy = index.get("loss_unigram_entropy" if completions else "unigram_entropy")
+        train_loss = float(np.mean(self.recent_losses)) if self.recent_losses else None
+        summary = {
+            "steps": self.step,
+            "tokens": self.tokens(self.step),
+            "wall_time_s": self.clock + time.perf_counter() - self.t_start,  # across resumes
+            "parameters": n_params,
+            "train_loss": train_loss,  # mean over the last steps
+            "train_ppl": perplexity(train_loss) if train_loss is not None else None,
+            # on the fixed validation sample (training.eval_windows windows), not the whole split eval.py reads
+            "val_loss": self.val.get("val_loss", self.last_row.get("val_loss")),
+            "val_ppl": self.val.get("val_ppl", self.last_row.get("val_ppl")),
+            "val_sample_windows": val_windows,
+            "val_sample_tokens": val_tokens,
+            "unigram_entropy": entropy,
+            "unigram_entropy_of": "the completions (the tokens in the loss)" if completions else "the corpus",
+            "checkpoint": os.path.join(ckpt_dir, str(self.last_ckpt)) if self.last_ckpt is not None else None,
+        }
+        if entropy is not None and summary["val_loss"] is not None:
+            summary["val_loss_below_unigram"] = entropy - summary["val_loss"]
+        return summary
+
+
+def report(summary: dict) -> str:
+    """The lines train.py ends with, from its summary.json."""
+    fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
+    gap = summary.get("val_loss_below_unigram")
+    return (
+        f"done: {summary['steps']} steps, {summary['tokens'] / 1e6:.2f}M tokens in {summary['wall_time_s']:.0f}s\n"
+        f"  train loss {fmt(summary['train_loss'], '.4f')} (ppl {fmt(summary['train_ppl'], '.2f')}), "
+        f"val loss {fmt(summary['val_loss'], '.4f')} (ppl {fmt(summary['val_ppl'], '.2f')}) on a fixed sample of "
+        f"{summary['val_sample_windows']} windows, {summary['val_sample_tokens']:,} tokens "
+        f"(python eval.py measures the whole split)\n"
+        f"  unigram entropy of {summary.get('unigram_entropy_of', 'the corpus')} "
+        f"{fmt(summary['unigram_entropy'], '.4f')} nats/token"
+        + (f"; the val loss is {abs(gap):.3f} nats {'below' if gap >= 0 else 'above'} it" if gap is not None else "")
+        + f"\n  checkpoint {summary['checkpoint']}"
+    )
