@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of bench/RESULTS.md, in one command per phase, for a machine with one NVIDIA GPU.
 #
-#   bench/gpu.sh OUT PHASE...      phases: env check attention train124 train760 flags profile
+#   bench/gpu.sh OUT PHASE...      phases: env check attention train124 train760 flags profile memory
 #   (PYTHON=python3 by default: the interpreter that has jax[cuda], torch and transformers)
 #
 # Each phase's benchmarks are recorded by bench.py under OUT/bench (JSON files and a copy of
@@ -19,6 +19,9 @@
 #   flags      the step under XLA flags known to matter on Hopper, one set at a time
 #   profile    the kernel's settings at 760m's training shape, and where the step's time goes
 #              (bench.py train --profile: device time per operation) for 124m and 760m
+#   memory     the memory plan against the GPU: 124m (B = 16) and 760m (B = 8, T = 2048) under each
+#              remat policy, the loss over the whole logits and in chunks (their speed too), each
+#              beside `train.py --plan` for the same config (logs/plan-*.log)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bench/gpu.sh OUT PHASE...}
@@ -117,6 +120,24 @@ phase_profile() {
   bench p760 240 train --model 760m --seq 2048 --batch 8 --attention pallas --no-torch --steps 10 --profile "$OUT/profile760"
   bench p124 200 train --model 124m --batch 16 --attention cudnn --no-torch --steps 10 --profile "$OUT/profile124"
   bench t124-pallas 150 train --model 124m --batch 16 --attention pallas --no-torch --steps 10
+}
+
+phase_memory() {
+  local remat chunk
+  for remat in none save_matmuls full; do
+    for chunk in 0 4096; do
+      bench "mem124-$remat-$chunk" 200 train --model 124m --batch 16 --attention cudnn --remat "$remat" \
+        --loss-chunk "$chunk" --no-torch --steps 10
+      run "plan-124m-$remat-$chunk" 60 "$PY" train.py --plan --device H100 model=124m training.batch_size=16 \
+        model.dtype=bfloat16 model.attention=cudnn model.remat="$remat" training.loss_chunk="$chunk"
+    done
+  done
+  for remat in save_matmuls full; do
+    bench "mem760-$remat" 300 train --model 760m --seq 2048 --batch 8 --attention pallas --remat "$remat" \
+      --loss-chunk 0 --no-torch --steps 10
+    run "plan-760m-$remat" 60 "$PY" train.py --plan --device H100 model=760m model.block_size=2048 \
+      training.batch_size=8 model.dtype=bfloat16 model.attention=pallas model.remat="$remat" training.loss_chunk=0
+  done
 }
 
 for phase in "$@"; do
