@@ -87,10 +87,10 @@ class Steps:
     an evaluation or a checkpoint. `metrics_file` (process 0's metrics.jsonl, continued after
     start_step; None elsewhere) gives the run's time before this start; its rows' time_s go on from it."""
 
-    def __init__(self, cfg, schedule, stop: Stop, *, start_step: int, tokens_before: int, t_start: float,
+    def __init__(self, cfg, stop: Stop, *, start_step: int, tokens_before: int, t_start: float,
                  metrics_file, wandb_run, last_ckpt: int | None, run_dir):
         t = cfg.training
-        self.t, self.every_save, self.schedule, self.stop = t, cfg.checkpoint.every, schedule, stop
+        self.t, self.every_save, self.stop = t, cfg.checkpoint.every, stop
         self.step = self.start_step = start_step
         self.tokens_before, self.tokens_per_step = tokens_before, t.batch_size * cfg.seq_len
         self.flops_per_token = model_lib.flops_per_token(cfg.model, cfg.seq_len)
@@ -146,7 +146,7 @@ class Steps:
         now = time.perf_counter()
         if s == self.start_step + 1:
             self.mark = (s, now)  # leave start-up and compilation out of tokens/s
-        return {"step": s, "loss": loss, "lr": float(self.schedule(s - 1)), "grad_norm": grad_norm,
+        return {"step": s, "loss": loss, "lr": float(metrics["lr"]), "grad_norm": grad_norm,
                 "tokens": self.tokens(s), "time_s": self.clock + now - self.t_start}
 
     def evaluated(self, row: dict, val: dict) -> None:

@@ -5,7 +5,7 @@ train.py runs what `build(...)` returns; bench.py times the very same jitted ste
 measures what training runs. Nothing here reads files.
 
     state = {params, opt_state, step, rng}          one pytree; `step` is also the loader position
-    train_step(state, batch) -> (new state, {"loss", "grad_norm"})
+    train_step(state, batch) -> (new state, {"loss", "grad_norm", "lr"})
         batch: tokens (B, T+1) int, or for prompt/completion data a dict {tokens (B, T+1),
         weights (B, T) loss weights, segments (B, T) packed-example ids}
 """
@@ -145,9 +145,11 @@ def make_init_state(mcfg: model_lib.GPTConfig, tx):
     return init_state
 
 
-def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activations=None, fcm_max_ratio: float = 0.0):
-    """train_step(state, batch) -> (state, {"loss", "grad_norm"}), to be jitted by the caller; `loss_fn`
-    is a `make_loss` function.
+def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activations=None, fcm_max_ratio: float = 0.0,
+                    schedule: Callable | None = None):
+    """train_step(state, batch) -> (state, {"loss", "grad_norm"}, and "lr" given the `schedule`), to be
+    jitted by the caller; `loss_fn` is a `make_loss` function. The learning rate the update used comes
+    back with the metrics, so that logging it asks the device for nothing more.
 
     Gradient accumulation over `micro_batches` pieces in a scan. `grad_sharding` (a pytree of
     shardings like the params, or None) constrains the gradients: at ZeRO stages 2 and 3 the
@@ -204,7 +206,10 @@ def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activat
             "step": state["step"] + 1,
             "rng": state["rng"],
         }
-        return new_state, {"loss": loss_sum / n, "grad_norm": grad_norm}
+        metrics = {"loss": loss_sum / n, "grad_norm": grad_norm}
+        if schedule is not None:
+            metrics["lr"] = schedule(state["step"])
+        return new_state, metrics
 
     return train_step
 
@@ -229,7 +234,7 @@ class Built:
     """The jitted functions of a training run on a mesh, and the shardings they were built with."""
 
     init: Callable  # () -> the initial state, made directly in place (never whole on one device first)
-    train_step: Callable  # (state, batch) -> (state, {"loss", "grad_norm"}); the state is donated
+    train_step: Callable  # (state, batch) -> (state, {"loss", "grad_norm", "lr"}); the state is donated
     eval_step: Callable  # (params, batch {tokens, weights[, segments]}) -> (summed loss, counted tokens)
     all_finite: Callable  # (tree) -> whether every element is finite
     schedule: Callable  # optax count -> learning rate
@@ -258,7 +263,7 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
     # gradient accumulation over micro-batches inside one jitted, state-donating step; at ZeRO stages
     # 2 and 3 the gradients' shardings make the data-parallel reduction a reduce-scatter
     train_step = make_train_step(loss_fn, tx, t.micro_batches, grad_sharding, activations,
-                                 fcm_max_ratio=t.fcm_max_ratio)
+                                 fcm_max_ratio=t.fcm_max_ratio, schedule=schedule)
     masked_loss = make_masked_loss(loss_fn)  # validation: no FCM
 
     @functools.partial(jax.jit, in_shardings=(state_sharding["params"], batch_sharding), out_shardings=replicated)

@@ -242,7 +242,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
 
     # ------------------------------------------------------------------------------------------
     # Loop (the bookkeeping around each step: progress.Steps); before a checkpoint everything is checked
-    steps = progress.Steps(cfg, fns.schedule, stop, start_step=start_step, tokens_before=tokens_before,
+    steps = progress.Steps(cfg, stop, start_step=start_step, tokens_before=tokens_before,
                            t_start=t_start, metrics_file=metrics_file, wandb_run=wandb_run, last_ckpt=last_ckpt,
                            run_dir=run_dir)
     batches = train_loader.iterate(start_step)
