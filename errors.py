@@ -88,6 +88,10 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.hint, self.error_class = hint, error
 
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault("parser_class", lambda **kw: type(self)(error=self.error_class, **kw))
+        return super().add_subparsers(**kwargs)
+
     def error(self, message):
         raise self.error_class(f"{message} ({self.hint or f'see python {self.prog} --help'})")
 

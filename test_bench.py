@@ -16,6 +16,7 @@ from flax import nnx
 import attention as A
 import bench
 import config
+import errors
 import flash_alibi
 import logical_axes
 import model as M
@@ -269,6 +270,9 @@ def test_bench_train_errors_are_one_line(tmp_path, capsys):
     assert "longer than block_size 64" in capsys.readouterr().err
     assert bench.cli(["train", "--model", "test", "--loss-chunk", "-1", "--out", str(out)]) == 2
     assert "--loss-chunk must be at least 0" in capsys.readouterr().err
+    # a sub-command's argparse mistake is the benchmark's own error too: one line, no usage block
+    with pytest.raises(errors.BenchError, match=r"--seq: invalid int value: 'x' \(see python .*train --help\)"):
+        bench.main(["train", "--seq", "x", "--out", str(out)])
     if not ON_GPU:
         assert bench.cli(["train", "--model", "test", "--attention", "cudnn", "--out", str(out)]) == 2
         assert "needs an NVIDIA GPU" in capsys.readouterr().err
