@@ -312,9 +312,6 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     buffers = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
     for k in [k for k in tensors if k.endswith(buffers)]:
         tensors.pop(k)  # causal masks and rotary frequencies of older checkpoints: buffers, not parameters
-    for key in (wte_key, lm_key, lm_key.replace(".weight", ".bias")):
-        if key in tensors and tensors[key].shape[0] == c.padded_vocab_size > c.vocab_size:
-            tensors[key] = tensors[key][: c.vocab_size]  # an export that kept model.py's padding rows
     params = from_torch_tensors(tensors, c, layout, str(hf_dir))
     # the run's config: conf/config.yaml's settings, as train.py reads them, with the imported model, whose
     # own context (training.seq_len null) the file's seq_len, set for its model, must not cut

@@ -199,9 +199,16 @@ def to_torch_tensors(params: dict, c: GPTConfig, fmt: str) -> dict[str, np.ndarr
     return out
 
 
+VOCAB_PATHS = ("wte", "lm_head", "head_bias")  # the parameters with a row per token of the vocabulary
+
+
 def from_torch_tensors(tensors: dict[str, np.ndarray], c: GPTConfig, fmt: str, where: str) -> dict:
-    """{key: array} in a layout -> JAX parameters (a pure dict); every tensor used exactly once."""
+    """{key: array} in a layout -> JAX parameters (a pure dict); every tensor used exactly once. The
+    vocabulary's tensors may keep model.py's padding rows (as an export read by torch_gpt.py may)."""
     entries = _layout(c, fmt)
+    vocab_keys = {key for path, key, *_ in entries if path in VOCAB_PATHS}
+    tensors = {k: a[: c.vocab_size] if k in vocab_keys and a.shape[0] == c.padded_vocab_size else a
+               for k, a in tensors.items()}
     _check_keys({k: tuple(v.shape) for k, v in tensors.items()}, {k: s for _, k, _, _, s in entries}, where)
     flat, parts = {}, {}
     for path, key, _, inv, _ in entries:

@@ -637,6 +637,20 @@ def test_exports_that_kept_the_padding_rows_still_load(tmp_path):
     ct.import_hf(tmp_path / "hf", tmp_path / "run")
     back = ct.read_run(tmp_path / "run")[1]["wte"]
     np.testing.assert_array_equal(back, np.concatenate([params["wte"][:300], np.zeros((84, 32), np.float32)]))
+    # every vocabulary tensor of a torch export (untied head, head bias) padded: imported as the real rows
+    m, params = jax_model(tie_embeddings=False, head_bias=True)
+    params = jax.tree.map(np.asarray, params)
+    ct.export(params, m.config, tmp_path / "pt2")
+    tensors = load_file(str(tmp_path / "pt2" / "model.safetensors"))
+    for key, name in [("wte.weight", "wte"), ("lm_head.weight", "lm_head"), ("head_bias", "head_bias")]:
+        tensors[key] = params[name]  # (384, ...): model.py's padding rows kept
+        assert tensors[key].shape[0] == 384
+    save_file(tensors, str(tmp_path / "pt2" / "model.safetensors"), metadata={"format": "pt"})
+    ct.import_hf(tmp_path / "pt2", tmp_path / "run2")
+    back = ct.read_run(tmp_path / "run2")[1]
+    for name in ("wte", "lm_head", "head_bias"):
+        np.testing.assert_array_equal(back[name][:300], params[name][:300])
+        assert back[name].shape[0] == 384 and not np.any(back[name][300:])
 
 
 def test_hf_refusals(tmp_path):
