@@ -150,7 +150,7 @@ def read_hf_tokenizer(hf_dir: pathlib.Path):
     try:
         tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
     except Exception as e:  # the library raises a bare Exception for unreadable files
-        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        reason = storage.one_line(e)
         raise ConvertError(f"cannot build a tokenizer from {vocab} and {merges}: {reason}") from None
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -262,7 +262,7 @@ def fetch_hf_dir(url: str, scratch: pathlib.Path) -> pathlib.Path:
     fs, path = storage.filesystem(url, error=ConvertError)
 
     def one_line(e: Exception) -> str:
-        return storage.os_problem(e) or (str(e).splitlines() or [type(e).__name__])[0][:200]
+        return storage.os_problem(e) or storage.one_line(e)
 
     try:
         files = {info["name"].rstrip("/").rsplit("/", 1)[-1]: info["name"] for info in fs.ls(path, detail=True)

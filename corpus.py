@@ -136,7 +136,7 @@ def _expand_url(pattern: str) -> tuple[str, list[str]]:
             fixed = list(itertools.takewhile(lambda part: not set("*?[") & set(part), parts))
             base, found = "/".join(fixed[:-1] if len(fixed) == len(parts) else fixed), fs.glob(path, detail=True)
     except Exception as e:  # no access, no network
-        raise DataError(f"{pattern}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise DataError(f"{pattern}: {storage.one_line(e)}") from None
     return base, sorted(f"{protocol}://{name}" for name, info in found.items() if info.get("type") == "file")
 
 

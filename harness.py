@@ -30,6 +30,7 @@ from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
 import sample
+import storage
 from corpus import hub_offline
 from errors import EvalError
 from model import GPT
@@ -245,7 +246,7 @@ def run_tasks(lm: JaxLM, tasks: Sequence[str], *, include_path: str | None = Non
                                       random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                                       fewshot_random_seed=seed)
     except (OSError, ConnectionError) as e:  # datasets and huggingface_hub report missing data this way
-        reason = (str(e).splitlines() or [type(e).__name__])[0][:300]
+        reason = storage.one_line(e)
         if offline:
             raise EvalError(f"cannot load the data of {', '.join(tasks)}: {reason}; {offline}, and only datasets "
                             "in the local cache load (or give local task files with --include-path)") from None

@@ -293,7 +293,7 @@ class Run(storage.RunDir):
         try:
             return Tokenizer.from_str(self.read_text(TOKENIZER))
         except Exception as e:  # a damaged file
-            reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            reason = storage.one_line(e)
             raise RunError(f"cannot load {self.show(TOKENIZER)}: {reason}") from None
 
     # ------------------------------------------------------------------------------------------

@@ -286,7 +286,7 @@ class Source:
         if isinstance(e, FileNotFoundError):
             return DataError(f"{self.show(name)} not found")
         return DataError(f"reading {self.show(name)} failed ({storage.os_problem(e) or type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+                         f"{storage.one_line(e)})")
 
     def read_bytes(self, name: str) -> bytes:
         try:
