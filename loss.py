@@ -70,6 +70,17 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | No
     return (losses * weights).sum() / jnp.maximum(n, 1.0), n
 
 
+def chunk_layout(B: int, T: int, chunk: int) -> tuple[int, int] | None:
+    """How the loss over (B, T) tokens is cut for `chunk` tokens at a time: (chunks, positions of each row
+    in a chunk), as even as the chunk count allows (the padding is under `chunks` positions); None when
+    it takes the whole logits at once (chunk 0, or no more than `chunk` tokens). GPT.loss and plan.py
+    decide by it too."""
+    if chunk <= 0 or B * T <= chunk:
+        return None
+    chunks = -(-T // max(1, chunk // B))
+    return chunks, -(-T // chunks)
+
+
 def chunked_cross_entropy(h: jax.Array, head: jax.Array, bias: jax.Array | None, targets: jax.Array,
                           weights: jax.Array | None = None, *, vocab_size: int, chunk: int, dtype=jnp.float32):
     """`cross_entropy` of the logits h @ head.T (+ bias), computed about `chunk` tokens at a time, so that
@@ -88,9 +99,7 @@ def chunked_cross_entropy(h: jax.Array, head: jax.Array, bias: jax.Array | None,
     scales them), and kept: dh (B, T, d) and the head's float32 gradient, the size of the head itself.
     """
     B, T, _ = h.shape
-    per_row = max(1, chunk // B)  # positions of each row in a chunk
-    chunks = -(-T // per_row)
-    per_row = -(-T // chunks)  # as even as the chunk count allows: the padding is < chunks positions
+    chunks, per_row = chunk_layout(B, T, chunk) or (1, T)
     w = jnp.ones((B, T), jnp.float32) if weights is None else weights.astype(jnp.float32)
     n = w.sum()
     plan = (chunks, per_row, vocab_size, jnp.dtype(dtype), h.dtype, head.dtype)
@@ -137,10 +146,9 @@ def _chunked_loss_and_grads(h, head, bias, targets, weights, plan, grads: bool):
             return {"loss": loss_sum}, None
         # d loss_sum / d logits, float32 (B, c, V): softmax - one-hot, weighted. Made from the logits
         # again rather than from exp(shifted), so each reduction and this product fuse with their
-        # own exp and only the logits and the product below are stored
+        # own exp and only the logits and the product below are stored. The padding rows' entries are
+        # exactly 0 already: exp(PADDED_LOGIT - ...) underflows to 0 and no target is a padding id
         g = (jnp.exp(shifted - log_z[..., None]) - is_target) * w_c[..., None]
-        if V > vocab_size:
-            g = jnp.where(real, g, 0.0)
         g = logical_constraint(g, ("batch", "length", "vocab"))
         low = g.astype(dtype)  # the products in the compute dtype, as tied_logits' backward pass
         dh = jnp.einsum("btv,vd->btd", low, weight, preferred_element_type=jnp.float32)  # (B, c, d)

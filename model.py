@@ -51,7 +51,7 @@ from flax import nnx
 from attention import (ATTENTION_IMPLS, apply_rotary, attention, cached_attention, dropout, rotary_angles,
                        segment_positions)
 from logical_axes import activation_sharding_of, logical_constraint
-from loss import PADDED_LOGIT, chunked_cross_entropy, cross_entropy, tied_logits
+from loss import PADDED_LOGIT, chunk_layout, chunked_cross_entropy, cross_entropy, tied_logits
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = {
@@ -445,7 +445,7 @@ class GPT(nnx.Module):
         """
         cfg = self.config
         h = self.hidden(tokens, dropout_key=dropout_key, mask=mask, segment_ids=segment_ids)  # (B, T, d)
-        if chunk <= 0 or h.shape[0] * h.shape[1] <= chunk:
+        if chunk_layout(h.shape[0], h.shape[1], chunk) is None:
             return cross_entropy(self.head(h), targets, weights)
         weight, bias = self.head_weights()
         return chunked_cross_entropy(h, weight, bias, targets, weights, vocab_size=cfg.vocab_size, chunk=chunk,

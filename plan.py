@@ -33,8 +33,9 @@ project's jitted step (test_plan.py; bench/RESULTS.md compares it with the peaks
         2 H B T^2 float32 (xla, dot_product); cuDNN with ALiBi the (1, H, T, T) bias gradient, 3 H T^2 c;
         the Pallas kernel none (its blocks live in on-chip memory); a (B, T, T) mask for masked training
     logits and loss: the float32 logits and their gradient in the compute dtype, B T V (4 + c); with
-        a chunked loss (training.loss_chunk) one chunk's logits, softmax and
-        gradient at a time, and the (B, T, d) float32 gradient of the hidden states
+        a chunked loss (training.loss_chunk) one chunk's float32 logits and gradient (and its copy in a
+        narrower compute dtype) at a time, the (B, T, d) float32 gradient of the hidden states, and
+        the head in a narrower compute dtype (the head's gradient is the gradients' term)
     gradients: float32, as sharded at the ZeRO stage: one copy, the accumulator with micro-batches (a
         micro-batch's own gradients are made while the backward pass frees its activations)
 
@@ -45,7 +46,8 @@ one block's gathered weights (and the output embedding) are a transient on top. 
 sum of the terms.
 
 Measured errors: -9% to +4% of XLA's temporary memory for the compiled step on the CPU (float32,
-remat none, with tensor parallelism and micro-batches: test_plan.py), -1% to +15% of the peaks
+remat none, with tensor parallelism and micro-batches: test_plan.py; -5% to +11% with the loss 256
+tokens at a time), -1% to +15% of the peaks
 measured on an H100 (bench/RESULTS.md). Two assumptions describe a memory-minimising accelerator
 schedule, and are not what XLA's CPU compiler does: that each block's activations are freed as its
 backward pass ends (under remat, the CPU compiler recomputes blocks ahead and defers the bias and
@@ -65,6 +67,7 @@ import jax
 import numpy as np
 
 import attention as attention_lib
+import loss as loss_lib
 import model as model_lib
 import rundir
 import sharding as sharding_lib
@@ -211,11 +214,6 @@ class _State:
         }, fallbacks
 
 
-def _loss_chunk(t) -> int:
-    """training.loss_chunk: tokens per device the loss takes at a time (0: the whole logits at once)."""
-    return int(t.loss_chunk)
-
-
 def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
     """The memory per device of training `cfg` (a config.Config) on `dev`; `state`: a _State of the
     same model and optimizer, to reuse. Raises sharding.ShardingError for a mesh, batch or tensor
@@ -262,14 +260,14 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
         attention = 0.0
     attention += B * T * T if masked else 0  # the bool (B, T, T) mask
 
-    chunk = _loss_chunk(t)  # tokens per device at a time
-    if chunk and BT > chunk:  # chunked: one chunk's float32 logits and gradient at a time, as loss.py cuts them
-        chunks = -(-T // max(1, chunk // B))
-        rows = -(-T // chunks)  # positions of each row in a chunk
-        # the chunk's logits (float32), their gradient (float32, then in the compute dtype), the gradients
-        # kept for the backward pass: the hidden states' (B, T, d) and the head's (V, d), float32, and
-        # the head in the compute dtype
-        logits = B * rows * V / tp * (4 + 4 + c) + BT * d * 4 + V / tp * d * (4 + c)
+    chunk = int(t.loss_chunk)  # tokens per device at a time
+    layout = loss_lib.chunk_layout(B, T, chunk)
+    if layout is not None:  # chunked: one chunk's float32 logits and gradient at a time, as loss.py cuts them
+        rows = layout[1]  # positions of each row in a chunk
+        # the chunk's logits (float32), their gradient (float32, and in a narrower compute dtype), the
+        # hidden states' gradient kept for the backward pass (B, T, d) float32, and the head in a narrower
+        # compute dtype; the head's float32 gradient is the gradients' own term
+        logits = B * rows * V / tp * (4 + 4 + (c if narrow else 0)) + BT * d * 4 + (V / tp * d * c if narrow else 0)
         logits_note = f"{B * rows} tokens' logits at a time (training.loss_chunk {chunk})"
     else:
         logits = BT * V / tp * (4 + c)

@@ -25,9 +25,10 @@ GiB = 2**30
 MEMORY_SCHEDULER = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
-def cfg_of(model_fields=None, *, size="test", batch=16, micro=1, mesh=(-1, 1, 1), stage=0):
+def cfg_of(model_fields=None, *, size="test", batch=16, micro=1, mesh=(-1, 1, 1), stage=0, loss_chunk=4096):
     fields = {"name": size, **(model_fields or {})}
-    return config.from_dict({"model": fields, "training": {"batch_size": batch, "micro_batches": micro},
+    training = {"batch_size": batch, "micro_batches": micro, "loss_chunk": loss_chunk}
+    return config.from_dict({"model": fields, "training": training,
                              "sharding": {"data": mesh[0], "fsdp": mesh[1], "tensor": mesh[2], "zero_stage": stage}})
 
 
@@ -106,13 +107,16 @@ STEP_CASES = [
 ]
 
 
+@pytest.mark.parametrize("loss_chunk", [4096, 256])
 @pytest.mark.parametrize("fields, batch, micro, mesh", STEP_CASES)
-def test_activation_terms_match_xla_compiled_step(fields, batch, micro, mesh):
+def test_activation_terms_match_xla_compiled_step(fields, batch, micro, mesh, loss_chunk):
     """Everything but the parameters and the optimizer state (which are the step's arguments) lives in
     XLA's temporary buffer: gradients, activations, logits and loss, attention temporaries. The plan's
     sum of them is within 15% of XLA's own figure for the compiled step (float32, remat none, xla
-    attention: the model behind them is the one the plan's docstring describes)."""
-    cfg = cfg_of({**fields, "embed_norm": True, "attention": "xla"}, size="x", batch=batch, micro=micro, mesh=mesh)
+    attention: the model behind them is the one the plan's docstring describes), with the loss over the
+    whole logits (every case has at most 4096 tokens per device) and 256 tokens of it at a time."""
+    cfg = cfg_of({**fields, "embed_norm": True, "attention": "xla"}, size="x", batch=batch, micro=micro, mesh=mesh,
+                 loss_chunk=loss_chunk)
     n = mesh[0] * mesh[1] * mesh[2]
     e = plan.estimate(cfg, cpus(n))
     planned = e.total - e.terms["parameters"] - e.terms["optimizer state"]
@@ -138,14 +142,12 @@ def test_remat_terms_match_autodiff_residuals(fields, dtype):
             residuals = jax.eval_shape(lambda p: jax.vjp(lambda p: nnx.merge(graphdef, p)(x).sum(), p)[1], params)
             size = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))  # noqa: E731
             per[N] = size(residuals) - size(params), plan.estimate(cfg, cpus(1)).terms
-        (kept2, terms2), (kept4, terms4) = per[2], per[4]
-        key = "activations kept for the backward pass"
-        return (kept4 - kept2) / 2, terms4[key] / 4, terms2[key] / 2
+        (kept2, _), (kept4, terms4) = per[2], per[4]
+        return (kept4 - kept2) / 2, terms4["activations kept for the backward pass"] / 4
 
     for remat in ("full", "save_matmuls"):
-        measured, planned4, planned2 = kept_per_block(remat)
-        assert planned4 == planned2  # the plan's term is per block
-        assert abs(planned4 / measured - 1) < 0.02, (remat, planned4, measured)
+        measured, planned = kept_per_block(remat)
+        assert abs(planned / measured - 1) < 0.02, (remat, planned, measured)
 
 
 # ----------------------------------------------------------------------------------------------
