@@ -65,6 +65,7 @@ class Checkpoints:
 
         if self.mngr is not None:
             return self.mngr
+        sys.unraisablehook = drop_closed_loop_errors  # a failed read's or save's others end on closed loops
         if not self.write:
             self.mngr = ocp.CheckpointManager(self.dir)
             return self.mngr
@@ -72,7 +73,6 @@ class Checkpoints:
         absl = logging.getLogger("absl")
         if SAVE_ERRORS not in absl.filters:  # orbax's own reports of a failed save: kept for our one line
             absl.addFilter(SAVE_ERRORS)
-        sys.unraisablehook = drop_closed_loop_errors  # a failed save's reads and writes end on closed loops
         self.purge_deleted(unfinished=True)
         self.mngr = ocp.CheckpointManager(
             self.dir,
@@ -188,7 +188,6 @@ class Checkpoints:
         import orbax.checkpoint as ocp
 
         mngr = self.manager()
-        default_hook, sys.unraisablehook = sys.unraisablehook, drop_closed_loop_errors
         damaged = []
         for step in sorted(mngr.all_steps(), reverse=True):
             try:
@@ -214,7 +213,6 @@ class Checkpoints:
             if corrupt:  # it read, but not as it was written: flipped bits
                 damaged.append((step, corrupt))
                 continue
-            sys.unraisablehook = default_hook
             if damaged:
                 import jax
 
@@ -231,7 +229,6 @@ class Checkpoints:
                     f"({'; '.join(f'{d}: {why}' for d, why in damaged)}); moved to {self.damaged_dir()}; "
                     f"resuming from checkpoint {step}, the newest intact one")
             return state, step
-        # (the hook stays: the caller exits)
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
         step, why = damaged[0]
         raise RunError(f"checkpoint {step} in {self.dir} cannot be restored: {why}" +
@@ -249,7 +246,6 @@ class Checkpoints:
             step = steps[-1]
         elif step not in steps:
             raise RunError(f"no checkpoint for step {step} in {self.dir}; saved steps: {', '.join(map(str, steps))}")
-        sys.unraisablehook = drop_closed_loop_errors  # a failed read's other reads end on a closed loop
         mngr = self.manager()
         try:
             state = mngr.restore(step, args=ocp.args.StandardRestore())

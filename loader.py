@@ -181,10 +181,6 @@ class Stream:
                 out[k][at:at + b - a] = self.shards[i][a:b]
         return out
 
-    def read(self, start: int, out: np.ndarray) -> None:
-        """out[:] = stream[start : start + len(out)], across shard boundaries."""
-        out[:] = self.read_spans([(start, len(out))])[0]
-
     def read_rows(self, starts, n: int) -> np.ndarray:
         """int32 (len(starts), n): row i = stream[starts[i] : starts[i] + n]."""
         rows = np.empty((len(starts), n), np.int32)
