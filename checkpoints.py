@@ -395,7 +395,7 @@ def checkpoint_problem(error: BaseException) -> str:
 
 class SaveErrors(logging.Filter):
     """On orbax's logger: keeps its error reports (a background save that failed) for the one line
-    check_saved gives, instead of their tracebacks on stderr."""
+    Checkpoints.wait gives, instead of their tracebacks on stderr."""
 
     def __init__(self):
         super().__init__()

@@ -369,7 +369,7 @@ class GPT(nnx.Module):
         vocab_size) are PADDED_LOGIT, so a softmax over them is one over the real vocabulary. Dropout
         iff a key is given.
 
-        mask (B, T, T) bool, optional: an attention mask on top of the causal one (`attention_mask`).
+        mask (B, T, T) bool, optional: an attention mask on top of the causal one (`attention.attention_mask`).
         segment_ids (B, T) int, optional, for packed examples: learned positions restart at 0 at
         each segment's first token (ALiBi and rotary embeddings need nothing: within a segment they
         see only distances).

@@ -28,7 +28,8 @@ names every such weight: ZeRO then shards that weight along another dimension or
 replicated, never silently. A dimension with a logical name no rule covers is an error.
 Tensor-parallel divisibility (every dimension TENSOR_RULES splits) is checked up front by `check_model`.
 
-Only `model.py`'s axis names matter here; nothing else of the project is imported.
+The logical axis names are logical_axes.py's (the model's weights and activations carry them); of the
+project only errors.py is imported.
 """
 from __future__ import annotations
 

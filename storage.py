@@ -270,7 +270,7 @@ _WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EP
 def os_problem(e: BaseException | None) -> str | None:
     """The operating system's reason a write failed ("No space left on device"), from an OSError, from a
     library's error that carries its code (tokenizers', safetensors', tensorstore's), or from one that
-    spells out the reason of a failed write (rundir's failed checkpoint save); else None."""
+    spells out the reason of a failed write (a failed checkpoint save, checkpoints.py); else None."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))

@@ -63,7 +63,7 @@ def upload(local_dir, url):
 
 
 def shard_names(prepared) -> list[str]:
-    """Every shard, in the order index.json lists them (the order they are copied in)."""
+    """Every shard, in the order index.json lists them."""
     index = json.loads((prepared / "index.json").read_text())
     return [s["file"] for split in index["splits"].values() for s in split["shards"]]
 
