@@ -124,19 +124,17 @@ def perplexity_table(scorer, data_dir, lengths: Sequence[int], train_len: int, *
 # What a perplexity row measured: rows that agree on all of these are one series (one line of the plot);
 # a row of another series is never replaced by, nor drawn with, a new one. A row written before rows
 # recorded their split's size and max_tokens counts as measured on an unknown amount.
-MEASURED = rundir.MEASURED  # (rundir.py checks them in the results file it reads and writes)
+# (rundir.MEASURED: rundir.py checks them in the results file it reads and writes)
 UNKNOWN = "unknown"
 
 
 def measured(row: dict) -> tuple:
-    """The row's series: its values of MEASURED (UNKNOWN where the row does not record one)."""
-    return tuple(row.get(key, UNKNOWN) for key in MEASURED)
+    """The row's series: its values of rundir.MEASURED (UNKNOWN where the row does not record one)."""
+    return tuple(row.get(key, UNKNOWN) for key in rundir.MEASURED)
 
 
 def amount(row: dict) -> str:
-    """How much of its split a row scored, in words: 'whole split', '--max-tokens 100', 'unknown amount'."""
-    if "max_tokens" not in row or "split_tokens" not in row:
-        return "unknown amount"
+    """How much of its split a row that records it scored, in words: 'whole split', '--max-tokens 100'."""
     return "whole split" if row["max_tokens"] is None else f"--max-tokens {row['max_tokens']}"
 
 
@@ -231,10 +229,10 @@ def run_data_dir(run: rundir.Run, cfg, override: str | None) -> str:
     return location if storage.is_url(location) else str(pathlib.Path(location).resolve())
 
 
-def merge_perplexity(section: dict | None, rows: list[dict], data_dir: str, split: str, train_len: int) -> dict:
-    """The results file's perplexity section with `rows` of (data_dir, split) merged in.
+def merge_perplexity(section: dict | None, rows: list[dict], train_len: int) -> dict:
+    """The results file's perplexity section with `rows` (each naming its data and split) merged in.
 
-    Every row names what it measured (MEASURED); there is one row per series and length: a length
+    Every row names what it measured (rundir.MEASURED); there is one row per series and length: a length
     measured again the same way replaces its row, every other row is kept, in its own series. Rows of
     files written before rows named their data take the section's data and split.
     """
@@ -243,8 +241,7 @@ def merge_perplexity(section: dict | None, rows: list[dict], data_dir: str, spli
     for row in section.get("rows", []):
         row = {"data": section.get("data"), "split": section.get("split"), **row}
         merged[measured(row) + (row["length"],)] = row
-    for row in rows:
-        row = {"data": data_dir, "split": split, **row}
+    for row in rows:  # each names its data and split
         merged[measured(row) + (row["length"],)] = row
     return {"train_len": train_len, "rows": [merged[key] for key in sorted(merged, key=_series_order)]}
 
@@ -337,7 +334,7 @@ def main(argv=None) -> int:
             print(f"{r['length']:>8} {r['multiple']:>8.2f} {r['windows']:>8,} {r['tokens']:>11,} {r['loss']:>8.4f} "
                   f"{r['ppl']:>10.3f}  {scored(r)}")
         saved = run.write_results(results_name, "perplexity",
-                              lambda section: merge_perplexity(section, new_rows, data_dir, args.split, train_len))
+                              lambda section: merge_perplexity(section, new_rows, train_len))
         # the plot and wandb show every series of this data and split (as it is now), earlier runs' included,
         # one line per amount of data
         same_data = (data_dir, args.split, split_tokens)
@@ -346,9 +343,8 @@ def main(argv=None) -> int:
         for r in table:
             series.setdefault(amount(r), []).append(r)
         written = {measured(r) for r in new_rows}
-        kept = [str(r["length"]) for r in saved["rows"]
-                if measured(r) in written and measured(r) + (r["length"],) not in {measured(n) + (n["length"],)
-                                                                                   for n in new_rows}]
+        new = {measured(n) + (n["length"],) for n in new_rows}
+        kept = [str(r["length"]) for r in saved["rows"] if measured(r) in written and measured(r) + (r["length"],) not in new]
         others = sum(measured(r) not in written for r in saved["rows"])
         png = plot_perplexity(series, train_len, f"{run.name} step {step}, split {args.split!r}")
         run.write_bytes(f"eval/step{step}-perplexity.png", png)
