@@ -40,7 +40,8 @@ Every tensor is mapped exactly once in both directions (hf_layouts.py: the layou
 both ways); missing, unexpected and mis-shaped keys are listed in the error. The PyTorch module,
 torch_gpt.py, reproduces model.py and follows the same switches; it imports nothing of the project,
 so a copy of that file alone next to an export is all that `GPT.from_pretrained` needs (with torch,
-numpy and safetensors installed). Its names are this file's too (`from convert_torch import GPT`).
+numpy and safetensors installed). `from convert_torch import GPT`
+gives the same class.
 
 Exporting needs numpy and safetensors only; the GPT module and reading pytorch_model.bin need torch.
 """
@@ -71,19 +72,13 @@ import rundir
 import shards
 import storage
 from errors import ConvertError, DataError
-from hf_layouts import (config_from_hf, embedding_key, flatten, from_torch_tensors, head_key, hf_config, hf_format,
-                        to_torch_tensors, unflatten)
+from hf_layouts import (config_from_hf, embedding_key, from_torch_tensors, head_key, hf_config, hf_format,
+                        to_torch_tensors)
 from model import GPTConfig
-from torch_gpt import (CONFIG_NAME, GPT, PADDED_LOGIT, WEIGHTS_NAME, Block, MLP, TorchGPTConfig, alibi_slopes,
-                       apply_rotary, rotary_angles)
+from torch_gpt import CONFIG_NAME, GPT, WEIGHTS_NAME  # GPT: `from convert_torch import GPT` as before torch_gpt.py
 
-# what `import convert_torch` gives: the converter, and the names of torch_gpt.py and hf_layouts.py that
-# were defined here before those files held them (`from convert_torch import GPT` as ever)
 __all__ = ["ConvertError", "export", "import_hf", "read_run", "fetch_hf_dir", "read_hf_tensors", "read_hf_tokenizer",
-           "main", "cli", "GPT", "TorchGPTConfig", "Block", "MLP", "alibi_slopes", "apply_rotary",
-           "rotary_angles", "PADDED_LOGIT", "WEIGHTS_NAME", "CONFIG_NAME", "TOKENIZER_NAME", "flatten", "unflatten",
-           "embedding_key", "head_key", "hf_format", "hf_config", "config_from_hf", "to_torch_tensors",
-           "from_torch_tensors"]
+           "main", "cli", "GPT", "WEIGHTS_NAME", "CONFIG_NAME", "TOKENIZER_NAME"]
 
 TOKENIZER_NAME = "tokenizer.json"
 
