@@ -154,8 +154,8 @@ def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activat
     Gradient accumulation over `micro_batches` pieces in a scan. `grad_sharding` (a pytree of
     shardings like the params, or None) constrains the gradients: at ZeRO stages 2 and 3 the
     data-parallel reduction becomes a reduce-scatter. `activations` is sharding.activation_rules(mesh).
-    A prompt/completion batch (a dict) or fcm_max_ratio > 0 takes the masked path; the loss is the
-    mean over counted tokens of the whole batch.
+    A batch is tokens, or a prompt/completion dict (loss weights, packed segments); with fcm_max_ratio > 0
+    a share of past keys is masked. The loss is the mean over counted tokens of the whole batch.
     """
     M = micro_batches
     masked_loss = make_masked_loss(loss_fn, fcm_max_ratio)
@@ -177,14 +177,12 @@ def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activat
         micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1), batch)  # (M, B/M, ...)
 
         def token_loss_sum(p, rows, i):
-            """rows: tokens (b, T+1), or a prompt/completion dict {tokens, weights, segments}."""
-            if isinstance(rows, dict) or fcm_max_ratio > 0:  # the masked path
-                rows = rows if isinstance(rows, dict) else {"tokens": rows}
-                # FCM's key: fold_in(key, M + i) differs from every micro-batch's dropout key
-                fcm_key = jax.random.fold_in(key, M + i) if fcm_max_ratio > 0 else None
-                loss, n = masked_loss(p, rows, jax.random.fold_in(key, i), fcm_key)
-                return loss * n, n
-            loss, n = loss_fn(p, rows, None, jax.random.fold_in(key, i))
+            """rows: tokens (b, T+1), or a prompt/completion dict {tokens, weights, segments}; plain tokens
+            without FCM get no mask (attention_mask gives none)."""
+            rows = rows if isinstance(rows, dict) else {"tokens": rows}
+            # FCM's key: fold_in(key, M + i) differs from every micro-batch's dropout key
+            fcm_key = jax.random.fold_in(key, M + i) if fcm_max_ratio > 0 else None
+            loss, n = masked_loss(p, rows, jax.random.fold_in(key, i), fcm_key)
             return loss * n, n
 
         def accumulate(carry, xs):
