@@ -19,6 +19,7 @@ import config
 import errors
 import flash_alibi
 import logical_axes
+import loss
 import model as M
 import sharding
 import step
@@ -234,14 +235,18 @@ def test_bench_train_cpu_smoke(tmp_path, capsys):
     assert path.name in (out / "RESULTS.md").read_text()
 
 
-def test_bench_train_profile_records_device_time_per_operation(tmp_path, capsys):
+def test_bench_train_profile_records_device_time_per_operation(tmp_path, capsys, monkeypatch):
     """--profile traces extra steps after the timed ones and records each operation's time per step;
     --loss-chunk sets the step's training.loss_chunk (here 8 of the 32 tokens at a time)."""
     out, trace_dir = tmp_path / "bench", tmp_path / "trace"
     argv = ["train", "--model", "test", "--seq", "16", "--batch", "2", "--dtype", "float32", "--no-torch",
             "--steps", "2", "--warmup", "1", "--profile", str(trace_dir), "--profile-steps", "2", "--loss-chunk", "8",
             "--out", str(out)]
+    layouts = []  # how the step's loss was cut: what --loss-chunk reached
+    monkeypatch.setattr(M, "chunk_layout",
+                        lambda B, T, chunk: layouts.append((B, T, chunk)) or loss.chunk_layout(B, T, chunk))
     assert bench.main(argv) == 0
+    assert set(layouts) == {(2, 16, 8)} and loss.chunk_layout(2, 16, 8) == (4, 4)
     printed = capsys.readouterr().out
     [path] = out.glob("train-*.json")
     r = json.loads(path.read_text())["results"]
