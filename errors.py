@@ -33,6 +33,10 @@ class DataError(UserError):
     """A problem with data the user can fix (a path, a file, a setting); str() is one line naming it."""
 
 
+class MissingFile(DataError):
+    """A file of a data directory that is not there (shards.Source names it); str() is one line."""
+
+
 class ConfigError(UserError):
     """A user-caused configuration problem; str(e) is one line."""
 

@@ -43,7 +43,7 @@ import numpy as np
 
 import outputs
 import storage
-from errors import DataError
+from errors import DataError, MissingFile
 
 FORMAT_VERSION = 1
 EOT_TOKEN = "<|endoftext|>"
@@ -284,7 +284,7 @@ class Source:
 
     def _failed(self, name: str, e: BaseException) -> DataError:
         if isinstance(e, FileNotFoundError):
-            return DataError(f"{self.show(name)} not found")
+            return MissingFile(f"{self.show(name)} not found")
         return DataError(f"reading {self.show(name)} failed ({storage.os_problem(e) or type(e).__name__}: "
                          f"{storage.one_line(e)})")
 
@@ -373,10 +373,8 @@ def read_index(data_dir) -> tuple[Source, dict, list[IndexedFile]]:
     path = source.show("index.json")
     try:
         raw = source.read_bytes("index.json")
-    except DataError as e:
-        if "not found" in str(e):
-            raise DataError(f"{path} not found; prepare the data with `python data.py`") from None
-        raise
+    except MissingFile:
+        raise DataError(f"{path} not found; prepare the data with `python data.py`") from None
     try:
         index = json.loads(raw)
         version = index["format_version"]
