@@ -345,6 +345,38 @@ def _block_forward(block: Block, x: jax.Array, rope, dropout_key, mask=None):
     return block(x, rope, dropout_key, mask)
 
 
+def _rematerialised(policy, block: Block, x: jax.Array, rope, dropout_key, mask=None):
+    """block(x, ...) under jax.checkpoint(policy), with its backward pass pinned in place.
+
+    Remat saves memory only if the compiler recomputes a block when the backward pass reaches it and
+    finishes the block's gradients before moving on; a scheduler is free to do otherwise (XLA's CPU
+    scheduler, left free, recomputes blocks ahead and defers their bias and norm gradients'
+    reductions, keeping most of what remat drops). Two optimization barriers leave it no choice: the
+    recomputation waits for the cotangent of the block's output, and the cotangent of its input
+    leaves together with all of the block's gradients. Values and gradients are jax.checkpoint's.
+    (The GPU compiler keeps barriers until it has scheduled; the CPU compiler drops them before,
+    unless told otherwise as test_plan.py does.)
+    """
+    graphdef, state = nnx.split(block)
+
+    def forward(state, x, rope, dropout_key, mask):
+        return nnx.merge(graphdef, state)(x, rope, dropout_key, mask)
+
+    @jax.custom_vjp
+    def pinned(state, x, rope, dropout_key, mask):
+        return forward(state, x, rope, dropout_key, mask)
+
+    def pinned_forward(*args):
+        return jax.vjp(jax.checkpoint(forward, policy=policy), *args)  # (y, the backward pass: a pytree of residuals)
+
+    def pinned_backward(backward, dy):
+        backward, dy = jax.lax.optimization_barrier((backward, dy))
+        return jax.lax.optimization_barrier(backward(dy))
+
+    pinned.defvjp(pinned_forward, pinned_backward)
+    return pinned(state, x, rope, dropout_key, mask)
+
+
 class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         cfg = self.config = config
@@ -361,7 +393,7 @@ class GPT(nnx.Module):
         self.head_bias = nnx.Param(jnp.zeros(cfg.padded_vocab_size, jnp.float32), axes=("vocab",)) \
             if cfg.head_bias else None
         policy = REMAT_POLICIES[cfg.remat]
-        self._block_forward = _block_forward if cfg.remat == "none" else nnx.remat(_block_forward, policy=policy)
+        self._block_forward = _block_forward if cfg.remat == "none" else functools.partial(_rematerialised, policy)
 
     def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, mask: jax.Array | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:

@@ -1,5 +1,6 @@
 """Tests of model.py, each against an expectation computed independently of the model code."""
 import dataclasses
+import functools
 import math
 from pathlib import Path
 
@@ -138,15 +139,26 @@ def test_flops_per_token_formula():
     assert M.flops_per_token(cfg, 64) == 6 * n + 6 * 3 * 64 * 64
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("policy", ["full", "save_matmuls"])
-def test_remat_gives_the_same_loss_and_gradients(policy):
+def test_remat_gives_the_same_loss_and_gradients(policy, masked):
+    """Remat (with its pinned backward pass) changes what is kept, not what is computed: with dropout
+    (same keys, same masks) and with an attention mask and packed segments."""
     x = tokens((2, 17))
     key = jax.random.key(3)
+    segments = jnp.repeat(jnp.arange(2)[None], 2, 0).repeat(8, 1)  # (2, 16): two packed examples a row
+    masking = {"segment_ids": segments, "mask": A.attention_mask(2, 16, segment_ids=segments)} \
+        if masked else {}
+
+    def loss(graphdef, p):
+        logits = nnx.merge(graphdef, p)(x[:, :-1], dropout_key=key, **masking)
+        return loss_lib.cross_entropy(logits, x[:, 1:])[0]
+
     results = []
     for remat in ("none", policy):
-        cfg = dataclasses.replace(TINY, remat=remat, dropout=0.1)  # dropout too: same keys, same masks
+        cfg = dataclasses.replace(TINY, remat=remat, dropout=0.1)
         graphdef, params = nnx.split(build(cfg))
-        results.append(jax.jit(jax.value_and_grad(lambda p: loss_fn(graphdef, p, x, key)))(params))
+        results.append(jax.jit(jax.value_and_grad(functools.partial(loss, graphdef)))(params))
     (l0, g0), (l1, g1) = results
     np.testing.assert_allclose(float(l0), float(l1), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
