@@ -45,17 +45,18 @@ block inputs and outputs is split by it, and so are the vocabulary and its logit
 one block's gathered weights (and the output embedding) are a transient on top. The total is the
 sum of the terms.
 
-Measured errors: -9% to +4% of XLA's temporary memory for the compiled step on the CPU (float32,
-remat none, with tensor parallelism and micro-batches: test_plan.py; -5% to +11% with the loss 256
-tokens at a time), -1% to +15% of the peaks
-measured on an H100 (bench/RESULTS.md). Two assumptions describe a memory-minimising accelerator
-schedule, and are not what XLA's CPU compiler does: that each block's activations are freed as its
-backward pass ends (under remat, the CPU compiler recomputes blocks ahead and defers the bias and
-norm gradients' reductions, keeping most of each block's activations: remat saves it under 40%, so
-remat is checked against autodiff's residuals instead), and that the gradients are reduced (at ZeRO
-stages 2 and 3 scattered) as they are made (in a configuration dominated by parameters rather than
-activations, the CPU compiler was measured holding the whole unreduced gradient at stages 2 and 3,
-up to 50% above the plan).
+Measured errors, against XLA's temporary memory for the compiled step on the CPU (float32, xla
+attention: test_plan.py): -9% to +4% with remat none, with tensor parallelism and micro-batches
+(-5% to +11% with the loss 256 tokens at a time); -10% to +11% under remat full and save_matmuls at
+three sizes with the loss whole (-1% to +22% with it 256 tokens at a time: the sum holds a chunk's
+logits and a recomputed block at once, which the schedule need not; -18% under remat full with
+tensor parallelism and micro-batches). Against the peaks measured on an H100: -1% to +15%
+(bench/RESULTS.md). The model assumes a memory-minimising accelerator schedule: each block
+recomputed and its activations freed as the backward pass reaches it (under remat model.py pins
+this with optimization barriers, which the GPU compiler keeps until it has scheduled and the CPU
+compiler drops before), and the gradients reduced (at ZeRO stages 2 and 3 scattered) as they are
+made (in a configuration dominated by parameters rather than activations, the CPU compiler was
+measured holding the whole unreduced gradient at stages 2 and 3, up to 50% above the plan).
 """
 from __future__ import annotations
 
