@@ -35,9 +35,13 @@ project's jitted step (test_plan.py; bench/RESULTS.md compares it with the peaks
     logits and loss: the float32 logits and their gradient in the compute dtype, B T V (4 + c); with
         a chunked loss (training.loss_chunk) one chunk's float32 logits and gradient (and its copy in a
         narrower compute dtype) at a time, the (B, T, d) float32 gradient of the hidden states, and
-        the head in a narrower compute dtype (the head's gradient is the gradients' term)
-    gradients: float32, as sharded at the ZeRO stage: one copy, the accumulator with micro-batches (a
-        micro-batch's own gradients are made while the backward pass frees its activations)
+        the head in a narrower compute dtype (the head's gradient is the gradients' term); under remat
+        the chunk is gone before the first block is recomputed, so it counts only by what it exceeds
+        the recomputed block and its attention temporaries (with the whole logits, the compiler keeps
+        them through the blocks' backward pass: they count whole)
+    gradients: float32, as sharded at the ZeRO stage: one copy; with micro-batches two, the
+        accumulator and the micro-batch's own (measured on the compiled step: one more copy whatever
+        the number of micro-batches)
 
 d width, H query and K key/value heads of size D, F' the MLP's input projection width (2F for
 SwiGLU's gate and up), V the padded vocabulary; everything over the tensor axis but the norms, the
@@ -46,17 +50,15 @@ one block's gathered weights (and the output embedding) are a transient on top. 
 sum of the terms.
 
 Measured errors, against XLA's temporary memory for the compiled step on the CPU (float32, xla
-attention: test_plan.py): -9% to +4% with remat none, with tensor parallelism and micro-batches
-(-5% to +11% with the loss 256 tokens at a time); -10% to +11% under remat full and save_matmuls at
-three sizes with the loss whole (-1% to +22% with it 256 tokens at a time: the sum holds a chunk's
-logits and a recomputed block at once, which the schedule need not; -18% under remat full with
-tensor parallelism and micro-batches). Against the peaks measured on an H100: -1% to +15%
-(bench/RESULTS.md). The model assumes a memory-minimising accelerator schedule: each block
-recomputed and its activations freed as the backward pass reaches it (under remat model.py pins
-this with optimization barriers, which the GPU compiler keeps until it has scheduled and the CPU
-compiler drops before), and the gradients reduced (at ZeRO stages 2 and 3 scattered) as they are
-made (in a configuration dominated by parameters rather than activations, the CPU compiler was
-measured holding the whole unreduced gradient at stages 2 and 3, up to 50% above the plan).
+attention; three sizes, and tensor parallelism with micro-batches: test_plan.py): -5% to +4% with
+remat none (0% to +11% with the loss 256 tokens at a time); -10% to +11% under remat full and
+save_matmuls (-11% to +14% with the loss in chunks). Against the peaks measured on an H100 without
+remat: -1% to +15% (bench/RESULTS.md). The model assumes a memory-minimising accelerator schedule:
+each block recomputed and its activations freed as the backward pass reaches it (under remat
+model.py pins this with optimization barriers, which the GPU compiler keeps until it has scheduled
+and the CPU compiler drops before), and the gradients reduced (at ZeRO stages 2 and 3 scattered) as
+they are made (in a configuration dominated by parameters rather than activations, the CPU compiler
+was measured holding the whole unreduced gradient at stages 2 and 3, up to 50% above the plan).
 """
 from __future__ import annotations
 
@@ -268,13 +270,16 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
         # the chunk's logits (float32), their gradient (float32, and in a narrower compute dtype), the
         # hidden states' gradient kept for the backward pass (B, T, d) float32, and the head in a narrower
         # compute dtype; the head's float32 gradient is the gradients' own term
-        logits = B * rows * V / tp * (4 + 4 + (c if narrow else 0)) + BT * d * 4 + (V / tp * d * c if narrow else 0)
+        chunk_logits = B * rows * V / tp * (4 + 4 + (c if narrow else 0))
+        if recomputed:  # the loss is done before the first block is recomputed: only the larger phase counts
+            chunk_logits = max(0.0, chunk_logits - recomputed - attention)
+        logits = chunk_logits + BT * d * 4 + (V / tp * d * c if narrow else 0)
         logits_note = f"{B * rows} tokens' logits at a time (training.loss_chunk {chunk})"
     else:
         logits = BT * V / tp * (4 + c)
         logits_note = f"({B}, {T}, {V // tp}) float32, and their gradient"
 
-    grads = placed["grads"]
+    grads = placed["grads"] * (2 if t.micro_batches > 1 else 1)
     terms = {
         "parameters": placed["params"],
         "gradients": grads,
@@ -286,7 +291,7 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
     }
     notes = {
         "parameters": "float32",
-        "gradients": "float32" + (", the accumulator" if t.micro_batches > 1 else ""),
+        "gradients": "float32" + (": the accumulator and a micro-batch's own" if t.micro_batches > 1 else ""),
         "optimizer state": "AdamW moments, float32",
         "activations kept for the backward pass": f"remat {m.remat}: {kept_note}",
         "one block recomputed in the backward pass": f"remat {m.remat}",
