@@ -351,27 +351,39 @@ def _rematerialised(policy, block: Block, x: jax.Array, rope, dropout_key, mask=
     Remat saves memory only if the compiler recomputes a block when the backward pass reaches it and
     finishes the block's gradients before moving on; a scheduler is free to do otherwise (XLA's CPU
     scheduler, left free, recomputes blocks ahead and defers their bias and norm gradients'
-    reductions, keeping most of what remat drops). Two optimization barriers leave it no choice: the
-    recomputation waits for the cotangent of the block's output, and the cotangent of its input
-    leaves together with all of the block's gradients. Values and gradients are jax.checkpoint's.
-    (The GPU compiler keeps barriers until it has scheduled; the CPU compiler drops them before,
-    unless told otherwise as test_plan.py does.)
+    reductions, keeping most of what remat drops). Two optimization barriers leave it no choice: what
+    the recomputation starts from (the block's input and what the policy saved) waits for the
+    cotangent of the block's output, and the cotangent of its input leaves together with all of the
+    block's gradients. The weights stay out of the first barrier, so a sharded block's weights can
+    still be gathered ahead. Values and gradients are jax.checkpoint's; forward-mode autodiff
+    (jax.jvp) of a rematerialised model is not supported.
+
+    The GPU compiler keeps barriers until it has scheduled; the CPU compiler drops them before,
+    unless told otherwise as test_plan.py does. The second barrier also holds the earlier block's
+    backward pass until this block's gradients are reduced over the data-parallel devices: the cost
+    of that in communication is still to be measured on a multi-device GPU or TPU.
     """
     graphdef, state = nnx.split(block)
+    layout = {}  # set by the forward pass for the backward: the residuals' tree, and which are activations
 
     def forward(state, x, rope, dropout_key, mask):
         return nnx.merge(graphdef, state)(x, rope, dropout_key, mask)
 
-    @jax.custom_vjp
-    def pinned(state, x, rope, dropout_key, mask):
-        return forward(state, x, rope, dropout_key, mask)
+    pinned = jax.custom_vjp(forward)
 
-    def pinned_forward(*args):
-        return jax.vjp(jax.checkpoint(forward, policy=policy), *args)  # (y, the backward pass: a pytree of residuals)
+    def pinned_forward(state, *args):
+        y, backward = jax.vjp(jax.checkpoint(forward, policy=policy), state, *args)
+        residuals, layout["tree"] = jax.tree.flatten(backward)
+        ids = {id(leaf) for leaf in jax.tree.leaves(state)}
+        layout["activations"] = [i for i, r in enumerate(residuals) if id(r) not in ids]
+        return y, residuals
 
-    def pinned_backward(backward, dy):
-        backward, dy = jax.lax.optimization_barrier((backward, dy))
-        return jax.lax.optimization_barrier(backward(dy))
+    def pinned_backward(residuals, dy):
+        residuals, at = list(residuals), layout["activations"]
+        pinned_residuals, dy = jax.lax.optimization_barrier(([residuals[i] for i in at], dy))
+        for i, r in zip(at, pinned_residuals):
+            residuals[i] = r
+        return jax.lax.optimization_barrier(jax.tree.unflatten(layout["tree"], residuals)(dy))
 
     pinned.defvjp(pinned_forward, pinned_backward)
     return pinned(state, x, rope, dropout_key, mask)

@@ -40,8 +40,9 @@ project's jitted step (test_plan.py; bench/RESULTS.md compares it with the peaks
         the recomputed block and its attention temporaries (with the whole logits, the compiler keeps
         them through the blocks' backward pass: they count whole)
     gradients: float32, as sharded at the ZeRO stage: one copy; with micro-batches two, the
-        accumulator and the micro-batch's own (measured on the compiled step: one more copy whatever
-        the number of micro-batches)
+        accumulator and the micro-batch's own (measured on the compiled step at ZeRO 0: one more copy
+        whatever the number of micro-batches; at ZeRO 2 the CPU compiler held 1.2-2.3 sharded copies
+        more, the unreduced gradient of the caveat below)
 
 d width, H query and K key/value heads of size D, F' the MLP's input projection width (2F for
 SwiGLU's gate and up), V the padded vocabulary; everything over the tensor axis but the norms, the
@@ -56,9 +57,10 @@ save_matmuls (-11% to +14% with the loss in chunks). Against the peaks measured 
 remat: -1% to +15% (bench/RESULTS.md). The model assumes a memory-minimising accelerator schedule:
 each block recomputed and its activations freed as the backward pass reaches it (under remat
 model.py pins this with optimization barriers, which the GPU compiler keeps until it has scheduled
-and the CPU compiler drops before), and the gradients reduced (at ZeRO stages 2 and 3 scattered) as
-they are made (in a configuration dominated by parameters rather than activations, the CPU compiler
-was measured holding the whole unreduced gradient at stages 2 and 3, up to 50% above the plan).
+and the CPU compiler drops before; TPUs unmeasured), and the gradients reduced (at ZeRO stages 2
+and 3 scattered) as they are made (in a configuration dominated by parameters rather than
+activations, the CPU compiler was measured holding the whole unreduced gradient at stages 2 and 3,
+up to 50% above the plan).
 """
 from __future__ import annotations
 
@@ -271,10 +273,12 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
         # hidden states' gradient kept for the backward pass (B, T, d) float32, and the head in a narrower
         # compute dtype; the head's float32 gradient is the gradients' own term
         chunk_logits = B * rows * V / tp * (4 + 4 + (c if narrow else 0))
+        logits_note = f"{B * rows} tokens' logits at a time (training.loss_chunk {chunk})"
         if recomputed:  # the loss is done before the first block is recomputed: only the larger phase counts
             chunk_logits = max(0.0, chunk_logits - recomputed - attention)
+            if not chunk_logits:
+                logits_note = f"the hidden states' gradient; {B * rows}-token chunks of logits reuse the recomputed block's"
         logits = chunk_logits + BT * d * 4 + (V / tp * d * c if narrow else 0)
-        logits_note = f"{B * rows} tokens' logits at a time (training.loss_chunk {chunk})"
     else:
         logits = BT * V / tp * (4 + c)
         logits_note = f"({B}, {T}, {V // tp}) float32, and their gradient"

@@ -139,11 +139,18 @@ def test_flops_per_token_formula():
     assert M.flops_per_token(cfg, 64) == 6 * n + 6 * 3 * 64 * 64
 
 
+# LLaMA's and GPT-J's switches: rotary angles, grouped-query heads, SwiGLU, RMSNorm, one shared norm
+ROTARY_GQA = {"alibi_attn": False, "rotary_dim": 8, "num_kv_head": 2, "activation": "swiglu", "norm": "rmsnorm",
+              "residual": "parallel_shared", "bias": False}
+
+
+@pytest.mark.parametrize("layout", ["alibi", "rotary_gqa"])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("policy", ["full", "save_matmuls"])
-def test_remat_gives_the_same_loss_and_gradients(policy, masked):
+def test_remat_gives_the_same_loss_and_gradients(policy, masked, layout):
     """Remat (with its pinned backward pass) changes what is kept, not what is computed: with dropout
-    (same keys, same masks) and with an attention mask and packed segments."""
+    (same keys, same masks), with an attention mask and packed segments, for ALiBi and for rotary
+    grouped-query blocks."""
     x = tokens((2, 17))
     key = jax.random.key(3)
     segments = jnp.repeat(jnp.arange(2)[None], 2, 0).repeat(8, 1)  # (2, 16): two packed examples a row
@@ -156,7 +163,7 @@ def test_remat_gives_the_same_loss_and_gradients(policy, masked):
 
     results = []
     for remat in ("none", policy):
-        cfg = dataclasses.replace(TINY, remat=remat, dropout=0.1)
+        cfg = dataclasses.replace(TINY, remat=remat, dropout=0.1, **(ROTARY_GQA if layout == "rotary_gqa" else {}))
         graphdef, params = nnx.split(build(cfg))
         results.append(jax.jit(jax.value_and_grad(functools.partial(loss, graphdef)))(params))
     (l0, g0), (l1, g1) = results

@@ -98,6 +98,8 @@ def xla_temp_bytes(cfg, mesh) -> int:
                      cfg.sharding.zero_stage)
     batch = jax.ShapeDtypeStruct((cfg.training.batch_size, cfg.seq_len + 1), jnp.int32, sharding=fns.batch_sharding)
     compiled = fns.train_step.lower(fns.abstract_state, batch).compile(MEMORY_SCHEDULER)
+    # remat's barriers reach the compiled step (were the pass renamed, the option would be ignored)
+    assert (cfg.model.remat == "none") == ("opt-barrier" not in compiled.as_text())
     return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -141,16 +143,17 @@ def test_remat_terms_match_xla_compiled_step(fields, batch, micro, mesh, remat, 
     planned = e.total - e.terms["parameters"] - e.terms["optimizer state"]
     measured = xla_temp_bytes(cfg, mesh)
     assert abs(planned / measured - 1) < 0.15, (planned, measured)
-    # and remat keeps its promise: the same step without it needs more
-    assert loss_chunk != 4096 or measured < xla_temp_bytes(cfg_of({**fields, "embed_norm": True, "attention": "xla"}, size="x",
-                                            batch=batch, micro=micro, mesh=mesh), mesh)
+    if fields is STEP_CASES[1][0] and loss_chunk == 4096:  # and remat keeps its promise: without it, more
+        without = cfg_of({**fields, "embed_norm": True, "attention": "xla"}, size="x", batch=batch, micro=micro,
+                         mesh=mesh)
+        assert measured < xla_temp_bytes(without, mesh)
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_micro_batches_cost_one_gradient_copy(remat):
-    """Accumulating over micro-batches holds the accumulator and a micro-batch's own gradients: the
-    same micro-batch (4 sequences) as one micro-batch of two or four costs XLA's compiled step one more
-    float32 copy of the gradients, within 15%, and the plan exactly that."""
+    """Accumulating over micro-batches holds the accumulator and a micro-batch's own gradients: a batch
+    of two or four micro-batches of 4 sequences costs XLA's compiled step one float32 copy of the
+    gradients more than a batch of one such micro-batch, within 15%, and the plan exactly that."""
     fields = {**STEP_CASES[1][0], "embed_norm": True, "attention": "xla", "remat": remat}
     steps = {micro: cfg_of(fields, size="x", batch=4 * micro, micro=micro, mesh=(1, 1, 1)) for micro in (1, 2, 4)}
     planned = {micro: plan.estimate(cfg, cpus(1)) for micro, cfg in steps.items()}
