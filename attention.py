@@ -13,18 +13,26 @@ K key/value heads divide the H query heads (grouped-query attention): query head
 head h // (H / K); K = H is plain multi-head attention.
 
 Implementations (`model.attention` in the config, `ATTENTION_IMPLS`): the reference `xla` (below,
-`_attend`: float32 scores and softmax, dropout, extra masks), `dot_product` and `cudnn` through
-jax.nn.dot_product_attention, and `pallas`, flash_alibi.py's kernel; `auto` is resolved per backend
-by `resolve_attention`. Generation's cached attention (`cached_attention`) is always the reference.
+`_attend`: float32 scores and softmax, dropout), `dot_product` through jax.nn.dot_product_attention,
+`cudnn`, cuDNN's fused flash kernel with ALiBi carried as extra head dimensions (alibi_dims.py),
+`pallas`, flash_alibi.py's Triton kernel, and `splash`, JAX's splash attention for TPUs
+(splash.py); `auto` is resolved per backend by `resolve_attention`. Generation's cached attention
+(`cached_attention`) is always the reference.
+
+Packed examples and forgetful causal masking reach attention as a `Masking`: two int32 (B, T)
+vectors of segment ids, O(T) memory, which the fused kernels (pallas, splash) take as they are and
+only the reference expands to (B, T, T).
 
 `cfg` below is a model.GPTConfig; only its attention fields are read (alibi_attn, attention, dtype,
-dropout, head_dim, rotary_dim, rotary_base). This file imports nothing of the project but
-flash_alibi.py, and that only when `pallas` runs.
+dropout, head_dim, rotary_dim, rotary_base). This file imports nothing of the project but the
+kernels' files (alibi_dims.py, flash_alibi.py, splash.py), each only when its path runs.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +40,13 @@ import numpy as np
 
 # auto: the fastest measured for this backend and model (`resolve_attention`); xla: the reference
 # below; dot_product: jax.nn.dot_product_attention with JAX's default implementation (XLA's, as of
-# JAX 0.10); cudnn: the same forced to cuDNN's fused kernel (NVIDIA GPU only); pallas: flash_alibi.py's
-# kernel, which makes the ALiBi bias inside (O(T) memory)
-ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn", "pallas")
+# JAX 0.10); cudnn: cuDNN's fused kernel, ALiBi as extra head dimensions (NVIDIA GPU only); pallas:
+# flash_alibi.py's Triton kernel, which makes the ALiBi bias inside; splash: splash attention on TPUs
+# (splash.py). cudnn, pallas and splash hold O(T) memory whatever the batch.
+ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn", "pallas", "splash")
+CUDNN_MULTIPLE = 8  # cuDNN's fused kernel takes head sizes that are multiples of 8 ...
+CUDNN_MAX_HEAD = {"hopper": 256, "older": 128}  # ... up to 256 on Hopper and later GPUs, else 128
+PALLAS_ALIBI_MAX_HEAD = 64  # auto: ALiBi heads up to this size take pallas on a GPU (bench/RESULTS.md)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,8 +122,8 @@ def apply_rotary(x: jax.Array, rope: tuple[jax.Array, jax.Array], interleaved: b
 
 def _attend(q, k, v, q_pos, k_pos, cfg, dropout_key=None, mask=None) -> jax.Array:
     """The reference attention: queries q (B, Tq, H, D) at positions q_pos (Tq,), keys and values
-    (B, Tk, K, D) at k_pos (Tk,); query i sees key j iff j <= i (and mask[b, i, j], when a (B, Tq, Tk)
-    mask is given), with -slope * (i - j) under ALiBi. Query head h reads key/value head h // (H / K)."""
+    (B, Tk, K, D) at k_pos (Tk,); query i sees key j iff j <= i (and, with a `Masking`, where its
+    segment ids match), with -slope * (i - j) under ALiBi. Query head h reads key/value head h // (H / K)."""
     B, Tq, H, D = q.shape
     K, Tk = k.shape[2], k.shape[1]
     qg = q.reshape(B, Tq, K, H // K, D)  # the query heads in groups, one per key/value head
@@ -121,7 +133,7 @@ def _attend(q, k, v, q_pos, k_pos, cfg, dropout_key=None, mask=None) -> jax.Arra
         scores = scores + alibi_bias_at(H, q_pos, k_pos)[None]  # (1, H, Tq, Tk)
     causal = k_pos[None, :] <= q_pos[:, None]  # (Tq, Tk)
     if mask is not None:
-        causal = (causal[None] & mask)[:, None]  # (B, 1, Tq, Tk)
+        causal = (causal[None] & mask.dense())[:, None]  # (B, 1, Tq, Tk)
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)  # float32, always: a bf16 softmax destabilises training
     probs = dropout(probs, cfg.dropout, dropout_key).astype(v.dtype).reshape(B, K, H // K, Tq, Tk)
@@ -147,78 +159,146 @@ def attention(q, k, v, cfg, dropout_key=None, mask=None, sharding=None) -> jax.A
     when configured. K key/value heads divide the H query heads: query head h reads key/value head
     h // (H / K) (grouped-query attention; K = H is plain multi-head attention).
 
-    `mask` (B, T, T) bool, optional: query i may see key j only where mask[b, i, j] is also true
-    (packed segments, forgetful causal masking; see `attention_mask`). A masked call always takes
-    the reference path.
+    `mask`, optional: a `Masking` (packed segments, forgetful causal masking; see `attention_mask`):
+    query i may see key j only where their segment ids match. `resolve_attention` says which
+    implementation takes a masked call: a fused kernel on GPUs and TPUs, the reference elsewhere.
 
     `sharding`, optional: how q, k and v are placed on a device mesh, the NamedSharding of the
     activation axes (batch, length, heads, kv) (model.py passes what sharding.py's activation rules
-    give them). Only `pallas` reads it: XLA cannot partition a Pallas call, so the kernel runs per
-    device on that device's rows and heads. None: one device, or q, k and v whole on each.
+    give them). The Pallas kernels (pallas, splash) read it: XLA cannot partition a Pallas call, so
+    the kernel runs per device on that device's rows and heads. None: one device, or q, k and v
+    whole on each.
     """
     B, T, H, D = q.shape
-    if mask is not None:
-        return _attend(q, k, v, jnp.arange(T), jnp.arange(T), cfg, dropout_key, mask)
-    impl = resolve_attention(cfg)
+    impl = resolve_attention(cfg, masked=mask is not None)
     if impl == "pallas":  # O(T) memory: the bias is made inside the kernel from the slopes
         group = H // k.shape[2]  # the kernel takes as many key/value heads as query heads
         k, v = (jnp.repeat(x, group, axis=2) if group > 1 else x for x in (k, v))
-        return _pallas_attention(q, k, v, cfg, sharding)
+        return _per_device(_pallas, q, k, v, mask, sharding, _slopes(cfg, H))
+    if impl == "splash":
+        check_attention_backend(dataclasses.replace(cfg, attention=impl))
+        return _per_device(_splash, q, k, v, mask, sharding, _slopes(cfg, H))
     if impl == "cudnn":
         check_attention_backend(dataclasses.replace(cfg, attention=impl))
-        # cuDNN's fused kernel takes even lengths only; one extra key after every query is hidden
-        # by the causal mask, and the extra query row is dropped. Its backward pass also computes
-        # the gradient of the constant bias, (1, H, T, T), and throws it away: O(T^2) memory again.
-        if T % 2:
-            q, k, v = (jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0))) for x in (q, k, v))
-        n = q.shape[1]
-        bias = alibi_bias(H, n, n)[None].astype(q.dtype) if cfg.alibi_attn else None  # (1, H, n, n)
-        y = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True, implementation="cudnn")
-        return y[:, :T]
+        return cudnn_attention(q, k, v, cfg)
     if impl == "dot_product":
         bias = alibi_bias(H, T, T)[None].astype(q.dtype) if cfg.alibi_attn else None  # (1, H, T, T)
         return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True)
-    return _attend(q, k, v, jnp.arange(T), jnp.arange(T), cfg, dropout_key)
+    return _attend(q, k, v, jnp.arange(T), jnp.arange(T), cfg, dropout_key, mask)
 
 
-def _pallas_attention(q, k, v, cfg, sharding) -> jax.Array:
-    """flash_alibi's kernel. With a `sharding` of q, k and v each device runs it on its own rows and
-    heads (shard_map): a Pallas call is opaque to XLA's partitioner, which would otherwise gather
-    q, k and v whole onto every device. The slopes are split with the heads."""
+def _slopes(cfg, H: int) -> np.ndarray | None:
+    return alibi_slopes(H) if cfg.alibi_attn else None
+
+
+def cudnn_attention(q, k, v, cfg, implementation: str = "cudnn") -> jax.Array:
+    """cuDNN's fused flash attention through jax.nn.dot_product_attention, with no bias input: ALiBi
+    rides in extra head dimensions (alibi_dims.py), so neither the forward nor the backward pass holds
+    a (T, T) array. The kernel takes even lengths only: one extra key after every query is hidden by
+    the causal mask, and the extra query row is dropped. `implementation="xla"` runs the same
+    identity through XLA's attention (how the tests check it off a GPU)."""
+    import alibi_dims
+
+    B, T, H, D = q.shape
+    if T % 2:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0))) for x in (q, k, v))
+    if cfg.alibi_attn:
+        q, k, v = alibi_dims.extend(q, k, v, alibi_slopes(H), CUDNN_MULTIPLE)
+    y = jax.nn.dot_product_attention(q, k, v, scale=1.0 / math.sqrt(D), is_causal=True,
+                                      implementation=implementation)
+    return y[:, :T, :, :D]
+
+
+def _pallas(q, k, v, segments, slopes):
     import flash_alibi  # only when chosen: Pallas is not needed otherwise
 
-    H = q.shape[2]
-    slopes = alibi_slopes(H) if cfg.alibi_attn else np.zeros(H, np.float32)
+    return flash_alibi.flash_alibi_attention(q, k, v, slopes, segments)
+
+
+def _splash(q, k, v, segments, slopes):
+    import splash  # only when chosen
+
+    return splash.splash_attention(q, k, v, slopes, segments)
+
+
+def _per_device(kernel, q, k, v, mask, sharding, slopes) -> jax.Array:
+    """kernel(q, k, v, segments, slopes) for a Pallas kernel (slopes None: no ALiBi). With a `sharding`
+    of q, k and v each device runs it on its own rows and heads (shard_map): a Pallas call is opaque
+    to XLA's partitioner, which would otherwise gather q, k and v whole onto every device. The slopes
+    are split with the heads, the segment ids with the rows."""
+    segments = None if mask is None else (mask.q_segments, mask.kv_segments)
     if sharding is None:
-        return flash_alibi.flash_alibi_attention(q, k, v, slopes)
+        return kernel(q, k, v, segments, slopes)
+    if slopes is None:  # a static None, not an argument to split
+        kernel = functools.partial(_without_slopes, kernel)
+        slopes = np.zeros(q.shape[2], np.float32)
+    P = jax.sharding.PartitionSpec
     spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
     if spec[1] is not None or spec[3] is not None:
-        raise ValueError(f"model.attention=pallas needs whole sequences and head dimensions on each device; "
-                         f"the activation sharding splits (batch, length, heads, kv) as {spec}")
-    qkv_spec = jax.sharding.PartitionSpec(*spec)
-    run = jax.shard_map(flash_alibi.flash_alibi_attention, mesh=sharding.mesh,
-                        in_specs=(qkv_spec, qkv_spec, qkv_spec, jax.sharding.PartitionSpec(spec[2])),
+        raise ValueError(f"model.attention=pallas or splash needs whole sequences and head dimensions on each "
+                         f"device; the activation sharding splits (batch, length, heads, kv) as {spec}")
+    qkv_spec = P(*spec)
+    seg_spec = None if segments is None else (P(spec[0], None),) * 2
+    run = jax.shard_map(kernel, mesh=sharding.mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, seg_spec, P(spec[2])),
                         out_specs=qkv_spec, check_vma=False)
-    return run(q, k, v, jnp.asarray(slopes))
+    return run(q, k, v, segments, jnp.asarray(slopes))
 
 
-def resolve_attention(cfg, backend: str | None = None) -> str:
-    """The implementation `cfg.attention` stands for on `backend` (default: JAX's default backend).
+def _without_slopes(kernel, q, k, v, segments, slopes):
+    return kernel(q, k, v, segments, None)
+
+
+def cudnn_takes(cfg, max_head: int | None = None) -> bool:
+    """Whether cuDNN's fused kernel takes this model's heads: a size of at most `max_head` (default:
+    this machine's GPU's, `cudnn_max_head`) and a multiple of 8, the ALiBi columns (alibi_dims.py) counted."""
+    import alibi_dims
+
+    max_head = cudnn_max_head() if max_head is None else max_head
+    D = alibi_dims.padded_dim(cfg.head_dim, cfg.dtype, CUDNN_MULTIPLE) if cfg.alibi_attn else cfg.head_dim
+    return D <= max_head and D % CUDNN_MULTIPLE == 0
+
+
+def cudnn_max_head() -> int:
+    """The largest head size cuDNN's fused kernel takes on this machine's GPU: 256 from Hopper on, else
+    128; Hopper's where no GPU is here (resolving for a GPU elsewhere, as the plan and tests do)."""
+    if jax.default_backend() != "gpu":
+        return CUDNN_MAX_HEAD["hopper"]
+    capability = float(getattr(jax.devices()[0], "compute_capability", "0") or 0)
+    return CUDNN_MAX_HEAD["hopper" if capability >= 9.0 else "older"]
+
+
+def resolve_attention(cfg, backend: str | None = None, masked: bool = False, max_head: int | None = None) -> str:
+    """The implementation that runs `cfg.attention` on `backend` (default: JAX's default backend) for a
+    plain batch or, with `masked`, a batch with a `Masking` (packed examples, FCM).
 
     `auto` is the fastest correct one measured there (bench/RESULTS.md, `python bench.py attention`
-    and `train`): on an NVIDIA GPU in bfloat16 or float16, `pallas` for ALiBi models (the bias is
-    made in-kernel; cuDNN takes 1.25x its time at 760m's shape, 1.7x at T=8192, and O(T^2) memory
-    for its bias gradient) and `cudnn` for learned positions and rotary models (no bias; 3% ahead of
-    pallas on 124m's step), whose heads cuDNN's fused kernel takes: a size of at most 128, a multiple
-    of 8 (GPT-J's 256 is not). Everywhere else `xla`: the CPU, TPUs, float32 (not measured on a GPU)
-    and attention dropout (only xla has it)."""
+    and `train`): on an NVIDIA GPU in bfloat16 or float16, `cudnn` wherever cuDNN's kernel takes the
+    heads (ALiBi included, by the identity of alibi_dims.py: 1.8x pallas's speed at 760m's heads of
+    96), and `pallas` for ALiBi heads of 64 or fewer (cuDNN's 72 columns made it 1.2x slower than
+    pallas there, and the step no faster), for heads cuDNN cannot take, and for masked batches,
+    which cuDNN's kernel cannot take as JAX calls it; on a TPU, `splash`. The reference `xla`
+    everywhere else: the CPU, float32 on a GPU, and attention dropout (only xla has it).
+
+    A chosen implementation runs as chosen, except where it cannot take a masked batch: `cudnn` hands
+    masked batches to `pallas` (O(T) too), and `dot_product` to the reference `xla`. `cudnn` with
+    heads it cannot take (ALiBi's columns pushing a head of 128 past an older GPU's limit) also
+    runs as `pallas`. `max_head` stands for the GPU's limit (default: this machine's)."""
     if cfg.attention != "auto":
+        if cfg.attention == "cudnn" and (masked or not cudnn_takes(cfg, max_head)):
+            return "pallas"
+        if cfg.attention == "dot_product" and masked:
+            return "xla"
         return cfg.attention
     backend = backend or jax.default_backend()
-    if backend == "gpu" and cfg.dtype != "float32" and cfg.dropout == 0:
-        if cfg.alibi_attn:
-            return "pallas"
-        return "cudnn" if cfg.head_dim <= 128 and cfg.head_dim % 8 == 0 else "xla"
+    if cfg.dropout > 0:
+        return "xla"
+    if backend == "gpu" and cfg.dtype != "float32":
+        small_alibi = cfg.alibi_attn and cfg.head_dim <= PALLAS_ALIBI_MAX_HEAD
+        if not masked and not small_alibi and cudnn_takes(cfg, max_head):
+            return "cudnn"
+        return "pallas"
+    if backend == "tpu":
+        return "splash"
     return "xla"
 
 
@@ -229,8 +309,10 @@ def check_attention_backend(cfg) -> None:
         raise ValueError(f"model.attention=cudnn needs an NVIDIA GPU (cuDNN); this JAX runs on {backend}: "
                          f"use attention=xla, dot_product or pallas")
     if cfg.attention == "pallas" and backend == "tpu":
-        raise ValueError("model.attention=pallas is a Triton kernel for NVIDIA GPUs; on a TPU use attention=xla "
-                         "or dot_product")
+        raise ValueError("model.attention=pallas is a Triton kernel for NVIDIA GPUs; on a TPU use attention=splash "
+                         "or xla")
+    if cfg.attention == "splash" and backend == "gpu":
+        raise ValueError("model.attention=splash is a TPU kernel; on an NVIDIA GPU use attention=cudnn or pallas")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,29 +345,42 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
     return (t - first).astype(jnp.int32)
 
 
-def attention_mask(batch: int, length: int, *, segment_ids: jax.Array | None = None, fcm_key=None,
-                   fcm_max_ratio: float = 0.0) -> jax.Array | None:
-    """The extra attention mask (B, T, T) bool for `GPT.__call__` (True = may attend), or None.
+class Masking(NamedTuple):
+    """Which keys each query may see beyond the causal rule, in O(T) memory: query i of row b sees key
+    j <= i iff q_segments[b, i] == kv_segments[b, j]. Both int32 (B, T); a pytree, so it passes through
+    jit, remat and shard_map as the arrays it holds. Packed examples give both the examples' ids;
+    forgetful causal masking gives hidden keys an id no query has (HIDDEN)."""
 
-    segment_ids (B, T): query i sees key j only within its own segment (packed examples).
+    q_segments: jax.Array
+    kv_segments: jax.Array
+
+    def dense(self) -> jax.Array:
+        """The (B, Tq, Tk) bool matrix of segment matches (the causal rule not applied): the reference's."""
+        return self.q_segments[:, :, None] == self.kv_segments[:, None, :]
+
+
+HIDDEN = -1  # a hidden key's segment id under forgetful causal masking; examples' ids are >= 0
+
+
+def attention_mask(batch: int, length: int, *, segment_ids: jax.Array | None = None, fcm_key=None,
+                   fcm_max_ratio: float = 0.0) -> Masking | None:
+    """The extra attention masking for `GPT.__call__`, a `Masking` (O(T)), or None when there is none.
+
+    segment_ids (B, T), ids >= 0: query i sees key j only within its own segment (packed examples).
     Forgetful causal masking (Liu et al. 2022, arXiv 2210.13432), when fcm_key is given and
     fcm_max_ratio > 0: each sequence draws a ratio r ~ U(0, fcm_max_ratio) and hides each key
-    position with probability r from every query. The first token (of the sequence and of each
-    segment) stays visible, and a token always sees itself, so no query is left without a key.
-    For training only: evaluation and generation use no FCM.
+    position with probability r from every query, its own included, as the paper's masking does.
+    The first token (of the sequence and of each segment) stays visible, so no query is left
+    without a key. For training only: evaluation and generation use no FCM.
     """
     if segment_ids is None and (fcm_key is None or fcm_max_ratio <= 0):
         return None
-    mask = jnp.ones((batch, length, length), bool)
-    if segment_ids is not None:
-        mask = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, Tq, Tk)
+    segments = jnp.zeros((batch, length), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    keys = segments
     if fcm_key is not None and fcm_max_ratio > 0:
         ratio_key, drop_key = jax.random.split(fcm_key)
         ratio = jax.random.uniform(ratio_key, (batch, 1), maxval=fcm_max_ratio)  # (B, 1) one r per sequence
         visible = jax.random.uniform(drop_key, (batch, length)) >= ratio  # (B, Tk) P(hidden) = r
-        visible = visible.at[:, 0].set(True)
-        if segment_ids is not None:
-            visible = visible | (segment_positions(segment_ids) == 0)
-        diagonal = jnp.eye(length, dtype=bool)[None]  # (1, Tq, Tk)
-        mask = mask & (visible[:, None, :] | diagonal)
-    return mask
+        visible = visible | (segment_positions(segments) == 0)  # each segment's first token, the row's too
+        keys = jnp.where(visible, segments, HIDDEN)
+    return Masking(segments, keys)

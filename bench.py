@@ -391,11 +391,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", help="compute dtype: float32 | bfloat16 | float16 (default bfloat16)")
     p.add_argument("--remat", default="none", help="rematerialisation: none | full | save_matmuls (default none)")
     p.add_argument("--attention", default="auto",
-                   help="auto | xla | dot_product | cudnn | pallas (default auto: what training picks on this backend)")
+                   help="auto | xla | dot_product | cudnn | pallas | splash (default auto: what training picks on this "
+                        "backend)")
     p.add_argument("--alibi", action=argparse.BooleanOptionalAction, default=None,
                    help="force ALiBi on or off (default: the size's setting)")
     p.add_argument("--loss-chunk", type=int, help="training.loss_chunk: tokens of the loss at a time, 0 for the "
                    "whole logits (default: the training default)")
+    p.add_argument("--packed", type=int, default=0, metavar="N",
+                   help="a fine-tuning batch instead of plain tokens: N prompt/completion examples packed in each "
+                        "row, attention kept inside each (default 0: plain tokens)")
+    p.add_argument("--fcm", type=float, default=0.0, help="training.fcm_max_ratio: forgetful causal masking "
+                   "(default 0: off)")
     p.add_argument("--steps", type=int, default=20, help="timed steps; the median is reported (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s for MFU, in TFLOP/s (default: by device kind)")
@@ -420,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=96, help="head size (default 96, as 760m)")
     p.add_argument("--dtype", default="bfloat16", help="input dtype (default bfloat16)")
     p.add_argument("--alibi", action=argparse.BooleanOptionalAction, default=True, help="ALiBi bias (default on)")
+    p.add_argument("--packed", type=int, default=0, metavar="N",
+                   help="N examples packed in each row, attention kept inside each (default 0: whole rows)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--out", default=str(ROOT / "bench"), help="where results are recorded (default bench/)")

@@ -14,6 +14,9 @@ What is timed, for each framework, on one device and the same batch of B x T ran
           attention), as a third-party baseline, stepped the same way.
 Each runs --warmup steps (compilation included) and then --steps timed steps, each synchronised
 (block_until_ready / torch.cuda.synchronize); the median step time gives tokens/s = B*T / median.
+Ours then runs --steps more as train.py's loop does, each dispatched before the previous step's loss
+is read (`pipelined`): the device does not wait for the host's dispatch between steps, which the
+synchronised steps include (12 ms of 180 at 760m on an H200).
 
 MFU = tokens/s x (6 N + 6 L d T) / peak FLOP/s (model.flops_per_token; N parameters, L blocks,
 width d, context T), with the peak from the device kind (step.PEAK_FLOPS: 989 TFLOP/s dense bf16
@@ -53,10 +56,28 @@ def time_steps(step, sync, warmup: int, steps: int) -> dict:
             "step_s_median": statistics.median(times)}
 
 
+def time_pipelined(step, read, steps: int) -> float:
+    """train.py's loop: each step dispatched before the previous step's metrics are read, so the device
+    never waits for the host between steps. Seconds per step over `steps` steps (after warm-up)."""
+    start = time.perf_counter()
+    previous = None
+    for _ in range(steps):
+        out = step()
+        if previous is not None:
+            read(previous)
+        previous = out
+    read(previous)
+    return (time.perf_counter() - start) / steps
+
+
 def _throughput(timing: dict, tokens_per_step: int, flops_per_token: float, peak: float | None) -> dict:
     tokens_per_s = tokens_per_step / timing["step_s_median"]
-    return {**timing, "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_s,
-            "mfu": tokens_per_s * flops_per_token / peak if peak else None}
+    out = {**timing, "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_s,
+           "mfu": tokens_per_s * flops_per_token / peak if peak else None}
+    if "step_s_pipelined" in timing:
+        out["tokens_per_s_pipelined"] = tokens_per_step / timing["step_s_pipelined"]
+        out["mfu_pipelined"] = out["tokens_per_s_pipelined"] * flops_per_token / peak if peak else None
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,6 +98,9 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
     state = fns.init()
     rows = np.random.default_rng(0).integers(0, mcfg.vocab_size, (batch, seq + 1), dtype=np.int32)
     tokens = jax.device_put(rows, fns.batch_sharding)
+    if args.packed:  # a prompt/completion batch: the masked step train.py runs on fine-tuning data
+        tokens = {"tokens": tokens, **{name: jax.device_put(a, fns.batch_sharding)
+                                       for name, a in packed_rows(batch, seq, args.packed).items()}}
     losses = []
 
     def one_step():
@@ -89,6 +113,9 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
         losses.append(float(out[1]["loss"]))
 
     timing = time_steps(one_step, sync, args.warmup, args.steps)
+    # the state is donated to the next step: only the metrics are read after it was dispatched
+    timing["step_s_pipelined"] = time_pipelined(one_step, lambda out: losses.append(float(out[1]["loss"])),
+                                                args.steps)
     profile = None
     if getattr(args, "profile", None):  # after the timed steps, so the trace never skews them
         profile = profile_steps(lambda: sync(one_step()), args.profile_steps, args.profile)
@@ -98,11 +125,23 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     result = _throughput(timing, batch * seq, model_lib.flops_per_token(mcfg, seq), peak)
     result.update({"device_kind": device.device_kind, "platform": device.platform, "peak_flops": peak,
+                   "loss_chunk": fns.loss_chunk,
                    "peak_memory_bytes": (stats or {}).get("peak_bytes_in_use"),
                    "loss_first": losses[0], "loss_last": losses[-1]})
     if profile is not None:
         result["profile"] = profile
     return result
+
+
+def packed_rows(batch: int, seq: int, examples: int) -> dict:
+    """Loss weights and segment ids of rows that each pack `examples` equal examples, numbered 1, 2, ...,
+    the last 1/8 of each example its completion: {weights float32 (B, T), segments int32 (B, T)}."""
+    segments = 1 + (np.arange(seq) * examples // seq)  # (T,)
+    starts = np.searchsorted(segments, segments, side="left")
+    ends = np.searchsorted(segments, segments, side="right")
+    completion = (np.arange(seq) - starts) >= (ends - starts) * 7 // 8
+    return {"weights": np.broadcast_to(completion.astype(np.float32), (batch, seq)).copy(),
+            "segments": np.broadcast_to(segments.astype(np.int32), (batch, seq)).copy()}
 
 
 def profile_steps(step, steps: int, directory, top: int = 30) -> dict:
@@ -265,7 +304,9 @@ def resolve(args):
     if args.loss_chunk is not None and args.loss_chunk < 0:
         raise TrainBenchError("--loss-chunk must be at least 0 (0: the loss over the whole logits)")
     chunk = {} if args.loss_chunk is None else {"loss_chunk": args.loss_chunk}
-    args.train_config = config_lib.TrainingConfig(batch_size=args.batch, seq_len=seq, **chunk)
+    if not 0 <= args.packed <= seq or not 0.0 <= args.fcm < 1.0:
+        raise TrainBenchError(f"--packed must be between 0 and --seq ({seq}), --fcm in [0, 1)")
+    args.train_config = config_lib.TrainingConfig(batch_size=args.batch, seq_len=seq, fcm_max_ratio=args.fcm, **chunk)
     return name, mcfg, seq
 
 
@@ -326,7 +367,8 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
 
     results = {"model": name, "device_kind": ours["device_kind"], "platform": ours["platform"],
                "config": dataclasses.asdict(mcfg), "batch": args.batch, "seq": seq,
-               "loss_chunk": args.train_config.loss_chunk,
+               "loss_chunk": ours["loss_chunk"], "loss_chunk_setting": args.train_config.loss_chunk,
+               "packed": args.packed, "fcm_max_ratio": args.fcm,
                "parameters": model_lib.param_count(mcfg), "flops_per_token": model_lib.flops_per_token(mcfg, seq),
                "mfu_formula": "tokens/s * (6 N + 6 L d T) / peak FLOP/s", "jax": ours, **others}
     ran = [w for w, r in others.items() if "error" not in r]
@@ -335,7 +377,7 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     results["targets"] = targets(name, mcfg, seq, ours, results)
 
     peak = ours["peak_flops"]
-    resolved = attention_lib.resolve_attention(mcfg)
+    resolved = attention_lib.resolve_attention(mcfg, masked=bool(args.packed or args.fcm))
     attention = mcfg.attention if resolved == mcfg.attention else f"{mcfg.attention} ({resolved})"
     results["attention"] = resolved
     gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
@@ -343,7 +385,10 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     rows = [("model", f"{name}: {results['parameters'] / 1e6:.1f}M parameters, {mcfg.N} blocks, "
                       f"d={mcfg.embedding_dim}, {mcfg.positions} positions"),
             ("shape", f"batch {args.batch} x context {seq} = {args.batch * seq} tokens/step, {mcfg.dtype}, "
-                      f"remat {mcfg.remat}, attention {attention}, loss_chunk {args.train_config.loss_chunk}"),
+                      f"remat {mcfg.remat}, attention {attention}, loss_chunk {args.train_config.loss_chunk}"
+                      + (f" ({ours['loss_chunk']})" if args.train_config.loss_chunk == "auto" else "")
+                      + (f", {args.packed} examples packed a row" if args.packed else "")
+                      + (f", FCM up to {args.fcm}" if args.fcm else "")),
             ("device", f"{ours['device_kind']} ({ours['platform']})"),
             ("MFU", f"tokens/s x (6N + 6LdT = {results['flops_per_token'] / 1e6:.1f} MFLOP/token) / peak "
                     + (f"{peak / 1e12:.0f} TFLOP/s" + (" (--peak-tflops)" if peak_override else " (device kind)")
@@ -353,6 +398,9 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
             rows.append((w, r["error"]))
             continue
         extra = f", torch.compile {'on' if r.get('compiled') else 'off'}" if "compiled" in r else ""
+        if "step_s_pipelined" in r:
+            extra += (f"; pipelined as train.py runs: {r['tokens_per_s_pipelined']:,.0f} tokens/s, "
+                      f"{r['step_s_pipelined'] * 1e3:.1f} ms a step, MFU {mfu({'mfu': r['mfu_pipelined']})}")
         rows.append((w, f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_s_median'] * 1e3:.1f} ms median of "
                         f"{r['steps']}, MFU {mfu(r)}, peak memory {gib(r['peak_memory_bytes'])}{extra}"))
     for w in ran:
@@ -360,8 +408,10 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     for thread, prof in (ours.get("profile") or {}).get("devices", {}).items():
         rows.append((f"profile: {thread}", f"{prof['total_us'] / 1e3:.1f} ms of device time per step"))
         rows.extend((f"  {name[:60]}", f"{us / 1e3:8.2f} ms {share:6.1%}") for name, us, share in prof["top"][:15])
-    summary = (f"{name} B={args.batch} T={seq} {mcfg.dtype} {attention}: {ours['tokens_per_s']:,.0f} tok/s, "
-               f"{ours['step_s_median'] * 1e3:.1f} ms/step, MFU {mfu(ours)}, mem {gib(ours['peak_memory_bytes'])}"
+    batch_kind = (f" packed {args.packed}" if args.packed else "") + (f" fcm {args.fcm}" if args.fcm else "")
+    summary = (f"{name} B={args.batch} T={seq}{batch_kind} {mcfg.dtype} {attention}: {ours['tokens_per_s']:,.0f} tok/s, "
+               f"{ours['step_s_median'] * 1e3:.1f} ms/step, MFU {mfu(ours)} "
+               f"({mfu({'mfu': ours['mfu_pipelined']})} pipelined), mem {gib(ours['peak_memory_bytes'])}"
                + "".join(f"; {results[f'ratio_vs_{w}']:.2f}x {w}" for w in ran)
                + "".join(f"; {w}: {others[w]['error']}" for w in others if w not in ran)
                + ("" if ours["platform"] == "gpu" else " (CPU smoke test: no GPU figures)"))
@@ -371,7 +421,7 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
 # ---------------------------------------------------------------------------------------------
 # python bench.py attention: the attention implementations alone, forward and backward
 
-IMPLS = ("xla", "dot_product", "cudnn", "pallas")
+IMPLS = ("xla", "dot_product", "cudnn", "pallas", "splash")
 
 
 def pallas_settings(impl: str) -> dict:
@@ -420,6 +470,12 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, g = (jax.random.normal(key, (B, T, H, D), jnp.float32) for key in keys)  # g: the output gradient
     q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    if not 0 <= args.packed <= T:
+        raise TrainBenchError(f"--packed must be between 0 and --seq ({T})")
+    mask = None
+    if args.packed:  # N examples a row: attention stays inside each (attention.Masking, O(T))
+        segments = jnp.asarray(packed_rows(B, T, args.packed)["segments"])
+        mask = attention_lib.Masking(segments, segments)
 
     def config(impl, to=args.dtype):
         return model_lib.GPTConfig(num_head=H, embedding_dim=H * D, attention=impl, alibi_attn=args.alibi, dtype=to)
@@ -427,12 +483,14 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
     def fwd_bwd(impl, to=dtype):
         """jit of (q, k, v, g) -> ((sum(y * g), y), (dq, dk, dv)), attention computed in dtype `to`."""
         cfg = config(impl.split(":")[0], jnp.dtype(to).name)
-        attend = functools.partial(attention_lib.attention, cfg=cfg)
+        attend = functools.partial(attention_lib.attention, cfg=cfg, mask=mask)
         if kernel_settings.get(impl):  # pallas:FWDxBWD[xWARPS[xSTAGES]]: the kernel itself, with these settings
             import flash_alibi
 
             slopes = attention_lib.alibi_slopes(H) if args.alibi else None
-            attend = functools.partial(flash_alibi.flash_alibi_attention, slopes=slopes, **kernel_settings[impl])
+            segments = None if mask is None else (mask.q_segments, mask.kv_segments)
+            attend = functools.partial(flash_alibi.flash_alibi_attention, slopes=slopes, segments=segments,
+                                       **kernel_settings[impl])
 
         def loss(q, k, v, g):
             y = attend(q.astype(to), k.astype(to), v.astype(to))
@@ -446,7 +504,9 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
                "device_kind": jax.devices()[0].device_kind, "platform": jax.default_backend(),
                "error": "max |ours - reference| / max |reference|, reference: XLA in float32 on the same inputs",
                "impls": {}}
-    rows = [("shape", f"B={B} T={T} H={H} D={D} {args.dtype}, causal{' + ALiBi' if args.alibi else ''}"),
+    results["packed"] = args.packed
+    rows = [("shape", f"B={B} T={T} H={H} D={D} {args.dtype}, causal{' + ALiBi' if args.alibi else ''}"
+                      + (f", {args.packed} examples packed a row" if args.packed else "")),
             ("device", f"{results['device_kind']} ({results['platform']})")]
     for impl in impls:
         try:
@@ -463,14 +523,17 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
         timing = time_steps(lambda: step(q, k, v, g), jax.block_until_ready, args.warmup, args.steps)
         entry = {**timing, **{f"error_{n}": e for n, e in errors.items()},
                  "temp_bytes": getattr(memory, "temp_size_in_bytes", None)}
+        resolved = attention_lib.resolve_attention(config(impl.split(":")[0]), masked=mask is not None)
+        entry["runs_as"] = resolved
         results["impls"][impl] = entry
         temp = "n/a" if entry["temp_bytes"] is None else f"{entry['temp_bytes'] / 2**20:.1f} MiB"
-        rows.append((impl, f"fwd+bwd {timing['step_s_median'] * 1e3:.2f} ms median of {args.steps}, temporaries "
+        shown = impl if resolved == impl.split(":")[0] else f"{impl} ({resolved})"
+        rows.append((shown, f"fwd+bwd {timing['step_s_median'] * 1e3:.2f} ms median of {args.steps}, temporaries "
                            f"{temp}, max rel. error " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())))
     timed = {i: r for i, r in results["impls"].items() if "step_s_median" in r}
     fastest = min(timed, key=lambda i: timed[i]["step_s_median"]) if timed else None
     results["fastest"] = fastest
-    summary = f"B={B} T={T} H={H} D={D} {args.dtype}: " + ", ".join(
+    summary = f"B={B} T={T} H={H} D={D} {args.dtype}{f' packed {args.packed}' if args.packed else ''}: " + ", ".join(
         f"{i} {r['step_s_median'] * 1e3:.2f} ms / {r['temp_bytes'] / 2**20:.0f} MiB"
         if r.get("temp_bytes") is not None else f"{i} {r['step_s_median'] * 1e3:.2f} ms" for i, r in timed.items())
     if results["platform"] != "gpu":

@@ -61,7 +61,9 @@ class TrainingConfig:
     eval_windows: int = 256
     init_from: typing.Optional[str] = None  # a run directory whose last checkpoint's params start this run
     fcm_max_ratio: float = 0.0  # forgetful causal masking: hide up to this fraction of past tokens; 0 = off
-    loss_chunk: int = 4096  # the loss over at most this many tokens per device at a time; 0 = the whole logits
+    # the loss over at most this many tokens per device at a time; 0 = the whole logits; auto = the whole
+    # logits where they fit in 1/8 of a device's memory, else 4096 (loss.resolve_chunk)
+    loss_chunk: typing.Union[int, str] = "auto"
 
 
 @dataclasses.dataclass
@@ -342,8 +344,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"training.weight_decay must be >= 0, got {t.weight_decay}")
     if not 0.0 <= t.fcm_max_ratio < 1.0:
         raise ConfigError(f"training.fcm_max_ratio must be in [0, 1), got {t.fcm_max_ratio}")
-    if t.loss_chunk < 0:
-        raise ConfigError(f"training.loss_chunk must be >= 0 (0: the loss over the whole logits), got {t.loss_chunk}")
+    if t.loss_chunk != "auto" and (not isinstance(t.loss_chunk, int) or isinstance(t.loss_chunk, bool)
+                                   or t.loss_chunk < 0):
+        raise ConfigError(f"training.loss_chunk must be auto or an integer >= 0 (0: the loss over the whole "
+                          f"logits), got {t.loss_chunk!r}")
     if cfg.data.batching not in BATCHING:
         raise ConfigError(f"data.batching must be one of {', '.join(BATCHING)}, got {cfg.data.batching!r}")
     if cfg.wandb.mode not in WANDB_MODES:

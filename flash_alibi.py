@@ -24,8 +24,9 @@ Shapes the kernels do not take directly are padded in the wrapper, which is exac
     nothing to dk and dv;
   D to a power of two (Triton's tiles need one, e.g. 96 -> 128): zero columns add nothing to
     q . k, and the output's extra columns are dropped. The scale stays 1/sqrt(real D).
-Dropout and masks other than the causal one are not supported here; attention.py keeps those on
-the XLA reference path. Under a device mesh attention.py calls this per device (shard_map over the
+Packed examples and forgetful causal masking come as two int32 vectors per row, the query's and
+the key's segment ids (attention.Masking): O(T) memory like the rest. Dropout is not supported here;
+attention.py keeps it on the XLA reference path. Under a device mesh attention.py calls this per device (shard_map over the
 batch rows and heads), since XLA cannot partition a Pallas call.
 """
 from __future__ import annotations
@@ -49,37 +50,45 @@ NUM_STAGES = 2  # Triton software-pipelining depth of the loads in each kernel's
 MIN_BLOCK = 16  # Triton's smallest dot tile
 SLOPE_LANES = 16  # the slope is read as a row of this many copies: Triton loads tiles, not scalars
 MASKED = -1e30  # score of a key above the diagonal: exp(MASKED - anything finite) is exactly 0
+_PAD_QUERY, _PAD_KEY = -(2**31), -(2**31) + 1  # segment ids of padding rows: no real query or key has them
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _scores(q, k, slope, q_pos, k_pos, scale):
-    """Scaled, biased and causally masked scores of a (bq, D) query tile against a (bk, D) key tile:
-    float32 (bq, bk)."""
+def _scores(q, k, slope, q_pos, k_pos, scale, q_seg=None, k_seg=None):
+    """Scaled, biased and masked scores of a (bq, D) query tile against a (bk, D) key tile: float32
+    (bq, bk). Query i sees key j iff j <= i and, with segments, q_seg[i] == k_seg[j]."""
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # q @ k.T
     distance = (q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)  # (bq, bk): i - j
     s = s * scale - slope * distance
-    return jnp.where(k_pos[None, :] <= q_pos[:, None], s, MASKED)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if q_seg is not None:
+        visible = visible & (q_seg[:, None] == k_seg[None, :])
+    return jnp.where(visible, s, MASKED)
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernels. Refs carry one (batch, head): q_ref (block or T, D), lse_ref (block or T,), slope_ref (16,)
+# Kernels. Refs carry one (batch, head): q_ref (block or T, D), lse_ref (block or T,), slope_ref (16,);
+# with segments, qseg_ref and kseg_ref hold int32 segment ids of the rows (block or T,)
 
 
-def _forward_kernel(slope_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k, scale):
+def _forward_kernel(slope_ref, q_ref, k_ref, v_ref, *refs, block_k, scale, segmented):
+    qseg_ref, kseg_ref, o_ref, lse_ref = refs if segmented else (None, None) + refs
     block_q = q_ref.shape[0]
     i = pl.program_id(2)
     slope = jnp.max(slope_ref[...])
     q = q_ref[...]  # (bq, D)
     q_pos = i * block_q + jnp.arange(block_q)
+    q_seg = qseg_ref[...] if segmented else None
 
     def visit(j, carry):
         m, l, acc = carry  # running max (bq,), running sum (bq,), unnormalised output (bq, D)
-        k = k_ref[pl.ds(j * block_k, block_k), :]  # (bk, D)
-        v = v_ref[pl.ds(j * block_k, block_k), :]
-        s = _scores(q, k, slope, q_pos, j * block_k + jnp.arange(block_k), scale)  # (bq, bk)
+        cols = pl.ds(j * block_k, block_k)
+        k, v = k_ref[cols, :], v_ref[cols, :]  # (bk, D)
+        k_seg = kseg_ref[cols] if segmented else None
+        s = _scores(q, k, slope, q_pos, j * block_k + jnp.arange(block_k), scale, q_seg, k_seg)  # (bq, bk)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
         correction = jnp.exp(m - m_new)  # rescales what was summed under the old maximum
@@ -90,18 +99,22 @@ def _forward_kernel(slope_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k, 
     m = jnp.full((block_q,), -jnp.inf, jnp.float32)
     l = jnp.zeros((block_q,), jnp.float32)
     acc = jnp.zeros(q.shape, jnp.float32)
-    # key blocks up to the one holding this block's last query; the first always holds key 0, so m is finite
+    # key blocks up to the one holding this block's last query. A block whose keys a row cannot see
+    # leaves that row's maximum at MASKED and sums garbage, which the first visible key's correction
+    # exp(MASKED - m) = 0 wipes out: every real row sees at least one key (key 0 of its segment)
     m, l, acc = jax.lax.fori_loop(0, pl.cdiv((i + 1) * block_q, block_k), visit, (m, l, acc))
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
 
-def _dkv_kernel(slope_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, block_q, scale):
+def _dkv_kernel(slope_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, block_q, scale, segmented):
+    qseg_ref, kseg_ref, dk_ref, dv_ref = refs if segmented else (None, None) + refs
     block_k = k_ref.shape[0]
     j = pl.program_id(2)
     slope = jnp.max(slope_ref[...])
     k, v = k_ref[...], v_ref[...]  # (bk, D)
     k_pos = j * block_k + jnp.arange(block_k)
+    k_seg = kseg_ref[...] if segmented else None
     n_q = q_ref.shape[0] // block_q
 
     def visit(i, carry):
@@ -109,7 +122,9 @@ def _dkv_kernel(slope_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_r
         rows = pl.ds(i * block_q, block_q)
         q, do = q_ref[rows, :], do_ref[rows, :]  # (bq, D)
         lse, delta = lse_ref[rows], delta_ref[rows]  # (bq,)
-        p = jnp.exp(_scores(q, k, slope, i * block_q + jnp.arange(block_q), k_pos, scale) - lse[:, None])  # (bq, bk)
+        q_seg = qseg_ref[rows] if segmented else None
+        s = _scores(q, k, slope, i * block_q + jnp.arange(block_q), k_pos, scale, q_seg, k_seg)
+        p = jnp.exp(s - lse[:, None])  # (bq, bk)
         dv = dv + jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
                                       preferred_element_type=jnp.float32)  # p.T @ dO
         dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # dO @ v.T
@@ -125,18 +140,22 @@ def _dkv_kernel(slope_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_r
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(slope_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, block_k, scale):
+def _dq_kernel(slope_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, block_k, scale, segmented):
+    qseg_ref, kseg_ref, dq_ref = refs if segmented else (None, None) + refs
     block_q = q_ref.shape[0]
     i = pl.program_id(2)
     slope = jnp.max(slope_ref[...])
     q, do = q_ref[...], do_ref[...]  # (bq, D)
     lse, delta = lse_ref[...], delta_ref[...]  # (bq,)
     q_pos = i * block_q + jnp.arange(block_q)
+    q_seg = qseg_ref[...] if segmented else None
 
     def visit(j, dq):
         cols = pl.ds(j * block_k, block_k)
         k, v = k_ref[cols, :], v_ref[cols, :]  # (bk, D)
-        p = jnp.exp(_scores(q, k, slope, q_pos, j * block_k + jnp.arange(block_k), scale) - lse[:, None])
+        k_seg = kseg_ref[cols] if segmented else None
+        s = _scores(q, k, slope, q_pos, j * block_k + jnp.arange(block_k), scale, q_seg, k_seg)
+        p = jnp.exp(s - lse[:, None])
         dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         ds = p * (dp - delta[:, None])
         return dq + jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
@@ -151,12 +170,15 @@ def _dq_kernel(slope_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_re
 
 
 def _specs(T: int, D: int):
-    """BlockSpec makers: a (block, D) tile of one (batch, head), all T rows of it, and rows of (B, H, T)."""
+    """BlockSpec makers: a (block, D) tile of one (batch, head), all T rows of it, rows of (B, H, T),
+    the slope, and segment ids (B, T): a block of them and all T."""
     tile = lambda n: pl.BlockSpec((None, n, None, D), lambda b, h, x: (b, x, h, 0))  # noqa: E731
     whole = pl.BlockSpec((None, T, None, D), lambda b, h, x: (b, 0, h, 0))
     row = lambda n: pl.BlockSpec((None, None, n), lambda b, h, x: (b, h, x))  # noqa: E731
     slope = pl.BlockSpec((None, SLOPE_LANES), lambda b, h, x: (h, 0))
-    return tile, whole, row, slope
+    seg = lambda n: pl.BlockSpec((None, n), lambda b, h, x: (b, x))  # noqa: E731
+    seg_whole = pl.BlockSpec((None, T), lambda b, h, x: (b, 0))
+    return tile, whole, row, slope, seg, seg_whole
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, opts, name):
@@ -169,46 +191,56 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, opts, name):
                           interpret=opts["interpret"], name=name, **params)
 
 
-def _forward(slopes, q, k, v, opts):
+def _forward(slopes, q, k, v, segments, opts):
     B, T, H, D = q.shape
     bq = bk = opts["block_fwd"]
-    tile, whole, row, slope = _specs(T, D)
-    kernel = functools.partial(_forward_kernel, block_k=bk, scale=opts["scale"])
+    tile, whole, row, slope, seg, seg_whole = _specs(T, D)
+    segmented = segments is not None
+    kernel = functools.partial(_forward_kernel, block_k=bk, scale=opts["scale"], segmented=segmented)
     out_shape = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, T), jnp.float32))
-    return _call(kernel, (B, H, T // bq), [slope, tile(bq), whole, whole], (tile(bq), row(bq)), out_shape, opts,
-                 "flash_alibi_fwd")(slopes, q, k, v)  # o (B, T, H, D), lse (B, H, T)
+    specs, args = [slope, tile(bq), whole, whole], [slopes, q, k, v]
+    if segmented:
+        specs, args = specs + [seg(bq), seg_whole], args + list(segments)
+    return _call(kernel, (B, H, T // bq), specs, (tile(bq), row(bq)), out_shape, opts,
+                 "flash_alibi_fwd")(*args)  # o (B, T, H, D), lse (B, H, T)
 
 
-def _backward(slopes, q, k, v, o, lse, do, opts):
+def _backward(slopes, q, k, v, segments, o, lse, do, opts):
     B, T, H, D = q.shape
     b = opts["block_bwd"]
-    tile, whole, row, slope = _specs(T, D)
+    tile, whole, row, slope, seg, seg_whole = _specs(T, D)
+    segmented = segments is not None
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))  # (B, H, T)
     whole_row = pl.BlockSpec((None, None, T), lambda b_, h, x: (b_, h, 0))
-    dkv = functools.partial(_dkv_kernel, block_q=b, scale=opts["scale"])
-    dk, dv = _call(dkv, (B, H, T // b), [slope, whole, tile(b), tile(b), whole, whole_row, whole_row],
-                   (tile(b), tile(b)), (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-                   opts, "flash_alibi_dkv")(slopes, q, k, v, do, lse, delta)
-    dq_kernel = functools.partial(_dq_kernel, block_k=b, scale=opts["scale"])
-    dq = _call(dq_kernel, (B, H, T // b), [slope, tile(b), whole, whole, tile(b), row(b), row(b)],
-               tile(b), jax.ShapeDtypeStruct(q.shape, q.dtype), opts, "flash_alibi_dq")(slopes, q, k, v, do, lse, delta)
+    args = [slopes, q, k, v, do, lse, delta] + (list(segments) if segmented else [])
+    dkv = functools.partial(_dkv_kernel, block_q=b, scale=opts["scale"], segmented=segmented)
+    specs = [slope, whole, tile(b), tile(b), whole, whole_row, whole_row] + ([seg_whole, seg(b)] if segmented else [])
+    dk, dv = _call(dkv, (B, H, T // b), specs, (tile(b), tile(b)),
+                   (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+                   opts, "flash_alibi_dkv")(*args)
+    dq_kernel = functools.partial(_dq_kernel, block_k=b, scale=opts["scale"], segmented=segmented)
+    specs = [slope, tile(b), whole, whole, tile(b), row(b), row(b)] + ([seg(b), seg_whole] if segmented else [])
+    dq = _call(dq_kernel, (B, H, T // b), specs, tile(b), jax.ShapeDtypeStruct(q.shape, q.dtype), opts,
+               "flash_alibi_dq")(*args)
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(slopes, q, k, v, opts):
-    return _forward(slopes, q, k, v, dict(opts))[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(slopes, q, k, v, segments, opts):
+    return _forward(slopes, q, k, v, segments, dict(opts))[0]
 
 
-def _flash_fwd(slopes, q, k, v, opts):
-    o, lse = _forward(slopes, q, k, v, dict(opts))
-    return o, (slopes, q, k, v, o, lse)
+def _flash_fwd(slopes, q, k, v, segments, opts):
+    o, lse = _forward(slopes, q, k, v, segments, dict(opts))
+    return o, (slopes, q, k, v, segments, o, lse)
 
 
 def _flash_bwd(opts, residuals, do):
-    slopes, q, k, v, o, lse = residuals
-    dq, dk, dv = _backward(slopes, q, k, v, o, lse, do, dict(opts))
-    return jnp.zeros_like(slopes), dq, dk, dv  # the slopes are constants of the model
+    slopes, q, k, v, segments, o, lse = residuals
+    dq, dk, dv = _backward(slopes, q, k, v, segments, o, lse, do, dict(opts))
+    # the slopes are constants of the model; segment ids are integers (float0 cotangents)
+    no_grad = None if segments is None else tuple(np.zeros(s.shape, jax.dtypes.float0) for s in segments)
+    return jnp.zeros_like(slopes), dq, dk, dv, no_grad
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -235,11 +267,15 @@ def interpret_by_default() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def flash_alibi_attention(q, k, v, slopes=None, *, block_fwd: int = BLOCK_FWD, block_bwd: int = BLOCK_BWD,
-                          num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+def flash_alibi_attention(q, k, v, slopes=None, segments=None, *, block_fwd: int = BLOCK_FWD,
+                          block_bwd: int = BLOCK_BWD, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
                           interpret: bool | None = None) -> jax.Array:
     """Causal self-attention of q, k, v (B, T, H, D) -> (B, T, H, D) in q's dtype, with the ALiBi
     bias -slopes[h] * (i - j) (slopes (H,), e.g. attention.alibi_slopes(H); None: no bias).
+
+    segments, optional: (q_segments, kv_segments), int (B, T) each: query i also needs
+    q_segments[b, i] == kv_segments[b, j] to see key j (packed examples, forgetful causal masking;
+    attention.Masking). Every query must see at least one key.
 
     Differentiable in q, k and v. `interpret`: None runs the Triton kernels on a GPU and interpret
     mode on the CPU. Block sizes are powers of two of at least 16; a short sequence uses smaller ones.
@@ -270,5 +306,8 @@ def flash_alibi_attention(q, k, v, slopes=None, *, block_fwd: int = BLOCK_FWD, b
     # hashable: a static argument of the custom_vjp
     opts = (("block_fwd", block_fwd), ("block_bwd", block_bwd), ("num_warps", num_warps), ("num_stages", num_stages),
             ("interpret", bool(interpret)), ("scale", 1.0 / math.sqrt(D)))
-    y = _flash(slopes, pad(q), pad(k), pad(v), opts)  # (B, T_pad, H, D_pad)
+    if segments is not None:  # padded queries and keys get ids no real row has; nothing sees them
+        segments = tuple(jnp.pad(jnp.asarray(s, jnp.int32), ((0, 0), (0, T_pad - T)), constant_values=fill)
+                         for s, fill in zip(segments, (_PAD_QUERY, _PAD_KEY)))
+    y = _flash(slopes, pad(q), pad(k), pad(v), segments, opts)  # (B, T_pad, H, D_pad)
     return y[:, :T, :, :D]

@@ -70,6 +70,23 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array | No
     return (losses * weights).sum() / jnp.maximum(n, 1.0), n
 
 
+AUTO_CHUNK = 4096  # training.loss_chunk=auto: the tokens per device a chunk takes, when it chunks
+AUTO_SHARE = 8  # auto: the whole logits when they and their gradient take at most 1/8 of a device's memory
+
+
+def resolve_chunk(setting, tokens: int, vocab: int, compute_bytes: int, memory: float | None) -> int:
+    """training.loss_chunk as tokens per device (0: the whole logits). An int is itself; `auto` takes the
+    whole logits, the faster way (2% on 124m's step on an H200, bench/RESULTS.md), when one device's
+    float32 logits and their gradient in the compute dtype, tokens x vocab x (4 + compute_bytes), fit in
+    1/AUTO_SHARE of its memory (`memory`, bytes; None: unknown, as on the CPU, taken as plentiful), and
+    AUTO_CHUNK tokens at a time otherwise."""
+    if setting != "auto":
+        return int(setting)
+    if memory is None or tokens * vocab * (4 + compute_bytes) * AUTO_SHARE <= memory:
+        return 0
+    return AUTO_CHUNK
+
+
 def chunk_layout(B: int, T: int, chunk: int) -> tuple[int, int] | None:
     """How the loss over (B, T) tokens is cut for `chunk` tokens at a time: (chunks, positions of each row
     in a chunk), as even as the chunk count allows (the padding is under `chunks` positions); None when

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attention import (ATTENTION_IMPLS, apply_rotary, attention, cached_attention, dropout, rotary_angles,
+from attention import (ATTENTION_IMPLS, Masking, apply_rotary, attention, cached_attention, dropout, rotary_angles,
                        segment_positions)
 from logical_axes import activation_sharding_of, logical_constraint
 from loss import PADDED_LOGIT, chunk_layout, chunked_cross_entropy, cross_entropy, tied_logits
@@ -407,20 +407,21 @@ class GPT(nnx.Module):
         policy = REMAT_POLICIES[cfg.remat]
         self._block_forward = _block_forward if cfg.remat == "none" else functools.partial(_rematerialised, policy)
 
-    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, mask: jax.Array | None = None,
+    def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, mask: Masking | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:
         """Logits, float32 (B, T, padded_vocab_size), for int tokens (B, T); the padding rows (ids >=
         vocab_size) are PADDED_LOGIT, so a softmax over them is one over the real vocabulary. Dropout
         iff a key is given.
 
-        mask (B, T, T) bool, optional: an attention mask on top of the causal one (`attention.attention_mask`).
+        mask, optional: an `attention.Masking` on top of the causal rule (`attention.attention_mask`: packed
+        examples, forgetful causal masking), two (B, T) vectors of segment ids.
         segment_ids (B, T) int, optional, for packed examples: learned positions restart at 0 at
         each segment's first token (ALiBi and rotary embeddings need nothing: within a segment they
         see only distances).
         """
         return self.head(self.hidden(tokens, dropout_key=dropout_key, mask=mask, segment_ids=segment_ids))
 
-    def hidden(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, mask: jax.Array | None = None,
+    def hidden(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, mask: Masking | None = None,
                segment_ids: jax.Array | None = None) -> jax.Array:
         """The final hidden states, after the final norm, in the compute dtype: (B, T, d) for int tokens
         (B, T); `head` turns them into `__call__`'s logits. Arguments as `__call__`'s."""
@@ -479,7 +480,7 @@ class GPT(nnx.Module):
         return weight[...], None if self.head_bias is None else self.head_bias[...]
 
     def loss(self, tokens: jax.Array, targets: jax.Array, weights: jax.Array | None = None, *, chunk: int = 0,
-             dropout_key: jax.Array | None = None, mask: jax.Array | None = None,
+             dropout_key: jax.Array | None = None, mask: Masking | None = None,
              segment_ids: jax.Array | None = None):
         """(mean loss, counted tokens) of `cross_entropy(self(tokens, ...), targets, weights)`.
 

@@ -18,20 +18,24 @@ project's jitted step (test_plan.py; bench/RESULTS.md compares it with the peaks
     kept for the backward pass, per block (remat none):
         each norm: its centred and normalised input in float32 (Flax normalises in float32) and its
             output:                                                     (2 x 4 + c) B T d
-        q, k, v and the attended values:                                (2H + 2K) D B T c
+        q, k, v and the attended values:                                (2H + 2K) D' B T c
+            (D' the head size the attention keeps them at: D for xla, the fused kernels' padded copies:
+            cudnn with ALiBi D + 4 to a multiple of 8, splash D (+ 4 with ALiBi) to 128, pallas D to a
+            power of two)
         the MLP's pre-activation, activation and part of its
             intermediates (2.5 tensors of its input projections' width): 2.5 F' B T c
         the attention's softmax: probabilities in float32, and their copy in a narrower compute dtype
             for the product with v (xla, dot_product):                   H B T^2 (4 + c)
-            only its row statistics (pallas, cudnn):                     H B T 4
+            only its row statistics (cudnn, pallas, splash):             H B T 4
         the compute-dtype copy of the block's weights (gathered at ZeRO stage 3), when c < 4:
                                                                         block parameters x c
     remat full keeps only each block's input, B T d c; remat save_matmuls the block's input, q, k, v,
         the attention's output projection and the MLP's input projections ((H + 2K) D + d + F') B T c.
         Either recomputes one block at a time in the backward pass: one block's "none" set on top.
     attention temporaries, one block's backward: the gradients of the probabilities and the scores,
-        2 H B T^2 float32 (xla, dot_product); cuDNN with ALiBi the (1, H, T, T) bias gradient, 3 H T^2 c;
-        the Pallas kernel none (its blocks live in on-chip memory); a (B, T, T) mask for masked training
+        2 H B T^2 float32 (xla, dot_product), and a (B, T, T) bool mask for masked batches (packed
+        examples, FCM); the fused kernels (cudnn, pallas, splash) none: their blocks live in on-chip
+        memory, and a masked batch is two (B, T) vectors of segment ids
     logits and loss: the float32 logits and their gradient in the compute dtype, B T V (4 + c); with
         a chunked loss (training.loss_chunk) one chunk's float32 logits and gradient (and its copy in a
         narrower compute dtype) at a time, the (B, T, d) float32 gradient of the hidden states, and
@@ -161,8 +165,8 @@ def target(name: str = "H100", devices: int | None = None) -> Target:
             in_slice = chips * kind.per_chip
             processes = 1 if chips <= kind.one_host else -(-chips // CHIPS_PER_HOST)
         count = _count(devices, in_slice, name)
-    peak = step_lib.PEAK_FLOPS.get(kind.peak_key)
-    return Target(kind.label, kind.memory, count, kind.backend, peak / kind.per_chip if peak else None, processes)
+    peak = step_lib.peak_flops(kind.peak_key) if kind.peak_key else None  # per JAX device, as training counts it
+    return Target(kind.label, kind.memory, count, kind.backend, peak, processes)
 
 
 def _count(devices: int | None, in_slice: int | None, name: str) -> int:
@@ -219,6 +223,23 @@ class _State:
         }, fallbacks
 
 
+def _kernel_head(impl: str, m) -> int:
+    """The head size of the q, k, v and output a step keeps for the attention's backward pass: the
+    fused kernels' padded copies (cudnn: ALiBi's columns, a multiple of 8; splash: whole 128-lane tiles;
+    pallas: a power of two), the model's own otherwise."""
+    import alibi_dims
+
+    D = m.head_dim
+    if impl == "cudnn" and m.alibi_attn:
+        return alibi_dims.padded_dim(D, model_lib.DTYPES[m.dtype], attention_lib.CUDNN_MULTIPLE)
+    if impl == "splash":
+        extra = alibi_dims.extra_columns(model_lib.DTYPES[m.dtype]) if m.alibi_attn else 0
+        return -(-(D + extra) // 128) * 128
+    if impl == "pallas":
+        return 1 << (D - 1).bit_length()
+    return D
+
+
 def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
     """The memory per device of training `cfg` (a config.Config) on `dev`; `state`: a _State of the
     same model and optimizer, to reuse. Raises sharding.ShardingError for a mesh, batch or tensor
@@ -237,15 +258,16 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
                            m.padded_vocab_size)
     F_in = 2 * F if m.activation == "swiglu" else F  # the MLP's input projections: SwiGLU's gate and up
     c = np.dtype(model_lib.DTYPES[m.dtype]).itemsize
-    masked = t.fcm_max_ratio > 0  # the masked path (xla with a (B, T, T) mask)
-    impl = "xla" if masked else attention_lib.resolve_attention(m, dev.backend)
+    masked = t.fcm_max_ratio > 0  # FCM: a masked batch (fine-tuning data is masked too; the plan does not read data)
+    impl = attention_lib.resolve_attention(m, dev.backend, masked=masked)
+    D_kernel = _kernel_head(impl, m)  # the head size the kernel's saved q, k, v and output have
     norms = 1 if m.residual == "parallel_shared" else 2
     BT = B * T
     narrow = c < 4  # the weights' compute-dtype copies exist
 
     # one block's activations kept for the backward pass without remat (the module docstring's table)
     softmax = H / tp * B * T * T * (4 + (c if narrow else 0)) if impl in ("xla", "dot_product") else H / tp * BT * 4
-    none_block = (norms * (2 * 4 + c) * BT * d + (2 * H + 2 * K) * D / tp * BT * c + 2.5 * F_in / tp * BT * c
+    none_block = (norms * (2 * 4 + c) * BT * d + (2 * H + 2 * K) * D_kernel / tp * BT * c + 2.5 * F_in / tp * BT * c
                   + softmax + (placed["blocks"] / N * c / 4 if narrow else 0))
     if m.remat == "none":
         kept, recomputed = N * none_block, 0.0
@@ -259,13 +281,11 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
 
     if impl in ("xla", "dot_product"):
         attention = 2 * H / tp * B * T * T * 4
-    elif impl == "cudnn" and m.alibi_attn:
-        attention = 3 * H / tp * T * T * c
-    else:
+        attention += B * T * T if masked else 0  # the reference's bool (B, T, T) mask
+    else:  # the fused kernels: their blocks live on chip; a mask is two (B, T) id vectors
         attention = 0.0
-    attention += B * T * T if masked else 0  # the bool (B, T, T) mask
 
-    chunk = int(t.loss_chunk)  # tokens per device at a time
+    chunk = step_lib.loss_chunk(m, t, mesh, memory=dev.memory)  # tokens per device at a time
     layout = loss_lib.chunk_layout(B, T, chunk)
     if layout is not None:  # chunked: one chunk's float32 logits and gradient at a time, as loss.py cuts them
         rows = layout[1]  # positions of each row in a chunk
@@ -300,9 +320,8 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
         "activations kept for the backward pass": f"remat {m.remat}: {kept_note}",
         "one block recomputed in the backward pass": f"remat {m.remat}",
         "logits and loss": logits_note,
-        "attention temporaries": {"xla": "one block's score gradients, float32", "dot_product": "as xla",
-                                  "cudnn": "the ALiBi bias gradient" if m.alibi_attn else "none",
-                                  "pallas": "none: the kernel's blocks"}[impl] + (", the mask" if masked else ""),
+        "attention temporaries": ("one block's score gradients, float32" + (", the mask" if masked else "")
+                                  if impl in ("xla", "dot_product") else f"none: {impl}'s blocks are on chip"),
     }
     if sh.zero_stage == 3:  # gathered where a layer uses them: one block's and the output embedding, plus copies
         terms["ZeRO-3 gathered weights"] = (placed["blocks"] / N + placed["head"]) * (1 + (c / 4 if narrow else 0))

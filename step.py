@@ -17,15 +17,17 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 import attention as attention_lib
 import logical_axes
+import loss as loss_lib
 import model as model_lib
 import sharding as sharding_lib
 
-# Peak dense bf16 FLOP/s per device, for MFU; matched against jax.devices()[0].device_kind.
+# Peak dense bf16 FLOP/s per chip, for MFU; matched against jax.devices()[0].device_kind (per device: peak_flops).
 # Devices not listed (the CPU) show no MFU.
 PEAK_FLOPS = {
     "H200": 989e12,
@@ -42,10 +44,17 @@ PEAK_FLOPS = {
 }
 
 
+# JAX devices per chip where a chip's TensorCores are devices of their own (TPU v2, v3); a v4 or
+# v5p chip's two cores are one device (megacore), and the other chips have one core
+DEVICES_PER_CHIP = {"TPU v2": 2, "TPU v3": 2}
+
+
 def peak_flops(device_kind: str) -> float | None:
+    """Dense bfloat16 peak FLOP/s of one JAX device of this kind (a TPU v2 or v3 core is half a chip), or
+    None for a kind not in PEAK_FLOPS. MFU divides by this times the device count."""
     for name, flops in PEAK_FLOPS.items():
         if name.lower() in device_kind.lower():
-            return flops
+            return flops / DEVICES_PER_CHIP.get(name, 1)
     return None
 
 
@@ -98,9 +107,9 @@ def make_optimizer(t):
 def make_loss(mcfg: model_lib.GPTConfig, loss_chunk: int = 0):
     """(loss, abstract_vars): loss(params, tokens (B, T+1), weights=None, dropout_key=None, **masking) ->
     (mean next-token loss over counted tokens, their count) from a pure dict of params, traced inside
-    jit; `masking` is the model's optional mask (B, T, T) and segment_ids (B, T). With loss_chunk > 0
-    the loss of more than loss_chunk tokens is computed loss_chunk tokens at a time (`GPT.loss`),
-    never holding the whole float32 logits. abstract_vars holds the parameters' shapes and axis names."""
+    jit; `masking` is the model's optional mask (an attention.Masking) and segment_ids (B, T). With
+    loss_chunk > 0 the loss of more than loss_chunk tokens is computed loss_chunk tokens at a time
+    (`GPT.loss`), never holding the whole float32 logits. abstract_vars holds the parameters' shapes and axis names."""
     abstract_model = nnx.eval_shape(lambda: model_lib.GPT(mcfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_vars = nnx.split(abstract_model)  # nnx.State of abstract Variables (with axis names)
 
@@ -240,6 +249,7 @@ class Built:
     state_sharding: dict
     batch_sharding: jax.sharding.NamedSharding
     description: str  # the mesh and how much of params and optimizer state each device holds
+    loss_chunk: int  # training.loss_chunk resolved: tokens per device the loss takes at a time, 0 = all
 
 
 def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) -> Built:
@@ -249,7 +259,9 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
     sharding_lib.check_model(mesh, mcfg.axis_sizes)
     # the model's shapes and axis names, no memory; training.loss_chunk counts one device's tokens,
     # so the loss's chunk over the whole (micro-)batch is that many on every data-parallel device
-    loss_fn, abstract_vars = make_loss(mcfg, t.loss_chunk * sharding_lib.axis_size(mesh, sharding_lib.BATCH_AXES))
+    dp = sharding_lib.axis_size(mesh, sharding_lib.BATCH_AXES)
+    chunk = loss_chunk(mcfg, t, mesh)
+    loss_fn, abstract_vars = make_loss(mcfg, chunk * dp)
     tx, schedule = make_optimizer(t)
     init_key, train_key = jax.random.split(jax.random.key(seed))
     init_state = make_init_state(mcfg, tx)
@@ -284,4 +296,20 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
         abstract_state=sharding_lib.with_shardings(abstract_state, state_sharding),
         state_sharding=state_sharding, batch_sharding=batch_sharding,
         description=sharding_lib.describe(abstract_state, state_sharding, mesh, zero_stage, fallbacks),
+        loss_chunk=chunk,
     )
+
+
+def loss_chunk(mcfg: model_lib.GPTConfig, t, mesh, memory: float | None = None) -> int:
+    """training.loss_chunk resolved for this run (loss.resolve_chunk): tokens per device at a time, 0 for
+    the whole logits. `memory`: one device's bytes (default: what the mesh's first device reports)."""
+    dp = sharding_lib.axis_size(mesh, sharding_lib.BATCH_AXES)
+    tokens = t.batch_size // t.micro_batches // dp * (t.seq_len or mcfg.block_size)
+    vocab = mcfg.padded_vocab_size // mesh.shape["tensor"]
+    if memory is None and t.loss_chunk == "auto" and isinstance(mesh, jax.sharding.Mesh):  # not an AbstractMesh
+        # this process's own device (another process's cannot be asked); every process must decide alike,
+        # as they compile one program: a mesh's devices are of one kind, with one memory
+        local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        stats = local[0].memory_stats() if local else None
+        memory = (stats or {}).get("bytes_limit")
+    return loss_lib.resolve_chunk(t.loss_chunk, tokens, vocab, np.dtype(model_lib.DTYPES[mcfg.dtype]).itemsize, memory)

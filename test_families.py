@@ -237,7 +237,8 @@ def test_zero3_with_tensor_parallelism_equals_one_device(family):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g) + jax.tree.leaves(new), jax.tree.leaves(ref_g) + jax.tree.leaves(ref_new),
                     strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+        # atol: 1e-4 of the updates' scale (lr 1e-2); float32 sums in another order move elements near 0 by ~1e-7
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", list(SWITCHES))

@@ -261,7 +261,8 @@ def test_default_path_unchanged_without_mask():
     cfg = model_lib.GPTConfig(vocab_size=64, block_size=32, embedding_dim=32, num_head=4, N=2)
     model = model_lib.GPT(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 16)))
-    everything = jnp.ones((2, 16, 16), bool)  # an all-true mask takes the masked path: the same attention
+    one = jnp.full((2, 16), 7, jnp.int32)  # every key in the query's segment: the masked path, the same attention
+    everything = attention_lib.Masking(one, one)
     np.testing.assert_allclose(model(tokens, mask=everything), model(tokens), atol=1e-5)
     assert attention_lib.attention_mask(2, 16) is None
 
@@ -336,12 +337,16 @@ def test_finetune_with_fcm_resumes_exactly(reversal, tmp_path):
 # Forgetful causal masking
 
 
-def test_fcm_mask_fraction_first_token_and_diagonal():
+def test_fcm_mask_fraction_and_first_token():
     B, T, max_ratio = 4000, 24, 0.4
-    mask = np.asarray(attention_lib.attention_mask(B, T, fcm_key=jax.random.key(0), fcm_max_ratio=max_ratio))
+    masking = attention_lib.attention_mask(B, T, fcm_key=jax.random.key(0), fcm_max_ratio=max_ratio)
+    assert masking.q_segments.shape == masking.kv_segments.shape == (B, T)  # O(T): two id vectors a row
+    mask = np.asarray(masking.dense())  # (B, T, T): query i sees key j (causality aside)
     i, j = np.tril_indices(T, -1)
-    assert mask[:, np.arange(T), np.arange(T)].all()  # a token always sees itself
     assert mask[:, :, 0].all()  # the first token is always visible
+    # a hidden token is hidden from every query, its own included (the paper's per-key masking)
+    assert (np.diagonal(mask, axis1=1, axis2=2) == mask[:, -1, :]).all()
+    assert not np.diagonal(mask, axis1=1, axis2=2).all()
     # the same keys are hidden from every query: a key's visibility does not depend on the query after it
     for b in range(5):
         past = np.where(np.tril(np.ones((T, T), bool), -1), mask[b], True)
@@ -360,7 +365,8 @@ def test_fcm_mask_fraction_first_token_and_diagonal():
     assert abs(last.var() - want) < 0.15 * want
     # with segments: each segment's first token stays visible, and segments stay apart
     seg = jnp.asarray(np.repeat([[1, 2, 3]], 64, 0).repeat(8, 1))  # (64, 24)
-    m = np.asarray(attention_lib.attention_mask(64, T, segment_ids=seg, fcm_key=jax.random.key(1), fcm_max_ratio=0.9))
+    m = np.asarray(attention_lib.attention_mask(64, T, segment_ids=seg, fcm_key=jax.random.key(1),
+                                                fcm_max_ratio=0.9).dense())
     assert m[:, 8:16, 8].all() and m[:, 16:, 16].all() and not m[:, 8:, :8].any()
     assert attention_lib.attention_mask(2, T, fcm_key=jax.random.key(0), fcm_max_ratio=0.0) is None
 

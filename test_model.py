@@ -291,22 +291,36 @@ def test_tied_logits_backward_runs_in_the_compute_dtype():
 
 
 def test_auto_attention_picks_the_measured_fastest_per_backend():
-    cfg = M.GPTConfig()
+    cfg = M.GPTConfig()  # ALiBi, heads of 64
     assert cfg.attention == "auto"
     bf16 = dataclasses.replace(cfg, dtype="bfloat16")
-    assert A.resolve_attention(bf16, "gpu") == "pallas"  # ALiBi: the bias made in-kernel
+    heads96 = dataclasses.replace(bf16, embedding_dim=96 * 12)  # 760m's head size
+    assert A.resolve_attention(heads96, "gpu") == "cudnn"  # ALiBi as head dimensions: 96 + 4 -> 104 columns
+    assert A.resolve_attention(bf16, "gpu") == "pallas"  # ALiBi heads of 64: pallas measured faster
     assert A.resolve_attention(dataclasses.replace(bf16, alibi_attn=False), "gpu") == "cudnn"
     rotary = dataclasses.replace(bf16, alibi_attn=False, rotary_dim=16)
     assert A.resolve_attention(rotary, "gpu") == "cudnn"  # head size 64
-    gptj_heads = dataclasses.replace(rotary, embedding_dim=256 * 12)  # head size 256: past cuDNN's 128
-    assert A.resolve_attention(gptj_heads, "gpu") == "xla"
-    assert A.resolve_attention(dataclasses.replace(bf16, dtype="float16"), "gpu") == "pallas"
-    for other in ("cpu", "tpu"):
-        assert A.resolve_attention(bf16, other) == "xla"
+    heads128 = dataclasses.replace(heads96, embedding_dim=128 * 12)  # ALiBi's columns take 128 to 136:
+    assert A.resolve_attention(heads128, "gpu", max_head=256) == "cudnn"  # Hopper's cuDNN takes it,
+    assert A.resolve_attention(heads128, "gpu", max_head=128) == "pallas"  # an older GPU's does not
+    assert A.resolve_attention(dataclasses.replace(heads128, attention="cudnn"), "gpu", max_head=128) == "pallas"
+    gptj_heads = dataclasses.replace(rotary, embedding_dim=256 * 12)  # head size 256 without ALiBi: Hopper's limit
+    assert A.resolve_attention(gptj_heads, "gpu", max_head=256) == "cudnn"
+    assert A.resolve_attention(gptj_heads, "gpu", max_head=128) == "pallas"
+    for layout in (bf16, heads96, rotary):  # masked batches (packed examples, FCM): the fused kernels
+        assert A.resolve_attention(layout, "gpu", masked=True) == "pallas"
+        assert A.resolve_attention(layout, "tpu", masked=True) == "splash"
+        assert A.resolve_attention(layout, "tpu") == "splash"
+        assert A.resolve_attention(layout, "cpu", masked=True) == "xla"
+    assert A.resolve_attention(dataclasses.replace(heads96, attention="cudnn"), "gpu", masked=True) == "pallas"
+    assert A.resolve_attention(dataclasses.replace(bf16, attention="dot_product"), "gpu", masked=True) == "xla"
+    assert A.resolve_attention(bf16, "cpu") == "xla"
     assert A.resolve_attention(cfg, "gpu") == "xla"  # float32
-    assert A.resolve_attention(dataclasses.replace(bf16, dropout=0.1), "gpu") == "xla"  # only xla drops
-    for impl in ("xla", "dot_product", "cudnn", "pallas"):  # a named implementation is kept everywhere
-        assert A.resolve_attention(dataclasses.replace(bf16, attention=impl), "cpu") == impl
+    assert A.resolve_attention(cfg, "tpu") == "splash"  # float32 too: splash's softmax is float32
+    for backend in ("gpu", "tpu"):
+        assert A.resolve_attention(dataclasses.replace(bf16, dropout=0.1), backend) == "xla"  # only xla drops
+    for impl in ("xla", "dot_product", "cudnn", "pallas", "splash"):  # a named implementation is kept
+        assert A.resolve_attention(dataclasses.replace(heads96, attention=impl), "cpu") == impl
     # auto on this backend computes what its choice computes
     x = tokens((2, 9))
     chosen = A.resolve_attention(TINY)

@@ -204,6 +204,46 @@ def test_tpu_peak_is_per_jax_device():
     """step.PEAK_FLOPS holds a chip's peak; a v3 chip is two JAX devices, a v4 chip one."""
     assert plan.target("v3-8").peak_flops == step.PEAK_FLOPS["TPU v3"] / 2
     assert plan.target("v4-8").peak_flops == step.PEAK_FLOPS["TPU v4"]
+    assert step.peak_flops("TPU v2") == 45e12 / 2 and step.peak_flops("TPU v3") == 123e12 / 2
+    assert step.peak_flops("TPU v4") == 275e12 and step.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+
+
+@pytest.mark.parametrize("kind, devices, chips, chip_peak", [("TPU v3", 8, 4, 123e12), ("TPU v4", 4, 4, 275e12)])
+def test_training_mfu_counts_chips_not_cores(monkeypatch, kind, devices, chips, chip_peak):
+    """train.py's logged MFU on a TPU v3-8 (4 chips, 8 JAX devices, one per core) is the model FLOPs over
+    the 4 chips' peak, as on a v4-8 (4 chips, 4 devices): JAX counting cores must not halve it."""
+    import types
+
+    import progress
+
+    cfg = cfg_of()
+    monkeypatch.setattr(jax, "local_devices", lambda: [types.SimpleNamespace(device_kind=kind)])
+    monkeypatch.setattr(jax, "device_count", lambda: devices)
+    steps = progress.Steps(cfg, progress.Stop(), start_step=0, tokens_before=0, t_start=0.0, metrics_file=None,
+                           wandb_run=None, last_ckpt=None, run_dir=None)
+    row = {"step": 10, "time_s": 2.0, "loss": 3.0}
+    steps.log(row)
+    tokens_per_s = 10 * cfg.training.batch_size * cfg.seq_len / 2.0
+    want = tokens_per_s * model.flops_per_token(cfg.model, cfg.seq_len) / (chips * chip_peak)
+    assert row["mfu"] == pytest.approx(want, rel=1e-12)
+
+
+def test_auto_loss_chunk_takes_the_whole_logits_where_memory_is_plentiful():
+    """training.loss_chunk=auto (the default): the whole logits, the faster way, when one device's float32
+    logits and their gradient (tokens x vocab x (4 + c)) fit in 1/8 of its memory; 4096-token chunks
+    otherwise. The plan resolves it for the target as the run does for its devices."""
+    cfg = config.load_config(overrides=["model=124m", "model.dtype=bfloat16", "training.batch_size=16"])
+    assert cfg.training.loss_chunk == "auto"
+    logits = 16 * 1024 * cfg.model.padded_vocab_size * (4 + 2)  # 124m's whole logits and gradient, bfloat16
+    mesh = sharding.abstract_mesh(-1, 1, 1, n=1)
+    for memory, want in ((8 * logits, 0), (8 * logits - 1, 4096), (None, 0)):
+        assert step.loss_chunk(cfg.model, cfg.training, mesh, memory=memory) == want, memory
+    assert plan.estimate(cfg, plan.target("H200")).notes["logits and loss"].startswith("(16, 1024")  # whole
+    assert "4096 tokens' logits at a time" in plan.estimate(cfg, plan.target("24GiB")).notes["logits and loss"]
+    fixed = config.load_config(overrides=["model=124m", "training.batch_size=16", "training.loss_chunk=2048"])
+    assert step.loss_chunk(fixed.model, fixed.training, mesh, memory=10**15) == 2048  # a number is itself
+    with pytest.raises(config.ConfigError, match="training.loss_chunk must be auto or an integer >= 0"):
+        config.load_config(overrides=["training.loss_chunk=some"])
 
 
 # ----------------------------------------------------------------------------------------------

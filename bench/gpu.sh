@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of bench/RESULTS.md, in one command per phase, for a machine with one NVIDIA GPU.
 #
-#   bench/gpu.sh OUT PHASE...      phases: env check attention train124 train760 flags profile memory
+#   bench/gpu.sh OUT PHASE...      phases: env check attention train124 packed train760 torch flags profile memory
 #   (PYTHON=python3 by default: the interpreter that has jax[cuda], torch and transformers)
 #
 # Each phase's benchmarks are recorded by bench.py under OUT/bench (JSON files and a copy of
@@ -12,10 +12,13 @@
 #   env        the GPU, the driver and the library versions
 #   check      a few bfloat16 steps of `python train.py` with each attention implementation, run side
 #              by side (the GPU is shared; nothing is timed); the losses must fall and match xla's
-#   attention  python bench.py attention at 760m's shape, T = 2048 and 8192: error, memory, time,
-#              and the Pallas kernel's block sizes and warps
-#   train124   python bench.py train for 124m (T = 1024), PyTorch side by side, then each attention
-#   train760   760m at T = 2048 (PyTorch side by side) and at T = 8192, batch 1
+#   attention  python bench.py attention: cudnn (ALiBi as head dimensions) and pallas at 760m's shape
+#              (T = 2048 and 8192) and 124m's, and pallas on rows of 4 packed examples: error, memory, time
+#   train124   python bench.py train for 124m (T = 1024, B = 16): auto's choice with the chunked loss
+#              and the whole one, and pallas
+#   packed     the 124m step on fine-tuning batches (4 examples packed a row; and with FCM), beside train124
+#   train760   760m at T = 2048 (B = 8) and at T = 8192 (B = 1)
+#   torch      PyTorch side by side with our step at 124m and 760m (slow: torch.compile)
 #   flags      the step under XLA flags known to matter on Hopper, one set at a time
 #   profile    the kernel's settings at 760m's training shape, and where the step's time goes
 #              (bench.py train --profile: device time per operation) for 124m and 760m
@@ -59,7 +62,7 @@ phase_env() {
 
 phase_check() {
   [ -f data/pystdlib/index.json ] || run prepare 300 "$PY" data.py
-  local impls="xla dot_product cudnn pallas"
+  local impls="xla dot_product cudnn pallas"  # cudnn: ALiBi as head dimensions
   for impl in $impls; do  # side by side: the GPU is shared, nothing here is timed
     rm -rf "$OUT/runs/$impl"
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 "$PY" train.py run_dir="$OUT/runs/$impl" \
@@ -87,23 +90,36 @@ for impl in impls:
 EOF
 }
 
-phase_attention() {
-  bench attn2048 240 attention --seq 2048 --batch 4 \
-    --impls xla,dot_product,cudnn,pallas,pallas:64x32,pallas:128x32,pallas:128x64,pallas:64x64,pallas:128x64x8,pallas:64x32x8,pallas:64x64x8
-  bench attn8192 240 attention --seq 8192 --batch 1 --impls xla,dot_product,cudnn,pallas,pallas:128x64,pallas:128x64x8,pallas:64x64
+phase_attention() {  # the kernels alone at 760m's, 124m's and a long shape, whole rows and packed
+  local steps="--steps 10 --warmup 2"
+  bench attn760 100 attention --seq 2048 --batch 8 --impls cudnn,pallas,dot_product $steps
+  bench attn8192 100 attention --seq 8192 --batch 1 --impls cudnn,pallas $steps
+  bench attn124 80 attention --seq 1024 --batch 16 --heads 12 --head-dim 64 --impls cudnn,pallas $steps
+  bench attn760-packed 80 attention --seq 2048 --batch 8 --packed 4 --impls pallas $steps
 }
 
-phase_train124() {
-  bench t124-cudnn-torch 420 train --model 124m --batch 16 --attention cudnn
-  for impl in pallas xla dot_product; do
-    bench "t124-$impl" 240 train --model 124m --batch 16 --attention "$impl" --no-torch
-  done
+phase_train124() {  # 124m (T = 1024, B = 16): auto's choice, the loss whole and chunked, pallas beside
+  local steps="--steps 10 --warmup 2 --no-torch"
+  bench t124 100 train --model 124m --batch 16 $steps
+  bench t124-chunk0 100 train --model 124m --batch 16 --loss-chunk 0 $steps
+  bench t124-pallas 100 train --model 124m --batch 16 --attention pallas $steps
 }
 
-phase_train760() {
-  bench t760-pallas-torch 420 train --model 760m --seq 2048 --batch 8 --attention pallas
-  bench t760-cudnn 300 train --model 760m --seq 2048 --batch 8 --attention cudnn --no-torch
-  bench t760-8192 300 train --model 760m --seq 8192 --batch 1 --attention pallas --no-torch
+phase_packed() {  # a fine-tuning step (4 examples packed a row; with FCM) beside the plain step of phase train124
+  local steps="--steps 10 --warmup 2 --no-torch"
+  bench t124-packed 100 train --model 124m --batch 16 --packed 4 $steps
+  bench t124-packed-fcm 100 train --model 124m --batch 16 --packed 4 --fcm 0.5 $steps
+}
+
+phase_train760() {  # 760m at T = 2048 (B = 8) and T = 8192 (B = 1), auto's choice
+  local steps="--steps 10 --warmup 2 --no-torch"
+  bench t760 150 train --model 760m --seq 2048 --batch 8 $steps
+  bench t760-8192 150 train --model 760m --seq 8192 --batch 1 $steps
+}
+
+phase_torch() {  # PyTorch side by side with our step, at 124m and 760m
+  bench t124-torch 420 train --model 124m --batch 16
+  bench t760-torch 420 train --model 760m --seq 2048 --batch 8
 }
 
 phase_flags() {

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One call on a lent GPU: bench/gpu.sh's PHASES under one total limit, everything packed into
+# OUT/gpu.tgz (the device tool brings back at most 8 files), a summary of the results printed last.
+#
+#   bench/gpu-run.sh OUT SECONDS PHASE...     e.g. bench/gpu-run.sh "$OUT" 510 env attention train760 train124 packed
+OUT=${1:?usage: bench/gpu-run.sh OUT SECONDS PHASE...}
+LIMIT=${2:?usage: bench/gpu-run.sh OUT SECONDS PHASE...}
+shift 2
+WORK=/tmp/gpu-run
+rm -rf "$WORK"
+timeout "$LIMIT" "$(dirname "$0")/gpu.sh" "$WORK" "$@"
+rm -rf "$WORK/runs" "$WORK"/profile*  # run directories and traces: large, and summarised in the logs
+tar czf "$OUT/gpu.tgz" -C "$WORK" bench logs
+cp "$WORK/logs/summary.txt" "$OUT/summary.txt"
+echo "=== results"
+for log in "$WORK"/logs/*.log; do
+  grep -E "^(cudnn|pallas|splash|dot_product|xla|jax \(ours\))" "$log" | sed "s|^|$(basename "$log" .log): |" | cut -c1-300
+done
