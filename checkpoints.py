@@ -20,12 +20,15 @@ import contextlib
 import functools
 import itertools
 import logging
+import os
 import pathlib
 import re
 import shutil
 import sys
 import time
 import typing
+
+import numpy as np
 
 import storage
 from errors import RunError
@@ -49,6 +52,11 @@ class Checkpoints:
     def __init__(self, run: storage.RunDir, keep: int | None = None, async_save: bool = False, *,
                  write: bool = False):
         self.run, self.dir = run, run.checkpoint_dir()  # a resolved local path, or the URL (orbax opens gs://)
+        if write and not run.remote:
+            own = pathlib.Path(run.location).absolute() / "checkpoints"
+            if own.is_symlink():  # a resume would write, rotate and delete inside whatever it points to
+                raise RunError(f"{own} is a symbolic link (to {os.readlink(own)}); a run's checkpoints must be "
+                               f"its own directory: move the link away and the checkpoints into its place")
         self.keep, self.async_save, self.write = keep, async_save, write
         self.pending = None  # the step of the save in flight
         self.mngr = None
@@ -121,6 +129,7 @@ class Checkpoints:
 
         mngr = self.manager()
         self.wait()
+        self.run.check_fence()  # a holder that lost the run's lease writes no checkpoint
         self.pending = step
         SAVE_ERRORS.messages.clear()  # what is reported from here on is this save's
         try:
@@ -206,7 +215,7 @@ class Checkpoints:
                                f"({mismatch}); resume with the run's own model settings")
             try:
                 state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
-                corrupt = fingerprint_problem(mngr, step, state)
+                corrupt = fingerprint_problem(mngr, step, state) or step_problem(state, step)
             except Exception as e:  # a damaged checkpoint: a file missing, an array unreadable
                 damaged.append((step, checkpoint_problem(e)))
                 continue
@@ -249,7 +258,7 @@ class Checkpoints:
         mngr = self.manager()
         try:
             state = mngr.restore(step, args=ocp.args.StandardRestore())
-            corrupt = fingerprint_problem(mngr, step, state)
+            corrupt = fingerprint_problem(mngr, step, state) or step_problem(state, step)
         except Exception as e:  # a damaged checkpoint
             logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
             raise RunError(f"checkpoint {step} in {self.dir} cannot be read: {checkpoint_problem(e)}") from None
@@ -342,17 +351,39 @@ def _fingerprint_fn():
 
 
 def fingerprint_problem(mngr, step: int, state) -> str | None:
-    """Which arrays of a restored checkpoint differ from the fingerprints saved with it (None when all
-    agree, or for a checkpoint saved without them)."""
-    saved = (mngr.metadata(step).custom_metadata or {}).get(FINGERPRINTS)
-    if not isinstance(saved, dict):
-        return None
+    """Which arrays of a restored checkpoint differ from the fingerprints saved with it; None only when
+    every array has its fingerprint and all agree. Every checkpoint this project writes carries them,
+    so missing or unreadable fingerprints are a problem too: the check fails closed, never open."""
+    try:
+        saved = (mngr.metadata(step).custom_metadata or {}).get(FINGERPRINTS)
+    except Exception as e:  # the metadata file itself is unreadable
+        return f"its metadata (_CHECKPOINT_METADATA) cannot be read: {checkpoint_problem(e)}"
     now = fingerprints(state)
-    bad = sorted(name for name in saved.keys() & now.keys() if saved[name] != now[name])
+    if not isinstance(saved, dict) or not all(isinstance(v, str) for v in saved.values()):
+        return ("its array fingerprints (in _CHECKPOINT_METADATA) are missing or unreadable, so what was read "
+                "cannot be checked against what was saved")
+    unchecked = sorted(now.keys() - saved.keys())
+    if unchecked:
+        return (f"array {unchecked[0]}" + (f" and {len(unchecked) - 1} more" if len(unchecked) > 1 else "") +
+                " has no fingerprint in _CHECKPOINT_METADATA, so it cannot be checked against what was saved")
+    bad = sorted(name for name in now if saved[name] != now[name])
     if not bad:
         return None
     return (f"array {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") +
             " read back other than saved (its fingerprint differs): the files were altered or damaged")
+
+
+def step_problem(state, step: int) -> str | None:
+    """A checkpoint whose directory names another step than the state it holds (renamed or copied
+    under another number): not to be trusted as that step. None when they agree (or the state holds no
+    step, as an import's parameters alone)."""
+    held = state.get("step") if isinstance(state, dict) else None
+    if held is None:
+        return None
+    held = int(np.asarray(held))
+    if held == step:
+        return None
+    return f"it holds the state of step {held}, not {step}: its directory was renamed or copied under another step"
 
 
 def tree_mismatch(saved, abstract_state) -> str | None:

@@ -188,7 +188,10 @@ def load_model_sizes(path=None) -> dict[str, dict]:
     path = pathlib.Path(MODEL_SIZES if path is None else path)
     if not path.is_file():
         raise ConfigError(f"model size table {path} not found")
-    sizes = yaml.safe_load(path.read_text()) or {}
+    try:
+        sizes = load_yaml(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(sizes, dict):
         raise ConfigError(f"{path} must map size names to GPTConfig fields")
     return {str(k): v for k, v in sizes.items()}
@@ -309,14 +312,17 @@ def validate(cfg: Config) -> None:
     t, c = cfg.training, cfg.checkpoint
     if not -2**63 <= cfg.seed < 2**63:  # JAX's keys and the loader's permutation take a 64-bit seed
         raise ConfigError(f"seed must be a 64-bit integer (between -2**63 and 2**63 - 1), got {cfg.seed}")
-    for key in ("steps", "batch_size", "micro_batches", "log_every", "eval_every", "eval_windows"):
-        if getattr(t, key) < 1:
-            raise ConfigError(f"training.{key} must be >= 1, got {getattr(t, key)}")
-    for key in ("every", "keep"):
-        if getattr(c, key) < 1:
-            raise ConfigError(f"checkpoint.{key} must be >= 1, got {getattr(c, key)}")
-    if t.warmup_steps < 0:
-        raise ConfigError(f"training.warmup_steps must be >= 0, got {t.warmup_steps}")
+    # counts the step computes with (as int32 on the device): at least 1, below 2**31
+    for section, key in [("training", k) for k in ("steps", "batch_size", "micro_batches", "log_every",
+                                                  "eval_every", "eval_windows")] + [("checkpoint", "every"),
+                                                                                    ("checkpoint", "keep")]:
+        value = getattr(getattr(cfg, section), key)
+        if not 1 <= value < 2**31:
+            raise ConfigError(f"{section}.{key} must be >= 1 and below 2**31, got {value}")
+    if not 0 <= t.warmup_steps < 2**31:
+        raise ConfigError(f"training.warmup_steps must be >= 0 and below 2**31, got {t.warmup_steps}")
+    if isinstance(t.loss_chunk, int) and t.loss_chunk >= 2**31:
+        raise ConfigError(f"training.loss_chunk must be below 2**31, got {t.loss_chunk}")
     if t.batch_size % t.micro_batches:
         raise ConfigError(
             f"training.batch_size ({t.batch_size}) must be divisible by training.micro_batches ({t.micro_batches})"
@@ -364,11 +370,33 @@ def read_yaml(path) -> dict:
         raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, but a key given twice in one mapping is an error: YAML would keep the last
+    silently (a second `training:` block replacing the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
+                    f"the second would silently replace the first")
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str | bytes):
+    """yaml.safe_load, refusing a key given twice in one mapping (yaml.YAMLError)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_yaml(text: str | bytes, path) -> dict:
     """The mapping of a config file's text (bytes: UTF-8 or UTF-16, as YAML allows); `path` names it in
-    errors, among them bytes that are no text (yaml's ReaderError)."""
+    errors, among them bytes that are no text (yaml's ReaderError) and a key given twice."""
     try:
-        raw = yaml.safe_load(text)
+        raw = load_yaml(text)
     except yaml.reader.ReaderError as e:  # bytes that are not text, or a control character
         what = f"byte 0x{e.character:02x}" if isinstance(e.character, int) else f"character {e.character!r}"
         raise ConfigError(f"{path} is not UTF-8 text ({what} at offset {e.position})") from None

@@ -192,13 +192,13 @@ _OURS = {  # what --overwrite may replace, besides an empty directory
 def _check_out(out, source, overwrite: bool, kind: str = "export") -> pathlib.Path:
     """Refuse, before anything is written, an --out that must not be written (outputs.check_out: empty,
     the current or home directory or one holding them, a file), one that is the source directory, holds it,
-    or lies inside it (when it exists or --overwrite would replace it: that would delete what is being
-    converted), an existing one without --overwrite, and with it one that is not this kind's output
-    (`kind` "export": a config.json of ours; "import": a run directory)."""
+    or lies inside it (new or not: an export inside a run directory becomes part of what it reads, e.g.
+    RUN/checkpoints/99 a checkpoint that is none), an existing one without --overwrite, and with it one
+    that is not this kind's output (`kind` "export": a config.json of ours; "import": a run directory)."""
     if not str(out).strip():
         raise ConvertError("--out is empty; name the directory to write")
     out = out if storage.is_url(out) else pathlib.Path(out)  # a URL: gs://bucket/dir (no local source inside)
-    if source is not None and not storage.is_url(out) and (overwrite or out.exists()):
+    if source is not None and not storage.is_url(out) and not storage.is_url(source):
         o, s = out.resolve(), pathlib.Path(source).resolve()
         relation = "is" if o == s else "contains" if o in s.parents else "lies inside" if s in o.parents else None
         if relation:

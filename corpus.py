@@ -362,7 +362,7 @@ class Reader:
                             if value:
                                 self.tally.saw(f"{name}:{number}")
                                 yield f"{name}:{number}", value
-                        elif value is not None:
+                        else:  # null included: a record without text is counted and named, never dropped unseen
                             self._skip(f"{location}:{number}", f"not a text record ({value!r:.80})", record=True)
             except DataError:
                 raise

@@ -313,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    "from the left (required with prompt_completion)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if args.vocab_size is not None and args.vocab_size < 258:  # 0 must not read as "the default"
+        raise DataError(f"--vocab-size must be at least 258 (256 byte symbols and the end-of-text token), "
+                        f"got {args.vocab_size}")
     if args.out is not None and not args.out.strip():
         raise DataError("--out is empty; name the directory to write")
     if args.verify:
@@ -332,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             raise DataError("--format prompt_completion needs --input, --out and --seq-len")
         val_fraction = 0.05 if args.val_fraction is None else args.val_fraction
         index = finetune_data.prepare(args.input, args.out, seq_len=args.seq_len, tokenizer=args.tokenizer,
-                                      vocab_size=args.vocab_size or 8192, in_field=args.in_field,
+                                      vocab_size=8192 if args.vocab_size is None else args.vocab_size, in_field=args.in_field,
                                       out_field=args.out_field, val_fraction=val_fraction,
                                       shard_tokens=args.shard_tokens, overwrite=args.overwrite)
         train_split, val_split = index["splits"]["train"], index["splits"]["val"]
@@ -353,13 +356,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.out:
             raise DataError("--out is required with --input")
         out = args.out
-        index = prepare(args.input, out, tokenizer=args.tokenizer, vocab_size=args.vocab_size or 8192,
+        index = prepare(args.input, out, tokenizer=args.tokenizer, vocab_size=8192 if args.vocab_size is None else args.vocab_size,
                         val_fraction=args.val_fraction, workers=args.workers,
                         shard_tokens=args.shard_tokens, text_field=args.text_field,
                         overwrite=args.overwrite, strict=args.strict, **runner)
     else:
         out = args.out or DEFAULT_DATA_DIR
-        index = prepare_default(out, vocab_size=args.vocab_size or 4096, overwrite=args.overwrite,
+        index = prepare_default(out, vocab_size=4096 if args.vocab_size is None else args.vocab_size, overwrite=args.overwrite,
                                 tokenizer=args.tokenizer, workers=args.workers, **runner)
     splits, skipped = index["splits"], index["skipped_files"] + index["skipped_records"]
     print(f"{index['documents']:,} documents, {index['tokens']:,} tokens "

@@ -17,6 +17,7 @@ Imports nothing of the project.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
@@ -108,6 +109,30 @@ if sys.version_info < PYTHON:  # every entry point imports this file first: one 
              f"make the virtual environment with python3.11 -m venv .venv (or newer)")
 
 
+def missing_package_line(e: ModuleNotFoundError) -> str:
+    """One line for a package this Python lacks: most often a command run outside the README's environment."""
+    in_venv = sys.prefix != sys.base_prefix
+    where = ("this virtual environment lacks it: pip install -r requirements.txt" if in_venv else
+             "run it in the environment the README makes (. .venv/bin/activate), or install the packages there "
+             "(pip install -r requirements.txt)")
+    return f"error: no module named {e.name!r} in {sys.executable}: {where}"
+
+
+def _missing_package_hook(kind, value, traceback):
+    """sys.excepthook: a ModuleNotFoundError that reaches the top (an import at start-up) is one line."""
+    if isinstance(value, ModuleNotFoundError) and value.name and value.name.split(".")[0] not in _PROJECT:
+        print(missing_package_line(value), file=sys.stderr)
+        sys.exit(2)
+    _previous_hook(kind, value, traceback)
+
+
+_PROJECT = {os.path.splitext(name)[0] for name in os.listdir(os.path.dirname(os.path.abspath(__file__)))
+            if name.endswith(".py")}  # a missing file of the project is a real bug: its traceback stays
+_previous_hook = sys.excepthook
+if __name__ != "__main__":
+    sys.excepthook = _missing_package_hook
+
+
 def stop_at_once_while_loading() -> None:
     """For a command's first lines, before it imports JAX and the rest: SIGINT or SIGTERM (Ctrl-C)
     while they load ends it at once with one line and status 128 + N. Nothing is written while
@@ -138,3 +163,28 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     except KeyboardInterrupt:
         print(f"error: {interrupted}", file=sys.stderr)
         return 130
+    except OSError as e:  # a path the user gave that the system refuses, wherever it surfaced
+        if e.errno not in PATH_ERRNOS:
+            raise
+        print(f"error: {path_problem(e)}", file=sys.stderr)
+        return UserError.exit_status
+    except RuntimeError as e:  # pathlib's resolve() meeting a symbolic link that points back at itself
+        if not str(e).startswith("Symlink loop"):
+            raise
+        print(f"error: {str(e).splitlines()[0]}: a symbolic link on the path points back into itself",
+              file=sys.stderr)
+        return UserError.exit_status
+
+
+PATH_ERRNOS = {getattr(errno, name) for name in ("ENOENT", "ENOTDIR", "EISDIR", "ENAMETOOLONG", "ELOOP", "EACCES",
+                                                 "EPERM", "EROFS", "ENOSPC", "EDQUOT", "EEXIST", "EXDEV")
+               if hasattr(errno, name)}
+
+
+def path_problem(e: OSError) -> str:
+    """One line for an OSError about a path: the path(s) and what the system said."""
+    where = " -> ".join(repr(str(p)) for p in (e.filename, e.filename2) if p is not None)
+    what = e.strerror or str(e)
+    hint = {errno.ENAMETOOLONG: " (a name on the path is longer than the filesystem allows, 255 bytes on most)",
+            errno.ELOOP: " (a symbolic link on the path points back into itself)"}.get(e.errno, "")
+    return f"{where + ': ' if where else ''}{what}{hint}"

@@ -19,6 +19,8 @@ Added to the emulator as shipped, as the real service behaves:
   one step.
 - the listen backlog is 1024, not 5: tensorstore and gcsfs open many connections at once, and a
   dropped one is retried only about a second later.
+- a client that stalls in the middle of a request (a paused process) is dropped after 5 s, as the
+  service drops a stalled connection, instead of holding the one-at-a-time server for good.
 - nothing is kept of deleted objects (the emulator keeps them "soft-deleted" by default) and no
   metadata file is rewritten on every change: a memory store needs neither, and both grow with a session.
 
@@ -160,6 +162,12 @@ emulator.HANDLERS = ((r"^/_emulator/refusals$", {"GET": _rules, "POST": _rules})
                        for pattern, handlers in emulator.HANDLERS))
 
 
+class _Handler(emulator.RequestHandler):
+    # A client that stalls in the middle of a request (a paused process: SIGSTOP) is dropped after this
+    # many seconds, as the service drops a stalled connection; until then the one-at-a-time server waits
+    timeout = 5.0
+
+
 class _Server(http.server.HTTPServer):
     request_queue_size = 1024
 
@@ -177,7 +185,7 @@ def main(argv=None) -> None:
     NETWORK.update(latency_s=args.latency_ms / 1e3, bytes_per_s=args.bandwidth_mbs and args.bandwidth_mbs * 1e6)
     store = emulator_storage.Storage(use_memory_fs=True)
     server = (_ThreadingServer if args.threads else _Server)(("127.0.0.1", 0),
-                                                              functools.partial(emulator.RequestHandler, store))
+                                                              functools.partial(_Handler, store))
     print(server.server_address[1], flush=True)  # the port the system chose
     server.serve_forever()
 

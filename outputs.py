@@ -25,7 +25,7 @@ import tempfile
 from typing import Callable
 
 from errors import StorageError, UserError
-from storage import filesystem, is_url, one_line, os_problem
+from storage import filesystem, is_url, one_line, os_problem, process_alive
 
 # Beside OUT (".OUT..." where the caller hides them), process PID leaves only these names:
 #     OUT.tmp-PID         being built; never complete
@@ -68,20 +68,6 @@ def exchange(a, b) -> bool:
     raise OSError(code, os.strerror(code), os.fspath(a), None, os.fspath(b))
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # an earlier write of this process, which failed: its leftovers are settled like a dead one's
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # a live process of another user
-        return True
-    except (OverflowError, ValueError):  # no such pid can exist
-        return False
-    return True
-
-
 def _remove(path: pathlib.Path) -> None:
     if path.is_symlink() or path.is_file():
         path.unlink(missing_ok=True)
@@ -122,7 +108,7 @@ def settle_leftovers(out, hidden: bool = False) -> None:
         if found:
             groups.setdefault(int(found.group(1)), {})[found.group(2) or ""] = out.parent / name
     for pid in sorted(groups):
-        if not _alive(pid):
+        if not process_alive(pid):
             _settle(out, groups[pid])
 
 

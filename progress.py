@@ -47,20 +47,66 @@ class Stop:
     before the first step `check()` raises Interrupted. A second one stops the process at once, with
     128 + N, not through orbax's and the loader's threads: the newest complete checkpoint is the one to
     resume from (a save in flight never appears as a step), and the run directory's lock goes with the
-    process."""
+    process.
+
+    During start-up (`starting`, until train.py's first step is compiled and dispatched) a signal ends
+    the process within moments, whatever the main thread is doing (loading data, compiling: Python's
+    handlers run only between its bytecodes, so a watcher thread reads the signal from the interpreter's
+    wake-up pipe): the `undo` callbacks first remove what the start wrote (a new run directory), under
+    `writing` so that no write is half done, then one line says what was left."""
 
     def __init__(self):
         self.signal: int | None = None
         self.handlers = {}
+        self.starting = True
+        self.undo: list = []  # callables () -> str | None: each removes what the start wrote, and says what
+        self.writing = threading.Lock()  # held by the start's writes into the run directory
+        self.pipe = None
 
     def __enter__(self) -> Stop:
         if threading.current_thread() is threading.main_thread():
             self.handlers = {s: signal.signal(s, self.arrived) for s in (signal.SIGTERM, signal.SIGINT)}
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self.pipe = (read, write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
+            threading.Thread(target=self._watch, args=(read,), name="start-up-signals", daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
         for s, h in self.handlers.items():
             signal.signal(s, h)
+        if self.pipe is not None:
+            read, write, previous = self.pipe
+            signal.set_wakeup_fd(previous)
+            os.close(write)  # the watcher's read ends
+
+    def _watch(self, read: int) -> None:
+        while True:
+            try:
+                got = os.read(read, 64)
+            except OSError:
+                got = b""
+            if not got:  # __exit__ closed the pipe
+                os.close(read)
+                return
+            signums = [n for n in got if n in (signal.SIGTERM, signal.SIGINT)]
+            if signums and self.starting:
+                self.end_start(signums[0])
+
+    def end_start(self, signum: int) -> None:
+        """A signal during start-up: undo what the start wrote, say so in one line, end with 128 + N."""
+        self.writing.acquire()  # held to the end: the main thread starts no other write of the run
+        line = self.stopped_line(signum)
+        sys.stdout.flush()
+        os.write(1, (line + "\n").encode())
+        os._exit(128 + signum)
+
+    def stopped_line(self, signum: int) -> str:
+        """Runs the `undo` callbacks and says, in one line, that the start was stopped and what it left."""
+        said = [line for undo in self.undo for line in [undo()] if line]
+        self.undo = []
+        return (f"stopped by {signal.Signals(signum).name} during start-up: nothing trained, nothing saved; "
+                + ("; ".join(said) if said else "nothing was written"))
 
     def arrived(self, signum, frame) -> None:
         if self.signal is not None:

@@ -72,6 +72,71 @@ def lease_times() -> tuple[float, float]:
     return ttl, ttl / 6
 
 
+class _Lease:
+    """A held lease on RUN/.lock in an object store: renewed every `every` seconds by a thread, each
+    renewal conditional on the generation written last (where the store has generations). `check`
+    (the run's fence) raises a RunError once the lease is lost: a renewal refused because another
+    process holds the lock now, or, when no renewal has gone through for two periods (this process
+    was paused), a look at the lock that finds another generation there."""
+
+    def __init__(self, run: Run, holder: dict, generation: int | None, every: float):
+        self.run, self.holder, self.generation, self.every = run, holder, generation, every
+        self.confirmed = time.monotonic()  # when the lease was last known to be ours
+        self.lost: str | None = None  # why it was lost
+        self.guard = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._renew_loop, name="run-dir-lease", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+
+    def _content(self) -> bytes:
+        return (json.dumps({**self.holder, "heartbeat": time.time()}) + "\n").encode()
+
+    def _renew_loop(self) -> None:
+        while not self.stopping.wait(self.every) and not self.lost:
+            try:
+                self.renew()
+            except storage.StorageError:
+                pass  # the store unreachable: the next renewal tries again (check() looks if it drags on)
+
+    def renew(self) -> None:
+        with self.guard:
+            if self.lost:
+                return
+            try:
+                generation = self.run.write_if(LOCK, self._content(), self.generation)
+            except storage.Conflict:
+                self._lost_to_whoever_holds_it()
+                return
+            self.generation, self.confirmed = generation, time.monotonic()
+
+    def _lost_to_whoever_holds_it(self) -> None:
+        """A conditional renewal failed: lost, unless the lock holds our own token (our last write went
+        through but its answer did not reach us), whose generation is then adopted."""
+        try:
+            generation, raw = self.run.versioned(LOCK)
+        except storage.StorageError:
+            generation, raw = None, b""
+        lock = self.run._parse_lock(raw) or {}
+        if lock.get("token") == self.holder["token"]:
+            self.generation, self.confirmed = generation, time.monotonic()
+            return
+        self.lost = f"{self.run._holder(raw)} holds it now" if lock else "its lock was deleted"
+
+    def check(self) -> None:
+        """The run's fence: called before every write of the run."""
+        if not self.lost and self.generation is not None and time.monotonic() - self.confirmed > 2 * self.every:
+            self.renew()  # renewals stopped for a while (this process paused?): is the lease still ours?
+        if self.lost:
+            raise RunError(f"this process lost the lease on {self.run} ({self.lost}: it was paused or cut off "
+                           f"longer than the lease lasts); it stops without writing anything more into the run")
+
+
 def eval_results_name(step: int) -> str:
     """eval.py's results file for checkpoint `step`."""
     return f"eval/step{step}.json"
@@ -121,6 +186,10 @@ class Run(storage.RunDir):
         """A new run may start here: nothing is in the directory yet (but perhaps a lock)."""
         if not set(self.names()) - {LOCK}:
             return
+        holder = self.held_by()
+        if holder:
+            raise RunError(f"run directory {self} is in use by {holder}; one process writes a run at a time "
+                           f"(wait for it to end, or stop it first)")
         if self.is_file(CONFIG) and not self.checkpoints().steps():
             raise RunError(f"run directory {self} holds a run stopped before its first checkpoint; continue it "
                            f"with --resume (from step 0, with its saved config), or remove the directory to start anew")
@@ -171,14 +240,20 @@ class Run(storage.RunDir):
         return lambda: os.close(fd)  # the flock goes with the descriptor; the file stays (no unlink race)
 
     def _lease(self, holder: dict):
+        """Take the run's lease in an object store (see `writer`); returns its release. In Google Cloud
+        Storage the lease is fenced: taking it is one conditional write (ifGenerationMatch: absent, or the
+        expired generation that was read), every renewal replaces only the generation this process wrote
+        last, and before every write of the run (`fence`) a holder whose renewals stopped for a while (a
+        paused process: SIGSTOP, a VM stall, a closed laptop lid) checks that the lease is still its own.
+        One that lost it stops with a RunError before writing anything more."""
         ttl, every = lease_times()
         holder = {**holder, "token": os.urandom(8).hex()}
         waited = 0.0
         while True:
             try:
-                raw = self.read_bytes(LOCK) if self.is_file(LOCK) else b""
+                generation, raw = self.versioned(LOCK)
             except storage.StorageError:
-                raw = b""  # deleted meanwhile by its holder: free
+                generation, raw = None, b""  # deleted meanwhile by its holder: free
             other = self._parse_lock(raw)
             if other and other.get("token") != holder["token"]:
                 age = time.time() - float(other.get("heartbeat", 0))
@@ -191,31 +266,50 @@ class Run(storage.RunDir):
                     time.sleep(min(every, ttl - age + 0.1))
                     waited += min(every, ttl - age + 0.1)
                     continue
-            self.write_text(LOCK, json.dumps({**holder, "heartbeat": time.time()}) + "\n")
-            time.sleep(LEASE_SETTLE)  # a writer racing us has written by now: the store keeps the last write
+            content = (json.dumps({**holder, "heartbeat": time.time()}) + "\n").encode()
+            try:
+                mine = self.write_if(LOCK, content, generation)
+            except storage.Conflict:
+                continue  # another writer took or renewed it between our read and our write: look again
+            if mine is not None:
+                break  # the store made the write conditional: the lease is ours, atomically
+            time.sleep(LEASE_SETTLE)  # no generations here: a writer racing us has written by now, the last wins
             if (self._parse_lock(self.read_bytes(LOCK)) or {}).get("token") == holder["token"]:
                 break
-        stop = threading.Event()
-
-        def renew():
-            while not stop.wait(every):
-                try:
-                    self.write_text(LOCK, json.dumps({**holder, "heartbeat": time.time()}) + "\n")
-                except storage.StorageError:
-                    pass  # a lost write: the next one renews it
-
-        thread = threading.Thread(target=renew, name="run-dir-lease", daemon=True)
-        thread.start()
+        lease = _Lease(self, holder, mine, every)
+        self.fence = lease.check
+        lease.start()
 
         def release():
-            stop.set()
-            thread.join()
+            self.fence = None
+            lease.stop()
             try:
-                if (self._parse_lock(self.read_bytes(LOCK)) or {}).get("token") == holder["token"]:
-                    self.delete(LOCK)
-            except storage.StorageError:
-                pass  # it expires by itself
+                if not lease.lost:
+                    self.delete_if(LOCK, lease.generation)
+            except (storage.StorageError, storage.Conflict):
+                pass  # taken meanwhile, or it expires by itself
         return release
+
+    def held_by(self) -> str | None:
+        """Who holds the run's lock now, in words (see _holder), or None when no live process does: a
+        local flock that can be taken, or a lease whose heartbeat is older than the lease lasts."""
+        if not self.is_file(LOCK):
+            return None
+        if self.remote:
+            raw = self.read_bytes(LOCK)
+            lock = self._parse_lock(raw) or {}
+            ttl, _ = lease_times()
+            return self._holder(raw) if lock and time.time() - float(lock.get("heartbeat", 0)) < ttl else None
+        import fcntl
+
+        fd = os.open(pathlib.Path(self.root) / LOCK, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return self._holder(os.pread(fd, 4096, 0))
+        finally:
+            os.close(fd)  # a shared lock taken here goes with the descriptor
+        return None
 
     @staticmethod
     def _parse_lock(raw: bytes) -> dict | None:
@@ -247,26 +341,53 @@ class Run(storage.RunDir):
             "tokenizer_sha256": index.get("tokenizer_sha256"),
             "vocab_size": index["vocab_size"],
             "kind": index.get("kind", "text"),  # prompt_completion: sample.py completes prompts like training
+            "content_sha256": shards.content_sha256(index),  # what check_data compares at a resume, anywhere
         }
         if source.remote:  # what check_data compares at a resume
             ref["versions"] = shards.versions(data_dir)
         self.write_text(DATA, json.dumps(ref, indent=2) + "\n")
         self.write_bytes(TOKENIZER, shards.tokenizer_bytes(data_dir))
 
-    def check_data(self, data_dir: str) -> None:
-        """A resume trains on the files it started with: at a URL, a file whose object-store version
-        differs from the one data.json records (rewritten, prepared again) is a RunError, as the batches
-        would no longer be the ones the run's steps were numbered by."""
+    def check_data(self, data_dir: str, index: dict) -> None:
+        """A resume trains on the data it started with, wherever it now lies: a RunError (one line) when
+        the data's tokenizer is not the run's tokenizer.json, when its content (shards.content_sha256: the
+        tokenizer, every shard's size and sha256) differs from what data.json records (prepared again,
+        or `data.dir` pointed elsewhere), and at a URL when a file's object-store version changed. A run
+        whose data.json records no fingerprint (an older version's) has its tokenizer compared with
+        the recorded one's sha256; one that records neither cannot be checked, and is refused."""
         recorded = self.data()
+        if not recorded:
+            return  # an import: nothing trained yet, nothing to compare
+        start = f"data.dir {data_dir}"
+        fix = (f"resume on the data it trained on ({recorded.get('dir')}), or start a new run from it "
+               f"(training.init_from={self})")
+        ours = self.tokenizer_sha256()
+        if ours is not None and ours != index.get("tokenizer_sha256"):
+            raise RunError(f"{start} was tokenized with another tokenizer than this run's ({self.show(TOKENIZER)}); {fix}")
+        if recorded.get("content_sha256"):
+            if recorded["content_sha256"] != shards.content_sha256(index):
+                raise RunError(f"{start} is not the data this run trained on: its content differs from what "
+                               f"{self.show(DATA)} records (prepared again, or other data); {fix}")
+        elif not recorded.get("tokenizer_sha256") and ours is None:
+            raise RunError(f"{self.show(DATA)} records no fingerprint of the data and {self} has no {TOKENIZER}: "
+                           f"{start} cannot be checked against what the run trained on; start a new run from it "
+                           f"(training.init_from={self})")
+        elif recorded.get("tokenizer_sha256") and recorded["tokenizer_sha256"] != index.get("tokenizer_sha256"):
+            raise RunError(f"{start} was tokenized with another tokenizer than the one {self.show(DATA)} records; {fix}")
         if recorded.get("dir") != data_dir or not isinstance(recorded.get("versions"), dict):
             return
         now = shards.versions(data_dir) or {}
         changed = sorted(name for name, version in recorded["versions"].items() if now.get(name) != version)
         if changed:
-            raise RunError(f"data.dir {data_dir} changed since this run started: {changed[0]}"
+            raise RunError(f"{start} changed since this run started: {changed[0]}"
                            + (f" and {len(changed) - 1} more files differ" if len(changed) > 1 else " differs")
-                           + f" from the versions {self.show(DATA)} records; resume on the data it "
-                           f"trained on, or start a new run (training.init_from={self})")
+                           + f" from the versions {self.show(DATA)} records; {fix}")
+
+    def tokenizer_sha256(self) -> str | None:
+        """The sha256 of the run's tokenizer.json, None without one."""
+        import hashlib
+
+        return hashlib.sha256(self.read_bytes(TOKENIZER)).hexdigest() if self.is_file(TOKENIZER) else None
 
     def data(self) -> dict:
         """data.json ({} for a run without one, e.g. an import)."""
@@ -347,6 +468,10 @@ class Run(storage.RunDir):
         the other sections; the file is re-read first and replaced at once. Returns the new section."""
         results = self.read_results(name)
         results[section] = merge(results.get(section))
+        bad = _non_finite(results[section], f"{section}")
+        if bad:  # a NaN or an infinity is no result: say so rather than record it
+            raise RunError(f"{bad} is not a finite number: the evaluation's inputs (the checkpoint, the data) are "
+                           f"damaged or the model diverged; nothing was written to {name}")
         results["updated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.write_text(name, json.dumps(results, indent=2) + "\n")
         return results[section]
@@ -457,16 +582,25 @@ def init_model(location) -> dict:
         raise RunError(f"training.init_from: {e}") from None
 
 
-def check_init_from(location, mcfg) -> None:
-    """training.init_from: a run directory with a checkpoint and this run's model, or a RunError (one line)."""
+def check_init_from(location, mcfg, index: dict) -> None:
+    """training.init_from: a run directory with a checkpoint, this run's model and the tokenizer the data
+    (its `index`) was prepared with, or a RunError (one line)."""
     try:
         src = open_run(location)
         src_model = src.config().model
         has_checkpoint = bool(src.checkpoints().steps())
+        src_tokenizer = src.tokenizer_sha256()
     except UserError as e:
         raise RunError(f"training.init_from: {e}") from None
     if not has_checkpoint:
         raise RunError(f"training.init_from={location}: no checkpoint in it to start from")
+    if src_tokenizer is None:
+        raise RunError(f"training.init_from={location} has no {TOKENIZER}, so the data cannot be checked against "
+                       f"the model's tokenizer: copy the model's {TOKENIZER} into it (the one the data was "
+                       f"prepared with)")
+    if src_tokenizer != index.get("tokenizer_sha256"):
+        raise RunError(f"training.init_from={location}: the data was tokenized with another tokenizer than its "
+                       f"{TOKENIZER}; prepare the data with it (python data.py --tokenizer {location} ...)")
     # an ALiBi model may change its context: only the parameters' fields must agree
     diffs = [f"{f} {getattr(src_model, f)} there, {getattr(mcfg, f)} here" for f in mcfg.PARAMETER_FIELDS
              if getattr(src_model, f) != getattr(mcfg, f) and not (f == "block_size" and mcfg.max_length is None)]
@@ -484,3 +618,16 @@ def load_init_params(location, shardings):
     except UserError as e:
         raise RunError(f"training.init_from: {e}") from None
     return jax.device_put(params, shardings)
+
+
+def _non_finite(value, path: str) -> str | None:
+    """The path (section.key.index...) of the first NaN or infinity in a results value, or None."""
+    import math
+
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    if isinstance(value, dict):
+        return next((p for k, v in value.items() if (p := _non_finite(v, f"{path}.{k}"))), None)
+    if isinstance(value, (list, tuple)):
+        return next((p for i, v in enumerate(value) if (p := _non_finite(v, f"{path}.{i}"))), None)
+    return None

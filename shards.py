@@ -366,6 +366,16 @@ def index_files(index: dict) -> list[IndexedFile]:
     return files
 
 
+def content_sha256(index: dict) -> str:
+    """A fingerprint of what a data directory holds, from its index: the tokenizer's sha256, the token
+    type, and every split's counts and shards (their sizes, token counts and sha256s). Two directories
+    with the same fingerprint give a run the same batches; preparing again with another tokenizer or
+    other documents changes it. Where the directory is (its path or URL) is not part of it."""
+    content = {key: index.get(key) for key in ("tokenizer_sha256", "vocab_size", "eot_id", "dtype", "kind")}
+    content["splits"] = index.get("splits")
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
 def read_index(data_dir) -> tuple[Source, dict, list[IndexedFile]]:
     """(its Source, index, the files it names) of a data directory, the index's own fields checked but
     not the files."""
@@ -391,8 +401,8 @@ def read_index(data_dir) -> tuple[Source, dict, list[IndexedFile]]:
         if bad:
             raise ValueError(f"file name {bad[0]!r} outside the directory")
         return source, index, files
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise DataError(f"{path} is corrupt ({type(e).__name__}: {e}); re-run data.py with --overwrite")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise DataError(f"{path} is corrupt ({type(e).__name__}: {e}); re-run data.py with --overwrite") from None
 
 
 def _size(path: pathlib.Path) -> int | None:

@@ -17,10 +17,12 @@ Knows nothing of the data format or of models; imports nothing of the project bu
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import pathlib
 import re
+import shutil
 import time
 
 from errors import StorageError
@@ -34,6 +36,22 @@ def one_line(e: BaseException) -> str:
     """An error's first line, at most 200 characters (its type's name where it has no text): for a message
     that quotes a library's error, which may run to many lines."""
     return (str(e).splitlines() or [type(e).__name__])[0][:200]
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (this process counts as gone: what an earlier, failed write of its own
+    left is settled like a dead writer's)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a live process of another user
+        return True
+    except (OverflowError, ValueError):  # no such pid can exist
+        return False
+    return True
 
 
 def is_url(location) -> bool:
@@ -51,6 +69,8 @@ def local_path(location) -> str:
 def filesystem(url: str, error=StorageError):
     """(fsspec filesystem, path inside it) of a URL; a missing package, a bad URL or a gs:// bucket that
     does not exist is one line."""
+    if is_url(url) or str(url).endswith(":"):  # "gs:" is what a trailing-slash strip leaves of "gs://"
+        _check_names_a_place(url, error)
     try:
         import fsspec  # here: a local run never needs it
 
@@ -61,6 +81,13 @@ def filesystem(url: str, error=StorageError):
         raise error(f"{url}: {one_line(e)}") from None
     _check_bucket(fs, url, path, error)
     return fs, path
+
+
+def _check_names_a_place(url, error=StorageError) -> None:
+    """A URL with nothing after its scheme (gs://) is one line, not fsspec's ValueError."""
+    scheme, _, rest = str(url).partition(":")
+    if not rest.strip("/"):
+        raise error(f"{url}: names no bucket or host; give one, e.g. {scheme}://my-bucket/runs/exp1")
 
 
 _BUCKETS_FOUND: set[str] = set()  # gs:// buckets this process has seen to exist
@@ -88,13 +115,24 @@ def _check_bucket(fs, url: str, path: str, error) -> None:
 # Run directories
 
 
+class Conflict(Exception):
+    """A conditional write or delete whose condition failed: the object is not the generation it named."""
+
+
 class RunDir:
     """The files of a run directory by name, wherever it is. Writes replace a whole file at once.
 
-    In an object store, a failure (no access, no network) is a StorageError naming the file."""
+    In an object store, a failure (no access, no network) is a StorageError naming the file.
+
+    `fence`, when set (by the holder of the run's lease in an object store), is called before every
+    write, move and delete: it raises when this process no longer holds the run."""
+
+    fence = None
 
     def __init__(self, location):
         self.remote = is_url(location)
+        if self.remote:
+            _check_names_a_place(location)
         self.location = str(location).rstrip("/") if self.remote else local_path(location)
         self.fs, self.root = filesystem(self.location if self.remote else os.path.abspath(self.location))
 
@@ -138,6 +176,7 @@ class RunDir:
         """Move the directory RUN/src whole to RUN/dst. Locally one rename; an object store, which has no
         folders and no rename, gets a copy of every object under src (made by the store itself), then the
         originals are deleted: a stop in between leaves both, never neither."""
+        self.check_fence()
         if not self.remote:
             def move():
                 target = pathlib.Path(self.root) / dst
@@ -154,8 +193,30 @@ class RunDir:
 
     def delete(self, name: str) -> None:
         """Remove RUN/name (a file); nothing when it is not there."""
+        self.check_fence()
         if self.is_file(name):
             self._do(name, self.fs.rm_file, self._path(name))
+
+    def begin_new(self):
+        """mkdir for a new run, returning the undo of its start (progress.Stop.undo): () -> a line; it
+        removes every file written into the run since, and the directory itself if this made it."""
+        existed = not self.remote and os.path.isdir(self.root)
+        self.mkdir()
+
+        def undo() -> str:
+            try:
+                if self.remote:
+                    if self.fs.exists(self.root):
+                        self.fs.rm(self.root, recursive=True)
+                elif existed:
+                    for child in pathlib.Path(self.root).iterdir():
+                        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+                else:
+                    shutil.rmtree(self.root)
+            except Exception as e:  # said rather than raised: the process is ending
+                return f"could not remove what it wrote in {self} ({one_line(e)}): remove it by hand"
+            return f"removed what it wrote in {self}, as it was before" if existed else f"removed the run directory {self} it had made"
+        return undo
 
     def mkdir(self) -> None:
         """Create the directory (and its parents); a place where none can be made is a StorageError."""
@@ -166,6 +227,85 @@ class RunDir:
 
     def read_bytes(self, name: str) -> bytes:
         return self._do(name, self.fs.cat_file, self._path(name))
+
+    def check_fence(self) -> None:
+        """Raise (the fence's error) when this process may no longer write the run; see `fence`."""
+        if self.fence is not None:
+            self.fence()
+
+    # Conditional operations on one object, for the lease of a run in an object store. Google Cloud
+    # Storage answers generation preconditions (ifGenerationMatch: 0 creates only an absent object, G
+    # replaces or deletes only generation G), which make taking, renewing and releasing the lease
+    # atomic. Other stores return None from generation() and the lease falls back to write-then-read.
+
+    def _gcs(self, name: str):
+        """(filesystem, bucket, key) of RUN/name when the store is Google Cloud Storage (gcsfs), else None."""
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        if not self.remote or "gs" not in protocols or not hasattr(self.fs, "call"):
+            return None
+        bucket, key = self._path(name).split("/", 1)
+        return self.fs, bucket, key
+
+    def versioned(self, name: str) -> tuple[int | None, bytes]:
+        """(generation, content) of RUN/name read together ((None, b"") when absent); the generation is
+        None too where the store has none (not GCS)."""
+        gcs = self._gcs(name)
+        if gcs is None:
+            return None, (self.read_bytes(name) if self.is_file(name) else b"")
+        fs, bucket, key = gcs
+        from urllib.parse import quote
+
+        media = f"{fs._location}/download/storage/v1/b/{quote(bucket, safe='')}/o/{quote(key, safe='')}"
+        while True:
+            try:
+                generation = int(fs.call("GET", "b/{}/o/{}", bucket, key, json_out=True)["generation"])
+                _, content = fs.call("GET", media, alt="media", ifGenerationMatch=str(generation))
+            except FileNotFoundError:  # absent (or deleted between the two requests)
+                return None, b""
+            except FileExistsError:  # 412: replaced between the two requests: read the new one
+                continue
+            except Exception as e:
+                raise StorageError(f"{self.show(name)}: {one_line(e)}") from None
+            return generation, content
+
+    def write_if(self, name: str, content: bytes, generation: int | None) -> int | None:
+        """Write RUN/name only if it is still `generation` (None: only if absent): its new generation, or
+        Conflict. Where the store has no generations (not GCS) it writes unconditionally (None back)."""
+        gcs = self._gcs(name)
+        if gcs is None:
+            self._do(name, self.fs.pipe_file, self._path(name), content)
+            return None
+        fs, bucket, key = gcs
+        from urllib.parse import quote
+
+        try:
+            out = fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o", uploadType="media",
+                          name=key, ifGenerationMatch=str(generation or 0), data=content, json_out=True)
+        except FileExistsError:  # 412: another writer's generation is there now
+            raise Conflict(name) from None
+        except Exception as e:
+            raise StorageError(f"{self.show(name)}: {one_line(e)}") from None
+        fs.invalidate_cache(self._path(name))
+        return int(out["generation"])
+
+    def delete_if(self, name: str, generation: int | None) -> None:
+        """Delete RUN/name only if it is still `generation` (Conflict otherwise); unconditionally where the
+        store has no generations."""
+        gcs = self._gcs(name)
+        if gcs is None or generation is None:
+            if self.is_file(name):
+                self._do(name, self.fs.rm_file, self._path(name))
+            return
+        fs, bucket, key = gcs
+        try:
+            fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=str(generation))
+        except FileExistsError:
+            raise Conflict(name) from None
+        except FileNotFoundError:
+            return
+        except Exception as e:
+            raise StorageError(f"{self.show(name)}: {one_line(e)}") from None
+        fs.invalidate_cache(self._path(name))
 
     def read_text(self, name: str) -> str:
         return self.read_bytes(name).decode()
@@ -188,7 +328,9 @@ class RunDir:
                 yield chunk
 
     def write_bytes(self, name: str, content: bytes) -> None:
-        """Replace RUN/name at once: an object store writes whole objects; locally a temporary file is renamed."""
+        """Replace RUN/name at once: an object store writes whole objects; locally a temporary file
+        NAME.tmp-PID is renamed, and those that killed writers left (their process gone) are deleted first."""
+        self.check_fence()
         if self.remote:
             self._do(name, self.fs.pipe_file, self._path(name), content)
             return
@@ -196,6 +338,10 @@ class RunDir:
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
 
         def write():
+            for stale in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):
+                pid = stale.name.rsplit("-", 1)[-1]
+                if pid.isdigit() and not process_alive(int(pid)):
+                    stale.unlink(missing_ok=True)
             tmp.write_bytes(content)
             tmp.replace(path)
 

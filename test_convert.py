@@ -375,11 +375,12 @@ def test_out_overlapping_the_source_is_refused_and_nothing_deleted(trained_run, 
     capsys.readouterr()
     for source, flag in [(run, "--checkpoint"), (tmp_path / "src" / "gpt2", "--import-hf")]:
         for out, relation in [(source, "is"), (source.parent, "contains"), (source / "checkpoints", "lies inside"),
-                              (source / "new", "lies inside")]:
-            assert ct.cli([flag, str(source), "--out", str(out), "--overwrite"]) == 2
-            err = capsys.readouterr().err
-            assert err == f"error: --out {out} {relation} the source directory {source}; choose an --out outside " \
-                          f"it (nothing was written or deleted)\n"
+                              (source / "new", "lies inside"), (source / "checkpoints" / "99", "lies inside")]:
+            for overwrite in (["--overwrite"], []):  # a new --out inside the source is refused too
+                assert ct.cli([flag, str(source), "--out", str(out), *overwrite]) == 2
+                err = capsys.readouterr().err
+                assert err == f"error: --out {out} {relation} the source directory {source}; choose an --out " \
+                              f"outside it (nothing was written or deleted)\n"
     assert tree(tmp_path) == before
 
 

@@ -41,11 +41,13 @@ def test_reader_names_records_by_line_and_counts_what_it_skips(tmp_path):
     (tmp_path / "t.txt").write_text("a whole file")
     (tmp_path / "u.txt").write_bytes(b"\xff\xfe not utf-8")
     reader = corpus.Reader(corpus.expand([str(tmp_path)]), "text", strict=False)
-    # line numbers count blank lines; null and empty records yield nothing and are not counted as skipped
+    # line numbers count blank lines; an empty record is an empty document (nothing to yield), while a
+    # null one is no text: skipped, counted and named like the broken line and the number
     assert list(reader) == [("r.jsonl:1", "first"), ("r.jsonl:4", "fourth"), ("r.jsonl:8", "eighth"),
                             ("t.txt", "a whole file")]
-    assert (reader.tally.files, reader.tally.skipped_files, reader.tally.skipped_records) == (3, 1, 2)
-    with pytest.raises(corpus.DataError, match=r"r\.jsonl:5: .*drop --strict"):
+    assert (reader.tally.files, reader.tally.skipped_files, reader.tally.skipped_records) == (3, 1, 3)
+    assert {"input": f"{tmp_path / 'r.jsonl'}:3", "reason": "not a text record (None)"} in reader.tally.skipped
+    with pytest.raises(corpus.DataError, match=r"r\.jsonl:3: not a text record \(None\).*drop --strict"):
         list(corpus.Reader(corpus.expand([str(tmp_path)]), "text", strict=True))
 
 

@@ -464,6 +464,9 @@ def test_undecodable_file_is_skipped_or_fatal_with_strict(tmp_path):
     assert_one_line_error(run_cli("--input", "c", "--out", "strict", "--strict", "--vocab-size", "300",
                                   cwd=tmp_path), "bad.txt")
     assert not (tmp_path / "strict").exists()
+    for size in ("0", "257"):  # 0 is no request for the default: one line, nothing made
+        assert data.cli(["--input", str(c), "--out", str(tmp_path / "zero"), "--vocab-size", size]) == 2
+        assert not (tmp_path / "zero").exists()
 
 
 def test_missing_text_field(tmp_path):
@@ -526,6 +529,11 @@ def test_missing_corrupt_or_mismatched_index(prepared, tmp_path):
     (out / "index.json").write_text('{"format_version": 1, "dtype": ')
     with pytest.raises(data.DataError, match="corrupt"):
         loader.eval_windows(out, "val", 8, 2).__next__()
+    index = json.loads((prepared[0] / "index.json").read_text())
+    index["splits"]["train"]["tokens"] = 1e400  # JSON's number past any float: infinity
+    (out / "index.json").write_text(json.dumps(index).replace("Infinity", "1e400"))
+    with pytest.raises(data.DataError, match=r"index.json is corrupt \(OverflowError"):
+        shards.load_index(out)
     with pytest.raises(data.DataError, match="no split 'test'"):
         loader.TextLoader(prepared[0], "test", 8, 2)
 

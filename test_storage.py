@@ -5,6 +5,7 @@ checkpoint to memory:// (tensorstore has its own drivers), so the remote run tes
 checkpoints on the local disk and everything else train.py writes in the stand-in store.
 """
 import json
+import os
 import random
 import shutil
 import time
@@ -215,7 +216,8 @@ def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeyp
     assert train.cli(["--resume", f"run_dir={run_url}", "training.steps=10"]) == 2
     assert capsys.readouterr().err == (f"error: data.dir {data_url} changed since this run started: {name} differs "
                                        f"from the versions {run_url}/data.json records; resume on the data it "
-                                       f"trained on, or start a new run (training.init_from={run_url})\n")
+                                       f"trained on ({data_url}), or start a new run from it "
+                                       f"(training.init_from={run_url})\n")
     assert rows() == before and sorted(ckpt.iterdir()) == [ckpt / "4", ckpt / "8"]
 
     cfg = rundir.Run(run_url).config()  # what eval, sample and convert read
@@ -401,3 +403,19 @@ def test_a_run_directory_in_the_object_store_has_one_writer(bucket, monkeypatch,
     start = time.time()
     with run.writer("train.py --resume"):
         assert time.time() - start < 0.4  # long expired: taken at once
+
+
+def test_a_killed_writers_temporary_file_is_cleared_by_the_next_write(tmp_path):
+    """RUN/NAME is written as NAME.tmp-PID and renamed; what a writer killed before the rename left
+    (eval.py killed while drawing its plot) is deleted by the next write of NAME, while a live
+    process's is left alone."""
+    run = storage.RunDir(tmp_path / "run")
+    (tmp_path / "run" / "eval").mkdir(parents=True)
+    dead = tmp_path / "run" / "eval" / "step8-perplexity.png.tmp-4194305"  # past any pid_max: no such process
+    live = tmp_path / "run" / "eval" / f"step8-perplexity.png.tmp-{os.getppid()}"
+    other = tmp_path / "run" / "eval" / "step16-perplexity.png.tmp-4194305"  # another file's: not this write's
+    for leftover in (dead, live, other):
+        leftover.write_bytes(b"half a png")
+    run.write_bytes("eval/step8-perplexity.png", b"the plot")
+    assert (tmp_path / "run" / "eval" / "step8-perplexity.png").read_bytes() == b"the plot"
+    assert not dead.exists() and live.exists() and other.exists()

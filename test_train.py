@@ -334,6 +334,51 @@ def test_a_checkpoint_with_flipped_bits_is_never_read_as_good(finished_run, tmp_
     assert outcomes["corrupt"] >= 1, outcomes  # flips that decompress into other numbers were met, and caught
 
 
+def test_missing_or_renamed_fingerprints_fail_closed(finished_run, tmp_path, capsys):
+    """A checkpoint whose fingerprints are gone (one flipped bit renames their key in
+    _CHECKPOINT_METADATA) is not trusted: reading it is one line, and a resume moves it aside."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    meta = run_dir / "checkpoints" / "8" / "_CHECKPOINT_METADATA"
+    text = meta.read_text()
+    assert '"fingerprints"' in text
+    meta.write_text(text.replace('"fingerprints"', '"fingerprintr"'))
+    with pytest.raises(rundir.RunError, match="fingerprints .* are missing or unreadable") as e:
+        rundir.Run(run_dir).load_params(8)
+    assert "\n" not in str(e.value)
+    assert train.main(["--resume", f"run_dir={run_dir}"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint 8 cannot be restored" in out and "resuming from checkpoint 4" in out
+    results = run_dir / "eval.json"
+    before = results.read_bytes() if results.exists() else None
+    with pytest.raises(rundir.RunError, match="perplexity.rows.0.loss is not a finite number"):
+        rundir.Run(run_dir).write_results("eval.json", "perplexity", lambda _: {"rows": [{"loss": float("nan")}]})
+    assert (results.read_bytes() if results.exists() else None) == before  # a results file never holds a NaN
+
+
+def test_a_checkpoint_under_another_step_or_another_runs_directory_is_not_trusted(finished_run, tmp_path, capsys):
+    """A checkpoint directory renamed to another step holds a state that says otherwise: it is moved aside,
+    not resumed from. A `checkpoints` that is a symbolic link into another run is refused before anything
+    is written there."""
+    renamed = tmp_path / "renamed"
+    shutil.copytree(finished_run, renamed)
+    (renamed / "checkpoints" / "8").rename(renamed / "checkpoints" / "12")
+    with pytest.raises(rundir.RunError, match="holds the state of step 8, not 12"):
+        rundir.Run(renamed).load_params(12)
+    assert train.main(["--resume", f"run_dir={renamed}"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint 12 cannot be restored (12: it holds the state of step 8, not 12" in out
+    assert "resuming from checkpoint 4" in out
+    linked, other = tmp_path / "linked", tmp_path / "other"
+    shutil.copytree(finished_run, other)
+    shutil.copytree(finished_run, linked, ignore=shutil.ignore_patterns("checkpoints"))
+    (linked / "checkpoints").symlink_to(other / "checkpoints")
+    before = sorted(p.name for p in (other / "checkpoints").iterdir())
+    assert train.cli(["--resume", f"run_dir={linked}", "training.steps=12"]) == 2
+    assert "is a symbolic link" in capsys.readouterr().err
+    assert sorted(p.name for p in (other / "checkpoints").iterdir()) == before
+
+
 def test_resume_skips_a_corrupt_checkpoint(finished_run, tmp_path, capsys):
     """A checkpoint that reads, but not as saved, is moved aside like an unreadable one."""
     shutil.copytree(finished_run, tmp_path / "run")
@@ -351,11 +396,10 @@ def test_old_checkpoints_leave_by_one_rename(tmp_path, monkeypatch):
     """Rotation renames a retired checkpoint into checkpoints/.deleting/ in one step and deletes it
     there, so a kill during a deletion never leaves half a checkpoint under a step's name."""
     run = rundir.Run(tmp_path / "run")
-    state = {"params": {"w": np.arange(6, dtype=np.float32)}, "step": np.asarray(0, np.int32)}
     monkeypatch.setattr(checkpoints.Checkpoints, "purge_deleted", lambda self, unfinished=False: None)  # see what rotation left
     with run.checkpoints(keep=1, write=True) as saver:
-        for step in (1, 2):
-            saver.save(step, state)
+        for step in (1, 2):  # the state of that step, as train.py saves it
+            saver.save(step, {"params": {"w": np.arange(6, dtype=np.float32)}, "step": np.asarray(step, np.int32)})
             saver.wait()
     ckpt = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in ckpt.iterdir()) == [".deleting", "2"]
@@ -506,6 +550,8 @@ def test_default_config_has_a_comment_on_every_key():
     ("training.eps=-1e-8", ["training.eps", "positive"]),
     ("training.weight_decay=-0.1", ["training.weight_decay", ">= 0"]),
     ("training.loss_chunk=-1", ["training.loss_chunk", ">= 0"]),
+    ("training.steps=99999999999999999999", ["training.steps", "below 2**31", "99999999999999999999"]),
+    ("checkpoint.every=4294967296", ["checkpoint.every", "below 2**31"]),
 ])
 def test_config_errors_name_key_and_choices(override, words):
     extra = ["training.micro_batches=4"] if "batch_size" in override else []
@@ -524,6 +570,75 @@ def test_config_file_that_is_not_text_is_one_line(tmp_path):
     good = tmp_path / "utf8.yaml"
     good.write_bytes("run_dir: runs/caf\u00e9\n".encode())
     assert config.load_config(good).run_dir == "runs/caf\u00e9"
+
+
+def test_a_resume_or_init_from_on_other_data_is_refused(finished_run, corpus, tmp_path, capsys):
+    """A run trains on the data it started with, wherever that now lies: the corpus prepared again
+    (another BPE of the same vocabulary size, or other documents with the same tokenizer) or `data.dir`
+    pointed at other data is refused on resume, in one line naming the data, and nothing of the run
+    changes; a byte-identical copy elsewhere is taken. training.init_from from a run whose tokenizer
+    is not the data's is refused too."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    src = corpus.parent / "src"
+    other_bpe = tmp_path / "other-bpe"  # the same documents and vocabulary size, another tokenizer
+    data.prepare([str(src / f"doc{i:02d}.txt") for i in range(20)], other_bpe, vocab_size=300, val_fraction=0.3,
+                 progress=False)
+    other_docs = tmp_path / "other-docs"  # the run's tokenizer, other documents
+    data.prepare([str(src / f"doc{i:02d}.txt") for i in range(0, 40, 2)], other_docs, val_fraction=0.3,
+                 tokenizer=str(corpus / "tokenizer.json"), progress=False)
+    same = tmp_path / "copy"
+    shutil.copytree(corpus, same)
+    def files_of(run):  # all but the lock, which each writer that takes it rewrites with its name
+        return {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+
+    files = files_of(run_dir)
+    for data_dir, words in [(other_bpe, "another tokenizer than this run's"),
+                            (other_docs, "is not the data this run trained on")]:
+        assert train.cli(["--resume", f"run_dir={run_dir}", f"data.dir={data_dir}", "training.steps=12"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: data.dir {data_dir} ") and words in err and err.count("\n") == 1, err
+        assert files_of(run_dir) == files  # nothing rewritten
+    assert train.main(["--resume", f"run_dir={run_dir}", f"data.dir={same}", "training.steps=12"]) == 0
+    assert json.loads((run_dir / "data.json").read_text()) == json.loads(files[run_dir / "data.json"])
+    assert train.cli([*tiny(tmp_path / "new", other_bpe), f"training.init_from={finished_run}"]) == 2
+    err = capsys.readouterr().err
+    assert "the data was tokenized with another tokenizer than its tokenizer.json" in err
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_warmup_longer_than_the_run_is_said(corpus, tmp_path, capsys):
+    """A run shorter than its warm-up never reaches training.lr: it trains, and says so once."""
+    assert train.main(tiny(tmp_path / "short", corpus, "training.steps=1", "training.warmup_steps=4")) == 0
+    out = capsys.readouterr().out
+    assert ("warning: training.warmup_steps (4) exceeds training.steps (1): the learning rate peaks at 25% of "
+            "training.lr") in out
+    assert rows(tmp_path / "short")[-1]["lr"] == pytest.approx(1e-2 / 4)  # the formula: lr * step / warmup
+
+
+def test_a_key_given_twice_is_refused_not_dropped(tmp_path):
+    """YAML keeps the last of two equal keys; a config file that gives one twice (a second `training:`
+    block) is refused, naming the key and both lines, at the top level and inside a section."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("training:\n  steps: 5\nmodel:\n  name: small\ntraining:\n  batch_size: 8\n")
+    with pytest.raises(config.ConfigError, match=r"key 'training' appears twice \(lines 1 and 5\)"):
+        config.load_config(twice)
+    inner = tmp_path / "inner.yaml"
+    inner.write_text("training:\n  steps: 5\n  steps: 7\n")
+    with pytest.raises(config.ConfigError, match=r"key 'steps' appears twice \(lines 2 and 3\)"):
+        config.load_config(inner)
+
+
+@pytest.mark.parametrize("script", ["train.py", "eval.py", "sample.py", "convert_torch.py", "data.py"])
+def test_a_python_without_the_packages_is_one_line(script):
+    """A command run outside the README's environment (a Python without jax, tokenizers, ...) stops with
+    one line saying to activate it, not a ModuleNotFoundError traceback."""
+    code = ("import sys, runpy; [sys.modules.__setitem__(m, None) for m in ('jax', 'tokenizers', 'numpy')]; "
+            f"sys.argv = ['{script}', '--help']; runpy.run_path('{script}', run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: no module named '")
+    assert "pip install -r requirements.txt" in p.stderr
 
 
 def test_an_older_python_is_one_line():
@@ -548,6 +663,35 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, p.stderr)
         assert "Traceback" not in p.stderr
+
+
+def test_path_mistakes_are_one_line_and_change_nothing(finished_run, tmp_path, capsys):
+    """Paths the system refuses, wherever they surface: a symbolic link that points back at itself, a
+    name longer than the filesystem takes, `checkpoints` a file, a URL with no bucket. Each is one
+    `error:` line and exit 2 (errors.run_cli), and nothing is made or changed."""
+    import convert_torch
+
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    too_long = tmp_path / ("a" * 300)
+    broken = tmp_path / "broken"
+    shutil.copytree(finished_run, broken)
+    shutil.rmtree(broken / "checkpoints")
+    (broken / "checkpoints").write_text("not a directory\n")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    cases = [
+        (train.cli, [f"data.dir={loop}", f"run_dir={tmp_path / 'new'}"], "points back into itself"),
+        (train.cli, ["run_dir=gs://"], "gs://: names no bucket or host"),
+        (train.cli, ["--resume", f"run_dir={broken}"], "checkpoints': Not a directory"),
+        (convert_torch.cli, ["--checkpoint", str(finished_run), "--out", str(too_long)], "File name too long"),
+        (convert_torch.cli, ["--checkpoint", str(finished_run), "--out", str(loop / "x")], "points back into itself"),
+    ]
+    for cli, args, words in cases:
+        assert cli(args) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and words in err, (args, err)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+    assert (broken / "checkpoints").read_text() == "not a directory\n"
 
 
 def test_help_names_the_file_whose_keys_the_overrides_address(capsys):
@@ -587,20 +731,29 @@ def test_signal_saves_and_exits_cleanly(sig, corpus, tmp_path):
     assert [r["step"] for r in rows(run_dir)] == list(range(1, last + 3))
 
 
-def test_signal_during_start_up_exits_cleanly(corpus, tmp_path):
-    """Ctrl-C while the run starts (data, compilation): a clean stop, no traceback, status 128 + 2."""
+@pytest.mark.parametrize("moment, left", [("sharding:", ("nothing was written", "removed the run directory")),
+                                          ("model test:", ("removed the run directory",))])
+def test_signal_during_start_up_exits_at_once_and_leaves_nothing(moment, left, corpus, tmp_path):
+    """Ctrl-C while the run starts: about when its directory is made (the sharding table is printed), and
+    after (the model line: config, data, tokenizer, log and lock written, the first step compiling). The
+    process ends within moments whatever it is doing, with status 128 + 2 and one line saying what it
+    left, no traceback; the new run directory is gone, so the same command starts afresh."""
     run_dir = tmp_path / "early"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
     p = subprocess.Popen([sys.executable, "train.py", *tiny(run_dir, corpus)], cwd=REPO, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in p.stdout:  # the sharding table: placed, not yet initialised or compiled
-        if line.startswith("sharding:"):
+    for line in p.stdout:
+        if line.startswith(moment):
             break
+    sent = time.monotonic()
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
+    elapsed = time.monotonic() - sent
     assert p.returncode == 128 + signal.SIGINT, err
-    assert "stopped by SIGINT during start-up" in out and "Traceback" not in err and "error" not in err
-    assert not (run_dir / "metrics.jsonl").exists() or not rows(run_dir)  # nothing trained
+    assert any("stopped by SIGINT during start-up: nothing trained, nothing saved; " + said in out for said in left), out
+    assert "Traceback" not in err and "error" not in err
+    assert elapsed < 5, elapsed  # not after the compilation or the data loading it interrupted
+    assert not run_dir.exists()
 
 
 def test_one_writer_per_run_directory_and_a_second_signal(corpus, tmp_path, capsys):
@@ -616,9 +769,9 @@ def test_one_writer_per_run_directory_and_a_second_signal(corpus, tmp_path, caps
         deadline = time.time() + 120
         while time.time() < deadline and not (run_dir / "checkpoints" / "3").is_dir():
             time.sleep(0.1)
-        assert train.cli(tiny(run_dir, corpus)) == 2  # a new run onto it
+        assert train.cli(tiny(run_dir, corpus)) == 2  # a new run onto it: told who holds it
         err = capsys.readouterr().err
-        assert "already exists" in err and err.count("\n") == 1
+        assert f"run directory {run_dir} is in use by train.py (pid {p.pid} on " in err and err.count("\n") == 1
         config_before = (run_dir / "config.yaml").read_bytes()
         assert train.cli(["--resume", f"run_dir={run_dir}", "training.steps=3"]) == 2
         err = capsys.readouterr().err
@@ -642,7 +795,7 @@ def test_one_writer_per_run_directory_and_a_second_signal(corpus, tmp_path, caps
 @pytest.mark.parametrize("sig, delay", [(signal.SIGINT, 0.3), (signal.SIGTERM, 1.5)])
 def test_a_signal_at_any_moment_of_the_start_is_a_clean_stop(sig, delay, corpus, tmp_path):
     """While Python loads JAX and the rest (the first seconds), then while the run sets up: always
-    status 128 + N and no traceback; a run directory, if one was made, holds no checkpoint."""
+    status 128 + N and no traceback, and no run directory left behind."""
     run_dir = tmp_path / "early"
     p = subprocess.Popen([sys.executable, "train.py", *tiny(run_dir, corpus)], cwd=REPO,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -653,7 +806,7 @@ def test_a_signal_at_any_moment_of_the_start_is_a_clean_stop(sig, delay, corpus,
     assert p.returncode == 128 + sig, (out, err)
     assert "Traceback" not in err and "Exception" not in err
     assert "stopped by " + sig.name in err + out
-    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+    assert not run_dir.exists()  # nothing left that would make the same command refuse
 
 
 @pytest.mark.parametrize("async_save", [True, False])

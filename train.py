@@ -87,7 +87,7 @@ def main(argv=None) -> int:
             with contextlib.ExitStack() as held:  # the run directory's lock and checkpoints, however run() ends
                 return run(args, stop, held)
         except progress.Interrupted as e:
-            print(f"stopped by {e} during start-up: nothing trained, nothing saved", flush=True)
+            print(stop.stopped_line(e.signum), flush=True)
             return 128 + e.signum
 
 
@@ -123,6 +123,10 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     else:
         run_dir.check_new()
     t, ck, sh = cfg.training, cfg.checkpoint, cfg.sharding
+    if t.warmup_steps > t.steps:  # the schedule never reaches training.lr: legal, but never what was meant
+        say(f"warning: training.warmup_steps ({t.warmup_steps}) exceeds training.steps ({t.steps}): the learning "
+            f"rate peaks at {t.steps / t.warmup_steps:.0%} of training.lr; set training.warmup_steps below "
+            f"{t.steps} to reach it")
     sharding_lib.on_process_zero(lambda: rundir.check_wandb(cfg), stopped)  # before anything is written
     try:
         attention_lib.check_attention_backend(cfg.model)  # e.g. attention=cudnn without a GPU, before any work
@@ -146,7 +150,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     cfg.data.dir = data.resolve_dir(cfg.data.dir, progress=is_main)
     index = shards.load_index(cfg.data.dir)
     if args.resume:
-        run_dir.check_data(cfg.data.dir)
+        run_dir.check_data(cfg.data.dir, index)
     if cfg.model.vocab_size != index["vocab_size"]:
         say(f"model.vocab_size {cfg.model.vocab_size} -> {index['vocab_size']}, the vocabulary of {cfg.data.dir}")
         cfg.model = dataclasses.replace(cfg.model, vocab_size=index["vocab_size"])
@@ -160,7 +164,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     val_sample, val_windows, val_tokens = loader.validation_sample(
         cfg.data.dir, seq_len, t.batch_size // t.micro_batches, t.eval_windows, cfg.data.batching)
     if t.init_from:  # its model must be this one: checked before anything is written
-        rundir.check_init_from(t.init_from, mcfg)
+        rundir.check_init_from(t.init_from, mcfg, index)
     stop.check()  # a signal before the first step: nothing to save
 
     # ------------------------------------------------------------------------------------------
@@ -172,13 +176,14 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     # ------------------------------------------------------------------------------------------
     # Run directory: the effective config and a reference to the data, once every check has passed.
     # A resumed run's config.yaml is rewritten only once its checkpoint has been restored.
-    if not args.resume:
-        if is_main:
-            run_dir.mkdir()
-        sharding_lib.on_process_zero(lambda: held.enter_context(run_dir.writer(writer, new=True)), stopped)
-        if is_main:
-            run_dir.save_config(cfg)
-            run_dir.save_data(cfg.data.dir, index)
+    if not args.resume:  # a stop before the first step removes it again (progress.Stop.undo), under stop.writing
+        with stop.writing:
+            if is_main:
+                stop.undo.append(run_dir.begin_new())
+            sharding_lib.on_process_zero(lambda: held.enter_context(run_dir.writer(writer, new=True)), stopped)
+            if is_main:
+                run_dir.save_config(cfg)
+                run_dir.save_data(cfg.data.dir, index)
 
     def place_batch(local_rows):
         """A batch (an array, or a dict of arrays with rows first) onto the devices."""
@@ -229,11 +234,12 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     # Logging: metrics.jsonl continues after the restored step; W&B keeps its run id in the run dir
     metrics_file = None
     if is_main:
-        metrics_file = held.enter_context(contextlib.closing(run_dir.metrics(start_step)))
+        with stop.writing:
+            metrics_file = held.enter_context(contextlib.closing(run_dir.metrics(start_step)))
+            if args.resume:  # restored and its log read: the effective config (with this command's overrides) is the run's
+                run_dir.save_config(cfg)
         if metrics_file.torn is not None:
             say(f"{run_dir.show(rundir.METRICS)}: its last line was cut off (a stop during its write); dropped it")
-        if args.resume:  # restored and its log read: the effective config (with this command's overrides) is the run's
-            run_dir.save_config(cfg)
     wandb_run = run_dir.start_wandb(cfg) if is_main and cfg.wandb.mode != "disabled" else None
     n_params = model_lib.param_count(mcfg)
     say(f"model {cfg.model_name}: {n_params / 1e6:.2f}M parameters, context {seq_len}; "
@@ -249,6 +255,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     with steps, contextlib.closing(batches), ckpts:  # closed in reverse: the last save completes, even on an error
         while steps.step < t.steps:
             state, metrics = fns.train_step(state, place_batch(next(batches)))
+            stop.starting = False  # compiled and dispatched: from here a signal saves a checkpoint
             evaluate_now, save_now = steps.dispatched(metrics)
             if not (evaluate_now or save_now):
                 continue
