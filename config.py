@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import pathlib
 import types
 import typing
@@ -296,8 +297,17 @@ def from_dict(raw: dict, *, sizes: dict[str, dict] | None = None) -> Config:
         **{name: _build(cls, raw.get(name), name) for name, cls in SECTIONS.items()},
     )
     cfg.model_name, cfg.model = resolve_model(raw.get("model", "small"), load_model_sizes() if sizes is None else sizes)
+    # paths a user types as `key=~/x`, where the shell leaves the ~ alone: the home directory, as the shell would
+    cfg.run_dir = _home(cfg.run_dir)
+    cfg.data.dir = _home(cfg.data.dir)
+    cfg.training.init_from = _home(cfg.training.init_from)
     validate(cfg)
     return cfg
+
+
+def _home(path: str | None) -> str | None:
+    """`~` or `~user` at the start of a local path expanded (os.path.expanduser); URLs and None as they are."""
+    return os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
 
 
 def from_saved(raw: dict) -> Config:
@@ -413,7 +423,7 @@ def run_dir_of(path=DEFAULT_CONFIG, overrides: typing.Sequence[str] = ()) -> str
     """The run_dir that a config file with `overrides` names, the rest unchecked: for --resume, whose
     overrides apply to (and are checked against) the run's own saved config, not this file's."""
     raw = apply_overrides(read_yaml(path), overrides)
-    return _check_value("run_dir", raw.get("run_dir", Config.run_dir), _fields(Config)["run_dir"])
+    return _home(_check_value("run_dir", raw.get("run_dir", Config.run_dir), _fields(Config)["run_dir"]))
 
 
 def load_config(path=DEFAULT_CONFIG, overrides: typing.Sequence[str] = (), *, model: dict | None = None) -> Config:

@@ -148,8 +148,10 @@ class Steps:
         self.t_start, self.mark = t_start, (start_step, t_start)  # (step, time) of the last logged step
         self.recent_losses = collections.deque(maxlen=max(t.log_every, 20))
         self.pending, self.last_row, self.val = None, {}, {}
+        # a progress bar on a terminal; where stderr is a file or a pipe, a plain line per logged step instead
+        self.plain = metrics_file is not None and not sys.stderr.isatty()
         self.bar = tqdm(total=t.steps, initial=start_step, desc="train", unit="step",
-                        disable=metrics_file is None, dynamic_ncols=True)
+                        disable=metrics_file is None or self.plain, dynamic_ncols=True)
 
     def __enter__(self) -> Steps:
         return self
@@ -219,6 +221,9 @@ class Steps:
         if "mfu" in row:
             postfix["mfu"] = f"{row['mfu']:.1%}"
         self.bar.set_postfix(postfix)
+        if self.plain:
+            print(f"step {s}/{self.t.steps}: " + ", ".join(f"{k} {v}" for k, v in postfix.items()),
+                  file=sys.stderr, flush=True)
 
     def check_finite(self, params_finite) -> None:
         """Before a save: parameters that are not all finite stop the run (Diverged), nothing saved."""

@@ -176,6 +176,25 @@ class Run(storage.RunDir):
         raw = config_lib.apply_overrides(config_lib.parse_yaml(text, self.show(CONFIG)), overrides)
         return config_lib.from_saved(raw)  # the model as saved, whatever conf/model_config.yaml says now
 
+    def resume_config(self, overrides: typing.Sequence[str]) -> config_lib.Config:
+        """config(overrides) for --resume, which continues the run's own model: an override that names a
+        model (`model=NAME`) or changes what its parameters are (a GPTConfig.PARAMETER_FIELDS field; an
+        ALiBi model's block_size aside, which only bounds its context) is a RunError in one line. How the
+        model runs (model.remat, dtype, attention, dropout) may change."""
+        named = [o for o in overrides if o.partition("=")[0].strip() == "model"]
+        saved = self.config()
+        if named:
+            raise RunError(f"--resume {named[0]}: a resume continues this run's own model ({saved.model_name}); "
+                           f"to train another, start a new run (training.init_from={self} starts from these weights)")
+        cfg = self.config(overrides)
+        changed = [f"model.{f} {getattr(saved.model, f)} -> {getattr(cfg.model, f)}" for f in cfg.model.PARAMETER_FIELDS
+                   if getattr(saved.model, f) != getattr(cfg.model, f)
+                   and not (f == "block_size" and cfg.model.max_length is None)]
+        if changed:
+            raise RunError(f"--resume cannot change the run's model ({'; '.join(changed)}): its checkpoints hold "
+                           f"that model's parameters; start a new run to train another")
+        return cfg
+
     def save_config(self, cfg: config_lib.Config) -> str:
         """Write config.yaml at once (a crash never leaves half a config); returns how it is named."""
         header = "# The effective config of this run (written by train.py); `python train.py --resume` reads it.\n"

@@ -419,12 +419,26 @@ def test_resume_with_another_model_names_the_keys_and_changes_nothing(finished_r
     run_dir = tmp_path / "other"
     shutil.copytree(finished_run, run_dir)
     before = contents(run_dir)
-    assert train.cli(["--resume", f"run_dir={run_dir}", "model.N=3", "training.steps=9"]) == 2
-    err = capsys.readouterr().err
-    assert "does not fit" in err and "only in this run: params/blocks/2/" in err and err.count("\n") == 1
-    assert train.cli(["--resume", f"run_dir={run_dir}", "model.embedding_dim=64", "training.steps=9"]) == 2
-    err = capsys.readouterr().err
-    assert "other shapes: params/blocks/0/" in err and "(32,) there, (64,) here" in err
+    # an override that names or changes the model: refused before anything is read or written
+    for override, words in [("model.N=3", "--resume cannot change the run's model (model.N 2 -> 3)"),
+                            ("model=small", "--resume model=small: a resume continues this run's own model (test)")]:
+        assert train.cli(["--resume", f"run_dir={run_dir}", override, "training.steps=9"]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+    assert train.cli(["--resume", f"run_dir={run_dir}", "model.remat=full", "training.steps=9"]) == 0  # how it runs
+    capsys.readouterr()
+    shutil.rmtree(run_dir)
+    shutil.copytree(finished_run, run_dir)
+    # a config.yaml edited by hand to another model: the checkpoint's own tree names what differs
+    saved = (run_dir / "config.yaml").read_text()
+    for edit, words in [(("  N: 2\n", "  N: 3\n"), "only in this run: params/blocks/2/"),
+                        (("  embedding_dim: 32\n", "  embedding_dim: 64\n"), "(32,) there, (64,) here")]:
+        assert edit[0] in saved
+        (run_dir / "config.yaml").write_text(saved.replace(*edit))
+        assert train.cli(["--resume", f"run_dir={run_dir}", "training.steps=9"]) == 2
+        err = capsys.readouterr().err
+        assert "does not fit" in err and words in err and err.count("\n") == 1, err
+    (run_dir / "config.yaml").write_text(saved)
     # config.yaml (and everything else) as before: nothing is written until a restore succeeds
     assert contents(run_dir) == before
     # nor when the checkpoint restores but the run's log cannot be read (a line that is not JSON)
@@ -610,10 +624,23 @@ def test_a_resume_or_init_from_on_other_data_is_refused(finished_run, corpus, tm
 def test_a_warmup_longer_than_the_run_is_said(corpus, tmp_path, capsys):
     """A run shorter than its warm-up never reaches training.lr: it trains, and says so once."""
     assert train.main(tiny(tmp_path / "short", corpus, "training.steps=1", "training.warmup_steps=4")) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # stderr is no terminal here: a plain line per logged step instead of a progress bar's \r-joined line
+    assert "\r" not in err and "step 1/1: loss " in err
     assert ("warning: training.warmup_steps (4) exceeds training.steps (1): the learning rate peaks at 25% of "
             "training.lr") in out
     assert rows(tmp_path / "short")[-1]["lr"] == pytest.approx(1e-2 / 4)  # the formula: lr * step / warmup
+
+
+def test_a_tilde_in_a_path_key_is_the_home_directory(monkeypatch, tmp_path):
+    """`data.dir=~/x` reaches the program with its ~ (the shell expands it only at a word's start): the
+    config's path keys expand it as the shell would; a URL is left as it is."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = config.load_config(overrides=["data.dir=~/data/x", "run_dir=~/runs/a", "training.init_from=~/runs/base"])
+    assert (cfg.data.dir, cfg.run_dir, cfg.training.init_from) == (
+        f"{tmp_path}/data/x", f"{tmp_path}/runs/a", f"{tmp_path}/runs/base")
+    assert config.run_dir_of(overrides=["run_dir=~/runs/a"]) == f"{tmp_path}/runs/a"  # what --resume opens
+    assert config.load_config(overrides=["data.dir=gs://b/~x"]).data.dir == "gs://b/~x"
 
 
 def test_a_key_given_twice_is_refused_not_dropped(tmp_path):

@@ -119,7 +119,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         if not run_dir.is_file(rundir.CONFIG):
             raise RunError(f"nothing to resume: {run_dir} is not a run directory (no {rundir.CONFIG})")
         sharding_lib.on_process_zero(lambda: held.enter_context(run_dir.writer(writer)), stopped)
-        cfg = run_dir.config(args.overrides)
+        cfg = run_dir.resume_config(args.overrides)
     else:
         run_dir.check_new()
     t, ck, sh = cfg.training, cfg.checkpoint, cfg.sharding
