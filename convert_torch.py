@@ -52,6 +52,30 @@ import errors  # light: nothing but the standard library
 if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX, torch and the rest load: one line, no traceback
 
+DESCRIPTION = __doc__.split("\n\n")[0]
+
+
+def parse_args(argv):
+    parser = errors.ArgumentParser(
+        error=errors.ConvertError, description=DESCRIPTION, allow_abbrev=False,
+        hint="usage: python convert_torch.py --checkpoint RUN_DIR --out DIR [--step N] [--format torch|hf] | "
+             "--import-hf HF_DIR --out RUN_DIR")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="RUN_DIR", help="export this run directory's checkpoint")
+    src.add_argument("--import-hf", metavar="HF_DIR", help="import a transformers directory (GPT-2, BLOOM, GPT-J, "
+                     "GPT-NeoX, OPT or LLaMA) into a run directory")
+    parser.add_argument("--step", type=int, help="the checkpoint step to export (default: the last)")
+    parser.add_argument("--out", required=True, help="the directory to write (an export, or a run for --import-hf)")
+    parser.add_argument("--format", default="torch", choices=("torch", "hf"),
+                        help="torch: torch_gpt.py's GPT module; hf: the transformers layout of the model's family "
+                             "(default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    errors.parse_before_loading(parse_args)  # --help and argument mistakes: at once, before JAX and torch load
+
 import contextlib
 import dataclasses
 import fnmatch
@@ -340,21 +364,7 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = errors.ArgumentParser(
-        error=ConvertError, description=__doc__.split("\n\n")[0], allow_abbrev=False,
-        hint="usage: python convert_torch.py --checkpoint RUN_DIR --out DIR [--step N] [--format torch|hf] | "
-             "--import-hf HF_DIR --out RUN_DIR")
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", metavar="RUN_DIR", help="export this run directory's checkpoint")
-    src.add_argument("--import-hf", metavar="HF_DIR", help="import a transformers directory (GPT-2, BLOOM, GPT-J, "
-                     "GPT-NeoX, OPT or LLaMA) into a run directory")
-    parser.add_argument("--step", type=int, help="the checkpoint step to export (default: the last)")
-    parser.add_argument("--out", required=True, help="the directory to write (an export, or a run for --import-hf)")
-    parser.add_argument("--format", default="torch", choices=("torch", "hf"),
-                        help="torch: torch_gpt.py's GPT module; hf: the transformers layout of the model's family "
-                             "(default: %(default)s)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     if args.import_hf:
         import_hf(args.import_hf, args.out, args.overwrite)
         imported = rundir.Run(args.out)  # a local path or a URL

@@ -146,6 +146,17 @@ def stop_at_once_while_loading() -> None:
         signal.signal(s, stop)
 
 
+def parse_before_loading(parse_args: Callable[[Sequence[str]], object]) -> None:
+    """For a command's first lines, once its parse_args is defined and before it imports JAX: answer
+    --help at once and refuse a mistaken argument in one line, without loading anything heavy. main()
+    parses the same arguments again (cheap) for its work."""
+    try:
+        parse_args(sys.argv[1:])
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_status)
+
+
 def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None, *,
         interrupted: str = "interrupted") -> int:
     """main(argv), with a UserError as one `error: ...` line on stderr and its exit status, and a

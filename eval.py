@@ -31,6 +31,45 @@ import errors  # light: nothing but the standard library
 if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
 
+DEFAULT_LENGTHS = "1x,2x,4x,8x"
+DEFAULT_TASKS = ("lambada_openai", "piqa", "winogrande", "hellaswag")  # --tasks alone
+
+
+def parse_args(argv):
+    p = errors.ArgumentParser(error=errors.EvalError, description="Perplexity against context length, and zero-shot benchmarks, for a trained run.")
+    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR",
+                   help="run directory (config, checkpoints, tokenizer)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step; default the last")
+    p.add_argument("--data", default=None, help="prepared data directory; default the run's own")
+    p.add_argument("--split", default="val", help="split scored for perplexity (default: %(default)s)")
+    p.add_argument("--lengths", default=None, help=f"evaluation lengths: multiples of the training context "
+                                                   f"or token counts (default {DEFAULT_LENGTHS})")
+    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens per length")
+    p.add_argument("--no-perplexity", action="store_true", help="skip the perplexity table")
+    p.add_argument("--tasks", nargs="?", const=",".join(DEFAULT_TASKS), default=None,
+                   help=f"lm-eval tasks, comma-separated; alone: {','.join(DEFAULT_TASKS)}")
+    p.add_argument("--include-path", default=None, help="directory of extra lm-eval task YAML files")
+    p.add_argument("--limit", type=float, default=None, help="examples per task (a fraction if < 1)")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    p.add_argument("--max-length", type=int, default=None, help="longest request the adapter scores, and the "
+                   "window of rolling log-likelihoods (default: the model's block_size, as lm-eval's HF backend "
+                   "reads it from a --format hf export)")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per scoring batch (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed for few-shot sampling and sampled generation "
+                                                              "(default: %(default)s)")
+    args = p.parse_args(argv)
+    for name in ("max_tokens", "max_length", "batch_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise errors.EvalError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.no_perplexity and args.tasks is None:
+        raise errors.EvalError("--no-perplexity without --tasks leaves nothing to evaluate")
+    return args
+
+
+if __name__ == "__main__":
+    errors.parse_before_loading(parse_args)  # --help and argument mistakes: at once, before JAX loads
+
 import math
 import os
 import pathlib
@@ -50,7 +89,6 @@ import shards
 import storage
 from errors import DataError, EvalError
 
-DEFAULT_LENGTHS = "1x,2x,4x,8x"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,38 +218,6 @@ def plot_perplexity(series: dict[str, list[dict]], train_len: int, title: str) -
 # Command line
 
 
-def parse_args(argv):
-    p = errors.ArgumentParser(error=EvalError, description="Perplexity against context length, and zero-shot benchmarks, for a trained run.")
-    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR",
-                   help="run directory (config, checkpoints, tokenizer)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step; default the last")
-    p.add_argument("--data", default=None, help="prepared data directory; default the run's own")
-    p.add_argument("--split", default="val", help="split scored for perplexity (default: %(default)s)")
-    p.add_argument("--lengths", default=None, help=f"evaluation lengths: multiples of the training context "
-                                                   f"or token counts (default {DEFAULT_LENGTHS})")
-    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens per length")
-    p.add_argument("--no-perplexity", action="store_true", help="skip the perplexity table")
-    p.add_argument("--tasks", nargs="?", const=",".join(harness.DEFAULT_TASKS), default=None,
-                   help=f"lm-eval tasks, comma-separated; alone: {','.join(harness.DEFAULT_TASKS)}")
-    p.add_argument("--include-path", default=None, help="directory of extra lm-eval task YAML files")
-    p.add_argument("--limit", type=float, default=None, help="examples per task (a fraction if < 1)")
-    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
-    p.add_argument("--max-length", type=int, default=None, help="longest request the adapter scores, and the "
-                   "window of rolling log-likelihoods (default: the model's block_size, as lm-eval's HF backend "
-                   "reads it from a --format hf export)")
-    p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per scoring batch (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed for few-shot sampling and sampled generation "
-                                                              "(default: %(default)s)")
-    args = p.parse_args(argv)
-    for name in ("max_tokens", "max_length", "batch_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise EvalError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.no_perplexity and args.tasks is None:
-        raise EvalError("--no-perplexity without --tasks leaves nothing to evaluate")
-    return args
-
-
 def run_data_dir(run: rundir.Run, cfg, override: str | None) -> str:
     """The prepared data to score: --data, else the directory the run trained on, with the run's tokenizer."""
     recorded = run.data()
@@ -311,6 +317,8 @@ def main(argv=None) -> int:
         raise EvalError(f"{run.show(rundir.TOKENIZER)} has no end-of-text token ({', '.join(shards.EOT_CANDIDATES)}), "
                         "which lm-eval's adapter needs as its prefix token")
 
+    if task_names and args.include_path is None:
+        harness.check_task_data(task_names)  # offline with nothing cached: now, not after the model and lm-eval's index
     model, step = run.load_model(args.step)
     if not run.remote:
         (pathlib.Path(run.location) / "eval").mkdir(exist_ok=True)

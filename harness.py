@@ -11,8 +11,8 @@ acc, PIQA acc, Winogrande acc, HellaSwag acc_norm) head the table (`task_table`)
 into the results JSON.
 
 Before the tasks' data is loaded, the Hugging Face Hub is asked once (corpus.hub_offline): when it
-does not answer, only datasets in the local cache load, and a task whose data is not cached stops at
-once with one line.
+does not answer, only datasets in the local cache load, and a task whose data is not cached stops
+with one line; with nothing cached at all, before the model loads (check_task_data).
 
 The only file of the project that imports lm_eval; eval.py's command line runs it.
 """
@@ -35,7 +35,6 @@ from corpus import hub_offline
 from errors import EvalError
 from model import GPT
 
-DEFAULT_TASKS = ("lambada_openai", "piqa", "winogrande", "hellaswag")
 # (task, metric, column): the reference system's result table.
 REFERENCE_COLUMNS = (("lambada_openai", "perplexity", "LAMBADA ppl"), ("lambada_openai", "acc", "LAMBADA acc"),
                      ("piqa", "acc", "PIQA acc"), ("winogrande", "acc", "Winogrande acc"),
@@ -222,6 +221,24 @@ class JaxLM(TemplateLM):
                 bar.update(len(chunk))
         bar.close()
         return out
+
+
+def check_task_data(tasks: Sequence[str]) -> None:
+    """Stop at once when no task of lm-eval's own can get its data: the Hub does not answer (or offline
+    mode is set) and the local dataset cache holds no dataset. Asked before the model loads and before
+    lm-eval indexes its ~15,000 task files (10-30 s); tasks under --include-path are not asked about."""
+    offline = hub_offline()
+    if offline is None:
+        return
+    import datasets.config
+
+    cache = pathlib.Path(datasets.config.HF_DATASETS_CACHE)
+    if cache.is_dir() and any(p.is_dir() and p.name != "downloads" and not p.name.startswith((".", "_"))
+                              for p in cache.iterdir()):
+        return  # something is cached: lm-eval finds out whether it is these tasks' data
+    raise EvalError(f"cannot load the data of {', '.join(tasks)}: {offline}, and the local dataset cache "
+                    f"{cache} holds no dataset (connect once to cache it, or give local task files with "
+                    "--include-path)")
 
 
 def run_tasks(lm: JaxLM, tasks: Sequence[str], *, include_path: str | None = None, limit: float | None = None,

@@ -31,6 +31,39 @@ import errors  # light: nothing but the standard library
 if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
 
+
+def parse_args(argv):
+    p = errors.ArgumentParser(error=errors.SampleError, description="Generate text from a trained run.")
+    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="run directory (config, checkpoints, tokenizer)")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=100,
+                   help="tokens to generate per sample (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens; 0 = all (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set with probability P; 1 = all "
+                                                                 "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    p.add_argument("--num-samples", type=int, default=1, help="samples, generated in one batch (default: %(default)s)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step; default the last")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise errors.SampleError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise errors.SampleError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_k < 0:
+        raise errors.SampleError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise errors.SampleError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.num_samples < 1:
+        raise errors.SampleError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.prompt == "":
+        raise errors.SampleError("--prompt is empty; give some text to continue")
+    return args
+
+
+if __name__ == "__main__":
+    errors.parse_before_loading(parse_args)  # --help and argument mistakes: at once, before JAX loads
+
 import sys
 import time
 from typing import Callable
@@ -137,35 +170,6 @@ def truncate(tokens: np.ndarray, eot_id: int | None) -> list[int]:
 
 # ----------------------------------------------------------------------------------------------
 # Command line
-
-
-def parse_args(argv):
-    p = errors.ArgumentParser(error=SampleError, description="Generate text from a trained run.")
-    p.add_argument("--checkpoint", required=True, metavar="RUN_DIR", help="run directory (config, checkpoints, tokenizer)")
-    p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=100,
-                   help="tokens to generate per sample (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens; 0 = all (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set with probability P; 1 = all "
-                                                                 "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    p.add_argument("--num-samples", type=int, default=1, help="samples, generated in one batch (default: %(default)s)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step; default the last")
-    args = p.parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise SampleError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.temperature >= 0 or args.temperature == float("inf"):
-        raise SampleError(f"--temperature must be a finite number >= 0, got {args.temperature}")
-    if args.top_k < 0:
-        raise SampleError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
-    if not 0 < args.top_p <= 1:
-        raise SampleError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.num_samples < 1:
-        raise SampleError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if args.prompt == "":
-        raise SampleError("--prompt is empty; give some text to continue")
-    return args
 
 
 def main(argv=None) -> int:

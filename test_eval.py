@@ -576,10 +576,26 @@ def test_help_shows_the_defaults(capsys):
 
 def test_tasks_offline_fail_at_once_in_one_line(run, tmp_path, offline_user):
     """Offline with an empty cache, a Hub task stops with one line naming the Hub that did not answer and
-    what still works: no warning of the Hugging Face libraries' retries, no traceback."""
-    result = subprocess.run([sys.executable, str(pathlib.Path(E.__file__)), "--checkpoint", str(run), "--tasks",
-                             "lambada_openai", "--no-perplexity"], cwd=tmp_path, env=offline_user,
-                            capture_output=True, text=True, timeout=300)
+    the empty cache, before the model loads and before lm-eval indexes its task files (seconds): no
+    warning of the Hugging Face libraries' retries, no traceback. With something in the cache (not this
+    task's data), lm-eval is asked, and its failure is the same kind of line after the run's header."""
+    eval_py = pathlib.Path(E.__file__)
+    code = ("import atexit, runpy, sys; atexit.register(lambda: print('indexed:', 'lm_eval.tasks' in sys.modules, "
+            f"file=sys.stderr)); sys.path.insert(0, {str(eval_py.parent)!r}); sys.argv = ['eval.py', '--checkpoint', {str(run)!r}, '--tasks', "
+            f"'lambada_openai,piqa', '--no-perplexity']; runpy.run_path({str(eval_py)!r}, run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=offline_user, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    cache = pathlib.Path(offline_user["HF_HOME"]) / "datasets"
+    assert result.stderr.splitlines() == [
+        f"error: cannot load the data of lambada_openai, piqa: the Hugging Face Hub at {offline_user['HF_ENDPOINT']} "
+        f"does not answer ([Errno 111] Connection refused), and the local dataset cache {cache} holds no dataset "
+        "(connect once to cache it, or give local task files with --include-path)", "indexed: False"]
+
+    (cache / "someone___other_dataset").mkdir(parents=True)  # a cache with something in it
+    result = subprocess.run([sys.executable, str(eval_py), "--checkpoint", str(run), "--tasks", "lambada_openai",
+                             "--no-perplexity"], cwd=tmp_path, env=offline_user, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 2, result.stderr
     header, *rest = result.stderr.strip().splitlines()
     assert header.startswith(f"{run} step 40: ") and len(rest) == 1, result.stderr  # the run, then only the error

@@ -656,16 +656,37 @@ def test_a_key_given_twice_is_refused_not_dropped(tmp_path):
         config.load_config(inner)
 
 
+# arguments each command parses without complaint (their paths are not looked at before JAX loads)
+WELL_FORMED = {"train.py": [], "eval.py": ["--checkpoint", "r"], "sample.py": ["--checkpoint", "r", "--prompt", "a"],
+               "convert_torch.py": ["--checkpoint", "r", "--out", "o"], "data.py": ["--help"]}
+
+
 @pytest.mark.parametrize("script", ["train.py", "eval.py", "sample.py", "convert_torch.py", "data.py"])
 def test_a_python_without_the_packages_is_one_line(script):
     """A command run outside the README's environment (a Python without jax, tokenizers, ...) stops with
     one line saying to activate it, not a ModuleNotFoundError traceback."""
     code = ("import sys, runpy; [sys.modules.__setitem__(m, None) for m in ('jax', 'tokenizers', 'numpy')]; "
-            f"sys.argv = ['{script}', '--help']; runpy.run_path('{script}', run_name='__main__')")
+            f"sys.argv = ['{script}', *{WELL_FORMED[script]!r}]; runpy.run_path('{script}', run_name='__main__')")
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: no module named '")
     assert "pip install -r requirements.txt" in p.stderr
+
+
+@pytest.mark.parametrize("script", ["train.py", "eval.py", "sample.py", "convert_torch.py"])
+@pytest.mark.parametrize("args", [["--help"], ["--no-such-option"]])
+def test_help_and_argument_mistakes_are_answered_before_jax_loads(script, args):
+    """--help, and an argument argparse refuses, are answered from the standard library alone: JAX (seconds
+    to import) and torch are never loaded for them. Run with JAX made unimportable: a load would fail."""
+    args = args if args == ["--help"] else [*WELL_FORMED[script], *args]
+    code = ("import sys, runpy; [sys.modules.__setitem__(m, None) for m in ('jax', 'torch', 'numpy')]; "
+            f"sys.argv = ['{script}', *{args!r}]; runpy.run_path('{script}', run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    if args == ["--help"]:
+        assert p.returncode == 0 and p.stdout.startswith("usage: ") and p.stderr == "", p.stderr
+    else:
+        assert p.returncode == 2 and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, p.stderr
+        assert "no-such-option" in p.stderr
 
 
 def test_an_older_python_is_one_line():
@@ -730,7 +751,8 @@ def test_help_names_the_file_whose_keys_the_overrides_address(capsys):
     key = entries["key=value"].split("e.g. ")[1].split()[0].split("=")[0]  # the example override's key
     section, field = key.split(".")
     assert field in conf[section]
-    assert f"(default: {config.DEFAULT_CONFIG})" in entries["--config"]
+    assert "(default: conf/config.yaml beside train.py)" in entries["--config"]
+    assert config.DEFAULT_CONFIG == REPO / "conf" / "config.yaml"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -25,6 +25,33 @@ import errors  # light: nothing but the standard library
 if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
 
+
+def parse_args(argv):
+    parser = errors.ArgumentParser(
+        description="Train a GPT. Without --resume, run_dir must not exist yet (or be empty); with --resume, "
+        "the run continues from its last checkpoint with its own config.yaml, plus any key=value given.",
+        allow_abbrev=False, error=errors.ConfigError,
+        hint="usage: python train.py [--config FILE] [key=value ...] [--resume] | --plan [--device NAME] [--devices N]",
+    )
+    parser.add_argument("--config", default=None, help="YAML config (default: conf/config.yaml beside train.py)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in run_dir from its last checkpoint")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the memory per device, FLOPs and step time of this config on --device and stop: "
+                             "nothing is read, made or run")
+    parser.add_argument("--device", default="H100", help="--plan's target: H100, H200, A100-40, A100-80, a TPU "
+                        "generation or slice (v3, v4-32, v5e-16, v5p-128, v6e-8), or a GPU's memory (24GiB)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="--plan's device count (default: the TPU slice's, else 1)")
+    parser.add_argument("--mfu", type=float, default=0.4, help="--plan's model FLOP utilisation for the step time")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides of the config file's keys, e.g. training.lr=1e-3 model=124m; every "
+                             "key, with its default and meaning, is in conf/config.yaml")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    errors.parse_before_loading(parse_args)  # --help and argument mistakes: at once, before JAX loads
+
 import contextlib
 import dataclasses
 import os
@@ -48,29 +75,6 @@ import storage
 from errors import RunError
 
 
-def parse_args(argv):
-    parser = errors.ArgumentParser(
-        description="Train a GPT. Without --resume, run_dir must not exist yet (or be empty); with --resume, "
-        "the run continues from its last checkpoint with its own config.yaml, plus any key=value given.",
-        allow_abbrev=False, error=config_lib.ConfigError,
-        hint="usage: python train.py [--config FILE] [key=value ...] [--resume] | --plan [--device NAME] [--devices N]",
-    )
-    parser.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG), help="YAML config (default: %(default)s)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in run_dir from its last checkpoint")
-    parser.add_argument("--plan", action="store_true",
-                        help="print the memory per device, FLOPs and step time of this config on --device and stop: "
-                             "nothing is read, made or run")
-    parser.add_argument("--device", default="H100", help="--plan's target: H100, H200, A100-40, A100-80, a TPU "
-                        "generation or slice (v3, v4-32, v5e-16, v5p-128, v6e-8), or a GPU's memory (24GiB)")
-    parser.add_argument("--devices", type=int, default=None,
-                        help="--plan's device count (default: the TPU slice's, else 1)")
-    parser.add_argument("--mfu", type=float, default=0.4, help="--plan's model FLOP utilisation for the step time")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="dotted overrides of the config file's keys, e.g. training.lr=1e-3 model=124m; every "
-                             "key, with its default and meaning, is in conf/config.yaml")
-    return parser.parse_args(argv)
-
-
 def main(argv=None) -> int:
     """Train; 0 once trained to training.steps, 128 + N when signal N (SIGTERM, SIGINT) stopped it.
 
@@ -78,6 +82,7 @@ def main(argv=None) -> int:
     cleanly too: before the first step with nothing saved, after it with a checkpoint of the last step.
     A second signal stops the process at once (progress.Stop)."""
     args = parse_args(argv)
+    args.config = args.config or config_lib.DEFAULT_CONFIG
     if args.plan:  # before any device, data or run directory
         import plan
 
