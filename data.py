@@ -278,8 +278,7 @@ def _beam_flags(options: list[str], runner: str) -> list[str]:
     return flags
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The command line; a user error raises (cli() prints it)."""
+def parse_args(argv: list[str] | None):
     parser = errors.ArgumentParser(error=DataError, description="Tokenize a corpus into memory-mapped shards "
                                                  "(no --input: this Python's stdlib sources).")
     parser.add_argument("--input", action="append", default=[], metavar="PATTERN",
@@ -311,7 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     fine.add_argument("--out-field", default="out_text", help="JSON field of the completion")
     fine.add_argument("--seq-len", type=int, help="training context: longer examples lose prompt tokens "
                                                    "from the left (required with prompt_completion)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; a user error raises (cli() prints it)."""
+    args = parse_args(argv)
     start = time.perf_counter()
     if args.vocab_size is not None and args.vocab_size < 258:  # 0 must not read as "the default"
         raise DataError(f"--vocab-size must be at least 258 (256 byte symbols and the end-of-text token), "

@@ -22,7 +22,8 @@ completion or closing token of the same example as input t; segments number the 
 Process p of P computes only rows [p*B/P, (p+1)*B/P) of each global batch. Every batch is checked
 against the vocabulary (one max per batch), so a flipped byte in a shard is named by file, position
 and id instead of indexing the embedding out of range. `validation_sample` is the fixed sample
-train.py evaluates on, padded to whole batches so evaluation compiles once.
+train.py evaluates on, spread over the whole split and padded to whole batches so evaluation
+compiles once.
 """
 from __future__ import annotations
 
@@ -320,17 +321,29 @@ class TextLoader(Loader):
         return list(rows.reshape(len(steps), self.local_batch_size, self.seq_len + 1))
 
 
+def spread(n: int, m: int | None) -> np.ndarray:
+    """Indices of m of n items spread evenly from the first to near the last (all n when m is None or
+    not smaller): a sample of a split that stands for the whole of it, not for its beginning."""
+    return np.arange(n) if m is None or m >= n else (np.arange(m, dtype=np.int64) * n) // m
+
+
+def split_windows(data_dir, split: str, seq_len: int) -> int:
+    """How many non-overlapping windows of seq_len (+1) tokens the split holds."""
+    return Stream(data_dir, split).windows(seq_len, f"{data_dir} split {split!r}")
+
+
 def eval_windows(data_dir, split: str, seq_len: int, batch_size: int, *,
                  max_windows: int | None = None) -> Iterator[np.ndarray]:
-    """Every non-overlapping window stream[i*T : i*T + T + 1] of the split once, in order, in batches."""
+    """The non-overlapping windows stream[i*T : i*T + T + 1] of the split, each once, in order, in
+    batches: every one, or max_windows of them spread evenly over the split (`spread`)."""
     if seq_len < 1 or batch_size < 1:
         raise DataError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
     stream = Stream(data_dir, split)
-    n = stream.windows(seq_len, f"{data_dir} split {split!r}")
-    n = n if max_windows is None else min(n, max_windows)
-    for first in range(0, n, batch_size):
-        batch = stream.read_rows(np.arange(first, min(first + batch_size, n)) * seq_len, seq_len + 1)
-        stream.check(batch, lambda: [(first * seq_len, len(batch) * seq_len + 1)])  # the rows' windows, in order
+    picked = spread(stream.windows(seq_len, f"{data_dir} split {split!r}"), max_windows)
+    for first in range(0, len(picked), batch_size):
+        windows = picked[first:first + batch_size]
+        batch = stream.read_rows(windows * seq_len, seq_len + 1)
+        stream.check(batch, lambda: [(int(w) * seq_len, seq_len + 1) for w in windows])  # each row's window
         yield batch
 
 
@@ -489,22 +502,31 @@ def empty_batch(rows: int, seq_len: int) -> dict:
 
 def eval_examples(data_dir, split: str, seq_len: int, batch_size: int, *, batching: str = "packing",
                  max_rows: int | None = None) -> Iterator[dict]:
-    """The split's examples once, in order, in rows as the Loader builds them, batch_size rows a batch."""
+    """The split's examples once, in order, in rows as the Loader builds them, batch_size rows a batch:
+    every row, or max_rows of them spread evenly over the split (`spread`)."""
     examples = _checked(data_dir, split, seq_len)
     bounds = _plan(examples.lengths, np.arange(len(examples)), seq_len + 1, batching == "packing")
-    n = len(bounds) - 1 if max_rows is None else min(len(bounds) - 1, max_rows)
-    for first in range(0, n, batch_size):
-        yield examples.batch([range(bounds[r], bounds[r + 1]) for r in range(first, min(first + batch_size, n))],
-                             seq_len)
+    picked = spread(len(bounds) - 1, max_rows).tolist()
+    for first in range(0, len(picked), batch_size):
+        yield examples.batch([range(bounds[r], bounds[r + 1]) for r in picked[first:first + batch_size]], seq_len)
+
+
+def example_rows(data_dir, split: str, seq_len: int, batching: str = "packing") -> int:
+    """How many rows the split's examples fill, as eval_examples builds them."""
+    examples = _checked(data_dir, split, seq_len)
+    return len(_plan(examples.lengths, np.arange(len(examples)), seq_len + 1, batching == "packing")) - 1
 
 
 def validation_sample(data_dir, seq_len: int, batch_size: int, max_rows: int, batching: str = "packing"):
-    """The fixed sample train.py evaluates on: the first max_rows windows (text) or rows of examples
-    (prompt/completion) of the val split, as (batches, rows, tokens counted). Every batch is whole
-    (batch_size rows; the rows that pad the last one weigh 0), so evaluation compiles once; each is
+    """The fixed sample train.py evaluates on: max_rows windows (text) or rows of examples
+    (prompt/completion) spread evenly over the val split, or all of them when it holds no more, as
+    (batches, rows, tokens counted, the split's rows). Every batch is whole (batch_size rows; the rows
+    that pad the last one weigh 0), so evaluation compiles once; each is
     {tokens (B, T+1), weights (B, T)[, segments (B, T)]}."""
     batches = []
-    if shards.is_prompt_completion(shards.load_index(data_dir)):
+    completions = shards.is_prompt_completion(shards.load_index(data_dir))
+    of = example_rows(data_dir, "val", seq_len, batching) if completions else split_windows(data_dir, "val", seq_len)
+    if completions:
         for batch in eval_examples(data_dir, "val", seq_len, batch_size, batching=batching, max_rows=max_rows):
             padded = empty_batch(batch_size, seq_len)  # zero weights on the rows that pad the batch
             for k, v in batch.items():
@@ -519,4 +541,4 @@ def validation_sample(data_dir, seq_len: int, batch_size: int, max_rows: int, ba
             batches.append(padded)
     rows = sum(int((batch["weights"].sum(axis=1) > 0).sum()) for batch in batches)
     tokens = int(sum(batch["weights"].sum() for batch in batches))
-    return batches, rows, tokens
+    return batches, rows, tokens, of

@@ -246,7 +246,7 @@ class Steps:
         if self.pending is not None:
             self.log(self.read())
 
-    def summary(self, index: dict, n_params: int, val_windows: int, val_tokens: int, ckpt_dir) -> dict:
+    def summary(self, index: dict, n_params: int, val_windows: int, val_tokens: int, val_of: int, ckpt_dir) -> dict:
         """summary.json: where training ended, with the unigram baseline of the tokens the loss counts
         (with prompt/completion data, the completions alone)."""
         completions = shards.is_prompt_completion(index)
@@ -259,11 +259,13 @@ class Steps:
             "parameters": n_params,
             "train_loss": train_loss,  # mean over the last steps
             "train_ppl": perplexity(train_loss) if train_loss is not None else None,
-            # on the fixed validation sample (training.eval_windows windows), not the whole split eval.py reads
+            # on the fixed validation sample: training.eval_windows windows (or rows of examples) spread evenly
+            # over the split, or the whole split when it holds no more
             "val_loss": self.val.get("val_loss", self.last_row.get("val_loss")),
             "val_ppl": self.val.get("val_ppl", self.last_row.get("val_ppl")),
             "val_sample_windows": val_windows,
             "val_sample_tokens": val_tokens,
+            "val_split_windows": val_of,
             "unigram_entropy": entropy,
             "unigram_entropy_of": "the completions (the tokens in the loss)" if completions else "the corpus",
             "checkpoint": os.path.join(ckpt_dir, str(self.last_ckpt)) if self.last_ckpt is not None else None,
@@ -273,6 +275,16 @@ class Steps:
         return summary
 
 
+def sample_words(summary: dict) -> str:
+    """What the validation figures were measured on, in words: the whole split, or a sample spread over it."""
+    rows = "rows of examples" if summary.get("unigram_entropy_of", "").startswith("the completions") else "windows"
+    n, of, tokens = summary["val_sample_windows"], summary.get("val_split_windows"), summary["val_sample_tokens"]
+    if n == of:
+        return f"the whole validation split ({n:,} {rows}, {tokens:,} tokens)"
+    return (f"{n:,} of the validation split's {of:,} {rows}, spread evenly over it ({tokens:,} tokens; "
+            "python eval.py measures the whole split)")
+
+
 def report(summary: dict) -> str:
     """The lines train.py ends with, from its summary.json."""
     fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
@@ -280,9 +292,8 @@ def report(summary: dict) -> str:
     return (
         f"done: {summary['steps']} steps, {summary['tokens'] / 1e6:.2f}M tokens in {summary['wall_time_s']:.0f}s\n"
         f"  train loss {fmt(summary['train_loss'], '.4f')} (ppl {fmt(summary['train_ppl'], '.2f')}), "
-        f"val loss {fmt(summary['val_loss'], '.4f')} (ppl {fmt(summary['val_ppl'], '.2f')}) on a fixed sample of "
-        f"{summary['val_sample_windows']} windows, {summary['val_sample_tokens']:,} tokens "
-        f"(python eval.py measures the whole split)\n"
+        f"val loss {fmt(summary['val_loss'], '.4f')} (ppl {fmt(summary['val_ppl'], '.2f')}) on "
+        + sample_words(summary) + "\n"
         f"  unigram entropy of {summary.get('unigram_entropy_of', 'the corpus')} "
         f"{fmt(summary['unigram_entropy'], '.4f')} nats/token"
         + (f"; the val loss is {abs(gap):.3f} nats {'below' if gap >= 0 else 'above'} it" if gap is not None else "")

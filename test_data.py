@@ -416,8 +416,12 @@ def test_eval_batches_cover_the_split_in_order(prepared, seq_len):
     batches = list(loader.eval_windows(out, "val", seq_len, 5))
     assert all(b.dtype == np.int32 and len(b) == 5 for b in batches[:-1]) and 1 <= len(batches[-1]) <= 5
     np.testing.assert_array_equal(np.concatenate(batches), expected)
+    # a sample of 3 stands for the whole split: windows 0, n/3 and 2n/3 (rounded down), not the first 3
     limited = np.concatenate(list(loader.eval_windows(out, "val", seq_len, 5, max_windows=3)))
-    np.testing.assert_array_equal(limited, expected[:3])
+    assert n > 6
+    np.testing.assert_array_equal(limited, expected[[0, n // 3, 2 * n // 3]])
+    np.testing.assert_array_equal(np.concatenate(list(loader.eval_windows(out, "val", seq_len, 5, max_windows=n))),
+                                  expected)
 
 
 # ------------------------------------------------------------------------------------------------

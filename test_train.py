@@ -113,8 +113,10 @@ def test_end_to_end_run(finished_run, corpus):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["tokens"] == 8 * 8 * 32
     assert summary["val_loss"] == r[-1]["val_loss"]
-    # which validation figure it is: the fixed sample of training.eval_windows windows of seq_len tokens
+    # which validation figure it is: the fixed sample of training.eval_windows windows of seq_len tokens,
+    # out of all the split's windows (its tokens less the one the last window's target needs, by 32)
     assert summary["val_sample_windows"] == 16 and summary["val_sample_tokens"] == 16 * 32
+    assert summary["val_split_windows"] == (index["splits"]["val"]["tokens"] - 1) // 32 > 16
     assert summary["wall_time_s"] >= r[-1]["time_s"]
     assert summary["unigram_entropy"] == index["unigram_entropy"]
     assert summary["checkpoint"] == str((run_dir / "checkpoints" / "8").resolve())
@@ -948,3 +950,17 @@ def test_perplexity_of_a_huge_finite_loss_is_a_number():
     assert progress.perplexity(2.0) == pytest.approx(math.exp(2.0))
     assert progress.perplexity(1e4) == math.exp(700.0)  # math.exp(1e4) overflows
     json.dumps({"train_ppl": progress.perplexity(1e4)}, allow_nan=False)  # the summary stays valid JSON
+
+
+def test_the_report_says_what_the_val_loss_was_measured_on():
+    """The end-of-run lines name the sample the validation loss is on: the whole split when the sample
+    holds all of it, else how many of the split's windows, spread over it, with eval.py for the rest."""
+    summary = {"steps": 10, "tokens": 10_000, "wall_time_s": 3.0, "train_loss": 3.0, "train_ppl": 20.1,
+               "val_loss": 3.1, "val_ppl": 22.2, "val_sample_windows": 256, "val_sample_tokens": 262_144,
+               "val_split_windows": 9_000, "unigram_entropy": 6.5, "unigram_entropy_of": "the corpus",
+               "val_loss_below_unigram": 3.4, "checkpoint": "runs/x/checkpoints/10"}
+    assert ("val loss 3.1000 (ppl 22.20) on 256 of the validation split's 9,000 windows, spread evenly over it "
+            "(262,144 tokens; python eval.py measures the whole split)\n") in progress.report(summary)
+    whole = {**summary, "val_split_windows": 256, "unigram_entropy_of": "the completions (the tokens in the loss)"}
+    assert ("val loss 3.1000 (ppl 22.20) on the whole validation split (256 rows of examples, 262,144 tokens)\n"
+            in progress.report(whole))

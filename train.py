@@ -166,7 +166,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         group = train_loader.group
         say(f"data {cfg.data.dir}: read in place, this process's rows only, {group} batch{'es' * (group > 1)} "
             f"a request, {train_loader.prefetch} ahead (nothing copied)")
-    val_sample, val_windows, val_tokens = loader.validation_sample(
+    val_sample, val_windows, val_tokens, val_of = loader.validation_sample(
         cfg.data.dir, seq_len, t.batch_size // t.micro_batches, t.eval_windows, cfg.data.batching)
     if t.init_from:  # its model must be this one: checked before anything is written
         rundir.check_init_from(t.init_from, mcfg, index)
@@ -286,7 +286,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         if wandb_run is not None:
             wandb_run.finish()
         return 128 + stop.signal  # not 0: `python train.py && python eval.py` must not go on
-    summary = steps.summary(index, n_params, val_windows, val_tokens, ckpts.dir)
+    summary = steps.summary(index, n_params, val_windows, val_tokens, val_of, ckpts.dir)
     if is_main:
         run_dir.save_summary(summary)
         if wandb_run is not None:
