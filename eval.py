@@ -9,7 +9,7 @@ length L and every token of a window is scored once, with as much context as the
 (the ALiBi paper's "nonoverlapping" evaluation). Lengths are multiples of the training context
 (`2x`) or token counts (`512`); the default is 1x, 2x, 4x and 8x. A learned-position model has
 no embedding past its block_size: the default lengths stop there (with a message), an explicit
-longer one is an error. `--max-tokens N` scores only the split's first N // L windows at each length.
+longer one is an error. `--max-tokens N` scores N // L windows at each length, spread evenly over the split.
 The table is printed, added to RUN_DIR/eval/step<N>.json, drawn as RUN_DIR/eval/step<N>-perplexity.png,
 and logged to the run's wandb project when it has one. Every row records what it measured (data,
 split and its size, max_tokens where that cut the split short): a new row replaces only the row of
@@ -135,8 +135,8 @@ def perplexity_table(scorer, data_dir, lengths: Sequence[int], train_len: int, *
                      batch_tokens: int = 16384, max_tokens: int | None = None, progress: bool = True) -> list[dict]:
     """One row per length: {length, multiple, tokens, windows, loss, ppl, split_tokens, max_tokens}.
 
-    Every window of the split is scored once, or with `max_tokens` the split's first max_tokens // length
-    windows (at least one). A row says what it measured: the split's size, and max_tokens where that cut
+    Every window of the split is scored once, or with `max_tokens` max_tokens // length windows (at least
+    one) spread evenly over the split (loader.spread). A row says what it measured: the split's size, and max_tokens where that cut
     the windows short (None: the whole split).
     """
     table = []
@@ -177,9 +177,10 @@ def amount(row: dict) -> str:
 
 
 def scored(row: dict) -> str:
-    """What one row scored: 'whole split', or 'first 3 of 188 windows (--max-tokens 100)'."""
+    """What one row scored: 'whole split', or '3 of 188 windows, spread over the split (--max-tokens 100)'."""
     if row.get("max_tokens") is not None:
-        return f"first {row['windows']} of {(row['split_tokens'] - 1) // row['length']} windows ({amount(row)})"
+        return (f"{row['windows']} of {(row['split_tokens'] - 1) // row['length']} windows, spread over the split "
+                f"({amount(row)})")
     return amount(row)
 
 
