@@ -471,8 +471,13 @@ def drop_closed_loop_errors(unraisable) -> None:
     """A sys.unraisablehook for checkpoints: when one read or write fails, tensorstore finishes the
     other parallel ones on orbax's already closed asyncio loop, and each would print an 'Event loop is
     closed' traceback (or, at exit, an ImportError of the interpreter shutting down) that buries the
-    one-line error. Drop exactly those."""
+    one-line error. And the reads left unawaited by the failed one are closed when collected: orbax's
+    read coroutine answers the close with an exception of its own (`Encountered error while reading
+    array index`, dozens of lines of TensorStore spec each), again after the error was reported.
+    Drop exactly those."""
     e = unraisable.exc_value
+    code = getattr(unraisable.object, "cr_code", None)  # a coroutine's, when one is being closed
+    orbax_coroutine = code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
     if not ((unraisable.exc_type is RuntimeError and "Event loop is closed" in str(e)) or
-            (unraisable.exc_type is ImportError and "shutting down" in str(e))):
+            (unraisable.exc_type is ImportError and "shutting down" in str(e)) or orbax_coroutine):
         sys.__unraisablehook__(unraisable)
