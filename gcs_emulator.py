@@ -1,8 +1,15 @@
-"""A Google Cloud Storage server on 127.0.0.1 for the tests: gcp-storage-emulator (in memory), with
-what it lacks and the project's clients rely on. conftest.py starts it (fixture `gcs_server`):
+"""A Google Cloud Storage server on 127.0.0.1, for the tests and for trying gs:// paths without a
+cloud account: gcp-storage-emulator (in memory; `pip install -r requirements-test.txt`), with what it
+lacks and the project's clients rely on. conftest.py starts it (fixture `gcs_server`), and so can you:
 
-    python gcs_emulator.py        # serves on a free port of 127.0.0.1, prints the port, runs until killed
+    python gcs_emulator.py        # serves on a free port of 127.0.0.1 with the bucket gs://local, runs until killed
+    python gcs_emulator.py --bucket mine --port 4443
     python gcs_emulator.py --latency-ms 50 --bandwidth-mbs 200 --threads   # as bench.py data --remote runs it
+
+It prints the port on its first line (what conftest.py and bench_remote.py read), then the
+`export NAME=value` lines (ENVIRONMENT) that point gcsfs, tensorstore (orbax's arrays) and
+google-auth at it: pasted into a shell, they make every gs:// path of the commands run there reach
+this server. Its contents live in memory and end with it.
 
 With --latency-ms and --bandwidth-mbs every read (GET) waits that long before it is answered and sends
 its body no faster than that, as a store across a network would; --threads answers requests
@@ -45,6 +52,7 @@ import time
 
 from gcp_storage_emulator import server as emulator
 from gcp_storage_emulator import storage as emulator_storage
+from gcp_storage_emulator.handlers import buckets as emulator_buckets
 from gcp_storage_emulator.exceptions import NotFound
 
 emulator_storage.DEFAULT_SOFT_DELETE_RETENTION_SECONDS = 0
@@ -176,18 +184,52 @@ class _ThreadingServer(http.server.ThreadingHTTPServer):
     request_queue_size = 1024
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="A GCS server on 127.0.0.1 for the tests and bench.py")
+# The settings that point each client at the server (URL: http://127.0.0.1:PORT) and skip its search for
+# credentials; conftest.py's gcs_server sets the same for the suite.
+ENVIRONMENT = {
+    "STORAGE_EMULATOR_HOST": "{url}",  # gcsfs (fsspec's gs://) and google-cloud-storage
+    "TENSORSTORE_GCS_HTTP_URL": "{url}",  # tensorstore: orbax's arrays
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "x",  # tensorstore: this token, no credential search
+    "NO_GCE_CHECK": "true",  # google-auth: no probe of a Compute Engine metadata server
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # gcsfs: no questions to the storage control API, which this lacks
+}
+
+
+def exports(url: str) -> list[str]:
+    """The `export NAME=value` lines of ENVIRONMENT for a server at `url`."""
+    return [f"export {name}={value.format(url=url)}" for name, value in ENVIRONMENT.items()]
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description="A Google Cloud Storage server on 127.0.0.1 (in memory), for the "
+                                     "tests, bench.py data --remote and trying gs:// paths locally. Prints the port, "
+                                     "then the export lines that point the clients at it.")
+    parser.add_argument("--bucket", default="local", help="the bucket it starts with (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=0, help="port of 127.0.0.1 (default: a free one)")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="wait before answering each read")
     parser.add_argument("--bandwidth-mbs", type=float, help="send each read's body at most this fast (MB/s)")
     parser.add_argument("--threads", action="store_true", help="answer requests concurrently (reads)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int | None:
+    args = parse_args(argv)
     NETWORK.update(latency_s=args.latency_ms / 1e3, bytes_per_s=args.bandwidth_mbs and args.bandwidth_mbs * 1e6)
     store = emulator_storage.Storage(use_memory_fs=True)
-    server = (_ThreadingServer if args.threads else _Server)(("127.0.0.1", 0),
+    if args.bucket:
+        emulator_buckets.create_bucket(args.bucket, store)
+    server = (_ThreadingServer if args.threads else _Server)(("127.0.0.1", args.port),
                                                               functools.partial(_Handler, store))
-    print(server.server_address[1], flush=True)  # the port the system chose
-    server.serve_forever()
+    port = server.server_address[1]
+    print(port, flush=True)  # first, alone on its line: the port the system chose (conftest.py reads it)
+    print("\n".join(exports(f"http://127.0.0.1:{port}")), flush=True)
+    if args.bucket:
+        print(f"# gs://{args.bucket} is ready: paste the export lines above into the shell that runs the commands; "
+              f"this server keeps everything in memory until it is stopped (Ctrl-C)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,429 @@
+"""The README's commands, so that none can drift from the code: every command line of its ```bash
+blocks is run or checked, its Python snippet runs against real exports, the plan it prints and its
+table of plans are what `train.py --plan` prints now, and `python gcs_emulator.py` gives a bucket.
+
+Each command line (backslash continuations joined, comments dropped, `&&`, `||`, `;`, `&` and
+redirections split off, leading `NAME=value` settings dropped) is checked by what it runs:
+
+    python SCRIPT.py ARGS   the script exists and its own parser accepts ARGS, without running the
+                            work: train.py, data.py, eval.py, sample.py, convert_torch.py and
+                            gcs_emulator.py by their parse_args (before JAX loads), bench.py by its
+                            main with the benchmarks replaced; train.py's config with its overrides is
+                            loaded too (a renamed key fails), and `train.py --plan` runs for real
+    bash prepareTPUVM.sh --dry-run   runs for real
+    bench/gpu.sh, bench/gpu-run.sh   the script exists and knows every phase named
+    pip install -r FILE     FILE exists; `python3 -m venv .venv`, `. .venv/bin/activate` and other pip,
+                            pytest, git, gcloud, srun, nohup, cd lines: allowed external tools, with the
+                            command inside `gcloud ... --command` and after `srun`/`nohup` checked as above
+
+Placeholders (the README says so at the top of its reference part): the words in PLACEHOLDERS are
+the user's to fill in; each is replaced by its value here, and a word in CAPITALS left over is an
+undocumented placeholder, which fails.
+"""
+import ast
+import contextlib
+import io
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent
+README = REPO / "README.md"
+
+# What the README's reader fills in, and the value the checks below use for it.
+PLACEHOLDERS = {
+    "BUCKET": "readme-bucket",  # a Cloud Storage bucket of yours (gs://BUCKET/...)
+    "YOU/THIS_REPO": "you/gpt-jax",  # where your copy of this repository lives on GitHub
+    "HOST": "localhost",  # a Flink or Spark master
+    "OUT": "/tmp/readme-bench-out",  # where bench/gpu.sh puts its records
+    "$i": "0",  # this node's index on a multi-node cluster
+    "my-project": "readme-project",  # a Google Cloud project
+    "path/to/gpt2": "/tmp/readme-models/gpt2",  # a transformers checkpoint directory you downloaded
+    "path/to/pythia-160m": "/tmp/readme-models/pythia-160m",
+    "corpus/**/*.txt": "/tmp/readme-corpus/**/*.txt",  # your text files
+    "corpus/*.txt": "/tmp/readme-corpus/*.txt",
+    "extra.jsonl.zst": "/tmp/readme-corpus/extra.jsonl.zst",
+    "pile/*.jsonl.zst": "/tmp/readme-corpus/pile/*.jsonl.zst",
+    "/mnt/corpus/pile/*.jsonl.zst": "/tmp/readme-corpus/pile/*.jsonl.zst",  # on a file system the workers share
+    "pairs.jsonl": "/tmp/readme-corpus/pairs.jsonl",  # your prompt/completion pairs
+}
+CAPITAL_WORDS = {"DOCKER"}  # words in capitals that are real values (Beam's environment_type), not placeholders
+EXTERNAL = {"pip", "pytest", "git", "gcloud", "srun", "nohup", "cd"}  # tools checked no further (but what they run)
+PYTHONS = {"python", "python3", ".venv/bin/python"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading the README
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """(language, body) of every fenced block, in order."""
+    return re.findall(r"^```(\w*)\n(.*?)^```$", text, flags=re.S | re.M)
+
+
+def command_lines(body: str) -> list[str]:
+    """A bash block's command lines: continuations joined, comment and blank lines dropped."""
+    joined = re.sub(r"\\\n\s*", " ", body)
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def fill(line: str) -> str:
+    """The line with every placeholder replaced by its value (longest first): a name as a whole word, a
+    file name or glob (with a dot or a star) only where an argument starts."""
+    for name in sorted(PLACEHOLDERS, key=len, reverse=True):
+        before = r"(?<![^\s'\"=])" if re.search(r"[.*]", name) else r"(?<![\w.-])"
+        line = re.sub(before + re.escape(name) + r"(?![\w-])", lambda _: PLACEHOLDERS[name], line)
+    return line
+
+
+def uncommented(line: str) -> str:
+    """The line without its comment: from an unquoted # that starts a word to the end."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def commands(line: str) -> list[list[str]]:
+    """The simple commands of a shell line, as argument lists: split at && || ; | &, redirections and
+    a trailing comment dropped, leading NAME=value settings dropped."""
+    lexer = shlex.shlex(uncommented(line), posix=True, punctuation_chars=True)
+    lexer.whitespace_split, lexer.commenters = True, ""
+    out, current, tokens = [], [], list(lexer)
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token in ("&&", "||", ";", "|", "&"):
+            out.append(current)
+            current = []
+        elif token in (">", ">>", "<", ">&", "2>"):
+            if current and current[-1].isdigit():  # 2>&1: the 2 belongs to the redirection
+                current.pop()
+            i += 1  # the redirection's target
+        else:
+            current.append(token)
+        i += 1
+    out.append(current)
+    commands = []
+    for argv in out:
+        while argv and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", argv[0]):
+            argv = argv[1:]
+        if argv:
+            commands.append(argv)
+    return commands
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+TEXT = README.read_text()
+BLOCKS = blocks(TEXT)
+BASH_LINES = [line for lang, body in BLOCKS if lang == "bash" for line in command_lines(body)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Checking one command
+
+
+PLANS: dict[tuple[str, ...], str] = {}  # what `train.py --plan ARGS` printed, by ARGS: each runs once here
+
+
+class Checker:
+    """Checks command lines (`line`); `plans` maps each `train.py --plan` line checked to what it printed."""
+
+    def __init__(self, monkeypatch):
+        self.monkeypatch = monkeypatch
+        self.plans: dict[str, str] = {}
+
+    def line(self, line: str) -> None:
+        filled = fill(line)
+        for argv in commands(filled):
+            self.command(argv, line)
+
+    def command(self, argv: list[str], line: str) -> None:
+        leftover = [w for w in re.findall(r"\b[A-Z][A-Z0-9_]{2,}\b", " ".join(argv)) if w not in CAPITAL_WORDS]
+        assert not leftover, f"{line}: {leftover} look like placeholders: add them to PLACEHOLDERS"
+        prog, args = argv[0], argv[1:]
+        if prog in PYTHONS:
+            if args[:2] == ["-m", "venv"]:
+                return
+            script, args = args[0], args[1:]
+            assert (REPO / script).is_file(), f"{line}: no {script} in the repository"
+            getattr(self, "script_" + pathlib.Path(script).stem)(args, line)
+        elif prog in (".", "source"):
+            assert args == [".venv/bin/activate"], line
+        elif prog == "bash":
+            assert (REPO / args[0]).is_file(), f"{line}: no {args[0]}"
+            if args == ["prepareTPUVM.sh", "--dry-run"]:
+                done = subprocess.run(["bash", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+                assert done.returncode == 0 and "pip install" in done.stdout, done.stderr
+        elif prog.startswith("bench/"):
+            self.gpu_script(prog, args, line)
+        elif prog == "pip":
+            for i, arg in enumerate(args):
+                if arg == "-r":
+                    assert (REPO / args[i + 1]).is_file(), f"{line}: no {args[i + 1]}"
+        elif prog == "gcloud":
+            if "--command" in args:  # what runs on the workers
+                self.line(args[args.index("--command") + 1])
+        elif prog == "srun":
+            rest = list(args)
+            while rest and rest[0].startswith("-"):
+                rest.pop(0)
+            self.command(rest, line)
+        elif prog == "nohup":
+            self.command(args, line)
+        else:
+            assert prog in EXTERNAL, f"{line}: {prog} is neither checked here nor an allowed external tool"
+
+    # the scripts, each through its own parser
+
+    def script_train(self, args, line):
+        import config
+        import train
+
+        parsed = train.parse_args(args)
+        path = REPO / parsed.config if parsed.config else config.DEFAULT_CONFIG
+        config.load_config(path, parsed.overrides)
+        config.run_dir_of(path, parsed.overrides)
+        if parsed.plan:
+            if tuple(args) not in PLANS:
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    assert train.cli(args) == 0, line
+                PLANS[tuple(args)] = out.getvalue()
+            self.plans[line] = PLANS[tuple(args)]
+
+    def script_data(self, args, line):
+        import data
+
+        data.parse_args(args)
+
+    def script_eval(self, args, line):
+        import eval as eval_lib
+
+        eval_lib.parse_args(args)
+
+    def script_sample(self, args, line):
+        import sample
+
+        sample.parse_args(args)
+
+    def script_convert_torch(self, args, line):
+        import convert_torch
+
+        convert_torch.parse_args(args)
+
+    def script_gcs_emulator(self, args, line):
+        import gcs_emulator
+
+        gcs_emulator.parse_args(args)
+
+    def script_bench(self, args, line):
+        import bench
+
+        ran = []
+        for name in ("bench_data", "bench_train", "bench_attention"):
+            self.monkeypatch.setattr(bench, name, lambda parsed, argv, name=name: ran.append(name) or 0)
+        assert bench.main(args) == 0 and ran == ["bench_" + args[0]], line
+
+    def gpu_script(self, prog, args, line):
+        assert (REPO / prog).is_file(), f"{line}: no {prog}"
+        phases = set(re.findall(r"^phase_(\w+)\(\)", (REPO / "bench/gpu.sh").read_text(), flags=re.M))
+        named = args[2:] if prog == "bench/gpu-run.sh" else args[1:]  # OUT [SECONDS] PHASE...
+        if prog == "bench/gpu-run.sh":
+            assert args[1].isdigit(), line
+        assert named and set(named) <= phases, f"{line}: phases {set(named) - phases} unknown to bench/gpu.sh"
+
+
+# ------------------------------------------------------------------------------------------------
+# The tests
+
+
+def test_the_reader_reads_the_readme():
+    """The helpers find what the README plainly holds (guards the tests below against checking nothing)."""
+    assert len(BASH_LINES) > 40 and sum(lang == "python" for lang, _ in BLOCKS) == 1
+    assert commands("A=1 B=2 python x.py --k 'a b' > log 2>&1 && git pull || true &") == [
+        ["python", "x.py", "--k", "a b"], ["git", "pull"], ["true"]]
+    assert anchor("Fine-tuning on prompt/completion pairs") == "fine-tuning-on-promptcompletion-pairs"
+
+
+def test_every_command_line_runs_or_parses(monkeypatch):
+    checker = Checker(monkeypatch)
+    for line in BASH_LINES:
+        checker.line(line)
+    assert checker.plans, "no train.py --plan line was run"
+
+
+def test_the_printed_plan_is_what_the_plan_prints(monkeypatch):
+    """The output block after the --plan command is what that command prints now."""
+    checker = Checker(monkeypatch)
+    compared = 0
+    for (lang, body), (next_lang, next_body) in zip(BLOCKS, BLOCKS[1:]):
+        lines = command_lines(body) if lang == "bash" else []
+        if any("--plan" in line for line in lines):
+            assert len(lines) == 1 and next_lang == "text", "a --plan command block is followed by its output"
+            checker.line(lines[0])
+            assert next_body.rstrip("\n") == checker.plans[lines[0]].rstrip("\n"), (
+                f"the README's plan output is stale; it prints now:\n{checker.plans[lines[0]]}")
+            compared += 1
+    assert compared == 1
+
+
+def plan_row(model: str, device: str, batch: int, micro: int) -> str:
+    """The README table's row for one configuration, from what `train.py --plan` prints for it."""
+    import train
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert train.cli(["--plan", "--device", *device.split(), f"model={model}", "model.dtype=bfloat16",
+                          f"training.batch_size={batch}", f"training.micro_batches={micro}",
+                          "training.loss_chunk=4096", "sharding.zero_stage=1"]) == 0
+    lines = out.getvalue().splitlines()
+    devices = re.search(r" on (.*?)(, \d+ host|$)", lines[0])[1]
+    shape = re.search(r"batch (\d+) x (\d+) tokens in (\d+) micro-batch\(es\): (\d+) sequence", lines[1])
+    verdict = next(line for line in lines if line.startswith(("fits:", "tight:", "does not fit:")))
+    share = re.search(r"\((\d+%)\)", verdict)[1]
+    total = float(re.search(r"([\d.]+) (?:GiB needed|of)", verdict)[1])
+    kind = verdict.split(":")[0]
+    if kind == "fits":
+        recommends = "ZeRO 1 as it is"
+    else:
+        heading = next((i for i, line in enumerate(lines) if line.startswith(("changes that fit", "no single change"))),
+                       None)
+        if heading is None:
+            recommends = "more devices"
+        else:
+            first = lines[heading + 1].strip()
+            change, size = re.fullmatch(r"(.*?)\s{2,}(\S+ GiB \(\d+%\))", first).groups()
+            recommends = f"`{change}`: {size}"
+    return (f"| `{model}` | `{device}` | {devices} | {shape[1]} x {shape[2]} ({shape[3]}) | {shape[4]} | "
+            f"{total:.1f} GiB ({share}): {kind} | {recommends} |")
+
+
+def test_the_plan_table_is_what_the_plan_prints():
+    section = TEXT.split("### What the plan says for the named sizes")[1].split("\n### ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 5
+    stale = []
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        model, device = cells[0].strip("`"), cells[1].strip("`")
+        batch, micro = re.fullmatch(r"(\d+) x \d+ \((\d+)\)", cells[3]).groups()
+        now = plan_row(model, device, int(batch), int(micro))
+        if now != row:
+            stale.append(now)
+    assert not stale, "rows of the README's plan table are stale; they print now:\n" + "\n".join(stale)
+
+
+def test_the_contents_links_reach_headings_and_the_test_command_is_ci():
+    headings = {anchor(h) for h in re.findall(r"^#{2,4} (.+)$", TEXT, flags=re.M)}
+    links = re.findall(r"\]\(#([^)]+)\)", TEXT)
+    assert links and not set(links) - headings, set(links) - headings
+    ci = [line for line in (REPO / ".ci/run").read_text().splitlines() if line and not line.startswith(("#", "set", "cd"))]
+    assert ci and ci[-1] in BASH_LINES  # .ci/run runs the README's test command exactly as written
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """export/default and export/default-hf as the README's convert_torch.py commands write them
+    (convert_torch.export, what they call), of a `test`-size model with random weights and a tokenizer
+    trained on a few lines of text: no training run, so that this file stays fast."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import config
+    import convert_torch
+    import model
+    import shards
+
+    root = tmp_path_factory.mktemp("readme")
+    docs = [f"def main(argv): return {i} + {i * i}  # the cat sat on the mat\n" for i in range(200)]
+    tok = shards.train_tokenizer(iter(docs), 300)
+    tok.save(str(root / "tokenizer.json"))
+    cfg = dataclasses.replace(config.load_config(overrides=["model=test"]).model, vocab_size=tok.get_vocab_size())
+    shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: model.GPT(cfg, rngs=nnx.Rngs(params=0)))))
+    rng = np.random.default_rng(0)  # random weights (the snippet only needs them to load and run)
+    params = jax.tree.map(lambda a: rng.normal(0, 0.02, a.shape).astype(a.dtype), shapes)
+    convert_torch.export(params, cfg, root / "export" / "default", "torch", root / "tokenizer.json")
+    convert_torch.export(params, cfg, root / "export" / "default-hf", "hf", root / "tokenizer.json")
+    return root
+
+
+def test_the_pytorch_snippet_runs_and_its_install_lines_name_what_it_imports(exports, monkeypatch, capsys):
+    (snippet,) = [body for lang, body in BLOCKS if lang == "python"]
+    monkeypatch.chdir(exports)  # where the README's convert_torch.py commands wrote export/default and -hf
+    exec(compile(snippet, "README.md's snippet", "exec"), {"__name__": "readme_snippet"})
+    assert capsys.readouterr().out.startswith("def main(")  # the prompt and its continuation
+
+    # every package the snippet and torch_gpt.py import is in the install lines before it
+    section = TEXT.split("## Exporting to PyTorch and Hugging Face")[1].split("\n## ")[0]
+    installs = [argv for lang, body in blocks(section) if lang == "bash" for line in command_lines(body)
+                for argv in commands(line) if argv[:2] == ["pip", "install"]]
+    named = {a for argv in installs for a in argv[2:] if not a.startswith("-") and "://" not in a}
+    imported = set()
+    for source in (snippet, (REPO / "torch_gpt.py").read_text()):
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    needed = imported - set(sys.stdlib_module_names) - {"torch_gpt", "__future__"}
+    assert needed and needed <= named, f"not in the README's pip install lines: {needed - named}"
+    # torch from PyTorch's CPU index (plain PyPI gives the CUDA build)
+    assert ["pip", "install", "torch", "--index-url", "https://download.pytorch.org/whl/cpu"] in installs
+
+
+def test_the_local_bucket_of_the_readme(tmp_path):
+    """`python gcs_emulator.py --bucket local`, as the README starts it: the port first (what conftest.py
+    and bench_remote.py read), then export lines which, alone, make gs://local reachable from a new shell."""
+    import gcs_emulator
+
+    server = subprocess.Popen([sys.executable, str(REPO / "gcs_emulator.py"), "--bucket", "local"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        port = server.stdout.readline().strip()
+        assert port.isdigit()
+        lines = [server.stdout.readline().strip() for _ in range(6)]
+        exports = dict(line.removeprefix("export ").split("=", 1) for line in lines if line.startswith("export "))
+        assert lines[-1].startswith("# gs://local is ready")
+        assert set(exports) == set(gcs_emulator.ENVIRONMENT)  # what the suite's own gs:// paths are reached by
+        assert exports["STORAGE_EMULATOR_HOST"] == f"http://127.0.0.1:{port}"
+        env = {k: v for k, v in os.environ.items() if k not in exports}  # a shell with only the pasted lines
+        code = ("import gcsfs; fs = gcsfs.GCSFileSystem(); print(fs.ls('local')); "
+                "fs.pipe('local/dir/a.txt', b'hello'); print(fs.cat('local/dir/a.txt').decode())")
+        done = subprocess.run([sys.executable, "-c", code], env={**env, **exports}, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["[]", "hello"]
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def test_an_undocumented_placeholder_or_tool_fails(monkeypatch):
+    """The checker refuses what it cannot vouch for, so a new README command needs a check here."""
+    checker = Checker(monkeypatch)
+    for line, message in [("python data.py --out gs://NEWBUCKET/x", "look like placeholders"),
+                          ("curl https://example.com", "neither checked here nor an allowed"),
+                          ("python train.py training.no_such_key=1", "no_such_key"),
+                          ("python sample.py --checkpoint runs/x", "prompt"),
+                          ("bench/gpu.sh OUT warp", "unknown to bench/gpu.sh")]:
+        with pytest.raises(Exception, match=message):
+            checker.line(line)
