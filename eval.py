@@ -26,6 +26,8 @@ User errors (a missing run, an unknown task, a length the model cannot take) end
 """
 from __future__ import annotations
 
+import os
+
 import errors  # light: nothing but the standard library
 
 if __name__ == "__main__":
@@ -64,6 +66,8 @@ def parse_args(argv):
             raise errors.EvalError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.no_perplexity and args.tasks is None:
         raise errors.EvalError("--no-perplexity without --tasks leaves nothing to evaluate")
+    if args.include_path is not None and not os.path.isdir(args.include_path):
+        raise errors.EvalError(f"--include-path {args.include_path} is not a directory")
     return args
 
 
@@ -71,7 +75,6 @@ if __name__ == "__main__":
     errors.parse_before_loading(parse_args)  # --help and argument mistakes: at once, before JAX loads
 
 import math
-import os
 import pathlib
 import sys
 import time
@@ -302,6 +305,9 @@ def main(argv=None) -> int:
     lengths = []
     if not args.no_perplexity:
         data_dir = run_data_dir(run, cfg, args.data)
+        splits = shards.load_index(data_dir).get("splits", {})
+        if args.split not in splits:  # before the model loads, not in the middle of a progress bar
+            raise EvalError(f"{data_dir}: no split {args.split!r} (has: {', '.join(splits)})")
         lengths = parse_lengths(args.lengths or DEFAULT_LENGTHS, train_len)
         if model_cfg.max_length is not None and lengths[-1] > model_cfg.max_length:
             if args.lengths is not None:

@@ -565,6 +565,7 @@ def test_learned_positions_stop_at_block_size(learned_run, capsys):
     (["--checkpoint", "{run}", "--step", "7"], "no checkpoint for step 7"),
     (["--checkpoint", "{run}", "--no-perplexity"], "nothing to evaluate"),
     (["--checkpoint", "{run}", "--include-path", "{missing}", "--tasks", "x", "--no-perplexity"], "not a directory"),
+    (["--checkpoint", "{run}", "--split", "nosuch"], "no split 'nosuch' (has: train, val)"),
 ])
 def test_user_errors_are_one_line(run, tmp_path, capsys, argv, message):
     argv = [a.format(run=run, missing=tmp_path / "missing") for a in argv]
@@ -572,6 +573,8 @@ def test_user_errors_are_one_line(run, tmp_path, capsys, argv, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and message in err[-1]
     assert not any(line.startswith("Traceback") for line in err)
+    if "unknown task" not in message:  # found before any work: nothing but the line (a task after the run's header)
+        assert len(err) == 1, err
 
 
 def test_help_shows_the_defaults(capsys):
