@@ -43,6 +43,26 @@ class DataConfig:
 
 
 @dataclasses.dataclass
+class LoRAConfig:
+    """Low-rank adapters (Hu et al. 2021) on the frozen weights of training.init_from's model: each chosen
+    projection W becomes W + (alpha / rank) * A @ B, with A (in, rank) and B (rank, out) the only trained
+    parameters; B starts at zero, so step 0 is the base model exactly."""
+    rank: int = 8  # r, the inner dimension of A @ B
+    alpha: float = 16.0  # the update is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout)
+    targets: typing.List[str] = dataclasses.field(default_factory=lambda: ["q", "v"])  # of TARGETS
+    base_dtype: typing.Optional[str] = None  # the frozen weights held in: float32 (None) | bfloat16 | float16
+
+    # (class attributes, not fields) the projections an adapter may sit on: attention's query, key, value
+    # and output projections, and every weight of the MLP
+    TARGETS = ("q", "k", "v", "o", "mlp")
+    BASE_DTYPES = ("float32", "bfloat16", "float16")
+    # what the adapters' parameters depend on: a resume may not change these (the dropout and the base's dtype
+    # say how the run computes, and may)
+    SHAPE_FIELDS = ("rank", "alpha", "targets")
+
+
+@dataclasses.dataclass
 class TrainingConfig:
     steps: int = 3000
     batch_size: int = 32  # global, in sequences
@@ -65,6 +85,7 @@ class TrainingConfig:
     # the loss over at most this many tokens per device at a time; 0 = the whole logits; auto = the whole
     # logits where they fit in 1/8 of a device's memory, else 4096 (loss.resolve_chunk)
     loss_chunk: typing.Union[int, str] = "auto"
+    lora: typing.Optional[LoRAConfig] = None  # low-rank adapters on init_from's frozen model; None: train every weight
 
 
 @dataclasses.dataclass
@@ -125,6 +146,10 @@ def _fields(cls) -> dict[str, typing.Any]:
 
 def _type_name(tp) -> str:
     args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping of {', '.join(_fields(tp))}"
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(args[0])}"
     if type(None) in args:
         return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or null"
     return getattr(tp, "__name__", str(tp))
@@ -158,6 +183,12 @@ def _check_value(key: str, value, tp):
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif dataclasses.is_dataclass(tp):  # a nested section, e.g. training.lora
+        return _build(tp, value, key)
+    elif origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, list):
+            return [_check_value(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     else:
         return value
     _bad(key, value, tp)
@@ -243,6 +274,12 @@ def parse_override(text: str) -> tuple[list[str], typing.Any]:
     return key.split("."), parsed
 
 
+def _nested_section(tp):
+    """The dataclass of a field typed as one (or as an optional one), else None."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
+
+
 def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
     """A copy of the raw config dict with the dotted overrides applied (checked later by from_dict)."""
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
@@ -267,8 +304,17 @@ def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
             else:
                 raise ConfigError(f"override {text!r}: model takes one level (model.FIELD=VALUE)")
         elif top in SECTIONS:
+            fields = _fields(SECTIONS[top])
+            nested = _nested_section(fields.get(path[1])) if len(path) > 1 else None
+            if len(path) == 3 and nested is not None:  # one key of a nested section: training.lora.rank=16
+                section = raw.get(top)
+                section = dict(section) if isinstance(section, dict) else {}
+                inner = section.get(path[1])
+                section[path[1]] = {**(inner if isinstance(inner, dict) else {}), path[2]: value}
+                raw[top] = section
+                continue
             if len(path) != 2:
-                valid = ", ".join(f"{top}.{k}" for k in _fields(SECTIONS[top]))
+                valid = ", ".join(f"{top}.{k}" for k in fields)
                 raise ConfigError(f"override {text!r} must name one key of {top}; valid keys: {valid}")
             section = raw.get(top)
             raw[top] = {**(section if isinstance(section, dict) else {}), path[1]: value}
@@ -364,10 +410,33 @@ def validate(cfg: Config) -> None:
                                    or t.loss_chunk < 0):
         raise ConfigError(f"training.loss_chunk must be auto or an integer >= 0 (0: the loss over the whole "
                           f"logits), got {t.loss_chunk!r}")
+    if t.lora is not None:
+        check_lora(t.lora, t.init_from)
     if cfg.data.batching not in BATCHING:
         raise ConfigError(f"data.batching must be one of {', '.join(BATCHING)}, got {cfg.data.batching!r}")
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode must be one of {', '.join(WANDB_MODES)}, got {cfg.wandb.mode!r}")
+
+
+def check_lora(lora: LoRAConfig, init_from: str | None) -> None:
+    """training.lora's values, and the base it needs (training.init_from)."""
+    if not init_from:
+        raise ConfigError("training.lora needs training.init_from: the run directory (or import) whose model the "
+                          "adapters sit on, frozen")
+    if not 1 <= lora.rank < 2**31:
+        raise ConfigError(f"training.lora.rank must be >= 1, got {lora.rank}")
+    if not (math.isfinite(lora.alpha) and lora.alpha > 0):
+        raise ConfigError(f"training.lora.alpha must be a positive number, got {lora.alpha}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"training.lora.dropout must be in [0, 1), got {lora.dropout}")
+    unknown = [x for x in lora.targets if x not in LoRAConfig.TARGETS]
+    if unknown or not lora.targets or len(set(lora.targets)) != len(lora.targets):
+        what = f"unknown target {unknown[0]!r}" if unknown else "no target" if not lora.targets else "a target twice"
+        raise ConfigError(f"training.lora.targets: {what}; a list of distinct ones of {', '.join(LoRAConfig.TARGETS)}"
+                          f" (attention's query, key, value and output projections, the MLP)")
+    if lora.base_dtype is not None and lora.base_dtype not in LoRAConfig.BASE_DTYPES:
+        raise ConfigError(f"training.lora.base_dtype must be null or one of {', '.join(LoRAConfig.BASE_DTYPES)}, "
+                          f"got {lora.base_dtype!r}")
 
 
 def read_yaml(path) -> dict:
