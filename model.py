@@ -206,16 +206,65 @@ class Dense(nnx.Module):
     """A weight of any shape applied by an einsum, plus an optional bias over its output dims.
 
     The first `n_in` kernel dimensions are contracted with the input's last dimensions.
+
+    With `lora` (a config.LoRAConfig: rank r, alpha, dropout), low-rank factors A `lora_a` (in dims..., r)
+    and B `lora_b` (r, out dims...) add (alpha / r) * (dropout(x) A) B to the output, in the compute dtype.
+    A is initialised as PEFT's (uniform in +-1/sqrt(fan_in)), B as zeros, so that a new adapter changes
+    nothing. A weight that fuses several projections along its first output dimension (q, k, v) takes
+    `lora_slices`, a 0/1 per slice: the adapter's B is multiplied by it, so an unchosen slice gets no
+    update and no gradient. A takes the kernel's input axis names and B its output ones, the rank
+    dimension none: sharding.py's rules place the factors as their kernel.
     """
 
-    def __init__(self, shape, axes, n_in: int, *, std: float, bias: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, shape, axes, n_in: int, *, std: float, bias: bool, dtype, rngs: nnx.Rngs, lora=None,
+                 lora_slices: tuple[float, ...] | None = None):
         self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
         self.bias = nnx.Param(jnp.zeros(shape[n_in:], jnp.float32), axes=axes[n_in:]) if bias else None
-        self.dtype = dtype
+        self.dtype, self.n_in = dtype, n_in
+        self.lora_a = self.lora_b = None
+        if lora is not None:
+            r, fan_in = lora.rank, math.prod(shape[:n_in])
+            bound = 1.0 / math.sqrt(fan_in)  # PEFT: kaiming_uniform_(a=sqrt(5)) of an (r, fan_in) weight
+            a = jax.random.uniform(rngs.params(), (*shape[:n_in], r), jnp.float32, -bound, bound)
+            self.lora_a = nnx.data(nnx.Param(a, axes=(*axes[:n_in], None)))  # (in dims..., r)
+            b = jnp.zeros((r, *shape[n_in:]), jnp.float32)
+            self.lora_b = nnx.data(nnx.Param(b, axes=(None, *axes[n_in:])))  # (r, out dims...)
+            self.lora_scale, self.lora_dropout = lora.alpha / r, lora.dropout
+            self.lora_slices = None if lora_slices is None or all(lora_slices) else tuple(lora_slices)
 
-    def __call__(self, spec: str, x: jax.Array) -> jax.Array:
+    def __call__(self, spec: str, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """einsum(spec, x, kernel) [+ the adapter] [+ bias]; `dropout_key` drops the adapter's input (if it has one)."""
         y = jnp.einsum(spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.lora_a is not None:
+            y = y + self._adapter(spec, x, dropout_key)
         return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+
+    def _lora_b(self) -> jax.Array:
+        """B (r, out dims...), its unchosen slices zeroed."""
+        b = self.lora_b[...]
+        if self.lora_slices is None:
+            return b
+        mask = jnp.asarray(self.lora_slices, b.dtype).reshape((1, -1) + (1,) * (b.ndim - 2))
+        return b * mask
+
+    def _adapter(self, spec: str, x: jax.Array, dropout_key) -> jax.Array:
+        """(alpha / r) * einsum(einsum(dropout(x), A), B), the kernel's einsum split at the rank."""
+        ins, out = spec.split("->")
+        x_dims, k_dims = ins.split(",")
+        r = next(c for c in "rzyxwvu" if c not in spec)  # a letter for the rank dimension
+        kept = "".join(c for c in x_dims if c not in k_dims[:self.n_in])  # x's batch dims, e.g. "bt"
+        x = dropout(x.astype(self.dtype), self.lora_dropout, dropout_key)
+        h = jnp.einsum(f"{x_dims},{k_dims[:self.n_in]}{r}->{kept}{r}", x, self.lora_a[...].astype(self.dtype))
+        y = jnp.einsum(f"{kept}{r},{r}{k_dims[self.n_in:]}->{out}", h, self._lora_b().astype(self.dtype))
+        return (self.lora_scale * y).astype(self.dtype)
+
+    def merged_kernel(self) -> jax.Array:
+        """The kernel with the adapter folded in, float32: kernel + (alpha / r) * A @ B (B's unchosen slices zero)."""
+        kernel = self.kernel[...].astype(jnp.float32)
+        if self.lora_a is None:
+            return kernel
+        update = jnp.tensordot(self.lora_a[...].astype(jnp.float32), self._lora_b().astype(jnp.float32), axes=1)
+        return kernel + self.lora_scale * update
 
 
 def _norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm | nnx.RMSNorm:
@@ -235,46 +284,62 @@ def _norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm | nnx.RMSNorm:
     )
 
 
+def _adapted(lora, *targets: str):
+    """`lora` (a config.LoRAConfig) if it targets any of `targets`, else None: what Dense takes."""
+    return lora if lora is not None and set(targets) & set(lora.targets) else None
+
+
+def _slices(lora, *targets: str) -> tuple[float, ...] | None:
+    """Dense's lora_slices for a weight fusing `targets` along its first output dim: 1 where targeted."""
+    return None if lora is None else tuple(float(t in lora.targets) for t in targets)
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, *, lora=None, rngs: nnx.Rngs):
         d, H, K, D, dtype = cfg.embedding_dim, cfg.num_head, cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype]
         dense = functools.partial(Dense, bias=cfg.attn_bias, dtype=dtype, rngs=rngs)
         if K == H:  # q, k and v in one weight: (d, 3, H, D)
-            self.c_attn = dense((d, 3, H, D), ("embed", None, "heads", "kv"), 1, std=0.02)
+            self.c_attn = dense((d, 3, H, D), ("embed", None, "heads", "kv"), 1, std=0.02,
+                                lora=_adapted(lora, "q", "k", "v"), lora_slices=_slices(lora, "q", "k", "v"))
             self.c_q = self.c_kv = None
         else:  # grouped-query attention: q (d, H, D), and k and v (d, 2, K, D) with their own axis name
             self.c_attn = None
-            self.c_q = dense((d, H, D), ("embed", "heads", "kv"), 1, std=0.02)
-            self.c_kv = dense((d, 2, K, D), ("embed", None, "kv_heads", "kv"), 1, std=0.02)
+            self.c_q = dense((d, H, D), ("embed", "heads", "kv"), 1, std=0.02, lora=_adapted(lora, "q"))
+            self.c_kv = dense((d, 2, K, D), ("embed", None, "kv_heads", "kv"), 1, std=0.02,
+                              lora=_adapted(lora, "k", "v"), lora_slices=_slices(lora, "k", "v"))
         # residual projection, scaled down by depth as in GPT-2: (H, D, d)
-        self.c_proj = dense((H, D, d), ("heads", "kv", "embed"), 2, std=0.02 / math.sqrt(2 * cfg.N))
+        self.c_proj = dense((H, D, d), ("heads", "kv", "embed"), 2, std=0.02 / math.sqrt(2 * cfg.N),
+                            lora=_adapted(lora, "o"))
         self.cfg = cfg
 
-    def qkv(self, x: jax.Array, rope=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def qkv(self, x: jax.Array, rope=None, lora_key=None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The query (B, T, H, D), key and value (B, T, K, D) projections of x (B, T, d) in the compute dtype;
-        q and k rotated by `rope` (`rotary_angles` at these tokens' positions) when given."""
+        q and k rotated by `rope` (`rotary_angles` at these tokens' positions) when given. `lora_key`: the
+        adapters' dropout."""
         if self.c_attn is not None:
-            qkv = self.c_attn("btd,dshc->btshc", x)  # (B, T, 3, H, D)
+            qkv = self.c_attn("btd,dshc->btshc", x, _fold(lora_key, 0))  # (B, T, 3, H, D)
             qkv = logical_constraint(qkv, ("batch", "length", None, "heads", "kv"))
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (B, T, H, D)
         else:
-            q = logical_constraint(self.c_q("btd,dhc->bthc", x), ("batch", "length", "heads", "kv"))  # (B, T, H, D)
-            kv = self.c_kv("btd,dshc->btshc", x)  # (B, T, 2, K, D)
+            q = self.c_q("btd,dhc->bthc", x, _fold(lora_key, 0))
+            q = logical_constraint(q, ("batch", "length", "heads", "kv"))  # (B, T, H, D)
+            kv = self.c_kv("btd,dshc->btshc", x, _fold(lora_key, 1))  # (B, T, 2, K, D)
             kv = logical_constraint(kv, ("batch", "length", None, "kv_heads", "kv"))
             k, v = kv[:, :, 0], kv[:, :, 1]
         if rope is not None:
             q, k = (apply_rotary(a, rope, self.cfg.rotary_interleaved) for a in (q, k))
         return q, k, v
 
-    def out(self, y: jax.Array) -> jax.Array:
+    def out(self, y: jax.Array, lora_key=None) -> jax.Array:
         """The output projection of the attended values y (B, T, H, D) -> (B, T, d)."""
         y = logical_constraint(y, ("batch", "length", "heads", "kv"))
-        return self.c_proj("bthc,hcd->btd", y)  # (B, T, d)
+        return self.c_proj("bthc,hcd->btd", y, lora_key)  # (B, T, d)
 
-    def __call__(self, x: jax.Array, rope=None, dropout_key=None, mask=None) -> jax.Array:
-        q, k, v = self.qkv(x, rope)
+    def __call__(self, x: jax.Array, rope=None, dropout_key=None, mask=None, lora_key=None) -> jax.Array:
+        q, k, v = self.qkv(x, rope, lora_key)
         sharding = activation_sharding_of(("batch", "length", "heads", "kv"))  # the Pallas kernel's, per device
-        return self.out(attention(q, k, v, self.cfg, dropout_key, mask, sharding))  # (B, T, d)
+        y = attention(q, k, v, self.cfg, dropout_key, mask, sharding)
+        return self.out(y, _fold(lora_key, 2))  # (B, T, d)
 
     def decode(self, x: jax.Array, rope, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array):
         """Attention of x (B, T, d) at positions pos..pos+T-1 over a cache (B, L, K, D) of earlier keys.
@@ -289,49 +354,53 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, *, lora=None, rngs: nnx.Rngs):
         d, f = cfg.embedding_dim, cfg.ffn_dim
-        dense = functools.partial(Dense, n_in=1, bias=cfg.bias, dtype=DTYPES[cfg.dtype], rngs=rngs)
+        dense = functools.partial(Dense, n_in=1, bias=cfg.bias, dtype=DTYPES[cfg.dtype], rngs=rngs,
+                                  lora=_adapted(lora, "mlp"))
         self.c_fc = dense((d, f), ("embed", "mlp"), std=0.02)  # SwiGLU's "up" projection
         self.c_gate = dense((d, f), ("embed", "mlp"), std=0.02) if cfg.activation == "swiglu" else None
         self.c_proj = dense((f, d), ("mlp", "embed"), std=0.02 / math.sqrt(2 * cfg.N))
         self.activation, self.approximate = cfg.activation, cfg.gelu_approximate
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = self.c_fc("btd,df->btf", x)  # (B, T, F)
+    def __call__(self, x: jax.Array, lora_key=None) -> jax.Array:
+        h = self.c_fc("btd,df->btf", x, _fold(lora_key, 0))  # (B, T, F)
         if self.activation == "swiglu":
-            h = jax.nn.silu(self.c_gate("btd,df->btf", x)) * h
+            h = jax.nn.silu(self.c_gate("btd,df->btf", x, _fold(lora_key, 1))) * h
         elif self.activation == "relu":
             h = jax.nn.relu(h)
         else:
             h = jax.nn.gelu(h, approximate=self.approximate)
         h = logical_constraint(h, ("batch", "length", "mlp"))
-        return self.c_proj("btf,fd->btd", h)  # (B, T, d)
+        return self.c_proj("btf,fd->btd", h, _fold(lora_key, 2))  # (B, T, d)
 
 
 class Block(nnx.Module):
     """x + Attention(norm_1(x)), then x + MLP(norm_2(x)) (sequential, GPT-2); or, with a parallel
     residual, x + Attention(norm_1(x)) + MLP(norm_2(x)) (GPT-NeoX), or MLP(norm_1(x)) (GPT-J: one norm)."""
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, *, lora=None, rngs: nnx.Rngs):
         self.ln_1 = _norm(cfg, rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, lora=lora, rngs=rngs)
         self.ln_2 = None if cfg.residual == "parallel_shared" else _norm(cfg, rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, lora=lora, rngs=rngs)
         self.dropout, self.sequential = cfg.dropout, cfg.residual == "sequential"
+        self.lora_dropout = lora is not None and lora.dropout > 0  # the adapters draw keys of their own
 
-    def _residual(self, x: jax.Array, h: jax.Array, a: jax.Array, dropout_key) -> jax.Array:
+    def _residual(self, x: jax.Array, h: jax.Array, a: jax.Array, dropout_key, lora_key=None) -> jax.Array:
         """The block's output from its input x, x's first norm h and the attention output a."""
         a = dropout(a, self.dropout, _fold(dropout_key, 1))
         if self.sequential:  # the MLP reads the stream after attention
             x = x + a
-            return x + dropout(self.mlp(self.ln_2(x)), self.dropout, _fold(dropout_key, 2))
-        m = self.mlp(h if self.ln_2 is None else self.ln_2(x))  # parallel: from the block's input
+            return x + dropout(self.mlp(self.ln_2(x), lora_key), self.dropout, _fold(dropout_key, 2))
+        m = self.mlp(h if self.ln_2 is None else self.ln_2(x), lora_key)  # parallel: from the block's input
         return x + a + dropout(m, self.dropout, _fold(dropout_key, 2))
 
     def __call__(self, x: jax.Array, rope=None, dropout_key=None, mask=None) -> jax.Array:
         h = self.ln_1(x)
-        x = self._residual(x, h, self.attn(h, rope, _fold(dropout_key, 0), mask), dropout_key)
+        lora_key = _fold(dropout_key, 3) if self.lora_dropout else None
+        a = self.attn(h, rope, _fold(dropout_key, 0), mask, _fold(lora_key, 0))
+        x = self._residual(x, h, a, dropout_key, _fold(lora_key, 1))
         return logical_constraint(x, ("batch", "length", "embed"))
 
     def decode(self, x: jax.Array, rope, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array):
@@ -390,7 +459,10 @@ def _rematerialised(policy, block: Block, x: jax.Array, rope, dropout_key, mask=
 
 
 class GPT(nnx.Module):
-    def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
+    """The model of `config`; with `lora` (a config.LoRAConfig) its chosen projections carry low-rank adapters
+    (Dense), the leaves `lora_a` and `lora_b` beside their kernels (`split_lora`, `merge_lora`)."""
+
+    def __init__(self, config: GPTConfig, *, lora=None, rngs: nnx.Rngs):
         cfg = self.config = config
         d = cfg.embedding_dim
         init = lambda shape: 0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)  # noqa: E731
@@ -398,7 +470,7 @@ class GPT(nnx.Module):
         learned = cfg.positions == "learned"
         self.wpe = nnx.Param(init((cfg.block_size + cfg.position_offset, d)), axes=(None, "embed")) if learned else None
         self.embed_norm = _norm(cfg, rngs) if cfg.embed_norm else None
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.N)])
+        self.blocks = nnx.List([Block(cfg, lora=lora, rngs=rngs) for _ in range(cfg.N)])
         self.ln_f = _norm(cfg, rngs)
         untied = not cfg.tie_embeddings
         self.lm_head = nnx.Param(init((cfg.padded_vocab_size, d)), axes=("vocab", "embed")) if untied else None
@@ -513,6 +585,55 @@ class GPT(nnx.Module):
             x, k, v = block.decode(x, rope, k_all[i], v_all[i], pos)
             k_all, v_all = k_all.at[i].set(k), v_all.at[i].set(v)
         return self.head(self.ln_f(x)), {"k": k_all, "v": v_all}
+
+
+# ----------------------------------------------------------------------------------------------
+# Low-rank adapters: the parameter tree of a GPT with `lora` is the base model's, plus `lora_a` and
+# `lora_b` beside each adapted kernel, e.g. blocks/0/attn/c_attn/{kernel, bias, lora_a, lora_b}
+
+LORA_LEAVES = ("lora_a", "lora_b")
+
+
+def split_lora(params: dict) -> tuple[dict, dict]:
+    """(base, adapters) of a pure dict of parameters: the adapters are the `lora_a` and `lora_b` leaves, with
+    their nesting; the base is everything else (the base model's own tree)."""
+    base, adapters = {}, {}
+    for k, v in params.items():
+        if isinstance(v, dict):
+            b, a = split_lora(v)
+            if b:
+                base[k] = b
+            if a:
+                adapters[k] = a
+        elif k in LORA_LEAVES:
+            adapters[k] = v
+        else:
+            base[k] = v
+    return base, adapters
+
+
+def join_lora(base: dict, adapters: dict) -> dict:
+    """The union of split_lora's two trees: the parameters of the GPT with adapters."""
+    out = dict(base)
+    for k, v in adapters.items():
+        out[k] = join_lora(out.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+def merge_lora(config: GPTConfig, lora, params: dict) -> dict:
+    """The base model's parameters (no lora leaves) computing what the GPT(config, lora) with `params` (base
+    and adapters) computes: each adapted kernel replaced by kernel + (alpha / r) * A @ B, in float32."""
+    abstract = nnx.eval_shape(lambda: GPT(config, lora=lora, rngs=nnx.Rngs(params=0)))
+    graphdef, state = nnx.split(abstract)
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+    merged, _ = split_lora(params)
+    for path, module in nnx.iter_modules(nnx.merge(graphdef, state)):
+        if isinstance(module, Dense) and module.lora_a is not None:
+            node = merged
+            for k in path:
+                node = node[k]
+            node["kernel"] = module.merged_kernel()
+    return merged
 
 
 def init_cache(config: GPTConfig, batch: int, max_len: int) -> dict:
