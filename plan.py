@@ -442,7 +442,11 @@ def run(args) -> int:
     if not 0 < args.mfu <= 1:
         raise ConfigError(f"--mfu must be in (0, 1], got {args.mfu}")
     jax.config.update("jax_platforms", "cpu")
-    print(report(rundir.new_config(args.config, args.overrides), target(args.device, args.devices), mfu=args.mfu))
+    cfg = rundir.new_config(args.config, args.overrides)
+    if cfg.training.lora is not None:  # its state is the adapters, and a frozen base beside it: not modelled yet
+        raise ConfigError("--plan does not plan a LoRA run (training.lora) yet; without training.lora it plans "
+                          "the full fine-tuning of the same model, an upper bound")
+    print(report(cfg, target(args.device, args.devices), mfu=args.mfu))
     return 0
 
 

@@ -8,6 +8,11 @@ measures what training runs. Nothing here reads files.
     train_step(state, batch) -> (new state, {"loss", "grad_norm", "lr"})
         batch: tokens (B, T+1) int, or for prompt/completion data a dict {tokens (B, T+1),
         weights (B, T) loss weights, segments (B, T) packed-example ids}
+
+LoRA (training.lora): the state's params are the adapters alone (model.split_lora's second tree, the
+`lora_a` and `lora_b` leaves in the model's nesting), and the optimizer state is theirs; the frozen base
+model is an argument of its own, never donated nor updated, placed by the same rules table:
+    train_step(state, batch, base) -> (new state, metrics)      eval_step(params, batch, base)
 """
 from __future__ import annotations
 
@@ -104,13 +109,14 @@ def make_optimizer(t):
     return tx, schedule
 
 
-def make_loss(mcfg: model_lib.GPTConfig, loss_chunk: int = 0):
+def make_loss(mcfg: model_lib.GPTConfig, loss_chunk: int = 0, lora=None):
     """(loss, abstract_vars): loss(params, tokens (B, T+1), weights=None, dropout_key=None, **masking) ->
     (mean next-token loss over counted tokens, their count) from a pure dict of params, traced inside
     jit; `masking` is the model's optional mask (an attention.Masking) and segment_ids (B, T). With
     loss_chunk > 0 the loss of more than loss_chunk tokens is computed loss_chunk tokens at a time
-    (`GPT.loss`), never holding the whole float32 logits. abstract_vars holds the parameters' shapes and axis names."""
-    abstract_model = nnx.eval_shape(lambda: model_lib.GPT(mcfg, rngs=nnx.Rngs(0)))
+    (`GPT.loss`), never holding the whole float32 logits. abstract_vars holds the parameters' shapes and axis names.
+    With `lora` (a config.LoRAConfig) the model carries adapters, and params are base and adapters together."""
+    abstract_model = nnx.eval_shape(lambda: model_lib.GPT(mcfg, lora=lora, rngs=nnx.Rngs(0)))
     graphdef, abstract_vars = nnx.split(abstract_model)  # nnx.State of abstract Variables (with axis names)
 
     def loss(params, tokens, weights=None, dropout_key=None, **masking):
@@ -139,11 +145,15 @@ def make_masked_loss(loss_fn, fcm_max_ratio: float = 0.0):
     return masked_loss
 
 
-def make_init_state(mcfg: model_lib.GPTConfig, tx):
-    """init_state(init_key, train_key) -> the training state, ready for jax.jit with out_shardings."""
+def make_init_state(mcfg: model_lib.GPTConfig, tx, lora=None):
+    """init_state(init_key, train_key) -> the training state, ready for jax.jit with out_shardings. With
+    `lora`, its params are the new adapters alone (B zero; the base weights made here are dropped, so a
+    jitted init never computes them)."""
 
     def init_state(init_key, train_key):
-        params = nnx.to_pure_dict(nnx.state(model_lib.GPT(mcfg, rngs=nnx.Rngs(params=init_key))))
+        params = nnx.to_pure_dict(nnx.state(model_lib.GPT(mcfg, lora=lora, rngs=nnx.Rngs(params=init_key))))
+        if lora is not None:
+            params = model_lib.split_lora(params)[1]
         return {
             "params": params,
             "opt_state": tx.init(params),
@@ -158,7 +168,9 @@ def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activat
                     schedule: Callable | None = None):
     """train_step(state, batch) -> (state, {"loss", "grad_norm"}, and "lr" given the `schedule`), to be
     jitted by the caller; `loss_fn` is a `make_loss` function. The learning rate the update used comes
-    back with the metrics, so that logging it asks the device for nothing more.
+    back with the metrics, so that logging it asks the device for nothing more. For LoRA,
+    train_step(state, batch, base): the loss sees base and adapters (state["params"]) joined, and only
+    the adapters get gradients and updates.
 
     Gradient accumulation over `micro_batches` pieces in a scan. `grad_sharding` (a pytree of
     shardings like the params, or None) constrains the gradients: at ZeRO stages 2 and 3 the
@@ -172,14 +184,15 @@ def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activat
     def constrain_grads(grads):
         return grads if grad_sharding is None else jax.lax.with_sharding_constraint(grads, grad_sharding)
 
-    def train_step(state, batch):
+    def train_step(state, batch, base=None):
         if activations is None:
-            return _train_step(state, batch)
+            return _train_step(state, batch, base)
         with logical_axes.activation_sharding(activations):
-            return _train_step(state, batch)
+            return _train_step(state, batch, base)
 
-    def _train_step(state, batch):
+    def _train_step(state, batch, base):
         params = state["params"]
+        joined = (lambda p: p) if base is None else (lambda p: model_lib.join_lora(base, p))  # noqa: E731
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
         # micro-batch i takes rows i, i+M, i+2M, ...: every device's contiguous block of rows
         # splits into M pieces in place, so each micro-batch spans all data-parallel devices
@@ -191,7 +204,7 @@ def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activat
             rows = rows if isinstance(rows, dict) else {"tokens": rows}
             # FCM's key: fold_in(key, M + i) differs from every micro-batch's dropout key
             fcm_key = jax.random.fold_in(key, M + i) if fcm_max_ratio > 0 else None
-            loss, n = masked_loss(p, rows, jax.random.fold_in(key, i), fcm_key)
+            loss, n = masked_loss(joined(p), rows, jax.random.fold_in(key, i), fcm_key)
             return loss * n, n
 
         def accumulate(carry, xs):
@@ -224,12 +237,27 @@ def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activat
 def state_shapes(mcfg: model_lib.GPTConfig, t, abstract_vars=None):
     """(abstract state, axes): the training state's shapes and dtypes, made without memory, and the
     logical axis names of its parameters, as sharding.state_shardings takes them. `abstract_vars`:
-    make_loss's, if at hand."""
+    make_loss's, if at hand (with training.lora: of the model with adapters, whose axes are returned)."""
+    lora = t.lora
     if abstract_vars is None:
-        _, abstract_vars = make_loss(mcfg)
+        _, abstract_vars = make_loss(mcfg, lora=lora)
     tx, _ = make_optimizer(t)
     keys = jax.random.split(jax.random.key(0))  # shapes only: the seed changes no shape
-    return jax.eval_shape(make_init_state(mcfg, tx), *keys), nnx.to_pure_dict(logical_axes.param_axes(abstract_vars))
+    axes = nnx.to_pure_dict(logical_axes.param_axes(abstract_vars))
+    if lora is not None:
+        axes = model_lib.split_lora(axes)[1]
+    return jax.eval_shape(make_init_state(mcfg, tx, lora), *keys), axes
+
+
+def frozen_shapes(abstract_base, base_dtype):
+    """The frozen base's ShapeDtypeStructs in the dtypes it is held in (training.lora.base_dtype): weight
+    matrices and embeddings in base_dtype when it is set; norms and biases stay float32."""
+    def held(path, x):
+        name = getattr(path[-1], "key", None)
+        keep = base_dtype is None or x.ndim < 2 or name in ("bias", "scale")
+        return jax.ShapeDtypeStruct(x.shape, x.dtype if keep else model_lib.DTYPES[base_dtype])
+
+    return jax.tree_util.tree_map_with_path(held, abstract_base)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,8 +269,8 @@ class Built:
     """The jitted functions of a training run on a mesh, and the shardings they were built with."""
 
     init: Callable  # () -> the initial state, made directly in place (never whole on one device first)
-    train_step: Callable  # (state, batch) -> (state, {"loss", "grad_norm", "lr"}); the state is donated
-    eval_step: Callable  # (params, batch {tokens, weights[, segments]}) -> (summed loss, counted tokens)
+    train_step: Callable  # (state, batch[, base]) -> (state, {"loss", "grad_norm", "lr"}); the state is donated
+    eval_step: Callable  # (params, batch {tokens, weights[, segments]}[, base]) -> (summed loss, counted tokens)
     all_finite: Callable  # (tree) -> whether every element is finite
     schedule: Callable  # optax count -> learning rate
     abstract_state: dict  # shapes, dtypes and shardings of the state: what a checkpoint restores into
@@ -250,6 +278,15 @@ class Built:
     batch_sharding: jax.sharding.NamedSharding
     description: str  # the mesh and how much of params and optimizer state each device holds
     loss_chunk: int  # training.loss_chunk resolved: tokens per device the loss takes at a time, 0 = all
+    # LoRA only: the frozen base's shapes and dtypes (training.lora.base_dtype), and its shardings
+    abstract_base: dict | None = None
+    base_sharding: dict | None = None
+
+    def place_base(self, params: dict) -> dict:
+        """The base model's parameters (numpy, float32: rundir.Run.load_params's) in their dtypes, placed."""
+        dtypes = jax.tree.map(lambda a: a.dtype, self.abstract_base)
+        cast = jax.tree.map(lambda x, d: np.asarray(x).astype(d, copy=False), params, dtypes)
+        return jax.device_put(cast, self.base_sharding)
 
 
 def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) -> Built:
@@ -261,12 +298,20 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
     # so the loss's chunk over the whole (micro-)batch is that many on every data-parallel device
     dp = sharding_lib.axis_size(mesh, sharding_lib.BATCH_AXES)
     chunk = loss_chunk(mcfg, t, mesh)
-    loss_fn, abstract_vars = make_loss(mcfg, chunk * dp)
+    lora = t.lora
+    loss_fn, abstract_vars = make_loss(mcfg, chunk * dp, lora)
     tx, schedule = make_optimizer(t)
     init_key, train_key = jax.random.split(jax.random.key(seed))
-    init_state = make_init_state(mcfg, tx)
+    init_state = make_init_state(mcfg, tx, lora)
     abstract_state, axes = state_shapes(mcfg, t, abstract_vars)
     state_sharding, grad_sharding, fallbacks = sharding_lib.state_shardings(abstract_state, axes, mesh, zero_stage)
+    abstract_base = base_sharding = None
+    if lora is not None:  # the frozen base: placed as the params of a full run at this ZeRO stage would be
+        abstract_base = frozen_shapes(model_lib.split_lora(nnx.to_pure_dict(abstract_vars))[0], lora.base_dtype)
+        base_axes = model_lib.split_lora(nnx.to_pure_dict(logical_axes.param_axes(abstract_vars)))[0]
+        base_sharding = sharding_lib.state_shardings({"params": abstract_base, "opt_state": {}}, base_axes, mesh,
+                                                     zero_stage)[0]["params"]
+    frozen = () if lora is None else (base_sharding,)
     batch_sharding = sharding_lib.batch_sharding(mesh)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     activations = sharding_lib.activation_rules(mesh)
@@ -276,11 +321,12 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
                                  fcm_max_ratio=t.fcm_max_ratio, schedule=schedule)
     masked_loss = make_masked_loss(loss_fn)  # validation: no FCM
 
-    @functools.partial(jax.jit, in_shardings=(state_sharding["params"], batch_sharding), out_shardings=replicated)
-    def eval_step(params, batch):
+    @functools.partial(jax.jit, in_shardings=(state_sharding["params"], batch_sharding, *frozen),
+                       out_shardings=replicated)
+    def eval_step(params, batch, base=None):
         """Summed loss and count of a validation batch: no dropout, no FCM; segments kept apart."""
         with logical_axes.activation_sharding(activations):
-            loss, n = masked_loss(params, batch)
+            loss, n = masked_loss(params if base is None else model_lib.join_lora(base, params), batch)
         return loss * n, n
 
     @functools.partial(jax.jit, out_shardings=replicated)
@@ -290,14 +336,22 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
     init = jax.jit(init_state, out_shardings=state_sharding)
     return Built(
         init=lambda: init(init_key, train_key),
-        train_step=jax.jit(train_step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding),
+        train_step=jax.jit(train_step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding, *frozen),
                            out_shardings=(state_sharding, replicated)),
         eval_step=eval_step, all_finite=all_finite, schedule=schedule,
         abstract_state=sharding_lib.with_shardings(abstract_state, state_sharding),
         state_sharding=state_sharding, batch_sharding=batch_sharding,
-        description=sharding_lib.describe(abstract_state, state_sharding, mesh, zero_stage, fallbacks),
-        loss_chunk=chunk,
+        description=sharding_lib.describe(abstract_state, state_sharding, mesh, zero_stage, fallbacks)
+        + ("" if lora is None else "\n" + describe_base(abstract_base, base_sharding, mesh, lora)),
+        loss_chunk=chunk, abstract_base=abstract_base, base_sharding=base_sharding,
     )
+
+
+def describe_base(abstract_base, base_sharding, mesh, lora) -> str:
+    """One line: the frozen base of a LoRA run, its dtype and bytes per device."""
+    total, per_device, sharded = sharding_lib.sharded_bytes(abstract_base, base_sharding, mesh)
+    return (f"  base (frozen, {lora.base_dtype or 'float32'}): {sharded / max(total, 1):.1%} of {total / 2**20:.2f} MiB "
+            f"sharded; {per_device / 2**20:.2f} MiB per device; LoRA rank {lora.rank} on {', '.join(lora.targets)}")
 
 
 def loss_chunk(mcfg: model_lib.GPTConfig, t, mesh, memory: float | None = None) -> int:
