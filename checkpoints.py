@@ -266,6 +266,12 @@ class Checkpoints:
             raise RunError(f"checkpoint {step} in {self.dir} is corrupt: {corrupt}")
         return state, step
 
+    def saved_fingerprints(self, step: int) -> dict[str, str]:
+        """The array fingerprints saved with checkpoint `step`, by leaf name ({} if it has none): what `load`
+        checks the arrays it reads against, so after a load they describe what it returned."""
+        saved = (self.manager().metadata(step).custom_metadata or {}).get(FINGERPRINTS)
+        return dict(saved) if isinstance(saved, dict) else {}
+
     def damaged_dir(self) -> str:
         """RUN/checkpoints-damaged, as a local path or URL (where restore moves what it cannot read)."""
         if self.run.remote:

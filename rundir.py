@@ -7,6 +7,7 @@
     RUN/summary.json            where training ended
     RUN/.lock                   who writes the run now (train.py, an import): one writer at a time
     RUN/wandb_id.txt            the W&B run id: a resume and eval.py log into the same W&B run
+    RUN/lora_base.json          a LoRA run's frozen base: training.init_from, its checkpoint step, a fingerprint
     RUN/eval/step<N>.json       eval.py's results for checkpoint N
     RUN/checkpoints/            orbax checkpoints of the state (checkpoints.py: saving, restoring past
     RUN/checkpoints-damaged/    damaged ones, which are moved aside, fingerprints)
@@ -17,6 +18,10 @@ run; eval.py, sample.py and convert_torch.py read it through `Run.config`, `Run.
 `Run.load_params` and `Run.tokenizer`; convert_torch.py's import writes one with `Run.save_params`.
 Every checkpoint is saved, restored and loaded through one owner, `Run.checkpoints()`, a
 checkpoints.Checkpoints.
+
+A LoRA run (training.lora) checkpoints its adapters only; `Run.load_params` gives its merged model (the
+base that lora_base.json names, checked to be the same weights, with the adapters folded in), so the
+readers above need not know LoRA.
 
 A run directory a user points at that is not one, a checkpoint that cannot be read (its arrays,
 its metadata) or that does not fit the model: a RunError, one line in the user's terms.
@@ -48,6 +53,7 @@ TOKENIZER = "tokenizer.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 WANDB_ID = "wandb_id.txt"
+LORA_BASE = "lora_base.json"
 LOCK = ".lock"
 LEASE_RENEW = 10.0  # seconds between a lease's heartbeats (a run directory in an object store)
 LEASE_TTL = 60.0  # a lease whose heartbeat is older than this is free: its holder is gone
@@ -193,6 +199,13 @@ class Run(storage.RunDir):
         if changed:
             raise RunError(f"--resume cannot change the run's model ({'; '.join(changed)}): its checkpoints hold "
                            f"that model's parameters; start a new run to train another")
+        was, now = saved.training.lora, cfg.training.lora
+        if (was is None) != (now is None) or (was is not None and any(
+                getattr(was, f) != getattr(now, f) for f in was.SHAPE_FIELDS)):
+            show = lambda lora: "null" if lora is None else ", ".join(  # noqa: E731
+                f"{f} {getattr(lora, f)}" for f in lora.SHAPE_FIELDS)
+            raise RunError(f"--resume cannot change training.lora ({show(was)} -> {show(now)}): its checkpoints hold "
+                           f"those adapters (or the whole model); start a new run to train others")
         return cfg
 
     def save_config(self, cfg: config_lib.Config) -> str:
@@ -507,18 +520,58 @@ class Run(storage.RunDir):
     def load_params(self, step: int | None = None) -> tuple[dict, int]:
         """(params, step) of a checkpoint, the last one by default: a pure dict of numpy arrays with
         integer block indices, as `nnx.to_pure_dict` gives them (orbax hands dict keys back as strings).
-        For init_from, export, eval and sampling."""
+        For init_from, export, eval and sampling. A LoRA run's are its base's with the adapters merged in."""
+        params, step, _ = self.load_weights(step)
+        return params, step
+
+    def load_weights(self, step: int | None = None) -> tuple[dict, int, str]:
+        """(params, step, fingerprint) as load_params, with a fingerprint of the parameters: the sha256 of
+        the checkpoint's saved array fingerprints (which the load checked the arrays against); for a LoRA
+        run, of its base's fingerprint, its adapters' and their shape (rank, alpha, targets)."""
+        import hashlib
+
         import numpy as np
 
         with self.checkpoints() as saved:
             state, step = saved.load(step)
+            saved_fingerprints = saved.saved_fingerprints(step)
 
         def numpy_tree(tree):
             if not isinstance(tree, dict):
                 return np.asarray(tree)
             return {int(k) if isinstance(k, str) and k.isdigit() else k: numpy_tree(v) for k, v in tree.items()}
 
-        return numpy_tree(state["params"]), step
+        def sha256(obj) -> str:
+            return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+        params = numpy_tree(state["params"])
+        fingerprint = sha256({k: v for k, v in saved_fingerprints.items() if k.startswith("params/")})
+        cfg = self.config() if self.is_file(CONFIG) else None
+        lora = cfg.training.lora if cfg is not None else None
+        if lora is None:
+            return params, step, fingerprint
+        import model as model_lib
+
+        base, record = load_lora_base(self.lora_base().get("init_from") or cfg.training.init_from, self)
+        merged = model_lib.merge_lora(cfg.model, lora, model_lib.join_lora(base, params))
+        shape = {k: getattr(lora, k) for k in lora.SHAPE_FIELDS}
+        return numpy_tree(merged), step, sha256({"base": record["fingerprint"], "adapters": fingerprint, "lora": shape})
+
+    def lora_base(self) -> dict:
+        """lora_base.json: {init_from, step, fingerprint} of a LoRA run's frozen base ({} without one)."""
+        if not self.is_file(LORA_BASE):
+            return {}
+        try:
+            record = json.loads(self.read_text(LORA_BASE))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RunError(f"{self.show(LORA_BASE)} is not JSON ({e})") from None
+        if not (isinstance(record, dict) and isinstance(record.get("fingerprint"), str)
+                and isinstance(record.get("init_from"), str) and isinstance(record.get("step"), int)):
+            raise RunError(f"{self.show(LORA_BASE)} does not record a base (init_from, step and fingerprint)")
+        return record
+
+    def save_lora_base(self, record: dict) -> None:
+        self.write_text(LORA_BASE, json.dumps(record, indent=2) + "\n")
 
     def save_params(self, params: dict, step: int = 0) -> None:
         """A checkpoint holding only parameters (an import), saved at once: what init_from, eval, sample
@@ -626,6 +679,38 @@ def check_init_from(location, mcfg, index: dict) -> None:
     if diffs:
         raise RunError(f"training.init_from={location}: its model differs from this run's ({'; '.join(diffs)}); "
                        f"set the same model (and prepare the data with its tokenizer)")
+
+
+def base_location(location) -> str:
+    """training.init_from as lora_base.json records it: a local path made absolute (so that sample.py and
+    eval.py find the base from any directory), a URL as it is."""
+    location = storage.local_path(str(location))
+    return location if storage.is_url(location) else os.path.abspath(location)
+
+
+def load_lora_base(location, run: Run | None = None) -> tuple[dict, dict]:
+    """(params, record) of a LoRA run's frozen base at training.init_from `location`: its parameters (numpy,
+    float32) and the record lora_base.json keeps of it, {init_from, step, fingerprint}. With `run` (the LoRA
+    run: a resume, or a reader of its model), the base must be the one the run records: at the recorded
+    location, the recorded checkpoint step is loaded; anywhere, its fingerprint must be the recorded one.
+    Otherwise a RunError in one line naming both."""
+    recorded = run.lora_base() if run is not None else {}
+    if run is not None and not recorded:
+        raise RunError(f"{run} is a LoRA run but has no {LORA_BASE}, so the base its adapters belong to is "
+                       f"unknown; it cannot be checked nor loaded")
+    where = base_location(location)
+    step = recorded.get("step") if recorded.get("init_from") == where else None
+    try:
+        params, step, fingerprint = open_run(location).load_weights(step)
+    except UserError as e:
+        raise RunError(f"the base model (training.init_from={location}) of this LoRA run: {e}") from None
+    record = {"init_from": where, "step": step, "fingerprint": fingerprint}
+    if recorded and recorded["fingerprint"] != fingerprint:
+        raise RunError(f"training.init_from={location} (checkpoint {step}, fingerprint {fingerprint[:16]}) is not "
+                       f"the base this LoRA run's adapters were trained on: {run.show(LORA_BASE)} records "
+                       f"{recorded['init_from']} checkpoint {recorded['step']} (fingerprint "
+                       f"{recorded['fingerprint'][:16]}); point training.init_from at that base")
+    return params, record
 
 
 def load_init_params(location, shardings):

@@ -177,6 +177,14 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     # the ZeRO stage, then the jitted init, step and evaluation
     fns = step_lib.build(mcfg, t, mesh, sh.zero_stage, cfg.seed)
     say(fns.description, flush=True)
+    frozen = ()  # LoRA: the frozen base, an argument of every step beside the adapters' state
+    if t.lora is not None:  # loaded once; a resume checks that it is the base the run records
+        base_params, base_record = rundir.load_lora_base(t.init_from, run_dir if args.resume else None)
+        frozen = (fns.place_base(base_params),)
+        del base_params
+        adapters = sum(a.size for a in jax.tree.leaves(fns.abstract_state["params"]))
+        say(f"base {t.init_from} (checkpoint {base_record['step']}) frozen; {adapters / 1e6:.3f}M adapter "
+            f"parameters trained")
 
     # ------------------------------------------------------------------------------------------
     # Run directory: the effective config and a reference to the data, once every check has passed.
@@ -189,6 +197,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
             if is_main:
                 run_dir.save_config(cfg)
                 run_dir.save_data(cfg.data.dir, index)
+                if t.lora is not None:
+                    run_dir.save_lora_base(base_record)
 
     def place_batch(local_rows):
         """A batch (an array, or a dict of arrays with rows first) onto the devices."""
@@ -200,7 +210,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         return global_rows[rows_index * n:(rows_index + 1) * n]
 
     def evaluate(params) -> dict:
-        sums = [fns.eval_step(params, place_batch(jax.tree.map(process_slice, batch))) for batch in val_sample]
+        sums = [fns.eval_step(params, place_batch(jax.tree.map(process_slice, batch)), *frozen) for batch in val_sample]
         loss_sum, n = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)
         loss = float(loss_sum / n)
         return {"val_loss": loss, "val_ppl": progress.perplexity(loss)}
@@ -229,7 +239,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         if args.resume:  # the run stopped before its first checkpoint: it starts again, as configured
             say(f"no checkpoint in {ckpts.dir} yet: the run starts from step 0 with its saved config")
         state = fns.init()
-        if t.init_from:  # fine-tuning: the optimizer state (zero moments) and step stay fresh
+        if t.init_from and t.lora is None:  # fine-tuning: the optimizer state (zero moments) and step stay fresh
             state["params"] = rundir.load_init_params(t.init_from, fns.state_sharding["params"])
             say(f"parameters from {t.init_from}")
         start_step, tokens_before = 0, 0
@@ -243,6 +253,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
             metrics_file = held.enter_context(contextlib.closing(run_dir.metrics(start_step)))
             if args.resume:  # restored and its log read: the effective config (with this command's overrides) is the run's
                 run_dir.save_config(cfg)
+                if t.lora is not None:  # the base as loaded now (where it lies, if it moved)
+                    run_dir.save_lora_base(base_record)
         if metrics_file.torn is not None:
             say(f"{run_dir.show(rundir.METRICS)}: its last line was cut off (a stop during its write); dropped it")
     wandb_run = run_dir.start_wandb(cfg) if is_main and cfg.wandb.mode != "disabled" else None
@@ -259,7 +271,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     batches = train_loader.iterate(start_step)
     with steps, contextlib.closing(batches), ckpts:  # closed in reverse: the last save completes, even on an error
         while steps.step < t.steps:
-            state, metrics = fns.train_step(state, place_batch(next(batches)))
+            state, metrics = fns.train_step(state, place_batch(next(batches)), *frozen)
             stop.starting = False  # compiled and dispatched: from here a signal saves a checkpoint
             evaluate_now, save_now = steps.dispatched(metrics)
             if not (evaluate_now or save_now):
