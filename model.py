@@ -30,6 +30,11 @@ Generation uses a separate path: `GPT.decode(tokens, cache, pos)` runs the same 
 tokens at positions pos.. against a preallocated KV cache (`init_cache`), for sample.py; the
 training path `__call__` does not touch it.
 
+Low-rank adapters (LoRA, training.lora) sit on the chosen projections when the model is made with
+`GPT(config, lora=...)`: `lora_a` and `lora_b` beside each adapted kernel (Dense), the only weights a
+LoRA run trains; `split_lora` and `join_lora` part and join them from the base's, `merge_lora` folds
+them into the kernels, giving the base model's tree, which every other path (decode included) runs.
+
 Every parameter carries logical axis names in its `axes` metadata and the main activations are
 constrained by name (logical_axes.py); `sharding.py` maps the names to mesh axes, and the model
 never sees a mesh. (The names live in our own metadata key rather than NNX's `out_sharding`, which
