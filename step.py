@@ -350,8 +350,9 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
 def describe_base(abstract_base, base_sharding, mesh, lora) -> str:
     """One line: the frozen base of a LoRA run, its dtype and bytes per device."""
     total, per_device, sharded = sharding_lib.sharded_bytes(abstract_base, base_sharding, mesh)
-    return (f"  base (frozen, {lora.base_dtype or 'float32'}): {sharded / max(total, 1):.1%} of {total / 2**20:.2f} MiB "
-            f"sharded; {per_device / 2**20:.2f} MiB per device; LoRA rank {lora.rank} on {', '.join(lora.targets)}")
+    return (f"  base (frozen, {lora.base_dtype or 'float32'}): {sharded / max(total, 1):.1%} of "
+            f"{total / 2**20:.2f} MiB sharded; {per_device / 2**20:.2f} MiB per device; LoRA rank {lora.rank} on "
+            f"{', '.join(lora.targets)}")
 
 
 def loss_chunk(mcfg: model_lib.GPTConfig, t, mesh, memory: float | None = None) -> int:
