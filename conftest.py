@@ -99,20 +99,12 @@ def offline_user(tmp_path):
 import sys  # noqa: E402
 import uuid  # noqa: E402
 
-GCS_SETTINGS = {  # what points each client at the server, and skips its search for credentials
-    "STORAGE_EMULATOR_HOST": None,  # gcsfs (fsspec's gs://)
-    "TENSORSTORE_GCS_HTTP_URL": None,  # tensorstore: orbax's arrays
-    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "x",  # tensorstore: this token, no credential search
-    "NO_GCE_CHECK": "true",  # google-auth: no probe of a Compute Engine metadata server
-}
-
-
 @pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory):
     """The server's URL, http://127.0.0.1:PORT, with the clients pointed at it; stopped at the end."""
     log = tmp_path_factory.mktemp("gcs") / "server.log"
     with open(log, "w") as err:
-        server = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name("gcs_emulator.py"))],
+        server = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name("gcs_emulator.py")), "--bucket", ""],
                                   stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         port = server.stdout.readline().strip()  # printed once it listens
@@ -120,9 +112,11 @@ def gcs_server(tmp_path_factory):
             server.wait(10)
             pytest.fail(f"the GCS server did not start (pip install -r requirements-test.txt): {log.read_text()}")
         url = f"http://127.0.0.1:{port}"
+        from gcs_emulator import ENVIRONMENT  # what points each client at the server, as a user's shell does
+
         with pytest.MonkeyPatch.context() as env:
-            for name, value in GCS_SETTINGS.items():
-                env.setenv(name, value or url)
+            for name, value in ENVIRONMENT.items():
+                env.setenv(name, value.format(url=url))
             yield url
     finally:
         server.kill()

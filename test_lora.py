@@ -332,7 +332,7 @@ def test_training_checkpoints_adapters_over_an_untouched_base(lora_run, corpus):
 
 @pytest.fixture(scope="module")
 def windows(corpus):  # noqa: F811
-    """The first 16 windows of 32 tokens of the validation split (16, 33): what eval.py --lengths 32
+    """16 windows of 32 tokens spread over the validation split (16, 33): what eval.py --lengths 32
     --max-tokens 512 scores, and one shape for every logits compared below."""
     (batch,) = loader.eval_windows(corpus, "val", 32, 16, max_windows=16)
     return batch
