@@ -501,20 +501,21 @@ def empty_batch(rows: int, seq_len: int) -> dict:
 
 
 def eval_examples(data_dir, split: str, seq_len: int, batch_size: int, *, batching: str = "packing",
-                 max_rows: int | None = None) -> Iterator[dict]:
+                 max_rows: int | None = None, rows: tuple | None = None) -> Iterator[dict]:
     """The split's examples once, in order, in rows as the Loader builds them, batch_size rows a batch:
-    every row, or max_rows of them spread evenly over the split (`spread`)."""
-    examples = _checked(data_dir, split, seq_len)
-    bounds = _plan(examples.lengths, np.arange(len(examples)), seq_len + 1, batching == "packing")
+    every row, or max_rows of them spread evenly over the split (`spread`). `rows`: example_rows's
+    answer for these arguments, where the caller has it already."""
+    examples, bounds = rows if rows is not None else example_rows(data_dir, split, seq_len, batching)
     picked = spread(len(bounds) - 1, max_rows).tolist()
     for first in range(0, len(picked), batch_size):
         yield examples.batch([range(bounds[r], bounds[r + 1]) for r in picked[first:first + batch_size]], seq_len)
 
 
-def example_rows(data_dir, split: str, seq_len: int, batching: str = "packing") -> int:
-    """How many rows the split's examples fill, as eval_examples builds them."""
+def example_rows(data_dir, split: str, seq_len: int, batching: str = "packing") -> tuple[Examples, np.ndarray]:
+    """(the split's Examples, the bounds of the rows they fill as the Loader builds them): row r holds
+    examples bounds[r] to bounds[r + 1]."""
     examples = _checked(data_dir, split, seq_len)
-    return len(_plan(examples.lengths, np.arange(len(examples)), seq_len + 1, batching == "packing")) - 1
+    return examples, _plan(examples.lengths, np.arange(len(examples)), seq_len + 1, batching == "packing")
 
 
 def validation_sample(data_dir, seq_len: int, batch_size: int, max_rows: int, batching: str = "packing"):
@@ -524,15 +525,17 @@ def validation_sample(data_dir, seq_len: int, batch_size: int, max_rows: int, ba
     that pad the last one weigh 0), so evaluation compiles once; each is
     {tokens (B, T+1), weights (B, T)[, segments (B, T)]}."""
     batches = []
-    completions = shards.is_prompt_completion(shards.load_index(data_dir))
-    of = example_rows(data_dir, "val", seq_len, batching) if completions else split_windows(data_dir, "val", seq_len)
-    if completions:
-        for batch in eval_examples(data_dir, "val", seq_len, batch_size, batching=batching, max_rows=max_rows):
+    if shards.is_prompt_completion(shards.load_index(data_dir)):
+        rows = example_rows(data_dir, "val", seq_len, batching)  # every mask shard read once, for both
+        of = len(rows[1]) - 1
+        for batch in eval_examples(data_dir, "val", seq_len, batch_size, batching=batching, max_rows=max_rows,
+                                   rows=rows):
             padded = empty_batch(batch_size, seq_len)  # zero weights on the rows that pad the batch
             for k, v in batch.items():
                 padded[k][: len(v)] = v
             batches.append(padded)
     else:
+        of = split_windows(data_dir, "val", seq_len)
         for tokens in eval_windows(data_dir, "val", seq_len, batch_size, max_windows=max_rows):
             padded = {"tokens": np.zeros((batch_size, seq_len + 1), np.int32),
                       "weights": np.zeros((batch_size, seq_len), np.float32)}

@@ -421,17 +421,21 @@ class Run(storage.RunDir):
 
         return hashlib.sha256(self.read_bytes(TOKENIZER)).hexdigest() if self.is_file(TOKENIZER) else None
 
+    def _json_object(self, name: str) -> dict | None:
+        """The run's JSON file `name` as a dict (None where there is none); anything else is one RunError line."""
+        if not self.is_file(name):
+            return None
+        try:
+            recorded = json.loads(self.read_text(name))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RunError(f"{self.show(name)} is not JSON ({e})") from None
+        if not isinstance(recorded, dict):
+            raise RunError(f"{self.show(name)} is not a JSON object")
+        return recorded
+
     def data(self) -> dict:
         """data.json ({} for a run without one, e.g. an import)."""
-        if not self.is_file(DATA):
-            return {}
-        try:
-            recorded = json.loads(self.read_text(DATA))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RunError(f"{self.show(DATA)} is not JSON ({e})") from None
-        if not isinstance(recorded, dict):
-            raise RunError(f"{self.show(DATA)} is not a JSON object")
-        return recorded
+        return self._json_object(DATA) or {}
 
     def is_finetuned(self) -> bool:
         """Whether the run trained on prompt/completion pairs."""
@@ -559,13 +563,10 @@ class Run(storage.RunDir):
 
     def lora_base(self) -> dict:
         """lora_base.json: {init_from, step, fingerprint} of a LoRA run's frozen base ({} without one)."""
-        if not self.is_file(LORA_BASE):
+        record = self._json_object(LORA_BASE)
+        if record is None:
             return {}
-        try:
-            record = json.loads(self.read_text(LORA_BASE))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RunError(f"{self.show(LORA_BASE)} is not JSON ({e})") from None
-        if not (isinstance(record, dict) and isinstance(record.get("fingerprint"), str)
+        if not (isinstance(record.get("fingerprint"), str)
                 and isinstance(record.get("init_from"), str) and isinstance(record.get("step"), int)):
             raise RunError(f"{self.show(LORA_BASE)} does not record a base (init_from, step and fingerprint)")
         return record
