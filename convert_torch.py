@@ -1,6 +1,6 @@
 """Hand a trained model to PyTorch and Hugging Face, and bring transformers checkpoints into a run.
 
-    python convert_torch.py --checkpoint RUN_DIR [--step N] --out DIR [--format torch|hf] [--overwrite]
+    python convert_torch.py --checkpoint RUN_DIR [--step N] --out DIR [--format torch|hf|peft] [--overwrite]
     python convert_torch.py --import-hf HF_DIR --out RUN_DIR [--overwrite]
 
 Export writes `model.safetensors`, `config.json` and the run's `tokenizer.json` (no pickles).
@@ -18,6 +18,14 @@ Export writes `model.safetensors`, `config.json` and the run's `tokenizer.json` 
     rotary, interleaved pairs, parallel block      GPT-J      (GPTJForCausalLM)
     rotary, half-split, LayerNorm                  GPT-NeoX   (GPTNeoXForCausalLM; Pythia)
     rotary, half-split, RMSNorm, SwiGLU            LLaMA      (LlamaForCausalLM; grouped-query attention)
+
+A LoRA run (training.lora) exports as its merged model in either format, or with `--format peft` as its
+adapters alone: `adapter_config.json` and `adapter_model.safetensors` in PEFT's names, for the base in its
+transformers layout (the base run exported with `--format hf`, or the transformers model it was imported
+from):
+
+    base = AutoModelForCausalLM.from_pretrained(BASE)
+    model = peft.PeftModel.from_pretrained(base, DIR)
 
 A model its family's layout cannot express exactly is refused with the reasons, never exported
 approximately. Biases a layout always has are written as zeros when the model has none, which is exact.
@@ -58,7 +66,7 @@ DESCRIPTION = __doc__.split("\n\n")[0]
 def parse_args(argv):
     parser = errors.ArgumentParser(
         error=errors.ConvertError, description=DESCRIPTION, allow_abbrev=False,
-        hint="usage: python convert_torch.py --checkpoint RUN_DIR --out DIR [--step N] [--format torch|hf] | "
+        hint="usage: python convert_torch.py --checkpoint RUN_DIR --out DIR [--step N] [--format torch|hf|peft] | "
              "--import-hf HF_DIR --out RUN_DIR")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="RUN_DIR", help="export this run directory's checkpoint")
@@ -66,8 +74,9 @@ def parse_args(argv):
                      "GPT-NeoX, OPT or LLaMA) into a run directory")
     parser.add_argument("--step", type=int, help="the checkpoint step to export (default: the last)")
     parser.add_argument("--out", required=True, help="the directory to write (an export, or a run for --import-hf)")
-    parser.add_argument("--format", default="torch", choices=("torch", "hf"),
-                        help="torch: torch_gpt.py's GPT module; hf: the transformers layout of the model's family "
+    parser.add_argument("--format", default="torch", choices=("torch", "hf", "peft"),
+                        help="torch: torch_gpt.py's GPT module; hf: the transformers layout of the model's family; "
+                             "peft: a LoRA run's adapters as a PEFT adapter for its base in that layout "
                              "(default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return parser.parse_args(argv)
@@ -97,14 +106,15 @@ import shards
 import storage
 from errors import ConvertError, DataError
 from hf_layouts import (config_from_hf, embedding_key, from_torch_tensors, head_key, hf_config, hf_format,
-                        to_torch_tensors)
+                        lora_tensors, to_torch_tensors)
 from model import GPTConfig
 from torch_gpt import CONFIG_NAME, GPT, WEIGHTS_NAME  # GPT: `from convert_torch import GPT` as before torch_gpt.py
 
-__all__ = ["ConvertError", "export", "import_hf", "read_run", "fetch_hf_dir", "read_hf_tensors", "read_hf_tokenizer",
+__all__ = ["ConvertError", "export", "export_adapter", "import_hf", "read_run", "fetch_hf_dir", "read_hf_tensors", "read_hf_tokenizer",
            "main", "cli", "GPT", "WEIGHTS_NAME", "CONFIG_NAME", "TOKENIZER_NAME"]
 
 TOKENIZER_NAME = "tokenizer.json"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # PEFT's file names
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,8 +217,18 @@ def _is_export(directory: pathlib.Path) -> bool:
     return isinstance(meta, dict) and "gpt_jax" in meta
 
 
+def _is_adapter(directory: pathlib.Path) -> bool:
+    """Whether a directory holds a PEFT LoRA adapter (an adapter_config.json of peft_type LORA)."""
+    try:
+        meta = json.loads((directory / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("peft_type") == "LORA"
+
+
 _OURS = {  # what --overwrite may replace, besides an empty directory
     "export": (_is_export, f"an export of convert_torch.py (a {CONFIG_NAME} with gpt_jax)"),
+    "adapter": (_is_adapter, f"a LoRA adapter (an {ADAPTER_CONFIG} of peft_type LORA)"),
     "import": (lambda directory: (directory / "config.yaml").is_file(), "a run directory (one with config.yaml)"),
 }
 
@@ -267,6 +287,31 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
                 (tmp / "tokenizer_config.json").write_text(json.dumps(
                     {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": c.block_size,
                      "add_prefix_space": False, **special}, indent=2) + "\n")
+        staged.commit()
+    return layout
+
+
+def export_adapter(adapters: dict, gpt_config, lora, out, overwrite: bool = False, source=None,
+                   base: str | None = None) -> str:
+    """Write a LoRA run's adapters (Run.load_adapters: model.split_lora's tree) of a model.GPTConfig and
+    config.LoRAConfig into `out` as a PEFT LoRA adapter for the base model in its transformers layout
+    (hf_layouts.lora_tensors): adapter_model.safetensors and adapter_config.json (r, lora_alpha,
+    lora_dropout, target_modules; PEFT's scale lora_alpha / r is the run's alpha / rank). `base`: what
+    base_model_name_or_path names. Returns the layout (the transformers model_type)."""
+    import model as model_lib
+
+    c = gpt_config if isinstance(gpt_config, GPTConfig) else GPTConfig(**dict(gpt_config))
+    layout = hf_format(c)
+    out = _check_out(out, source, overwrite, "adapter")
+    tensors, targets, conv1d = lora_tensors(model_lib.lora_factors(c, lora, adapters), c, layout)
+    meta = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
+            "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": targets, "bias": "none",
+            "fan_in_fan_out": conv1d, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+            "modules_to_save": None, "inference_mode": True}
+    with outputs.StagedDir(out, replace=overwrite, hidden=True, last=ADAPTER_CONFIG) as staged:
+        save_file(tensors, str(staged.path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        storage.plain_mode(staged.path / ADAPTER_WEIGHTS)
+        (staged.path / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
         staged.commit()
     return layout
 
@@ -386,7 +431,9 @@ def main(argv=None) -> int:
         return 0
     args.checkpoint = storage.local_path(args.checkpoint)  # file:///x: the local run directory /x
     source = None if storage.is_url(args.checkpoint) else args.checkpoint
-    _check_out(args.out, source, args.overwrite)  # before reading the checkpoint
+    _check_out(args.out, source, args.overwrite, "adapter" if args.format == "peft" else "export")  # before reading
+    if args.format == "peft":
+        return _export_adapter(args, source)
     cfg, params, step = read_run(args.checkpoint, args.step)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer = pathlib.Path(args.checkpoint) / TOKENIZER_NAME
@@ -399,6 +446,24 @@ def main(argv=None) -> int:
     how = {"torch": "from torch_gpt import GPT; GPT.from_pretrained(DIR)"}.get(
         layout, f"transformers.AutoModelForCausalLM.from_pretrained(DIR) ({layout} layout)")
     print(f"wrote step {step} of {args.checkpoint} to {args.out}; load with {how}")
+    return 0
+
+
+def _export_adapter(args, source) -> int:
+    """--format peft: the LoRA run's adapters as a PEFT adapter, and how to load it."""
+    run = rundir.existing(args.checkpoint)
+    cfg = run.config()
+    if cfg.training.lora is None:
+        raise ConvertError(f"{args.checkpoint} is not a LoRA run (training.lora is null), so it has no adapters; "
+                           f"export its model with --format hf")
+    hf_format(cfg.model)  # a model no transformers layout expresses: refused before the checkpoint is read
+    adapters, step = run.load_adapters(args.step)
+    base = run.lora_base().get("init_from") or str(cfg.training.init_from)
+    layout = export_adapter(adapters, cfg.model, cfg.training.lora, args.out, args.overwrite, source)
+    print(f"wrote the LoRA adapters of step {step} of {args.checkpoint} to {args.out} (PEFT, {layout} layout); load "
+          f"with peft.PeftModel.from_pretrained(BASE_MODEL, {shlex.quote(args.out)}), BASE_MODEL being its base in the "
+          f"transformers layout: the model {base} was imported from, or its export: python convert_torch.py "
+          f"--checkpoint {shlex.quote(base)} --format hf --out BASE")
     return 0
 
 

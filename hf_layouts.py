@@ -199,6 +199,52 @@ def to_torch_tensors(params: dict, c: GPTConfig, fmt: str) -> dict[str, np.ndarr
     return out
 
 
+def lora_tensors(factors: dict, c: GPTConfig, fmt: str) -> tuple[dict[str, np.ndarray], list[str], bool]:
+    """A PEFT LoRA adapter of a transformers layout: (tensors, target_modules, fan_in_fan_out).
+
+    `factors`: model.lora_factors, {'blocks.0.attn.c_attn': (A, B, targeted)}. Each adapted kernel goes where
+    its layout puts it: the layout's own mapping of the kernel (reshapes, transposes, the split of q/k/v) is
+    applied to the index of every input and output element, which gives the order of A's rows and B's
+    columns in the module (in PEFT's shapes: lora_A.weight (r, in), lora_B.weight (out, r), named
+    `base_model.model.MODULE.lora_{A,B}.weight`). So a fused q/k/v the layout keeps as three modules gets
+    one adapter per targeted projection (A repeated, B's columns of that projection), and a fused one
+    (GPT-2's c_attn, BLOOM's and NeoX's query_key_value) one adapter with B's columns reordered as the
+    weight's rows: (alpha / r) B A of each module is exactly the kernel's update. A module holding only
+    untargeted projections is not adapted. target_modules: the shortest module-name suffixes that match the
+    adapted modules and nothing else of the model."""
+    tensors, adapted, modules, conv1d = {}, [], set(), False
+    for path, key, fwd, _, _ in _layout(c, fmt):
+        if key.endswith(".weight"):
+            modules.add(key[:-len(".weight")])
+        name, _, part = (path or "").partition("#")
+        if not name.endswith(".kernel") or name[:-len(".kernel")] not in factors:
+            continue
+        a, b, targeted = factors[name[:-len(".kernel")]]
+        r, ins, outs = a.shape[-1], a.shape[:-1], b.shape[1:]
+        shape = (*ins, *outs)
+        index_in = np.broadcast_to(np.arange(math.prod(ins)).reshape(*ins, *(1,) * len(outs)), shape)
+        index_out = np.broadcast_to(np.arange(math.prod(outs)).reshape(*(1,) * len(ins), *outs), shape)
+        if part:  # one projection of a fused kernel
+            index_in, index_out = (np.take(x, int(part), axis=_part_axis(name)) for x in (index_in, index_out))
+        rows_in, rows_out = fwd(index_in), fwd(index_out)  # the module's weight, element by element
+        if (rows_in == rows_in[:, :1]).all() and rows_in.shape[1] > 1:  # (in, out): GPT-2's Conv1D
+            rows_in, rows_out, conv1d = rows_in.T, rows_out.T, True
+        assert (rows_in == rows_in[:1]).all() and (rows_out == rows_out[:, :1]).all(), key  # a permutation
+        order_in, order_out = rows_in[0], rows_out[:, 0]
+        if not targeted.reshape(-1)[order_out].any():
+            continue  # k of a fused q/k/v that the layout splits, when k is not a target
+        module = key[:-len(".weight")]
+        tensors[f"base_model.model.{module}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r)[order_in].T)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1)[:, order_out].T)
+        adapted.append(module)
+    depth = max(m.count(".") + 1 for m in adapted)
+    for k in range(1, depth + 1):
+        suffixes = sorted({".".join(m.split(".")[-k:]) for m in adapted})
+        if {m for m in modules if any(m == s or m.endswith("." + s) for s in suffixes)} == set(adapted):
+            return tensors, suffixes, conv1d
+    return tensors, sorted(adapted), conv1d  # unreachable: whole names match themselves alone
+
+
 VOCAB_PATHS = ("wte", "lm_head", "head_bias")  # the parameters with a row per token of the vocabulary
 
 

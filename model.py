@@ -641,6 +641,27 @@ def merge_lora(config: GPTConfig, lora, params: dict) -> dict:
     return merged
 
 
+def lora_factors(config: GPTConfig, lora, adapters: dict) -> dict:
+    """{'blocks.0.attn.c_attn': (A, B, targeted)} for every adapted Dense of GPT(config, lora), from `adapters`
+    (split_lora's tree, numpy): A (in dims..., r) and B (r, out dims...) as float32 numpy arrays, B's slices of
+    untargeted projections zero, and `targeted` (out dims...) True where the adapter may change the output.
+    The update of the kernel is (alpha / r) * A @ B. What an export of the adapters maps (convert_torch.py)."""
+    import numpy as np
+
+    out = {}
+    for path, module in nnx.iter_modules(nnx.eval_shape(lambda: GPT(config, lora=lora, rngs=nnx.Rngs(params=0)))):
+        if isinstance(module, Dense) and module.lora_a is not None:
+            node = adapters
+            for k in path:
+                node = node[k]
+            a, b = np.asarray(node["lora_a"], np.float32), np.asarray(node["lora_b"], np.float32)
+            targeted = np.ones(b.shape[1:], bool)
+            if module.lora_slices is not None:
+                targeted = targeted & np.asarray(module.lora_slices, bool).reshape((-1,) + (1,) * (b.ndim - 2))
+            out[".".join(map(str, path))] = (a, b * targeted, targeted)
+    return out
+
+
 def init_cache(config: GPTConfig, batch: int, max_len: int) -> dict:
     """An empty KV cache for `GPT.decode`: {"k", "v"}: zeros (N, batch, max_len, K, D) in the compute dtype,
     K the key/value heads (num_kv_head)."""

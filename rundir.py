@@ -528,10 +528,20 @@ class Run(storage.RunDir):
         params, step, _ = self.load_weights(step)
         return params, step
 
-    def load_weights(self, step: int | None = None) -> tuple[dict, int, str]:
+    def load_adapters(self, step: int | None = None) -> tuple[dict, int]:
+        """(adapters, step) of a LoRA run's checkpoint, the last by default: its `lora_a` and `lora_b` leaves
+        as load_params gives parameters (model.split_lora's tree), not merged into any base."""
+        cfg = self.config()
+        if cfg.training.lora is None:
+            raise RunError(f"{self} is not a LoRA run (its training.lora is null), so it has no adapters")
+        params, step, _ = self.load_weights(step, adapters_only=True)
+        return params, step
+
+    def load_weights(self, step: int | None = None, adapters_only: bool = False) -> tuple[dict, int, str]:
         """(params, step, fingerprint) as load_params, with a fingerprint of the parameters: the sha256 of
         the checkpoint's saved array fingerprints (which the load checked the arrays against); for a LoRA
-        run, of its base's fingerprint, its adapters' and their shape (rank, alpha, targets)."""
+        run, of its base's fingerprint, its adapters' and their shape (rank, alpha, targets). A LoRA run's
+        params are its adapters alone with `adapters_only` (and the fingerprint theirs)."""
         import hashlib
 
         import numpy as np
@@ -552,7 +562,7 @@ class Run(storage.RunDir):
         fingerprint = sha256({k: v for k, v in saved_fingerprints.items() if k.startswith("params/")})
         cfg = self.config() if self.is_file(CONFIG) else None
         lora = cfg.training.lora if cfg is not None else None
-        if lora is None:
+        if lora is None or adapters_only:
             return params, step, fingerprint
         import model as model_lib
 

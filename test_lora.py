@@ -20,7 +20,9 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+import peft
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 from flax import nnx
@@ -28,6 +30,7 @@ from flax import nnx
 import config
 import convert_torch as ct
 import eval as eval_lib
+import hf_layouts
 import loader
 import loss as loss_lib
 import model
@@ -188,6 +191,51 @@ def test_merged_weights_are_the_formula_and_give_the_adapted_models_logits(layou
                                   base["blocks"][0]["attn"][fused]["kernel"][:, untouched])
     np.testing.assert_allclose(logits(cfg, merged, TOKS), logits(cfg, model.join_lora(base, adapters), TOKS, lora),
                                atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# PEFT adapters: every transformers layout, each with a projection of a fused q/k/v weight left out
+
+PEFT_CASES = {  # layout -> (the model, its targets, the modules of a block PEFT must adapt, transformers' names)
+    "gpt2": (GPT2, ["q", "v", "mlp"], {"attn.c_attn", "mlp.c_fc", "mlp.c_proj"}),  # Conv1D (in, out); k's columns 0
+    "bloom": ({**SMALL, "alibi_attn": True, "embed_norm": True}, ["k", "o"],  # rows ordered (H, 3, D)
+              {"self_attention.query_key_value", "self_attention.dense"}),
+    "gpt_neox": ({**SMALL, **SWITCHES["neox"]}, ["q", "k", "v", "o", "mlp"],
+                 {"attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"}),
+    "gptj": ({**SMALL, **SWITCHES["gptj"]}, ["q", "v", "o"], {"attn.q_proj", "attn.v_proj", "attn.out_proj"}),
+    "opt": ({**SMALL, **SWITCHES["opt"]}, ["v", "mlp"], {"self_attn.v_proj", "fc1", "fc2"}),
+    "llama": (LLAMA, ["q", "k", "o", "mlp"],  # q from c_q, k from c_kv (whose v is left out)
+              {"self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+               "mlp.down_proj"}),
+}
+
+
+def peft_logits(base_dir, adapter_dir, toks) -> tuple[np.ndarray, set]:
+    """The logits of transformers' model at base_dir with the adapter loaded by peft's own loader, and the
+    modules PEFT adapted."""
+    tuned = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base_dir),
+                                           adapter_dir).eval()
+    adapted = {k.split(".lora_")[0] for k in peft.get_peft_model_state_dict(tuned)}
+    saved = {k.split(".lora_")[0] for k in safetensors.numpy.load_file(adapter_dir / ct.ADAPTER_WEIGHTS)}
+    assert adapted == saved  # PEFT adapted the modules the file holds and no other (those would be PEFT's init)
+    return hf_logits(tuned, toks), adapted
+
+
+@pytest.mark.parametrize("layout", list(PEFT_CASES))
+def test_peft_loads_the_exported_adapter_as_the_adapted_model(layout, tmp_path):
+    switches, targets, modules = PEFT_CASES[layout]
+    cfg, lora = model.GPTConfig(**switches), config.LoRAConfig(rank=3, alpha=5.0, dropout=0.1, targets=targets)
+    base, adapters = model.split_lora(random_params(cfg, 2, lora, std=0.2))  # B too: a trained adapter
+    assert ct.export(base, cfg, tmp_path / "base", fmt="hf") == layout
+    assert ct.export_adapter(adapters, cfg, lora, tmp_path / "adapter") == layout
+    meta = json.loads((tmp_path / "adapter" / ct.ADAPTER_CONFIG).read_text())
+    assert (meta["r"], meta["lora_alpha"], meta["fan_in_fan_out"]) == (3, 5.0, layout == "gpt2")
+    got, adapted = peft_logits(tmp_path / "base", tmp_path / "adapter", TOKS)
+    n = hf_layouts.LAYOUTS[layout]
+    assert adapted == {f"base_model.model.{n['P']}{n['h']}.{i}.{m}" for i in range(cfg.N) for m in modules}
+    want = logits(cfg, model.join_lora(base, adapters), TOKS, lora)[..., :V]
+    assert np.abs(want - logits(cfg, base, TOKS)[..., :V]).max() > 0.1  # the adapters change the model
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)  # every real logit
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,7 +406,7 @@ def test_readers_get_the_merged_model(lora_run, windows):
 
 
 def test_sample_eval_and_export_read_a_lora_run(lora_run, windows, corpus, tmp_path, capsys):  # noqa: F811
-    _, _, run, _ = lora_run
+    base, _, run, _ = lora_run
     cfg = rundir.Run(run).config()
     merged, _ = rundir.Run(run).load_params()  # checked against the formula above
     # sample.py: greedy decoding is the merged model's, recomputed here without a cache
@@ -381,6 +429,19 @@ def test_sample_eval_and_export_read_a_lora_run(lora_run, windows, corpus, tmp_p
     assert ct.cli(["--checkpoint", str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     np.testing.assert_allclose(hf_logits(hf, windows[:, :-1]), merged_logits[..., :V], atol=TOL, rtol=0)
+    # and as a PEFT adapter, on the transformers model the base was imported from
+    capsys.readouterr()
+    assert ct.cli(["--checkpoint", str(run), "--out", str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    assert "peft.PeftModel.from_pretrained" in capsys.readouterr().out
+    got, adapted = peft_logits(base.parent / "hf", tmp_path / "adapter", windows[:, :-1])
+    assert len(adapted) == cfg.model.N * 7  # q, k, v, o and the three of SwiGLU's MLP
+    np.testing.assert_allclose(got, merged_logits[..., :V], atol=TOL, rtol=0)
+    # a run without adapters has none to export: one line, nothing written
+    capsys.readouterr()
+    assert ct.cli(["--checkpoint", str(base), "--out", str(tmp_path / "none"), "--format", "peft"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "not a LoRA run" in err, err
+    assert not (tmp_path / "none").exists()
 
 
 def test_resume_is_exact_from_the_same_base_anywhere(lora_run, tmp_path):
