@@ -8,7 +8,8 @@ target device, in seconds on a CPU, without devices, data or a run directory.
              optimizer state: exact, from the same rules table and ZeRO stage the run would use
            ──the activation model below──> activations, logits and loss, attention temporaries
     total per device ──against the device's memory──> a verdict, and when it does not fit the cheapest
-    changes that do (ZeRO stage, micro-batches, remat, tensor parallelism, batch size), each with its total
+    changes that do (ZeRO stage, micro-batches, remat, tensor parallelism, LoRA for a fine-tuning run,
+    batch size), each with its total
 
 The state terms are exact byte counts. The rest is a model of what XLA keeps at the peak of a
 training step, per device and per micro-batch of b sequences of T tokens, in the compute dtype
@@ -54,6 +55,16 @@ block inputs and outputs is split by it, and so are the vocabulary and its logit
 one block's gathered weights (and the output embedding) are a transient on top. The total is the
 sum of the terms.
 
+LoRA (training.lora): the parameters, gradients and optimizer state are the adapters' (float32, exact as
+for full training), and the frozen base is a term of its own: its weights in training.lora.base_dtype (norms
+and biases float32), placed as a full run's parameters at the ZeRO stage, with no compute-dtype copy when it
+is held in the compute dtype. Activations are counted as for full training, plus each adapter's dropped input
+when training.lora.dropout > 0; against XLA's CPU compiled step (float32, two sizes) that is -31% to +17%
+without remat and -4% to +46% under remat full: the step keeps less where few projections are adapted (a
+frozen projection's input is not needed for a gradient) and more where all are. Its FLOPs: 4N + 6LdT + 6 per
+adapter parameter (no weight gradients of the base). Where fine-tuning (training.init_from) does not fit,
+LoRA on a base held in the compute dtype is among the changes offered.
+
 Measured errors, against XLA's temporary memory for the compiled step on the CPU (float32, xla
 attention; three sizes, and tensor parallelism with micro-batches: test_plan.py): -5% to +4% with
 remat none (0% to +11% with the loss 256 tokens at a time); -10% to +11% under remat full and
@@ -76,6 +87,7 @@ import jax
 import numpy as np
 
 import attention as attention_lib
+import config as config_lib
 import loss as loss_lib
 import model as model_lib
 import rundir
@@ -199,28 +211,60 @@ class Estimate:
 
 
 class _State:
-    """The training state's shapes and the params' axis names, made once per model and optimizer."""
+    """The training state's shapes and the params' axis names, made once per model and optimizer; with
+    training.lora, the state is the adapters' and the model's weights are the frozen base's, in the dtypes
+    it is held in."""
 
     def __init__(self, cfg):
+        self.lora = cfg.training.lora
         self.abstract, self.axes = step_lib.state_shapes(cfg.model, cfg.training)
-        self.blocks = self.abstract["params"]["blocks"]
+        if self.lora is None:
+            self.weights, self.weight_axes = self.abstract["params"], self.axes
+        else:
+            self.weights, self.weight_axes = step_lib.base_shapes(cfg.model, self.lora)
 
     def placed(self, mesh, zero_stage: int):
-        """Per-device bytes {params, grads, opt_state (with step and rng), blocks (one block's weights
-        as tensor parallelism alone splits them), head (the output embedding, likewise)}, and the
-        weights that a ZeRO rule could not split evenly."""
+        """Per-device bytes {params, grads, opt_state (with step and rng), base (a LoRA run's frozen base,
+        else 0), blocks (the blocks' weights as tensor parallelism alone splits them), head (the output
+        embedding, likewise), and blocks_f32 and head_f32 (the same were they float32)}, and the weights that
+        a ZeRO rule could not split evenly."""
         shardings, grad_shardings, fallbacks = sharding_lib.state_shardings(self.abstract, self.axes, mesh, zero_stage)
         per_device = lambda tree, sh: sharding_lib.sharded_bytes(tree, sh, mesh)[1]  # noqa: E731
-        tensor_only, _, _ = sharding_lib.state_shardings(self.abstract, self.axes, mesh, 0)
-        params = self.abstract["params"]
-        head = "wte" if params.get("lm_head") is None else "lm_head"
+        f32 = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), tree)  # noqa: E731
+        weights = {"params": self.weights, "opt_state": {}}
+        tensor_only = sharding_lib.state_shardings(weights, self.weight_axes, mesh, 0)[0]["params"]
+        base = 0
+        if self.lora is not None:  # placed as a full run's params at this ZeRO stage
+            base_sharding, _, more = sharding_lib.state_shardings(weights, self.weight_axes, mesh, zero_stage)
+            base, fallbacks = per_device(self.weights, base_sharding["params"]), fallbacks + more
+        params, w = self.abstract["params"], self.weights
+        head = "wte" if w.get("lm_head") is None else "lm_head"
         return {
             "params": per_device(params, shardings["params"]),
             "grads": per_device(params, grad_shardings),
             "opt_state": sum(per_device(self.abstract[k], shardings[k]) for k in ("opt_state", "step", "rng")),
-            "blocks": per_device(self.blocks, tensor_only["params"]["blocks"]),
-            "head": per_device(params[head], tensor_only["params"][head]),
+            "base": base,
+            "blocks": per_device(w["blocks"], tensor_only["blocks"]),
+            "blocks_f32": per_device(f32(w["blocks"]), tensor_only["blocks"]),
+            "head": per_device(w[head], tensor_only[head]),
+            "head_f32": per_device(f32(w[head]), tensor_only[head]),
         }, fallbacks
+
+
+def _dropped_inputs(m, lora, tp: int) -> int:
+    """The width, per token and device, of the inputs that LoRA's dropout drops for the adapters of one
+    block (each adapted projection draws its own: the q/k/v weights take the block's width, the attention's
+    output projection the heads', the MLP's the width and, for its output projection, the MLP's)."""
+    targets = set(lora.targets)
+    if m.kv_heads == m.num_head:  # one fused q/k/v weight
+        width = m.embedding_dim if targets & {"q", "k", "v"} else 0
+    else:  # q, and k with v
+        width = m.embedding_dim * (("q" in targets) + bool(targets & {"k", "v"}))
+    if "o" in targets:
+        width += m.num_head * m.head_dim // tp
+    if "mlp" in targets:
+        width += m.embedding_dim * (2 if m.activation == "swiglu" else 1) + m.ffn_dim // tp
+    return width
 
 
 def _kernel_head(impl: str, m) -> int:
@@ -258,17 +302,22 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
                            m.padded_vocab_size)
     F_in = 2 * F if m.activation == "swiglu" else F  # the MLP's input projections: SwiGLU's gate and up
     c = np.dtype(model_lib.DTYPES[m.dtype]).itemsize
+    lora = t.lora
     masked = t.fcm_max_ratio > 0  # FCM: a masked batch (fine-tuning data is masked too; the plan does not read data)
     impl = attention_lib.resolve_attention(m, dev.backend, masked=masked)
     D_kernel = _kernel_head(impl, m)  # the head size the kernel's saved q, k, v and output have
     norms = 1 if m.residual == "parallel_shared" else 2
     BT = B * T
-    narrow = c < 4  # the weights' compute-dtype copies exist
+    narrow = c < 4
+    held = np.dtype(model_lib.DTYPES[lora.base_dtype]).itemsize if lora is not None and lora.base_dtype else 4
+    copies = c < held  # the weights' compute-dtype copies exist (not when a LoRA base is held in that dtype)
 
     # one block's activations kept for the backward pass without remat (the module docstring's table)
     softmax = H / tp * B * T * T * (4 + (c if narrow else 0)) if impl in ("xla", "dot_product") else H / tp * BT * 4
     none_block = (norms * (2 * 4 + c) * BT * d + (2 * H + 2 * K) * D_kernel / tp * BT * c + 2.5 * F_in / tp * BT * c
-                  + softmax + (placed["blocks"] / N * c / 4 if narrow else 0))
+                  + softmax + (placed["blocks_f32"] / N * c / 4 if copies else 0))
+    if lora is not None and lora.dropout > 0:  # each adapter's dropped input, kept for its A's gradient
+        none_block += _dropped_inputs(m, lora, tp) * BT * c
     if m.remat == "none":
         kept, recomputed = N * none_block, 0.0
         kept_note = f"{N} blocks, all of each block's"
@@ -298,7 +347,7 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
             chunk_logits = max(0.0, chunk_logits - recomputed - attention)
             if not chunk_logits:
                 logits_note = f"the hidden states' gradient; {B * rows}-token chunks of logits reuse the recomputed block's"
-        logits = chunk_logits + BT * d * 4 + (V / tp * d * c if narrow else 0)
+        logits = chunk_logits + BT * d * 4 + (placed["head_f32"] * c / 4 if copies else 0)
     else:
         logits = BT * V / tp * (4 + c)
         logits_note = f"({B}, {T}, {V // tp}) float32, and their gradient"
@@ -306,6 +355,7 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
     grads = placed["grads"] * (2 if t.micro_batches > 1 else 1)
     terms = {
         "parameters": placed["params"],
+        "frozen base": placed["base"],
         "gradients": grads,
         "optimizer state": placed["opt_state"],
         "activations kept for the backward pass": kept,
@@ -317,6 +367,8 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
         "parameters": "float32",
         "gradients": "float32" + (": the accumulator and a micro-batch's own" if t.micro_batches > 1 else ""),
         "optimizer state": "AdamW moments, float32",
+        "frozen base": f"LoRA: the base's weights in {lora.base_dtype or 'float32'}, no gradients or moments"
+        if lora is not None else "",
         "activations kept for the backward pass": f"remat {m.remat}: {kept_note}",
         "one block recomputed in the backward pass": f"remat {m.remat}",
         "logits and loss": logits_note,
@@ -324,8 +376,15 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
                                   if impl in ("xla", "dot_product") else f"none: {impl}'s blocks are on chip"),
     }
     if sh.zero_stage == 3:  # gathered where a layer uses them: one block's and the output embedding, plus copies
-        terms["ZeRO-3 gathered weights"] = (placed["blocks"] / N + placed["head"]) * (1 + (c / 4 if narrow else 0))
+        terms["ZeRO-3 gathered weights"] = (placed["blocks"] / N + placed["head"]
+                                            + ((placed["blocks_f32"] / N + placed["head_f32"]) * c / 4 if copies else 0))
         notes["ZeRO-3 gathered weights"] = "one block's and the output embedding's"
+    if lora is not None:
+        notes["parameters"] = f"float32: the adapters (LoRA rank {lora.rank} on {', '.join(lora.targets)})"
+        notes["gradients"] = notes["gradients"].replace("float32", "float32, the adapters'", 1)
+        notes["optimizer state"] = "AdamW moments of the adapters, float32"
+    else:
+        del terms["frozen base"]
     if not recomputed:
         del terms["one block recomputed in the backward pass"]
     return Estimate(terms, notes, dev.memory, dict(mesh.shape), B, impl, fallbacks)
@@ -376,6 +435,10 @@ def _changes(cfg):
         label = f"sharding.tensor={tensor}" + (" sharding.data=-1" if sh.data != -1 else "")
         yield "tensor", label, {"sharding": {"data": -1, "fsdp": 1 if sh.fsdp == -1 else sh.fsdp, "tensor": tensor}}
         tensor *= 2
+    if t.init_from and t.lora is None:  # fine-tuning: low-rank adapters on a frozen base held in the compute dtype
+        lora = config_lib.LoRAConfig(base_dtype=None if m.dtype == "float32" else m.dtype)
+        label = "training.lora.rank=8" + (f" training.lora.base_dtype={m.dtype}" if lora.base_dtype else "")
+        yield "lora", label, {"training": {"lora": lora}}
     batch = t.batch_size // 2
     while batch >= t.micro_batches and batch % t.micro_batches == 0:
         yield "batch", f"training.batch_size={batch}", {"training": {"batch_size": batch}}
@@ -388,10 +451,14 @@ def alternatives(cfg, dev: Target, state: _State, limit: int = 4) -> tuple[list[
     the others allow (or none). Returns (changes, whether they are one combination); no changes when
     even the strongest combination does not fit."""
     base = estimate(cfg, dev, state)
+    states = {repr(cfg.training.lora): state}  # by LoRA config: a change may add adapters
 
     def planned(parts) -> Estimate | None:
+        new = _apply(cfg, parts)
         try:
-            return estimate(_apply(cfg, parts), dev, state)
+            if repr(new.training.lora) not in states:
+                states[repr(new.training.lora)] = _State(new)
+            return estimate(new, dev, states[repr(new.training.lora)])
         except sharding_lib.ShardingError:
             return None  # does not divide: not a candidate
 
@@ -443,9 +510,6 @@ def run(args) -> int:
         raise ConfigError(f"--mfu must be in (0, 1], got {args.mfu}")
     jax.config.update("jax_platforms", "cpu")
     cfg = rundir.new_config(args.config, args.overrides)
-    if cfg.training.lora is not None:  # its state is the adapters, and a frozen base beside it: not modelled yet
-        raise ConfigError("--plan does not plan a LoRA run (training.lora) yet; without training.lora it plans "
-                          "the full fine-tuning of the same model, an upper bound")
     print(report(cfg, target(args.device, args.devices), mfu=args.mfu))
     return 0
 
@@ -493,8 +557,13 @@ def report(cfg, dev: Target, mfu: float = 0.4) -> str:
                          "more devices are needed")
     tokens = t.batch_size * cfg.seq_len
     per_token = model_lib.flops_per_token(m, cfg.seq_len)
+    formula = "6N + 6LdT"
+    if t.lora is not None:  # the frozen base's weights get no gradients: 2N forward, 2N for the inputs' gradients
+        adapters = sum(x.size for x in jax.tree.leaves(state.abstract["params"]))
+        per_token += -2.0 * model_lib.param_count(m) + 6.0 * adapters
+        formula = "LoRA: 4N + 6LdT + 6 x the adapters"
     flops = per_token * tokens
-    line = (f"step: {tokens:,} tokens, {flops:.3g} FLOPs ({per_token:.3g} per token, 6N + 6LdT; remat's "
+    line = (f"step: {tokens:,} tokens, {flops:.3g} FLOPs ({per_token:.3g} per token, {formula}; remat's "
             f"recomputation not counted)")
     if dev.peak_flops:
         seconds = flops / (mfu * dev.peak_flops * dev.count)

@@ -249,6 +249,17 @@ def state_shapes(mcfg: model_lib.GPTConfig, t, abstract_vars=None):
     return jax.eval_shape(make_init_state(mcfg, tx, lora), *keys), axes
 
 
+def base_shapes(mcfg: model_lib.GPTConfig, lora, abstract_vars=None) -> tuple[dict, dict]:
+    """(abstract base, axes) of a LoRA run's frozen base: its ShapeDtypeStructs in the dtypes it is held in
+    (frozen_shapes) and the logical axis names of its parameters, the base model's own tree. `abstract_vars`:
+    make_loss's (of the model with adapters), if at hand."""
+    if abstract_vars is None:
+        _, abstract_vars = make_loss(mcfg, lora=lora)
+    base = model_lib.split_lora(nnx.to_pure_dict(abstract_vars))[0]
+    axes = model_lib.split_lora(nnx.to_pure_dict(logical_axes.param_axes(abstract_vars)))[0]
+    return frozen_shapes(base, lora.base_dtype), axes
+
+
 def frozen_shapes(abstract_base, base_dtype):
     """The frozen base's ShapeDtypeStructs in the dtypes it is held in (training.lora.base_dtype): weight
     matrices and embeddings in base_dtype when it is set; norms and biases stay float32."""
@@ -307,8 +318,7 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
     state_sharding, grad_sharding, fallbacks = sharding_lib.state_shardings(abstract_state, axes, mesh, zero_stage)
     abstract_base = base_sharding = None
     if lora is not None:  # the frozen base: placed as the params of a full run at this ZeRO stage would be
-        abstract_base = frozen_shapes(model_lib.split_lora(nnx.to_pure_dict(abstract_vars))[0], lora.base_dtype)
-        base_axes = model_lib.split_lora(nnx.to_pure_dict(logical_axes.param_axes(abstract_vars)))[0]
+        abstract_base, base_axes = base_shapes(mcfg, lora, abstract_vars)
         base_sharding = sharding_lib.state_shardings({"params": abstract_base, "opt_state": {}}, base_axes, mesh,
                                                      zero_stage)[0]["params"]
     frozen = () if lora is None else (base_sharding,)

@@ -286,6 +286,10 @@ REAL = {
                            num_hidden_layers=22, num_key_value_heads=4, max_position_embeddings=2048,
                            rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, vocab_size=32000,
                            tie_word_embeddings=False, hidden_act="silu"),
+    "llama-7b": dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                     num_hidden_layers=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, rope_scaling=None, vocab_size=32000, tie_word_embeddings=False,
+                     hidden_act="silu"),
 }
 
 

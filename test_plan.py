@@ -87,6 +87,64 @@ def test_state_terms_equal_the_placed_state(mesh, stage):
     assert set(others.values()) == {e.terms["optimizer state"]}
 
 
+LORA = {"rank": 4, "targets": ["q", "v", "o", "mlp"], "base_dtype": "bfloat16"}
+
+
+def lora_cfg(mesh, stage, lora=LORA):
+    return config.from_dict({"model": {"name": "test", "dtype": "bfloat16"},
+                             "training": {"batch_size": 16, "init_from": "runs/base", "lora": lora},
+                             "sharding": {"data": mesh[0], "fsdp": mesh[1], "tensor": mesh[2], "zero_stage": stage}})
+
+
+@pytest.mark.parametrize("mesh, stage", [((8, 1, 1), 0), ((2, 2, 2), 1), ((8, 1, 1), 3)])
+def test_lora_state_terms_equal_the_placed_state(mesh, stage):
+    """A LoRA run's state is its adapters and their moments, and its frozen base is held in bfloat16 and
+    placed as a full run's params at the ZeRO stage: the plan's terms are the bytes every device holds of
+    step.build's adapters, optimizer state and placed base. The adapters written out: the test size's fused
+    q/k/v weight (d, 3d) takes A (d, r) and B (r, 3d) though k is not a target, the attention's output
+    projection and the MLP's two r (d + d) and r (d + 4d) each; the base: its kernels and embeddings in
+    bfloat16, its norms and biases in float32."""
+    cfg = lora_cfg(mesh, stage)
+    fns = step.build(cfg.model, cfg.training, sharding.make_mesh(*mesh), stage)
+    state = fns.init()
+    base = fns.place_base(jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), fns.abstract_base))
+    e = plan.estimate(cfg, cpus(8))
+    assert set(bytes_per_device(state["params"]).values()) == {e.terms["parameters"]}
+    assert set(bytes_per_device([state["opt_state"], state["step"], state["rng"]]).values()) == \
+        {e.terms["optimizer state"]}
+    assert set(bytes_per_device(base).values()) == {e.terms["frozen base"]}
+    assert "adapters (LoRA rank 4 on q, v, o, mlp)" in e.notes["parameters"]
+    if mesh != (8, 1, 1):
+        return  # tensor parallelism splits some of them
+    m, r = cfg.model, LORA["rank"]
+    d, F = m.embedding_dim, m.ffn_dim
+    adapters = m.N * r * ((d + 3 * d) + (d + d) + (d + F) + (F + d))
+    assert e.terms["gradients"] == 4 * adapters / (8 if stage >= 2 else 1)
+    leaves = jax.tree_util.tree_flatten_with_path(fns.abstract_base)[0]
+    kept = sum(x.size for p, x in leaves if p[-1].key in ("bias", "scale"))  # norms and biases
+    matrices = sum(x.size for _, x in leaves) - kept
+    if stage < 3:
+        assert e.terms["parameters"] == 4 * adapters
+        assert e.terms["frozen base"] == 2 * matrices + 4 * kept
+
+
+def test_lora_is_what_the_plan_recommends_for_fine_tuning_that_does_not_fit(capsys):
+    """Fine-tuning (training.init_from) that does not fit on one GPU: the plan offers LoRA on a base held in
+    the compute dtype among its changes, and that config plans to the printed total."""
+    args = ["--device", "24GiB", "model=1_3b", "model.dtype=bfloat16", "training.batch_size=1",
+            "training.init_from=runs/base"]
+    assert train.cli(["--plan", *args]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "\n  frozen base" not in out
+    (line,) = [s for s in out.splitlines() if "training.lora.rank=8" in s]
+    assert line.split()[:2] == ["training.lora.rank=8", "training.lora.base_dtype=bfloat16"]
+    assert train.cli(["--plan", *args, *line.split()[:2]]) == 0
+    again = capsys.readouterr().out
+    totals = [s.split()[1] for s in again.splitlines() if s.split()[:1] == ["total"]]
+    assert totals == [line.split("GiB")[0].split()[-1]] and "\nfits:" in again
+    assert "LoRA: 4N + 6LdT" in again
+
+
 # ----------------------------------------------------------------------------------------------
 # Activations: against XLA and autodiff
 

@@ -255,7 +255,7 @@ class Checker:
 
 def test_the_reader_reads_the_readme():
     """The helpers find what the README plainly holds (guards the tests below against checking nothing)."""
-    assert len(BASH_LINES) > 40 and sum(lang == "python" for lang, _ in BLOCKS) == 1
+    assert len(BASH_LINES) > 40 and sum(lang == "python" for lang, _ in BLOCKS) == 2
     assert commands("A=1 B=2 python x.py --k 'a b' > log 2>&1 && git pull || true &") == [
         ["python", "x.py", "--k", "a b"], ["git", "pull"], ["true"]]
     assert anchor("Fine-tuning on prompt/completion pairs") == "fine-tuning-on-promptcompletion-pairs"
@@ -329,6 +329,52 @@ def test_the_plan_table_is_what_the_plan_prints():
     assert not stale, "rows of the README's plan table are stale; they print now:\n" + "\n".join(stale)
 
 
+LORA_PLAN = ["training.lora.rank=8", "training.lora.base_dtype=bfloat16"]
+
+
+def plan_of(args: list[str]) -> tuple[float, str, str, str]:
+    """(total GiB, share, verdict kind, the first change offered or '') of `train.py --plan ARGS`."""
+    import train
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert train.cli(["--plan", *args]) == 0
+    lines = out.getvalue().splitlines()
+    verdict = next(line for line in lines if line.startswith(("fits:", "tight:", "does not fit:")))
+    heading = next((i for i, line in enumerate(lines) if line.startswith(("changes that fit", "no single change"))),
+                   None)
+    change = ""
+    if heading is not None:
+        what, size = re.fullmatch(r"(.*?)\s{2,}(\S+ GiB \(\d+%\))", lines[heading + 1].strip()).groups()
+        change = f"`{what}`: {size}"
+    return (float(re.search(r"([\d.]+) (?:GiB needed|of)", verdict)[1]), re.search(r"\((\d+%)\)", verdict)[1],
+            verdict.split(":")[0], change)
+
+
+def lora_plan_row(model: str, device: str, batch: int, context: int) -> str:
+    """The README's LoRA table row: full fine-tuning and LoRA (rank 8 on q and v, a bfloat16 base) of one
+    configuration, from what `train.py --plan` prints for each."""
+    args = ["--device", device, f"model={model}", "model.dtype=bfloat16", f"training.batch_size={batch}",
+            f"training.seq_len={context}", "training.loss_chunk=4096", "training.init_from=runs/base"]
+    full, lora = plan_of(args), plan_of(args + LORA_PLAN)
+    return (f"| `{model}` | `{device}` | {batch} x {context} | {full[0]:.1f} GiB ({full[1]}): {full[2]} | "
+            f"{lora[0]:.1f} GiB ({lora[1]}): {lora[2]} | {lora[3] or 'as it is'} |")
+
+
+def test_the_lora_plan_table_is_what_the_plan_prints():
+    section = TEXT.split("### What the plan says for LoRA on one GPU")[1].split("\n### ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 4
+    stale = []
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        batch, context = re.fullmatch(r"(\d+) x (\d+)", cells[2]).groups()
+        now = lora_plan_row(cells[0].strip("`"), cells[1].strip("`"), int(batch), int(context))
+        if now != row:
+            stale.append(now)
+    assert not stale, "rows of the README's LoRA plan table are stale; they print now:\n" + "\n".join(stale)
+
+
 def test_the_contents_links_reach_headings_and_the_test_command_is_ci():
     headings = {anchor(h) for h in re.findall(r"^#{2,4} (.+)$", TEXT, flags=re.M)}
     links = re.findall(r"\]\(#([^)]+)\)", TEXT)
@@ -363,11 +409,16 @@ def exports(tmp_path_factory):
     params = jax.tree.map(lambda a: rng.normal(0, 0.02, a.shape).astype(a.dtype), shapes)
     convert_torch.export(params, cfg, root / "export" / "default", "torch", root / "tokenizer.json")
     convert_torch.export(params, cfg, root / "export" / "default-hf", "hf", root / "tokenizer.json")
+    # the LoRA section's: an adapter (random, B too) and its base in the transformers layout
+    lora = config.LoRAConfig(rank=4, targets=["q", "v", "mlp"])
+    adapters = model.split_lora(jax.tree.map(lambda a: rng.normal(0, 0.02, a.shape).astype(a.dtype), nnx.to_pure_dict(
+        nnx.state(nnx.eval_shape(lambda: model.GPT(cfg, lora=lora, rngs=nnx.Rngs(params=0)))))))[1]
+    convert_torch.export_adapter(adapters, cfg, lora, root / "export" / "gpt2-lora-adapter")
     return root
 
 
 def test_the_pytorch_snippet_runs_and_its_install_lines_name_what_it_imports(exports, monkeypatch, capsys):
-    (snippet,) = [body for lang, body in BLOCKS if lang == "python"]
+    (snippet,) = [body for lang, body in BLOCKS if lang == "python" and "torch_gpt" in body]
     monkeypatch.chdir(exports)  # where the README's convert_torch.py commands wrote export/default and -hf
     exec(compile(snippet, "README.md's snippet", "exec"), {"__name__": "readme_snippet"})
     assert capsys.readouterr().out.startswith("def main(")  # the prompt and its continuation
@@ -388,6 +439,18 @@ def test_the_pytorch_snippet_runs_and_its_install_lines_name_what_it_imports(exp
     assert needed and needed <= named, f"not in the README's pip install lines: {needed - named}"
     # torch from PyTorch's CPU index (plain PyPI gives the CUDA build)
     assert ["pip", "install", "torch", "--index-url", "https://download.pytorch.org/whl/cpu"] in installs
+
+
+def test_the_peft_snippet_loads_the_adapter(exports, monkeypatch):
+    """The LoRA section's snippet, its base (path/to/gpt2) the transformers export of the adapter's base."""
+    import peft
+
+    (snippet,) = [body for lang, body in BLOCKS if lang == "python" and "peft" in body]
+    monkeypatch.chdir(exports)
+    names = {"__name__": "readme_snippet"}
+    exec(compile(snippet.replace("path/to/gpt2", "export/default-hf"), "README.md's snippet", "exec"), names)
+    assert isinstance(names["model"], peft.PeftModel)
+    assert len(peft.get_peft_model_state_dict(names["model"])) == 2 * 2 * 3  # blocks x (A, B) x adapted modules
 
 
 def test_the_local_bucket_of_the_readme(tmp_path):
