@@ -402,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
                         "row, attention kept inside each (default 0: plain tokens)")
     p.add_argument("--fcm", type=float, default=0.0, help="training.fcm_max_ratio: forgetful causal masking "
                    "(default 0: off)")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="a LoRA step instead: adapters of this rank on a frozen random base held in the compute "
+                        "dtype (needs --no-torch; default 0: full training)")
+    p.add_argument("--lora-targets", default="q,v", help="--lora's targets, from q,k,v,o,mlp (default q,v)")
     p.add_argument("--steps", type=int, default=20, help="timed steps; the median is reported (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s for MFU, in TFLOP/s (default: by device kind)")

@@ -86,6 +86,7 @@ def _throughput(timing: dict, tokens_per_step: int, flops_per_token: float, peak
 
 def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> dict:
     import jax
+    import jax.numpy as jnp
 
     import model as model_lib
     import sharding as sharding_lib
@@ -94,8 +95,19 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
     device = jax.devices()[0]
     mesh = sharding_lib.make_mesh(1, 1, 1, devices=[device])  # one device: per-device figures
     fns = step_lib.build(mcfg, args.train_config, mesh, zero_stage=0)  # what train.py builds, the default optimizer
-    train_step = fns.train_step
     state = fns.init()
+    train_step, adapters = fns.train_step, None
+    if fns.abstract_base is not None:  # LoRA: a random frozen base, made in place in its dtypes, beside every step
+        def random_base(key):
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(fns.abstract_base)
+            keys = jax.random.split(key, len(leaves))
+            return jax.tree.unflatten(treedef, [
+                jnp.ones(x.shape, x.dtype) if path[-1].key == "scale" else
+                (0.02 * jax.random.normal(k, x.shape)).astype(x.dtype) for (path, x), k in zip(leaves, keys)])
+
+        base = jax.jit(random_base, out_shardings=fns.base_sharding)(jax.random.key(1))
+        train_step = lambda state, tokens: fns.train_step(state, tokens, base)  # noqa: E731
+        adapters = sum(x.size for x in jax.tree.leaves(fns.abstract_state["params"]))
     rows = np.random.default_rng(0).integers(0, mcfg.vocab_size, (batch, seq + 1), dtype=np.int32)
     tokens = jax.device_put(rows, fns.batch_sharding)
     if args.packed:  # a prompt/completion batch: the masked step train.py runs on fine-tuning data
@@ -123,8 +135,8 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
         raise TrainBenchError(f"the JAX step's loss is not finite: {losses}")
     peak = peak_override or step_lib.peak_flops(device.device_kind)
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    result = _throughput(timing, batch * seq, model_lib.flops_per_token(mcfg, seq), peak)
-    result.update({"device_kind": device.device_kind, "platform": device.platform, "peak_flops": peak,
+    result = _throughput(timing, batch * seq, model_lib.flops_per_token(mcfg, seq, adapters), peak)
+    result.update({"device_kind": device.device_kind, "adapters": adapters, "platform": device.platform, "peak_flops": peak,
                    "loss_chunk": fns.loss_chunk,
                    "peak_memory_bytes": (stats or {}).get("peak_bytes_in_use"),
                    "loss_first": losses[0], "loss_last": losses[-1]})
@@ -306,7 +318,18 @@ def resolve(args):
     chunk = {} if args.loss_chunk is None else {"loss_chunk": args.loss_chunk}
     if not 0 <= args.packed <= seq or not 0.0 <= args.fcm < 1.0:
         raise TrainBenchError(f"--packed must be between 0 and --seq ({seq}), --fcm in [0, 1)")
-    args.train_config = config_lib.TrainingConfig(batch_size=args.batch, seq_len=seq, fcm_max_ratio=args.fcm, **chunk)
+    lora = None
+    if getattr(args, "lora", 0):
+        if args.torch:
+            raise TrainBenchError("--lora times our step alone; pass --no-torch")
+        try:
+            lora = config_lib.LoRAConfig(rank=args.lora, targets=args.lora_targets.split(","),
+                                         base_dtype=None if mcfg.dtype == "float32" else mcfg.dtype)
+            config_lib.check_lora(lora, "a random base")
+        except config_lib.ConfigError as e:
+            raise TrainBenchError(f"--lora: {e}") from None
+    args.train_config = config_lib.TrainingConfig(batch_size=args.batch, seq_len=seq, fcm_max_ratio=args.fcm,
+                                                  lora=lora, **chunk)
     return name, mcfg, seq
 
 
@@ -369,8 +392,12 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
                "config": dataclasses.asdict(mcfg), "batch": args.batch, "seq": seq,
                "loss_chunk": ours["loss_chunk"], "loss_chunk_setting": args.train_config.loss_chunk,
                "packed": args.packed, "fcm_max_ratio": args.fcm,
-               "parameters": model_lib.param_count(mcfg), "flops_per_token": model_lib.flops_per_token(mcfg, seq),
-               "mfu_formula": "tokens/s * (6 N + 6 L d T) / peak FLOP/s", "jax": ours, **others}
+               "parameters": model_lib.param_count(mcfg),
+               "flops_per_token": model_lib.flops_per_token(mcfg, seq, ours["adapters"]),
+               "mfu_formula": "tokens/s * (6 N + 6 L d T) / peak FLOP/s" if ours["adapters"] is None
+               else "LoRA: tokens/s * (4 N + 6 L d T + 6 x adapters) / peak FLOP/s",
+               "lora": dataclasses.asdict(args.train_config.lora) if args.train_config.lora else None,
+               "jax": ours, **others}
     ran = [w for w, r in others.items() if "error" not in r]
     for w in ran:
         results[f"ratio_vs_{w}"] = ours["tokens_per_s"] / others[w]["tokens_per_s"]
@@ -388,9 +415,12 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
                       f"remat {mcfg.remat}, attention {attention}, loss_chunk {args.train_config.loss_chunk}"
                       + (f" ({ours['loss_chunk']})" if args.train_config.loss_chunk == "auto" else "")
                       + (f", {args.packed} examples packed a row" if args.packed else "")
-                      + (f", FCM up to {args.fcm}" if args.fcm else "")),
+                      + (f", FCM up to {args.fcm}" if args.fcm else "")
+                      + (f", LoRA rank {args.lora} on {args.lora_targets} ({ours['adapters']:,} adapter parameters; "
+                         f"base in {mcfg.dtype})" if ours["adapters"] else "")),
             ("device", f"{ours['device_kind']} ({ours['platform']})"),
-            ("MFU", f"tokens/s x (6N + 6LdT = {results['flops_per_token'] / 1e6:.1f} MFLOP/token) / peak "
+            ("MFU", f"tokens/s x ({'6N' if ours['adapters'] is None else 'LoRA 4N + 6 adapters'} + 6LdT = "
+                    f"{results['flops_per_token'] / 1e6:.1f} MFLOP/token) / peak "
                     + (f"{peak / 1e12:.0f} TFLOP/s" + (" (--peak-tflops)" if peak_override else " (device kind)")
                        if peak else "(no peak known for this device: n/a; --peak-tflops sets one)"))]
     for w, r in {"jax (ours)": ours, **others}.items():
@@ -408,7 +438,8 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     for thread, prof in (ours.get("profile") or {}).get("devices", {}).items():
         rows.append((f"profile: {thread}", f"{prof['total_us'] / 1e3:.1f} ms of device time per step"))
         rows.extend((f"  {name[:60]}", f"{us / 1e3:8.2f} ms {share:6.1%}") for name, us, share in prof["top"][:15])
-    batch_kind = (f" packed {args.packed}" if args.packed else "") + (f" fcm {args.fcm}" if args.fcm else "")
+    batch_kind = (f" packed {args.packed}" if args.packed else "") + (f" fcm {args.fcm}" if args.fcm else "") \
+        + (f" lora {args.lora} ({args.lora_targets})" if ours["adapters"] else "")
     summary = (f"{name} B={args.batch} T={seq}{batch_kind} {mcfg.dtype} {attention}: {ours['tokens_per_s']:,.0f} tok/s, "
                f"{ours['step_s_median'] * 1e3:.1f} ms/step, MFU {mfu(ours)} "
                f"({mfu({'mfu': ours['mfu_pipelined']})} pipelined), mem {gib(ours['peak_memory_bytes'])}"

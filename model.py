@@ -696,11 +696,14 @@ def param_count(cfg: GPTConfig) -> int:
     return embeddings + cfg.N * per_block + norm * (2 if cfg.embed_norm else 1)
 
 
-def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+def flops_per_token(cfg: GPTConfig, seq_len: int, adapters: int | None = None) -> float:
     """Training FLOPs per token, forward and backward: 6 N + 6 L d T.
 
     6 N for the parameter matmuls (2 forward, 4 backward per weight; N = param_count, as llm.c
     counts it) plus the attention scores and their weighted sum, 12 L d T, halved for the causal
-    mask. Used for MFU in the training log and the benchmark.
+    mask. Used for MFU in the training log and the benchmark. With `adapters` (a LoRA run's count of
+    adapter parameters): 4 N + 6 L d T + 6 x adapters, the frozen base's weights getting no gradients
+    (2 forward, 2 for the inputs' gradients).
     """
-    return 6.0 * param_count(cfg) + 6.0 * cfg.N * cfg.embedding_dim * seq_len
+    weights = 6.0 * param_count(cfg) if adapters is None else 4.0 * param_count(cfg) + 6.0 * adapters
+    return weights + 6.0 * cfg.N * cfg.embedding_dim * seq_len

@@ -556,12 +556,9 @@ def report(cfg, dev: Target, mfu: float = 0.4) -> str:
             lines.append("no change of ZeRO stage, micro-batches, remat, tensor parallelism or batch size fits: "
                          "more devices are needed")
     tokens = t.batch_size * cfg.seq_len
-    per_token = model_lib.flops_per_token(m, cfg.seq_len)
-    formula = "6N + 6LdT"
-    if t.lora is not None:  # the frozen base's weights get no gradients: 2N forward, 2N for the inputs' gradients
-        adapters = sum(x.size for x in jax.tree.leaves(state.abstract["params"]))
-        per_token += -2.0 * model_lib.param_count(m) + 6.0 * adapters
-        formula = "LoRA: 4N + 6LdT + 6 x the adapters"
+    adapters = None if t.lora is None else sum(x.size for x in jax.tree.leaves(state.abstract["params"]))
+    per_token = model_lib.flops_per_token(m, cfg.seq_len, adapters)
+    formula = "6N + 6LdT" if adapters is None else "LoRA: 4N + 6LdT + 6 x the adapters"
     flops = per_token * tokens
     line = (f"step: {tokens:,} tokens, {flops:.3g} FLOPs ({per_token:.3g} per token, {formula}; remat's "
             f"recomputation not counted)")

@@ -266,6 +266,31 @@ def test_bench_train_profile_records_device_time_per_operation(tmp_path, capsys,
     assert len(r["jax"]["step_s"]) == 2  # the traced steps are not among the timed ones
 
 
+def test_bench_train_lora_step(tmp_path, capsys):
+    """--lora times the LoRA step train.py runs: adapters on a random frozen base, the FLOPs of a frozen
+    base (4N + 6LdT + 6 per adapter parameter) in the MFU; mistakes are one line."""
+    out = tmp_path / "bench"
+    argv = ["train", "--model", "test", "--seq", "16", "--batch", "2", "--dtype", "float32", "--no-torch",
+            "--steps", "2", "--warmup", "1", "--peak-tflops", "0.5", "--lora", "4", "--lora-targets", "q,mlp",
+            "--out", str(out)]
+    assert bench.main(argv) == 0
+    [path] = out.glob("train-*.json")
+    r = json.loads(path.read_text())["results"]
+    c = M.GPTConfig(**r["config"])
+    d, F = c.embedding_dim, c.ffn_dim
+    adapters = c.N * 4 * ((d + 3 * d) + (d + F) + (F + d))  # the fused q/k/v weight's, the MLP's two
+    assert r["jax"]["adapters"] == adapters and r["lora"]["targets"] == ["q", "mlp"]
+    flops = 4 * expected_params(c) + 6 * adapters + 6 * c.N * d * 16
+    assert r["jax"]["mfu"] == pytest.approx(r["jax"]["tokens_per_s"] * flops / 0.5e12, rel=1e-9)
+    assert math.isfinite(r["jax"]["loss_last"]) and "LoRA rank 4 on q,mlp" in capsys.readouterr().out
+    for extra, message in [(["--lora", "4"], "--lora times our step alone; pass --no-torch"),
+                           (["--lora", "4", "--no-torch", "--lora-targets", "q,x"], "unknown target 'x'")]:
+        assert bench.cli(["train", "--model", "test", *extra, "--out", str(tmp_path / "none")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "none").exists()
+
+
 def test_bench_train_errors_are_one_line(tmp_path, capsys):
     out = tmp_path / "bench"
     assert bench.cli(["train", "--model", "nope", "--out", str(out)]) == 2

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of bench/RESULTS.md, in one command per phase, for a machine with one NVIDIA GPU.
 #
-#   bench/gpu.sh OUT PHASE...      phases: env check attention train124 packed train760 torch flags profile memory
+#   bench/gpu.sh OUT PHASE...      phases: env check attention train124 packed train760 torch flags profile memory lora
 #   (PYTHON=python3 by default: the interpreter that has jax[cuda], torch and transformers)
 #
 # Each phase's benchmarks are recorded by bench.py under OUT/bench (JSON files and a copy of
@@ -25,6 +25,8 @@
 #   memory     the memory plan against the GPU: 124m (B = 16) and 760m (B = 8, T = 2048) under each
 #              remat policy, the loss over the whole logits and in chunks (their speed too), each
 #              beside `train.py --plan` for the same config (logs/plan-*.log)
+#   lora       LoRA steps (rank 8 on q and v, a bfloat16 base) of TinyLlama-1.1B, GPT-J-6B and LLaMA-7B's
+#              shapes at 8 x 2048, remat none and full: peak memory and speed, each beside its plan
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bench/gpu.sh OUT PHASE...}
@@ -153,6 +155,19 @@ phase_memory() {
       --loss-chunk 0 --no-torch --steps 10
     run "plan-760m-$remat" 60 "$PY" train.py --plan --device H100 model=760m model.block_size=2048 \
       training.batch_size=8 model.dtype=bfloat16 model.attention=pallas model.remat="$remat" training.loss_chunk=0
+  done
+}
+
+phase_lora() {
+  local model remat
+  for model in tinyllama-1_1b gpt-j-6b llama-7b; do
+    for remat in full none; do
+      bench "lora-$model-$remat" 300 train --model "$model" --seq 2048 --batch 8 --remat "$remat" --lora 8 \
+        --no-torch --steps 5 --warmup 2
+      run "plan-lora-$model-$remat" 60 "$PY" train.py --plan --device H100 model="$model" model.dtype=bfloat16 \
+        model.remat="$remat" training.batch_size=8 training.seq_len=2048 training.init_from=runs/base \
+        training.lora.rank=8 training.lora.base_dtype=bfloat16
+    done
   done
 }
 
