@@ -82,6 +82,7 @@ class Checkpoints:
         if SAVE_ERRORS not in absl.filters:  # orbax's own reports of a failed save: kept for our one line
             absl.addFilter(SAVE_ERRORS)
         self.purge_deleted(unfinished=True)
+        _small_arrays_written_whole()
         self.mngr = ocp.CheckpointManager(
             self.dir,
             options=ocp.CheckpointManagerOptions(max_to_keep=self.keep, enable_async_checkpointing=self.async_save,
@@ -313,6 +314,29 @@ def named_leaves(tree) -> list[tuple[str, typing.Any]]:
     name = lambda k: getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))  # noqa: E731  (dict, list, attr)
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return [("/".join(str(name(k)) for k in path), leaf) for path, leaf in flat]
+
+
+REPLICA_SLICE_BYTES = 1 << 20  # a replicated array smaller than this per replica is written by one replica
+
+
+@functools.cache
+def _small_arrays_written_whole() -> None:
+    """orbax splits the writing of a replicated array among its replicas, slicing it on the devices: one
+    eagerly compiled slice per array shape and device count (64 for a small model on 8 devices, seconds of
+    compilation at a run's first save) for arrays whose slices are too small for the split to pay. Arrays
+    whose slices would be under REPLICA_SLICE_BYTES are written whole by one replica; the files are the same."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # not orbax's warning that a registered handler is replaced: this is the point
+    try:
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=REPLICA_SLICE_BYTES),
+            override=True)
+    finally:
+        absl.setLevel(level)
 
 
 def fingerprints(tree) -> dict[str, str]:

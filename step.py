@@ -16,6 +16,7 @@ model is an argument of its own, never donated nor updated, placed by the same r
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Callable
@@ -300,11 +301,30 @@ class Built:
         return jax.device_put(cast, self.base_sharding)
 
 
+_BUILT: collections.OrderedDict = collections.OrderedDict()  # the last few builds, by their arguments
+_KEEP_BUILT = 4
+
+
 def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) -> Built:
     """Everything a run on `mesh` at `zero_stage` executes, for the model `mcfg` and the
     config.TrainingConfig `t`: the model's shapes first (no memory), then the shardings from
-    sharding.py's rules, then jax.jit with them. Checks that tensor parallelism divides the model."""
+    sharding.py's rules, then jax.jit with them. Checks that tensor parallelism divides the model.
+    The same arguments in one process give the same Built (the last few are kept), whose jitted
+    functions are compiled already: a second run of one config in a process (a resume after a stop,
+    an evaluation beside training) does not compile again."""
     sharding_lib.check_model(mesh, mcfg.axis_sizes)
+    key = (repr(mcfg), repr(t), mesh, zero_stage, seed)
+    if key in _BUILT:
+        _BUILT.move_to_end(key)
+        return _BUILT[key]
+    built = _build(mcfg, t, mesh, zero_stage, seed)
+    _BUILT[key] = built
+    while len(_BUILT) > _KEEP_BUILT:
+        _BUILT.popitem(last=False)
+    return built
+
+
+def _build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int) -> Built:
     # the model's shapes and axis names, no memory; training.loss_chunk counts one device's tokens,
     # so the loss's chunk over the whole (micro-)batch is that many on every data-parallel device
     dp = sharding_lib.axis_size(mesh, sharding_lib.BATCH_AXES)
@@ -339,22 +359,32 @@ def build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int = 0) ->
             loss, n = masked_loss(params if base is None else model_lib.join_lora(base, params), batch)
         return loss * n, n
 
-    @functools.partial(jax.jit, out_shardings=replicated)
-    def all_finite(tree):
-        return jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
-
-    init = jax.jit(init_state, out_shardings=state_sharding)
+    # the initial state's program runs once: on the CPU compiled without LLVM's optimisations, which take
+    # most of its compile time (seconds, even for a small model) and buy nothing for one run
+    init = jax.jit(init_state, out_shardings=state_sharding,
+                   compiler_options={"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None)
     return Built(
         init=lambda: init(init_key, train_key),
         train_step=jax.jit(train_step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding, *frozen),
                            out_shardings=(state_sharding, replicated)),
-        eval_step=eval_step, all_finite=all_finite, schedule=schedule,
+        eval_step=eval_step, all_finite=_all_finite(mesh), schedule=schedule,
         abstract_state=sharding_lib.with_shardings(abstract_state, state_sharding),
         state_sharding=state_sharding, batch_sharding=batch_sharding,
         description=sharding_lib.describe(abstract_state, state_sharding, mesh, zero_stage, fallbacks)
         + ("" if lora is None else "\n" + describe_base(abstract_base, base_sharding, mesh, lora)),
         loss_chunk=chunk, abstract_base=abstract_base, base_sharding=base_sharding,
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _all_finite(mesh):
+    """(tree) -> whether every element is finite, replicated on `mesh`: one jitted function per mesh, so
+    that its compilations (one per tree structure) serve every build."""
+    @functools.partial(jax.jit, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    def all_finite(tree):
+        return jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+    return all_finite
 
 
 def describe_base(abstract_base, base_sharding, mesh, lora) -> str:
