@@ -210,6 +210,18 @@ class Estimate:
         return sum(self.terms.values())
 
 
+_STATES: dict = {}  # by model and training config: a plan's changes and a table of plans share their shapes
+
+
+def _state_of(cfg) -> "_State":
+    key = (repr(cfg.model), repr(cfg.training))
+    if key not in _STATES:
+        if len(_STATES) >= 16:
+            _STATES.clear()
+        _STATES[key] = _State(cfg)
+    return _STATES[key]
+
+
 class _State:
     """The training state's shapes and the params' axis names, made once per model and optimizer; with
     training.lora, the state is the adapters' and the model's weights are the frozen base's, in the dtypes
@@ -292,7 +304,7 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
     mesh = sharding_lib.abstract_mesh(sh.data, sh.fsdp, sh.tensor, n=dev.count)
     sharding_lib.check_model(mesh, m.axis_sizes)
     sharding_lib.check_batch(mesh, t.batch_size, t.micro_batches)
-    state = state or _State(cfg)
+    state = state or _state_of(cfg)
     placed, fallbacks = state.placed(mesh, sh.zero_stage)
 
     tp = mesh.shape["tensor"]
@@ -457,7 +469,7 @@ def alternatives(cfg, dev: Target, state: _State, limit: int = 4) -> tuple[list[
         new = _apply(cfg, parts)
         try:
             if repr(new.training.lora) not in states:
-                states[repr(new.training.lora)] = _State(new)
+                states[repr(new.training.lora)] = _state_of(new)
             return estimate(new, dev, states[repr(new.training.lora)])
         except sharding_lib.ShardingError:
             return None  # does not divide: not a candidate
@@ -521,7 +533,7 @@ def _fmt(n: float) -> str:
 def report(cfg, dev: Target, mfu: float = 0.4) -> str:
     """The plan as printed by `train.py --plan`."""
     m, t, sh = cfg.model, cfg.training, cfg.sharding
-    state = _State(cfg)
+    state = _state_of(cfg)
     e = estimate(cfg, dev, state)
     mesh = " x ".join(f"{k}={v}" for k, v in e.mesh.items())
     n_params = model_lib.param_count(m)

@@ -361,10 +361,14 @@ def _build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int) -> Bu
 
     # the initial state's program runs once: on the CPU compiled without LLVM's optimisations, which take
     # most of its compile time (seconds, even for a small model) and buy nothing for one run
-    init = jax.jit(init_state, out_shardings=state_sharding,
-                   compiler_options={"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None)
+    options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+
+    @functools.cache
+    def compiled_init():
+        return jax.jit(init_state, out_shardings=state_sharding).lower(init_key, train_key).compile(options)
+
     return Built(
-        init=lambda: init(init_key, train_key),
+        init=lambda: compiled_init()(init_key, train_key),
         train_step=jax.jit(train_step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding, *frozen),
                            out_shardings=(state_sharding, replicated)),
         eval_step=eval_step, all_finite=_all_finite(mesh), schedule=schedule,

@@ -177,7 +177,7 @@ def test_finetuning_step_holds_no_t_by_t_array(impl):
     mcfg = M.GPTConfig(vocab_size=128, block_size=seq, embedding_dim=32, num_head=4, N=1, attention=impl)
     t = dataclasses.replace(config.load_config().training, batch_size=2, seq_len=seq, fcm_max_ratio=0.5)
     fns = step.build(mcfg, t, sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]), zero_stage=0)
-    state = jax.eval_shape(fns.init)
+    state = fns.abstract_state
     masking = packed_masking(b=2, t=seq)
     batch = {"tokens": jax.ShapeDtypeStruct((2, seq + 1), jnp.int32),
              "weights": jax.ShapeDtypeStruct((2, seq), jnp.float32),
