@@ -283,63 +283,18 @@ def test_the_printed_plan_is_what_the_plan_prints(monkeypatch):
     assert compared == 1
 
 
-def plan_row(model: str, device: str, batch: int, micro: int) -> str:
-    """The README table's row for one configuration, from what `train.py --plan` prints for it."""
-    import train
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert train.cli(["--plan", "--device", *device.split(), f"model={model}", "model.dtype=bfloat16",
-                          f"training.batch_size={batch}", f"training.micro_batches={micro}",
-                          "training.loss_chunk=4096", "sharding.zero_stage=1"]) == 0
-    lines = out.getvalue().splitlines()
-    devices = re.search(r" on (.*?)(, \d+ host|$)", lines[0])[1]
-    shape = re.search(r"batch (\d+) x (\d+) tokens in (\d+) micro-batch\(es\): (\d+) sequence", lines[1])
-    verdict = next(line for line in lines if line.startswith(("fits:", "tight:", "does not fit:")))
-    share = re.search(r"\((\d+%)\)", verdict)[1]
-    total = float(re.search(r"([\d.]+) (?:GiB needed|of)", verdict)[1])
-    kind = verdict.split(":")[0]
-    if kind == "fits":
-        recommends = "ZeRO 1 as it is"
-    else:
-        heading = next((i for i, line in enumerate(lines) if line.startswith(("changes that fit", "no single change"))),
-                       None)
-        if heading is None:
-            recommends = "more devices"
-        else:
-            first = lines[heading + 1].strip()
-            change, size = re.fullmatch(r"(.*?)\s{2,}(\S+ GiB \(\d+%\))", first).groups()
-            recommends = f"`{change}`: {size}"
-    return (f"| `{model}` | `{device}` | {devices} | {shape[1]} x {shape[2]} ({shape[3]}) | {shape[4]} | "
-            f"{total:.1f} GiB ({share}): {kind} | {recommends} |")
-
-
-def test_the_plan_table_is_what_the_plan_prints():
-    section = TEXT.split("### What the plan says for the named sizes")[1].split("\n### ")[0]
-    rows = [line for line in section.splitlines() if line.startswith("| `")]
-    assert len(rows) >= 5
-    stale = []
-    for row in rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        model, device = cells[0].strip("`"), cells[1].strip("`")
-        batch, micro = re.fullmatch(r"(\d+) x \d+ \((\d+)\)", cells[3]).groups()
-        now = plan_row(model, device, int(batch), int(micro))
-        if now != row:
-            stale.append(now)
-    assert not stale, "rows of the README's plan table are stale; they print now:\n" + "\n".join(stale)
-
-
-LORA_PLAN = ["training.lora.rank=8", "training.lora.base_dtype=bfloat16"]
-
-
-def plan_of(args: list[str]) -> tuple[float, str, str, str]:
-    """(total GiB, share, verdict kind, the first change offered or '') of `train.py --plan ARGS`."""
+def plan_lines(args: list[str]) -> list[str]:
+    """What `train.py --plan ARGS` prints, line by line."""
     import train
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert train.cli(["--plan", *args]) == 0
-    lines = out.getvalue().splitlines()
+    return out.getvalue().splitlines()
+
+
+def verdict_of(lines: list[str]) -> tuple[float, str, str, str]:
+    """(total GiB, share, verdict kind, the first change offered or '') of a plan's printed lines."""
     verdict = next(line for line in lines if line.startswith(("fits:", "tight:", "does not fit:")))
     heading = next((i for i, line in enumerate(lines) if line.startswith(("changes that fit", "no single change"))),
                    None)
@@ -351,27 +306,57 @@ def plan_of(args: list[str]) -> tuple[float, str, str, str]:
             verdict.split(":")[0], change)
 
 
+def plan_row(model: str, device: str, batch: int, micro: int) -> str:
+    """The README table's row for one configuration, from what `train.py --plan` prints for it."""
+    lines = plan_lines(["--device", *device.split(), f"model={model}", "model.dtype=bfloat16",
+                        f"training.batch_size={batch}", f"training.micro_batches={micro}",
+                        "training.loss_chunk=4096", "sharding.zero_stage=1"])
+    devices = re.search(r" on (.*?)(, \d+ host|$)", lines[0])[1]
+    shape = re.search(r"batch (\d+) x (\d+) tokens in (\d+) micro-batch\(es\): (\d+) sequence", lines[1])
+    total, share, kind, change = verdict_of(lines)
+    recommends = "ZeRO 1 as it is" if kind == "fits" else change or "more devices"
+    return (f"| `{model}` | `{device}` | {devices} | {shape[1]} x {shape[2]} ({shape[3]}) | {shape[4]} | "
+            f"{total:.1f} GiB ({share}): {kind} | {recommends} |")
+
+
+def stale_rows(heading: str, row_now, at_least: int) -> list[str]:
+    """The rows of the README's table under `heading` that differ from what `row_now(cells)` makes now,
+    as it makes them."""
+    section = TEXT.split(f"### {heading}")[1].split("\n### ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    assert len(rows) >= at_least
+    now = [row_now([c.strip() for c in row.strip("|").split("|")]) for row in rows]
+    return [n for n, row in zip(now, rows) if n != row]
+
+
+def test_the_plan_table_is_what_the_plan_prints():
+    def row_now(cells):
+        batch, micro = re.fullmatch(r"(\d+) x \d+ \((\d+)\)", cells[3]).groups()
+        return plan_row(cells[0].strip("`"), cells[1].strip("`"), int(batch), int(micro))
+
+    stale = stale_rows("What the plan says for the named sizes", row_now, 5)
+    assert not stale, "rows of the README's plan table are stale; they print now:\n" + "\n".join(stale)
+
+
+LORA_PLAN = ["training.lora.rank=8", "training.lora.base_dtype=bfloat16"]
+
+
 def lora_plan_row(model: str, device: str, batch: int, context: int) -> str:
     """The README's LoRA table row: full fine-tuning and LoRA (rank 8 on q and v, a bfloat16 base) of one
     configuration, from what `train.py --plan` prints for each."""
     args = ["--device", device, f"model={model}", "model.dtype=bfloat16", f"training.batch_size={batch}",
             f"training.seq_len={context}", "training.loss_chunk=4096", "training.init_from=runs/base"]
-    full, lora = plan_of(args), plan_of(args + LORA_PLAN)
+    full, lora = verdict_of(plan_lines(args)), verdict_of(plan_lines(args + LORA_PLAN))
     return (f"| `{model}` | `{device}` | {batch} x {context} | {full[0]:.1f} GiB ({full[1]}): {full[2]} | "
             f"{lora[0]:.1f} GiB ({lora[1]}): {lora[2]} | {lora[3] or 'as it is'} |")
 
 
 def test_the_lora_plan_table_is_what_the_plan_prints():
-    section = TEXT.split("### What the plan says for LoRA on one GPU")[1].split("\n### ")[0]
-    rows = [line for line in section.splitlines() if line.startswith("| `")]
-    assert len(rows) >= 4
-    stale = []
-    for row in rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
+    def row_now(cells):
         batch, context = re.fullmatch(r"(\d+) x (\d+)", cells[2]).groups()
-        now = lora_plan_row(cells[0].strip("`"), cells[1].strip("`"), int(batch), int(context))
-        if now != row:
-            stale.append(now)
+        return lora_plan_row(cells[0].strip("`"), cells[1].strip("`"), int(batch), int(context))
+
+    stale = stale_rows("What the plan says for LoRA on one GPU", row_now, 4)
     assert not stale, "rows of the README's LoRA plan table are stale; they print now:\n" + "\n".join(stale)
 
 
