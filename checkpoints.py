@@ -74,8 +74,8 @@ class Checkpoints:
         if self.mngr is not None:
             return self.mngr
         sys.unraisablehook = drop_closed_loop_errors  # a failed read's or save's others end on closed loops
-        if not self.write:
-            self.mngr = ocp.CheckpointManager(self.dir)
+        if not self.write:  # a reader: its item's handler reads the checkpoint's description of its arrays
+            self.mngr = ocp.CheckpointManager(self.dir, item_handlers=ocp.StandardCheckpointHandler())
             return self.mngr
         logging.getLogger("absl").setLevel(logging.WARNING)
         absl = logging.getLogger("absl")
@@ -258,7 +258,7 @@ class Checkpoints:
             raise RunError(f"no checkpoint for step {step} in {self.dir}; saved steps: {', '.join(map(str, steps))}")
         mngr = self.manager()
         try:
-            state = mngr.restore(step, args=ocp.args.StandardRestore())
+            state = mngr.restore(step, args=ocp.args.StandardRestore(host_arrays(mngr, step)))
             corrupt = fingerprint_problem(mngr, step, state) or step_problem(state, step)
         except Exception as e:  # a damaged checkpoint
             logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
@@ -414,6 +414,22 @@ def step_problem(state, step: int) -> str | None:
     if held == step:
         return None
     return f"it holds the state of step {held}, not {step}: its directory was renamed or copied under another step"
+
+
+def host_arrays(mngr, step: int):
+    """The restore target of a reader: every array of checkpoint `step` as a numpy array in host memory, its
+    shape and dtype as saved. Without a target orbax would place each array as it was sharded when saved,
+    i.e. a replicated one on every device (a 7B model 8 times over on an 8-GPU host, read 8 times), for
+    readers that want it once, on the host."""
+    import jax
+    import numpy as np
+
+    saved = mngr.item_metadata(step)
+    saved = getattr(saved, "tree", saved)
+    if saved is None:
+        raise ValueError("its description of the arrays (_METADATA) is missing or unreadable")
+    # a numpy leaf is restored as numpy (its shape and dtype, as saved): a broadcast zero takes no memory
+    return jax.tree.map(lambda m: np.broadcast_to(np.zeros((), m.dtype), m.shape), saved)
 
 
 def tree_mismatch(saved, abstract_state) -> str | None:

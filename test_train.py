@@ -336,6 +336,26 @@ def test_a_checkpoint_with_flipped_bits_is_never_read_as_good(finished_run, tmp_
     assert outcomes["corrupt"] >= 1, outcomes  # flips that decompress into other numbers were met, and caught
 
 
+def test_a_run_trained_on_eight_devices_is_read_on_one(finished_run, tmp_path):
+    """The readers (eval, sample, export, init_from) take a checkpoint into host memory whatever the
+    devices it was saved from: a run trained over 4 x 2 devices reads on a machine with one, every
+    array as the 8-device process reads it."""
+    code = ("import sys, numpy as np, jax, rundir; params, step = rundir.Run(sys.argv[1]).load_params(); "
+            "np.savez(sys.argv[2], step=step, **{jax.tree_util.keystr(p): x for p, x in "
+            "jax.tree_util.tree_flatten_with_path(params)[0]})")
+    env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=1")}
+    p = subprocess.run([sys.executable, "-c", code, str(finished_run), str(tmp_path / "one.npz")], cwd=REPO, env=env,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    params, step = rundir.Run(finished_run).load_params()
+    here = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    with np.load(tmp_path / "one.npz") as there:
+        assert int(there["step"]) == step == 8 and set(there.files) == {"step", *here}
+        for name, x in here.items():
+            np.testing.assert_array_equal(there[name], x)
+            assert there[name].dtype == x.dtype
+
+
 def test_missing_or_renamed_fingerprints_fail_closed(finished_run, tmp_path, capsys):
     """A checkpoint whose fingerprints are gone (one flipped bit renames their key in
     _CHECKPOINT_METADATA) is not trusted: reading it is one line, and a resume moves it aside."""
