@@ -8,6 +8,7 @@ harness's metric definitions written out, and sample.py's generation.
 """
 import json
 import math
+import os
 import pathlib
 import random
 import re
@@ -612,11 +613,16 @@ def test_tasks_offline_fail_at_once_in_one_line(run, tmp_path, offline_user):
 
 
 def test_alibi_perplexity_at_twice_the_training_context(tmp_path, corpus):  # noqa: F811
-    """The default `small` ALiBi model, trained at context 64 for 200 steps, is no worse at 128 than 1.1x."""
+    """The default `small` ALiBi model, trained at context 64 for 100 steps, is no worse at 128 than 1.1x.
+    (`python train.py` compiled as users' is, with LLVM's optimisations: the suite's unoptimised code takes
+    twice as long over 100 steps of this model.)"""
     run_dir = tmp_path / "small"
-    assert train.main([f"run_dir={run_dir}", f"data.dir={corpus}", "model=small", "training.steps=200",
-                       "training.batch_size=8", "training.seq_len=64", "training.warmup_steps=30",
-                       "training.eval_every=200", "training.eval_windows=8", "checkpoint.every=200"]) == 0
+    env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", "")}
+    done = subprocess.run([sys.executable, str(pathlib.Path(train.__file__)), f"run_dir={run_dir}", f"data.dir={corpus}",
+                           "model=small", "training.steps=100", "training.batch_size=8", "training.seq_len=64",
+                           "training.warmup_steps=30", "training.eval_every=100", "training.eval_windows=8",
+                           "checkpoint.every=100"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
     model, _ = rundir.Run(run_dir).load_model()
     one, two = E.perplexity_table(harness.make_scorer(model), corpus, [64, 128], 64, progress=False)
     assert one["ppl"] < 0.5 * shards.load_index(corpus)["vocab_size"]  # it learned something

@@ -372,15 +372,22 @@ def test_fcm_mask_fraction_and_first_token():
 
 
 def test_fcm_training_learns_and_evaluation_is_unaffected(corpus, tmp_path):  # noqa: F811
-    plain, fcm = tmp_path / "plain", tmp_path / "fcm"
+    fcm = tmp_path / "fcm"
     common = ("training.steps=60", "training.eval_every=60", "checkpoint.every=60", "training.log_every=1")
-    assert train.main(tiny(plain, corpus, *common, "training.steps=1")) == 0
     assert train.main(tiny(fcm, corpus, *common, "training.fcm_max_ratio=0.5")) == 0
     got = rows(fcm)
-    # the mask is in the training step: the first step's loss differs from the unmasked one
-    assert got[0]["loss"] != rows(plain)[0]["loss"]
-    # and the model still learns
+    # the model learns under the mask
     assert np.mean([r["loss"] for r in got[-5:]]) < got[0]["loss"] - 1.0
+    # the mask is in the training step: from the trained weights, a step with it starts from a higher loss
+    # than one without. A fresh model's loss barely depends on its attention (a first step from scratch with
+    # and without the mask agree to ~1e-5, and can round alike), nor does a model of this corpus (word
+    # salad: ~2e-3 here), but that is 100x more than what two compilations of one step differ by (~1e-6)
+    first = {}
+    for name, ratio in [("plain", 0.0), ("masked", 0.5)]:
+        assert train.main(tiny(tmp_path / name, corpus, *common, "training.steps=1", f"training.init_from={fcm}",
+                               f"training.fcm_max_ratio={ratio}")) == 0
+        first[name] = rows(tmp_path / name)[0]["loss"]
+    assert first["masked"] > first["plain"] + 1e-4, first
     # the validation loss is the plain model's: recomputed here without any mask
     cfg = rundir.Run(fcm).config()
     params, _ = rundir.Run(fcm).load_params()

@@ -297,8 +297,9 @@ def test_every_zero_stage_and_tensor_parallelism_equal_one_device(step_case, siz
         assert spec == jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None)
     losses, adapters, base_after = run_steps(cfg, base, batch, mesh, stage)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    # three AdamW updates of ~1e-2 each (lr 1e-2): float32 sums in another order move them by a few 1e-6
     for a, b in zip(jax.tree.leaves(adapters), jax.tree.leaves(ref_adapters), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     for a, b in zip(jax.tree.leaves(base_after), jax.tree.leaves(base), strict=True):
         np.testing.assert_array_equal(a, b)
 

@@ -149,13 +149,26 @@ def test_lora_is_what_the_plan_recommends_for_fine_tuning_that_does_not_fit(caps
 # Activations: against XLA and autodiff
 
 
+_TEMP_BYTES = {}
+
+
 def xla_temp_bytes(cfg, mesh) -> int:
-    """XLA's temporary memory per device for train.py's jitted step (state donated)."""
+    """XLA's temporary memory per device for train.py's jitted step (state donated), once per config in a
+    process. Compiled without LLVM's optimisations: the buffers are XLA's own assignment, made before code
+    generation, so the figure is the same (and the compilation ~30% shorter)."""
+    key = (repr(cfg), mesh)
+    if key not in _TEMP_BYTES:
+        _TEMP_BYTES[key] = _xla_temp_bytes(cfg, mesh)
+    return _TEMP_BYTES[key]
+
+
+def _xla_temp_bytes(cfg, mesh) -> int:
     n = mesh[0] * mesh[1] * mesh[2]
     fns = step.build(cfg.model, cfg.training, sharding.make_mesh(*mesh, devices=jax.devices()[:n]),
                      cfg.sharding.zero_stage)
     batch = jax.ShapeDtypeStruct((cfg.training.batch_size, cfg.seq_len + 1), jnp.int32, sharding=fns.batch_sharding)
-    compiled = fns.train_step.lower(fns.abstract_state, batch).compile(MEMORY_SCHEDULER)
+    compiled = fns.train_step.lower(fns.abstract_state, batch).compile(
+        {**MEMORY_SCHEDULER, "xla_backend_optimization_level": 0})
     # remat's barriers reach the compiled step (were the pass renamed, the option would be ignored)
     assert (cfg.model.remat == "none") == ("opt-barrier" not in compiled.as_text())
     return compiled.memory_analysis().temp_size_in_bytes
@@ -170,9 +183,14 @@ STEP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("loss_chunk", [4096, 256])
-@pytest.mark.parametrize("remat", ["none", "full", "save_matmuls"])
-@pytest.mark.parametrize("fields, batch, micro, mesh", STEP_CASES)
+# every size with every remat policy; the loss in chunks of 256 tokens for every policy and size (the second
+# size's fields are the fourth's), the whole logits likewise; the second size with the whole logits under
+# every policy, which test_remat_keeps_less_in_the_compiled_step compares
+ACTIVATION_CASES = [(*case, remat, 256 if (i + j) % 2 and i != 1 else 4096)
+                    for i, case in enumerate(STEP_CASES) for j, remat in enumerate(["none", "full", "save_matmuls"])]
+
+
+@pytest.mark.parametrize("fields, batch, micro, mesh, remat, loss_chunk", ACTIVATION_CASES)
 def test_activation_terms_match_xla_compiled_step(fields, batch, micro, mesh, remat, loss_chunk):
     """Everything but the parameters and the optimizer state (which are the step's arguments) lives in
     XLA's temporary buffer: gradients, activations (what each remat policy keeps, and one block
@@ -200,17 +218,15 @@ def test_remat_keeps_less_in_the_compiled_step():
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_micro_batches_cost_one_gradient_copy(remat):
-    """Accumulating over micro-batches holds the accumulator and a micro-batch's own gradients: a batch
-    of two or four micro-batches of 4 sequences costs XLA's compiled step one float32 copy of the
-    gradients more than a batch of one such micro-batch, within 15%, and the plan exactly that."""
+    """Accumulating over micro-batches holds the accumulator and a micro-batch's own gradients, however many
+    there are: a batch of three micro-batches of 4 sequences costs XLA's compiled step one float32 copy of
+    the gradients more than a batch of one such micro-batch, within 15%, and the plan exactly that."""
     fields = {**STEP_CASES[1][0], "embed_norm": True, "attention": "xla", "remat": remat}
-    steps = {micro: cfg_of(fields, size="x", batch=4 * micro, micro=micro, mesh=(1, 1, 1)) for micro in (1, 2, 4)}
-    planned = {micro: plan.estimate(cfg, cpus(1)) for micro, cfg in steps.items()}
-    measured = {micro: xla_temp_bytes(cfg, (1, 1, 1)) for micro, cfg in steps.items()}
-    grads = 4 * model.param_count(steps[1].model)
-    for micro in (2, 4):
-        assert planned[micro].total - planned[1].total == grads
-        assert abs((measured[micro] - measured[1]) / grads - 1) < 0.15, (micro, measured, grads)
+    one, three = (cfg_of(fields, size="x", batch=4 * micro, micro=micro, mesh=(1, 1, 1)) for micro in (1, 3))
+    grads = 4 * model.param_count(one.model)
+    assert plan.estimate(three, cpus(1)).total - plan.estimate(one, cpus(1)).total == grads
+    measured = xla_temp_bytes(three, (1, 1, 1)) - xla_temp_bytes(one, (1, 1, 1))
+    assert abs(measured / grads - 1) < 0.15, (measured, grads)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

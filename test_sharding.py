@@ -350,7 +350,7 @@ def test_chunked_loss_step_never_holds_the_whole_logits():
 
 def run_subprocess(args, devices, env_extra=None, timeout=240):
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env_extra or {})}
+           "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=8", f"device_count={devices}"), **(env_extra or {})}
     return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

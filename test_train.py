@@ -25,6 +25,7 @@ import yaml
 
 import checkpoints
 import config
+from conftest import uncached_env
 import data
 import errors
 import model
@@ -810,7 +811,7 @@ def test_signal_during_start_up_exits_at_once_and_leaves_nothing(moment, left, c
     process ends within moments whatever it is doing, with status 128 + 2 and one line saying what it
     left, no traceback; the new run directory is gone, so the same command starts afresh."""
     run_dir = tmp_path / "early"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env = uncached_env(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")  # its first step compiles
     p = subprocess.Popen([sys.executable, "train.py", *tiny(run_dir, corpus)], cwd=REPO, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in p.stdout:
