@@ -427,7 +427,10 @@ def main(argv=None) -> int:
               f"training.seq_len=N). Fine-tune it (the run takes the imported model) on your text files:\n"
               f"  python data.py --input 'TEXT/*.txt' --out {shlex.quote(data_dir)} --tokenizer {shlex.quote(tokenizer)}\n"
               f"  python train.py training.init_from={shlex.quote(run)} data.dir={shlex.quote(data_dir)} "
-              f"run_dir={shlex.quote(run + '-tuned')}")
+              f"run_dir={shlex.quote(run + '-tuned')}\n"
+              f"or train low-rank adapters on it, frozen (LoRA: a fraction of the memory):\n"
+              f"  python train.py training.init_from={shlex.quote(run)} data.dir={shlex.quote(data_dir)} "
+              f"run_dir={shlex.quote(run + '-lora')} training.lora.rank=8")
         return 0
     args.checkpoint = storage.local_path(args.checkpoint)  # file:///x: the local run directory /x
     source = None if storage.is_url(args.checkpoint) else args.checkpoint

@@ -801,10 +801,10 @@ def test_init_from_starts_a_run_from_the_params(trained_run, corpus, tmp_path, c
 
 
 def test_the_fine_tuning_commands_the_import_prints_run_as_printed(corpus, tmp_path):  # noqa: F811
-    """convert_torch.py --import-hf prints the data and training commands that fine-tune the import.
-    Run as printed (only the text files' placeholder filled in and the run shortened), the run takes
-    the imported model without restating it and starts from its parameters: its first loss is
-    transformers' own on that batch."""
+    """convert_torch.py --import-hf prints the data and training commands that fine-tune the import, in
+    full and with LoRA. Run as printed (only the text files' placeholder filled in and the runs shortened),
+    each run takes the imported model without restating it and starts from its parameters (LoRA's B is
+    zero at step 0): its first loss is transformers' own on that batch."""
     hf = random_gpt2(tmp_path / "gpt2")  # context 32, vocabulary 300: the corpus tokenizer's
     shutil.copyfile(corpus / "tokenizer.json", tmp_path / "gpt2" / "tokenizer.json")
 
@@ -818,22 +818,24 @@ def test_the_fine_tuning_commands_the_import_prints_run_as_printed(corpus, tmp_p
 
     out = run("python convert_torch.py --import-hf gpt2 --out runs/gpt2-base")
     commands = [line.strip() for line in out.splitlines() if line.startswith("  python ")]
-    assert [c.split()[1] for c in commands] == ["data.py", "train.py"], out
-    prepare, finetune = commands
-    assert "'TEXT/*.txt'" in prepare
+    assert [c.split()[1] for c in commands] == ["data.py", "train.py", "train.py"], out
+    prepare, finetune, lora = commands
+    assert "'TEXT/*.txt'" in prepare and "training.lora.rank=8" in lora
     run(prepare.replace("'TEXT/*.txt'", str(corpus.parent / "src")))
-    run(finetune, "training.steps=1", "training.batch_size=8", "training.lr=0", "training.min_lr=0",
-        "training.warmup_steps=0", "training.eval_windows=8")
-    tuned = tmp_path / "runs" / "gpt2-base-tuned"
     imported = rundir.Run(tmp_path / "runs" / "gpt2-base").config().model
-    assert rundir.Run(tuned).config().model == imported  # not the config file's `small`
     data_dir = tmp_path / "data" / "gpt2-base"
-    batch = loader.TextLoader(data_dir, "train", 32, 8, seed=rundir.Run(tuned).config().seed).get_batch(0)
-    with torch.no_grad():  # the batch's 32 inputs, and their next tokens as targets
-        ids = torch.tensor(batch, dtype=torch.long)
-        logits = hf(input_ids=ids[:, :-1]).logits
-        expected = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 300), ids[:, 1:].reshape(-1)))
-    assert rows(tuned)[0]["step"] == 1 and rows(tuned)[0]["loss"] == pytest.approx(expected, abs=1e-4)
+    for command, name in [(finetune, "gpt2-base-tuned"), (lora, "gpt2-base-lora")]:
+        run(command, "training.steps=1", "training.batch_size=8", "training.lr=0", "training.min_lr=0",
+            "training.warmup_steps=0", "training.eval_windows=8")
+        tuned = tmp_path / "runs" / name
+        assert rundir.Run(tuned).config().model == imported  # not the config file's `small`
+        batch = loader.TextLoader(data_dir, "train", 32, 8, seed=rundir.Run(tuned).config().seed).get_batch(0)
+        with torch.no_grad():  # the batch's 32 inputs, and their next tokens as targets
+            ids = torch.tensor(batch, dtype=torch.long)
+            logits = hf(input_ids=ids[:, :-1]).logits
+            expected = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 300), ids[:, 1:].reshape(-1)))
+        assert rows(tuned)[0]["step"] == 1 and rows(tuned)[0]["loss"] == pytest.approx(expected, abs=1e-4)
+    assert rundir.Run(tmp_path / "runs" / "gpt2-base-lora").config().training.lora.rank == 8
 
 
 def test_imported_gpt2_gives_transformers_loss_in_training_and_eval(corpus, tmp_path):  # noqa: F811
