@@ -201,8 +201,7 @@ class Checkpoints:
         damaged = []
         for step in sorted(mngr.all_steps(), reverse=True):
             try:
-                saved = mngr.item_metadata(step)
-                saved = getattr(saved, "tree", saved)  # the checkpoint's own description of its arrays
+                saved = saved_tree(mngr, step)
             except Exception as e:
                 damaged.append((step, checkpoint_problem(e)))
                 continue
@@ -416,6 +415,12 @@ def step_problem(state, step: int) -> str | None:
     return f"it holds the state of step {held}, not {step}: its directory was renamed or copied under another step"
 
 
+def saved_tree(mngr, step: int):
+    """Checkpoint `step`'s own description of its arrays (orbax's metadata tree), None where it has none."""
+    saved = mngr.item_metadata(step)
+    return getattr(saved, "tree", saved)
+
+
 def host_arrays(mngr, step: int):
     """The restore target of a reader: every array of checkpoint `step` as a numpy array in host memory, its
     shape and dtype as saved. Without a target orbax would place each array as it was sharded when saved,
@@ -424,8 +429,7 @@ def host_arrays(mngr, step: int):
     import jax
     import numpy as np
 
-    saved = mngr.item_metadata(step)
-    saved = getattr(saved, "tree", saved)
+    saved = saved_tree(mngr, step)
     if saved is None:
         raise ValueError("its description of the arrays (_METADATA) is missing or unreadable")
     # a numpy leaf is restored as numpy (its shape and dtype, as saved): a broadcast zero takes no memory

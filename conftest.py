@@ -9,10 +9,19 @@ import tempfile
 # The suite's programs are compiled without LLVM's optimisations (XLA's own passes, which fix the
 # program, its fusions and its buffers, still run): tests run small shapes for few steps, where
 # compiling takes most of the time, and ~35% of it goes. The commands tests start inherit both flags.
-os.environ["XLA_FLAGS"] = (
-    "--xla_backend_optimization_level=0 " + os.environ.get("XLA_FLAGS", "") +
-    " --xla_force_host_platform_device_count=8"
-).strip()
+
+# the user's own flags, less the two set here (a worker inherits them from the controller)
+_USER_XLA_FLAGS = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(
+    ("--xla_backend_optimization_level=", "--xla_force_host_platform_device_count=")))
+
+
+def xla_flags(devices: int = 8, optimised: bool = False) -> str:
+    """XLA_FLAGS for a process of the suite: `devices` CPU devices, LLVM's optimisations if `optimised`."""
+    return " ".join(filter(None, ["" if optimised else "--xla_backend_optimization_level=0", _USER_XLA_FLAGS,
+                                  f"--xla_force_host_platform_device_count={devices}"]))
+
+
+os.environ["XLA_FLAGS"] = xla_flags()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session, shared by both workers and every command a test
 # starts: a program compiled once (the same model, config and shapes, in any process) is loaded after.

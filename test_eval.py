@@ -29,6 +29,7 @@ import rundir
 import sample
 import shards
 import train
+from conftest import xla_flags
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 from test_sample import assert_help_shows_defaults
 
@@ -617,7 +618,7 @@ def test_alibi_perplexity_at_twice_the_training_context(tmp_path, corpus):  # no
     (`python train.py` compiled as users' is, with LLVM's optimisations: the suite's unoptimised code takes
     twice as long over 100 steps of this model.)"""
     run_dir = tmp_path / "small"
-    env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", "")}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(optimised=True)}
     done = subprocess.run([sys.executable, str(pathlib.Path(train.__file__)), f"run_dir={run_dir}", f"data.dir={corpus}",
                            "model=small", "training.steps=100", "training.batch_size=8", "training.seq_len=64",
                            "training.warmup_steps=30", "training.eval_every=100", "training.eval_windows=8",

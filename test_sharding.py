@@ -30,6 +30,7 @@ import rundir
 import sharding
 import step as step_lib
 import train
+from conftest import xla_flags
 from test_model import largest_array
 from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
 
@@ -350,7 +351,7 @@ def test_chunked_loss_step_never_holds_the_whole_logits():
 
 def run_subprocess(args, devices, env_extra=None, timeout=240):
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=8", f"device_count={devices}"), **(env_extra or {})}
+           "XLA_FLAGS": xla_flags(devices), **(env_extra or {})}
     return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

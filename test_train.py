@@ -25,7 +25,7 @@ import yaml
 
 import checkpoints
 import config
-from conftest import uncached_env
+from conftest import uncached_env, xla_flags
 import data
 import errors
 import model
@@ -344,7 +344,7 @@ def test_a_run_trained_on_eight_devices_is_read_on_one(finished_run, tmp_path):
     code = ("import sys, numpy as np, jax, rundir; params, step = rundir.Run(sys.argv[1]).load_params(); "
             "np.savez(sys.argv[2], step=step, **{jax.tree_util.keystr(p): x for p, x in "
             "jax.tree_util.tree_flatten_with_path(params)[0]})")
-    env = {**os.environ, "XLA_FLAGS": os.environ["XLA_FLAGS"].replace("device_count=8", "device_count=1")}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(devices=1)}
     p = subprocess.run([sys.executable, "-c", code, str(finished_run), str(tmp_path / "one.npz")], cwd=REPO, env=env,
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
