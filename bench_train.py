@@ -105,19 +105,24 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
                 jnp.ones(x.shape, x.dtype) if path[-1].key == "scale" else
                 (0.02 * jax.random.normal(k, x.shape)).astype(x.dtype) for (path, x), k in zip(leaves, keys)])
 
-        base = jax.jit(random_base, out_shardings=fns.base_sharding)(jax.random.key(1))
-        train_step = lambda state, tokens: fns.train_step(state, tokens, base)  # noqa: E731
+        base = (jax.jit(random_base, out_shardings=fns.base_sharding)(jax.random.key(1)),)
         adapters = sum(x.size for x in jax.tree.leaves(fns.abstract_state["params"]))
+    else:
+        base = ()
     rows = np.random.default_rng(0).integers(0, mcfg.vocab_size, (batch, seq + 1), dtype=np.int32)
     tokens = jax.device_put(rows, fns.batch_sharding)
     if args.packed:  # a prompt/completion batch: the masked step train.py runs on fine-tuning data
         tokens = {"tokens": tokens, **{name: jax.device_put(a, fns.batch_sharding)
                                        for name, a in packed_rows(batch, seq, args.packed).items()}}
+    hlo = None
+    if getattr(args, "profile", None):  # compiled here, so that the profile's operations can be named from its HLO
+        train_step = train_step.lower(state, tokens, *base).compile()
+        hlo = train_step.as_text()
     losses = []
 
     def one_step():
         nonlocal state
-        state, metrics = train_step(state, tokens)
+        state, metrics = train_step(state, tokens, *base)
         return state, metrics
 
     def sync(out):
@@ -130,7 +135,7 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
                                                 args.steps)
     profile = None
     if getattr(args, "profile", None):  # after the timed steps, so the trace never skews them
-        profile = profile_steps(lambda: sync(one_step()), args.profile_steps, args.profile)
+        profile = profile_steps(lambda: sync(one_step()), args.profile_steps, args.profile, hlo=hlo)
     if not all(np.isfinite(losses)):
         raise TrainBenchError(f"the JAX step's loss is not finite: {losses}")
     peak = peak_override or step_lib.peak_flops(device.device_kind)
@@ -156,11 +161,12 @@ def packed_rows(batch: int, seq: int, examples: int) -> dict:
             "segments": np.broadcast_to(segments.astype(np.int32), (batch, seq)).copy()}
 
 
-def profile_steps(step, steps: int, directory, top: int = 30) -> dict:
+def profile_steps(step, steps: int, directory, top: int = 30, hlo: str | None = None) -> dict:
     """Runs step() `steps` times under jax.profiler (a Perfetto trace under `directory`, for
     ui.perfetto.dev) and sums the trace's device time per operation: {"trace", "devices": {thread:
-    {"total_us", "top": [[name, us, share], ...]}}}, per device thread (on a GPU: "XLA Ops", the
-    HLO operations, and the CUDA streams, the kernels). On the CPU, the host's XLA threads."""
+    {"total_us", "top": [[name, us, share], ...]}}}, per device thread (on a GPU: the CUDA streams, the
+    kernels). On the CPU, the host's XLA threads. With `hlo`, the compiled step's HLO text, also
+    "by_scope": the same time summed by what each operation computes (`attribute`)."""
     import collections
     import gzip
     import json
@@ -183,18 +189,119 @@ def profile_steps(step, steps: int, directory, top: int = 30) -> dict:
     threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in names if e.get("name") == "thread_name"}
     on_device = any(name.startswith("/device:") for name in processes.values())
     sums: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    timed = []  # (the operation's HLO name where the trace gives it, the event's name, microseconds per step)
     for e in events:
         if e.get("ph") != "X":
             continue
         process, thread = processes.get(e["pid"], ""), threads.get((e["pid"], e.get("tid")), "")
         if (process.startswith("/device:") if on_device else thread.startswith("tf_XLA")):
-            sums[f"{process} {thread}".strip()][e["name"]] += float(e.get("dur", 0.0)) / steps
+            us = float(e.get("dur", 0.0)) / steps
+            sums[f"{process} {thread}".strip()][e["name"]] += us
+            timed.append(((e.get("args") or {}).get("hlo_op"), e["name"], us))
     devices = {}
     for thread, ops in sums.items():
         total = sum(ops.values())
         devices[thread] = {"total_us": total,
                            "top": [[name, us, us / total] for name, us in ops.most_common(top)]}
-    return {"trace": str(traces[-1]), "steps": steps, "per": "step", "devices": devices}
+    out = {"trace": str(traces[-1]), "steps": steps, "per": "step", "devices": devices}
+    if hlo is not None:
+        out.update(attribute(timed, hlo_operations(hlo)))
+    return out
+
+
+# model.py's and step.py's named scopes (jax.named_scope), which the compiled step's operations carry
+# in their op_name metadata: a profile is summed by them
+SCOPES = ("embed", "block", "ln_1", "attn", "qkv", "attention", "out", "ln_2", "mlp", "fc", "activation",
+          "proj", "ln_f", "loss", "optimizer")
+
+
+def hlo_operations(hlo: str) -> dict[str, tuple[str, str]]:
+    """{instruction name: (where it comes from, what kind of work it is)} for every instruction of an
+    HLO module's text (jax's Compiled.as_text()), fused computations and loop bodies included.
+
+    Where: "forward" or "backward" (autodiff's transpose) and the named scopes of its op_name, e.g.
+    "backward block/mlp/activation", "update optimizer"; the loss is "loss" alone, since the chunked loss
+    computes its gradients in its forward pass. Kind: matmul, attention (cuDNN), Pallas kernel,
+    reduction, elementwise, copy, collective, or the HLO opcode; None for a loop or call, whose body's
+    operations are timed on their own."""
+    import re
+
+    ops = {}
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)", line)
+        if not m:
+            continue
+        name, rest = m.groups()
+        op_name = re.search(r'op_name="([^"]*)"', rest)
+        op_name = op_name.group(1).split(";")[0] if op_name else ""
+        scopes = [word for word in re.findall(r"\w+", op_name) if word in SCOPES]
+        scopes = [w for i, w in enumerate(scopes) if i == 0 or scopes[i - 1] != w]
+        if "loss" in scopes:
+            where = "loss"
+        elif "optimizer" in scopes:
+            where = "update optimizer"
+        else:
+            where = f"{'backward' if 'transpose(' in op_name else 'forward'} {'/'.join(scopes) or '(unscoped)'}"
+        ops[name] = (where, _operation_kind(name, rest))
+    return ops
+
+
+def _operation_kind(name: str, rest: str) -> str | None:
+    import re
+
+    opcode = re.search(r" ([a-z][a-z0-9\-]*)\(", " " + rest)
+    opcode = opcode.group(1) if opcode else "?"
+    if opcode in ("while", "call", "conditional"):
+        return None  # what runs inside is timed on its own (the CPU's trace times the loop too)
+    text = rest.lower()
+    if opcode == "custom-call":
+        target = re.search(r'custom_call_target="([^"]*)"', rest)
+        target = target.group(1).lower() if target else ""
+        if "fmha" in target or "cudnn" in target:
+            return "attention (cuDNN)"
+        if "gemm" in target or "cublas" in target or "matmul" in target:
+            return "matmul"
+        if "triton" in target or "mosaic" in target or "pallas" in target:
+            return "Pallas kernel"
+        return "custom call"
+    if opcode == "fusion":
+        if "kind=kcustom" in text:
+            if "gemm" in text or "gemm" in name:
+                return "matmul"
+            return "attention (cuDNN)" if "cudnn" in text else "custom fusion"
+        if "kind=kinput" in text:
+            return "reduction"
+        if "kind=koutput" in text:
+            return "matmul"
+        return "elementwise"
+    if opcode in ("dot", "convolution"):
+        return "matmul"
+    if opcode in ("copy", "transpose", "copy-start", "copy-done"):
+        return "copy"
+    if opcode.startswith(("all-", "reduce-scatter", "collective")):
+        return "collective"
+    return opcode
+
+
+def attribute(timed, operations: dict) -> dict:
+    """Device time per (where, kind) from `timed`, (HLO name or None, event name, microseconds) per
+    trace event, and `hlo_operations`' table. An event is named by its HLO operation where the trace
+    says it (GPU kernels carry "hlo_op"), else by its own name (XLA's kernels are named after their
+    fusion, with "_" for "."); a loop's own event is left out. {"by_scope": [[where, kind, us, share],
+    ...] largest first, "attributed_us", "unattributed_us"}."""
+    import collections
+    import re
+
+    sums, unattributed = collections.Counter(), 0.0
+    for hlo_op, name, us in timed:
+        key = next((k for k in (hlo_op, name, re.sub(r"_(\d+)$", r".\1", name or "")) if k in operations), None)
+        if key is None:
+            unattributed += us
+        elif operations[key][1] is not None:
+            sums[operations[key]] += us
+    total = sum(sums.values())
+    return {"by_scope": [[where, kind, us, us / total] for (where, kind), us in sums.most_common()],
+            "attributed_us": total, "unattributed_us": unattributed}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,6 +545,12 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     for thread, prof in (ours.get("profile") or {}).get("devices", {}).items():
         rows.append((f"profile: {thread}", f"{prof['total_us'] / 1e3:.1f} ms of device time per step"))
         rows.extend((f"  {name[:60]}", f"{us / 1e3:8.2f} ms {share:6.1%}") for name, us, share in prof["top"][:15])
+    profile = ours.get("profile") or {}
+    if profile.get("by_scope"):
+        rows.append(("profile by scope", f"{profile['attributed_us'] / 1e3:.1f} ms named from the step's HLO, "
+                                         f"{profile['unattributed_us'] / 1e3:.1f} ms not"))
+        rows.extend((f"  {where} ({kind})"[:62], f"{us / 1e3:8.2f} ms {share:6.1%}")
+                    for where, kind, us, share in profile["by_scope"][:25])
     batch_kind = (f" packed {args.packed}" if args.packed else "") + (f" fcm {args.fcm}" if args.fcm else "") \
         + (f" lora {args.lora} ({args.lora_targets})" if ours["adapters"] else "")
     summary = (f"{name} B={args.batch} T={seq}{batch_kind} {mcfg.dtype} {attention}: {ours['tokens_per_s']:,.0f} tok/s, "

@@ -341,10 +341,13 @@ class Attention(nnx.Module):
         return self.c_proj("bthc,hcd->btd", y, lora_key)  # (B, T, d)
 
     def __call__(self, x: jax.Array, rope=None, dropout_key=None, mask=None, lora_key=None) -> jax.Array:
-        q, k, v = self.qkv(x, rope, lora_key)
-        sharding = activation_sharding_of(("batch", "length", "heads", "kv"))  # the Pallas kernel's, per device
-        y = attention(q, k, v, self.cfg, dropout_key, mask, sharding)
-        return self.out(y, _fold(lora_key, 2))  # (B, T, d)
+        with jax.named_scope("qkv"):
+            q, k, v = self.qkv(x, rope, lora_key)
+        with jax.named_scope("attention"):
+            sharding = activation_sharding_of(("batch", "length", "heads", "kv"))  # the Pallas kernel's, per device
+            y = attention(q, k, v, self.cfg, dropout_key, mask, sharding)
+        with jax.named_scope("out"):
+            return self.out(y, _fold(lora_key, 2))  # (B, T, d)
 
     def decode(self, x: jax.Array, rope, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array):
         """Attention of x (B, T, d) at positions pos..pos+T-1 over a cache (B, L, K, D) of earlier keys.
@@ -369,15 +372,19 @@ class MLP(nnx.Module):
         self.activation, self.approximate = cfg.activation, cfg.gelu_approximate
 
     def __call__(self, x: jax.Array, lora_key=None) -> jax.Array:
-        h = self.c_fc("btd,df->btf", x, _fold(lora_key, 0))  # (B, T, F)
-        if self.activation == "swiglu":
-            h = jax.nn.silu(self.c_gate("btd,df->btf", x, _fold(lora_key, 1))) * h
-        elif self.activation == "relu":
-            h = jax.nn.relu(h)
-        else:
-            h = jax.nn.gelu(h, approximate=self.approximate)
-        h = logical_constraint(h, ("batch", "length", "mlp"))
-        return self.c_proj("btf,fd->btd", h, _fold(lora_key, 2))  # (B, T, d)
+        with jax.named_scope("fc"):
+            h = self.c_fc("btd,df->btf", x, _fold(lora_key, 0))  # (B, T, F)
+            gate = self.c_gate("btd,df->btf", x, _fold(lora_key, 1)) if self.activation == "swiglu" else None
+        with jax.named_scope("activation"):
+            if self.activation == "swiglu":
+                h = jax.nn.silu(gate) * h
+            elif self.activation == "relu":
+                h = jax.nn.relu(h)
+            else:
+                h = jax.nn.gelu(h, approximate=self.approximate)
+            h = logical_constraint(h, ("batch", "length", "mlp"))
+        with jax.named_scope("proj"):
+            return self.c_proj("btf,fd->btd", h, _fold(lora_key, 2))  # (B, T, d)
 
 
 class Block(nnx.Module):
@@ -397,14 +404,22 @@ class Block(nnx.Module):
         a = dropout(a, self.dropout, _fold(dropout_key, 1))
         if self.sequential:  # the MLP reads the stream after attention
             x = x + a
-            return x + dropout(self.mlp(self.ln_2(x), lora_key), self.dropout, _fold(dropout_key, 2))
-        m = self.mlp(h if self.ln_2 is None else self.ln_2(x), lora_key)  # parallel: from the block's input
-        return x + a + dropout(m, self.dropout, _fold(dropout_key, 2))
+            with jax.named_scope("ln_2"):
+                h = self.ln_2(x)
+        elif self.ln_2 is not None:  # parallel: from the block's input
+            with jax.named_scope("ln_2"):
+                h = self.ln_2(x)
+        with jax.named_scope("mlp"):
+            m = self.mlp(h, lora_key)
+        m = dropout(m, self.dropout, _fold(dropout_key, 2))
+        return x + m if self.sequential else x + a + m
 
     def __call__(self, x: jax.Array, rope=None, dropout_key=None, mask=None) -> jax.Array:
-        h = self.ln_1(x)
+        with jax.named_scope("ln_1"):
+            h = self.ln_1(x)
         lora_key = _fold(dropout_key, 3) if self.lora_dropout else None
-        a = self.attn(h, rope, _fold(dropout_key, 0), mask, _fold(lora_key, 0))
+        with jax.named_scope("attn"):
+            a = self.attn(h, rope, _fold(dropout_key, 0), mask, _fold(lora_key, 0))
         x = self._residual(x, h, a, dropout_key, _fold(lora_key, 1))
         return logical_constraint(x, ("batch", "length", "embed"))
 
@@ -504,16 +519,19 @@ class GPT(nnx.Module):
         (B, T); `head` turns them into `__call__`'s logits. Arguments as `__call__`'s."""
         cfg = self.config
         T = tokens.shape[1]
-        x = self._embed(tokens, 0, T, segment_ids)
-        x = dropout(x, cfg.dropout, _fold(dropout_key, cfg.N))
-        x = logical_constraint(x, ("batch", "length", "embed"))
-        rope = rotary_angles(cfg, jnp.arange(T))
+        with jax.named_scope("embed"):  # named scopes: what a profile's operations belong to (bench.py --profile)
+            x = self._embed(tokens, 0, T, segment_ids)
+            x = dropout(x, cfg.dropout, _fold(dropout_key, cfg.N))
+            x = logical_constraint(x, ("batch", "length", "embed"))
+            rope = rotary_angles(cfg, jnp.arange(T))
         for i, block in enumerate(self.blocks):
-            if mask is None:
-                x = self._block_forward(block, x, rope, _fold(dropout_key, i))
-            else:
-                x = self._block_forward(block, x, rope, _fold(dropout_key, i), mask)
-        return logical_constraint(self.ln_f(x), ("batch", "length", "embed"))  # (B, T, d)
+            with jax.named_scope("block"):
+                if mask is None:
+                    x = self._block_forward(block, x, rope, _fold(dropout_key, i))
+                else:
+                    x = self._block_forward(block, x, rope, _fold(dropout_key, i), mask)
+        with jax.named_scope("ln_f"):
+            return logical_constraint(self.ln_f(x), ("batch", "length", "embed"))  # (B, T, d)
 
     def _embed(self, tokens: jax.Array, pos, length: int, segment_ids=None) -> jax.Array:
         """Embeddings of tokens (B, T) at positions pos..pos+T-1, in the compute dtype: (B, T, d).
@@ -567,11 +585,12 @@ class GPT(nnx.Module):
         """
         cfg = self.config
         h = self.hidden(tokens, dropout_key=dropout_key, mask=mask, segment_ids=segment_ids)  # (B, T, d)
-        if chunk_layout(h.shape[0], h.shape[1], chunk) is None:
-            return cross_entropy(self.head(h), targets, weights)
-        weight, bias = self.head_weights()
-        return chunked_cross_entropy(h, weight, bias, targets, weights, vocab_size=cfg.vocab_size, chunk=chunk,
-                                     dtype=DTYPES[cfg.dtype])
+        with jax.named_scope("loss"):
+            if chunk_layout(h.shape[0], h.shape[1], chunk) is None:
+                return cross_entropy(self.head(h), targets, weights)
+            weight, bias = self.head_weights()
+            return chunked_cross_entropy(h, weight, bias, targets, weights, vocab_size=cfg.vocab_size, chunk=chunk,
+                                         dtype=DTYPES[cfg.dtype])
 
     def decode(self, tokens: jax.Array, cache: dict, pos) -> tuple[jax.Array, dict]:
         """Logits for tokens (B, T) at positions pos..pos+T-1, given a KV cache of the pos tokens before.

@@ -218,11 +218,13 @@ def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activat
         zeros = (constrain_grads(jax.tree.map(jnp.zeros_like, params)), jnp.zeros((), jnp.float32),
                  jnp.zeros((), jnp.float32))
         (grads, loss_sum, n), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(M), micro))
-        grads = jax.tree.map(lambda g: g / n, grads)  # mean over every token of the batch
-        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))  # before clipping
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        with jax.named_scope("optimizer"):  # a profile's name for what follows the gradients
+            grads = jax.tree.map(lambda g: g / n, grads)  # mean over every token of the batch
+            grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))  # before clipping
+            updates, opt_state = tx.update(grads, state["opt_state"], params)
+            new_params = optax.apply_updates(params, updates)
         new_state = {
-            "params": optax.apply_updates(params, updates),
+            "params": new_params,
             "opt_state": opt_state,
             "step": state["step"] + 1,
             "rng": state["rng"],

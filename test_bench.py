@@ -15,6 +15,7 @@ from flax import nnx
 
 import attention as A
 import bench
+import bench_train
 import config
 import errors
 import flash_alibi
@@ -264,6 +265,49 @@ def test_bench_train_profile_records_device_time_per_operation(tmp_path, capsys,
             assert share == pytest.approx(us / entry["total_us"])
         assert f"profile: {thread}" in printed
     assert len(r["jax"]["step_s"]) == 2  # the traced steps are not among the timed ones
+    # the same time by what it computes, named from the compiled step's HLO (model.py's named scopes)
+    rows = profile["by_scope"]
+    assert sum(us for *_, us, _ in rows) == pytest.approx(profile["attributed_us"]) and profile["attributed_us"] > 0
+    assert [us for *_, us, _ in rows] == sorted((us for *_, us, _ in rows), reverse=True)
+    where = {w for w, *_ in rows}
+    assert {"forward block/mlp/fc", "backward block/mlp/fc", "forward block/attn/qkv", "backward block/attn/qkv",
+            "forward block/attn/attention", "backward block/attn/attention", "loss", "update optimizer"} <= where
+    assert ("backward block/mlp/proj", "matmul") in {(w, k) for w, k, *_ in rows}
+    assert "profile by scope" in printed
+
+
+def test_profile_attribution_names_kernels_by_their_hlo_operations():
+    """hlo_operations reads each instruction's op_name scopes, direction and kind from HLO text; attribute
+    sums event times by them: a GPU kernel by its "hlo_op", else by its name with "_N" read as ".N"."""
+    hlo = "\n".join([
+        'HloModule jit_train_step',
+        '%fused_computation.1 (p: f32[8]) -> f32[8] {',
+        '  ROOT %tanh.3 = f32[8]{0} tanh(f32[8]{0} %p), metadata={op_name="jit(train_step)/jvp(block)/mlp/activation/tanh"}',
+        '}',
+        'ENTRY %main (a: f32[8]) -> f32[8] {',
+        '  %loop_tanh_fusion.2 = f32[8]{0} fusion(f32[8]{0} %a), kind=kLoop, calls=%fused_computation.1, '
+        'metadata={op_name="jit(train_step)/jvp(block)/mlp/activation/tanh"}',
+        '  %custom-call.7 = (bf16[8]{0}, s8[16]{0}) custom-call(f32[8]{0} %a), custom_call_target="__cublas$gemm", '
+        'metadata={op_name="jit(train_step)/transpose(jvp(block))/mlp/fc/btd,df->btf/dot_general"}',
+        '  %input_reduce_fusion = f32[] fusion(f32[8]{0} %a), kind=kInput, calls=%x, '
+        'metadata={op_name="jit(train_step)/optimizer/reduce_sum"}',
+        '  %while.4 = (s32[]) while((s32[]) %t), condition=%c, body=%b, metadata={op_name="jit(train_step)/jvp(loss)/while"}',
+        '  ROOT %dot.5 = f32[8]{0} dot(f32[8]{0} %a, f32[8]{0} %a), metadata={op_name="jit(train_step)/jvp(loss)/btd,vd->btv/dot_general"}',
+        '}'])
+    ops = bench_train.hlo_operations(hlo)
+    assert ops["loop_tanh_fusion.2"] == ("forward block/mlp/activation", "elementwise")
+    assert ops["tanh.3"] == ("forward block/mlp/activation", "tanh")
+    assert ops["custom-call.7"] == ("backward block/mlp/fc", "matmul")
+    assert ops["input_reduce_fusion"] == ("update optimizer", "reduction")
+    assert ops["while.4"] == ("loss", None) and ops["dot.5"] == ("loss", "matmul")
+    timed = [("custom-call.7", "nvjet_sm90_tst_192x192", 5.0), (None, "loop_tanh_fusion_2", 2.0),
+             (None, "input_reduce_fusion", 1.0), (None, "while.4", 9.0), (None, "dot.5", 2.0),
+             (None, "end: dot.5", 0.5), ("custom-call.7", "cutlass_kernel", 1.0)]
+    out = bench_train.attribute(timed, ops)
+    assert out["by_scope"] == [["backward block/mlp/fc", "matmul", 6.0, 6.0 / 11],
+                               ["forward block/mlp/activation", "elementwise", 2.0, 2.0 / 11],
+                               ["loss", "matmul", 2.0, 2.0 / 11], ["update optimizer", "reduction", 1.0, 1.0 / 11]]
+    assert out["attributed_us"] == 11.0 and out["unattributed_us"] == 0.5  # the loop's own 9.0 is its body's
 
 
 def test_bench_train_lora_step(tmp_path, capsys):

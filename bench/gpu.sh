@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of bench/RESULTS.md, in one command per phase, for a machine with one NVIDIA GPU.
 #
-#   bench/gpu.sh OUT PHASE...      phases: env check attention train124 packed train760 torch flags profile memory lora
+#   bench/gpu.sh OUT PHASE...      phases: env mfu check attention train124 packed train760 torch flags profile memory lora
 #   (PYTHON=python3 by default: the interpreter that has jax[cuda], torch and transformers)
 #
 # Each phase's benchmarks are recorded by bench.py under OUT/bench (JSON files and a copy of
@@ -10,6 +10,11 @@
 # the default corpus prepared (python data.py) or prepares it first.
 #
 #   env        the GPU, the driver and the library versions
+#   mfu        what is left of the MFU targets (760m: 50% at T = 2048, 124m: 38%): both steps profiled, their
+#              device time summed by model part (bench.py train --profile: "profile by scope"), then 760m
+#              with the loss in chunks against auto's whole logits, and under each XLA flag that could take
+#              time out of the reductions and elementwise kernels (cuBLASLt epilogues, cuDNN LayerNorm,
+#              the latency-hiding scheduler). About 5 minutes.
 #   check      a few bfloat16 steps of `python train.py` with each attention implementation, run side
 #              by side (the GPU is shared; nothing is timed); the losses must fall and match xla's
 #   attention  python bench.py attention: cudnn (ALiBi as head dimensions) and pallas at 760m's shape
@@ -60,6 +65,17 @@ phase_env() {
   "$PY" -m pip list 2>/dev/null | grep -i -E "^(jax|jaxlib|jax-cuda|flax|optax|orbax|numpy|torch|triton|transformers|tokenizers|nvidia-cudnn|nvidia-cublas) " \
     | tee "$OUT/logs/versions.txt"
   "$PY" -c "import jax; print(jax.devices(), jax.default_backend())" 2>&1 | tail -n 1
+}
+
+phase_mfu() {  # the profiles by model part first: they say where the rest of the step goes
+  local steps="--steps 10 --warmup 2 --no-torch" flags
+  bench p760 150 train --model 760m --seq 2048 --batch 8 $steps --profile "$OUT/profile760"
+  bench p124 100 train --model 124m --batch 16 $steps --profile "$OUT/profile124"
+  bench t760-chunk 120 train --model 760m --seq 2048 --batch 8 --loss-chunk 4096 $steps
+  for flags in "--xla_gpu_enable_cublaslt=true" "--xla_gpu_enable_cudnn_layer_norm=true" \
+               "--xla_gpu_enable_latency_hiding_scheduler=true"; do
+    XLA_FLAGS="$flags" bench "t760${flags//[^a-z]/_}" 120 train --model 760m --seq 2048 --batch 8 $steps
+  done
 }
 
 phase_check() {
