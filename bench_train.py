@@ -190,6 +190,7 @@ def profile_steps(step, steps: int, directory, top: int = 30, hlo: str | None = 
     on_device = any(name.startswith("/device:") for name in processes.values())
     sums: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     timed = []  # (the operation's HLO name where the trace gives it, the event's name, microseconds per step)
+    intervals = []  # (start, end) of every timed event, microseconds
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -198,15 +199,31 @@ def profile_steps(step, steps: int, directory, top: int = 30, hlo: str | None = 
             us = float(e.get("dur", 0.0)) / steps
             sums[f"{process} {thread}".strip()][e["name"]] += us
             timed.append(((e.get("args") or {}).get("hlo_op"), e["name"], us))
+            intervals.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
     devices = {}
     for thread, ops in sums.items():
         total = sum(ops.values())
         devices[thread] = {"total_us": total,
                            "top": [[name, us, us / total] for name, us in ops.most_common(top)]}
-    out = {"trace": str(traces[-1]), "steps": steps, "per": "step", "devices": devices}
+    out = {"trace": str(traces[-1]), "steps": steps, "per": "step", "devices": devices, **busy(intervals, steps)}
     if hlo is not None:
         out.update(attribute(timed, hlo_operations(hlo)))
     return out
+
+
+def busy(intervals, steps: int) -> dict:
+    """{"span_us": first start to last end, "busy_us": the time at least one of `intervals` (start, end)
+    runs, each per step}: span - busy is the time the device waits between kernels."""
+    if not intervals:
+        return {"span_us": 0.0, "busy_us": 0.0}
+    covered, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            covered, reach = covered + end - start, end
+        elif end > reach:
+            covered, reach = covered + end - reach, end
+    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    return {"span_us": span / steps, "busy_us": covered / steps}
 
 
 # model.py's and step.py's named scopes (jax.named_scope), which the compiled step's operations carry
@@ -546,6 +563,9 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
         rows.append((f"profile: {thread}", f"{prof['total_us'] / 1e3:.1f} ms of device time per step"))
         rows.extend((f"  {name[:60]}", f"{us / 1e3:8.2f} ms {share:6.1%}") for name, us, share in prof["top"][:15])
     profile = ours.get("profile") or {}
+    if profile.get("span_us"):
+        rows.append(("profile: device busy", f"{profile['busy_us'] / 1e3:.1f} of {profile['span_us'] / 1e3:.1f} ms "
+                                             f"a step ({profile['busy_us'] / profile['span_us']:.1%}); the rest waits"))
     if profile.get("by_scope"):
         rows.append(("profile by scope", f"{profile['attributed_us'] / 1e3:.1f} ms named from the step's HLO, "
                                          f"{profile['unattributed_us'] / 1e3:.1f} ms not"))

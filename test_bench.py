@@ -274,6 +274,14 @@ def test_bench_train_profile_records_device_time_per_operation(tmp_path, capsys,
             "forward block/attn/attention", "backward block/attn/attention", "loss", "update optimizer"} <= where
     assert ("backward block/mlp/proj", "matmul") in {(w, k) for w, k, *_ in rows}
     assert "profile by scope" in printed
+    assert 0 < profile["busy_us"] <= profile["span_us"] and "device busy" in printed
+
+
+def test_busy_time_is_the_union_of_the_kernels_intervals():
+    """busy: the time covered by at least one interval, per step, against the first start to the last end."""
+    intervals = [(10.0, 20.0), (15.0, 25.0), (30.0, 31.0), (12.0, 14.0), (40.0, 50.0)]  # 10..25, 30..31, 40..50
+    assert bench_train.busy(intervals, 2) == {"span_us": (50 - 10) / 2, "busy_us": (15 + 1 + 10) / 2}
+    assert bench_train.busy([], 3) == {"span_us": 0.0, "busy_us": 0.0}
 
 
 def test_profile_attribution_names_kernels_by_their_hlo_operations():
