@@ -191,6 +191,7 @@ ENVIRONMENT = {
     "TENSORSTORE_GCS_HTTP_URL": "{url}",  # tensorstore: orbax's arrays
     "GOOGLE_AUTH_TOKEN_FOR_TESTING": "x",  # tensorstore: this token, no credential search
     "NO_GCE_CHECK": "true",  # google-auth: no probe of a Compute Engine metadata server
+    "FSSPEC_GCS_TOKEN": "anon",  # gcsfs: no credentials, so no search for them (and no google-auth warning)
     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # gcsfs: no questions to the storage control API, which this lacks
 }
 
