@@ -65,6 +65,13 @@ class Checkpoints:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.write:
+            try:
+                self.run.check_fence()
+            except RunError:  # this process lost the run (paused past its lease): a save it still had in
+                # flight is abandoned, and its writes, failing as the new holder replaces what they wrote,
+                # are not this process's to report ("Future exception was never retrieved", each a traceback)
+                logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         self.close()
 
     def manager(self):
