@@ -16,3 +16,7 @@ echo "=== results"
 for log in "$WORK"/logs/*.log; do
   grep -E "^(cudnn|pallas|splash|dot_product|xla|jax \(ours\))" "$log" | sed "s|^|$(basename "$log" .log): |" | cut -c1-300
 done
+for log in "$WORK"/logs/p760.log "$WORK"/logs/p124.log; do  # phase mfu's profiles by model part
+  [ -f "$log" ] && { echo "=== $(basename "$log" .log)"; grep -A 26 "profile: device busy" "$log" | cut -c1-100; }
+done
+exit 0
