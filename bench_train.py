@@ -135,7 +135,10 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
                                                 args.steps)
     profile = None
     if getattr(args, "profile", None):  # after the timed steps, so the trace never skews them
-        profile = profile_steps(lambda: sync(one_step()), args.profile_steps, args.profile, hlo=hlo)
+        # dispatched back to back as train.py runs them: the trace's gaps are then the step's own, not the host's
+        read = lambda out: losses.append(float(out[1]["loss"]))  # noqa: E731
+        profile = profile_steps(lambda: time_pipelined(one_step, read, args.profile_steps), args.profile_steps,
+                                args.profile, hlo=hlo)
     if not all(np.isfinite(losses)):
         raise TrainBenchError(f"the JAX step's loss is not finite: {losses}")
     peak = peak_override or step_lib.peak_flops(device.device_kind)
@@ -161,8 +164,8 @@ def packed_rows(batch: int, seq: int, examples: int) -> dict:
             "segments": np.broadcast_to(segments.astype(np.int32), (batch, seq)).copy()}
 
 
-def profile_steps(step, steps: int, directory, top: int = 30, hlo: str | None = None) -> dict:
-    """Runs step() `steps` times under jax.profiler (a Perfetto trace under `directory`, for
+def profile_steps(run, steps: int, directory, top: int = 30, hlo: str | None = None) -> dict:
+    """Runs run(), which runs `steps` steps, under jax.profiler (a Perfetto trace under `directory`, for
     ui.perfetto.dev) and sums the trace's device time per operation: {"trace", "devices": {thread:
     {"total_us", "top": [[name, us, share], ...]}}}, per device thread (on a GPU: the CUDA streams, the
     kernels). On the CPU, the host's XLA threads. With `hlo`, the compiled step's HLO text, also
@@ -176,8 +179,7 @@ def profile_steps(step, steps: int, directory, top: int = 30, hlo: str | None = 
 
     directory = pathlib.Path(directory)
     with jax.profiler.trace(str(directory), create_perfetto_trace=True):
-        for _ in range(steps):
-            step()
+        run()
     traces = sorted(directory.rglob("perfetto_trace.json.gz"), key=lambda f: f.stat().st_mtime)
     if not traces:
         return {"trace": None, "devices": {}}
@@ -236,8 +238,8 @@ def hlo_operations(hlo: str) -> dict[str, tuple[str, str]]:
     """{instruction name: (where it comes from, what kind of work it is)} for every instruction of an
     HLO module's text (jax's Compiled.as_text()), fused computations and loop bodies included.
 
-    Where: "forward" or "backward" (autodiff's transpose) and the named scopes of its op_name, e.g.
-    "backward block/mlp/activation", "update optimizer"; the loss is "loss" alone, since the chunked loss
+    Where: "forward", "backward" (autodiff's transpose) or "recompute" (remat's second forward pass) and
+    the named scopes of its op_name, e.g. "backward block/mlp/activation", "update optimizer"; the loss is "loss" alone, since the chunked loss
     computes its gradients in its forward pass. Kind: matmul, attention (cuDNN), Pallas kernel,
     reduction, elementwise, copy, collective, or the HLO opcode; None for a loop or call, whose body's
     operations are timed on their own."""
@@ -257,6 +259,8 @@ def hlo_operations(hlo: str) -> dict[str, tuple[str, str]]:
             where = "loss"
         elif "optimizer" in scopes:
             where = "update optimizer"
+        elif "rematted_computation" in op_name:  # a block's forward pass again, under remat, for its backward
+            where = f"recompute {'/'.join(scopes) or '(unscoped)'}"
         else:
             where = f"{'backward' if 'transpose(' in op_name else 'forward'} {'/'.join(scopes) or '(unscoped)'}"
         ops[name] = (where, _operation_kind(name, rest))
@@ -274,8 +278,12 @@ def _operation_kind(name: str, rest: str) -> str | None:
     if opcode == "custom-call":
         target = re.search(r'custom_call_target="([^"]*)"', rest)
         target = target.group(1).lower() if target else ""
-        if "fmha" in target or "cudnn" in target:
+        if "fmha" in target:
             return "attention (cuDNN)"
+        if "cudnn$norm" in target:
+            return "norm (cuDNN)"
+        if "cudnn" in target:
+            return "cuDNN"
         if "gemm" in target or "cublas" in target or "matmul" in target:
             return "matmul"
         if "triton" in target or "mosaic" in target or "pallas" in target:
@@ -285,9 +293,13 @@ def _operation_kind(name: str, rest: str) -> str | None:
         if "kind=kcustom" in text:
             if "gemm" in text or "gemm" in name:
                 return "matmul"
-            return "attention (cuDNN)" if "cudnn" in text else "custom fusion"
-        if "kind=kinput" in text:
-            return "reduction"
+            if "fmha" in text:
+                return "attention (cuDNN)"
+            if "cudnn" in text:
+                return "cuDNN fusion"
+            return "Triton fusion" if "triton" in text else "custom fusion"
+        if "kind=kinput" in text:  # reductions, and XLA's scatters and transposes, which it emits alike
+            return "scatter" if "scatter" in name else "copy" if "transpose" in name else "reduction"
         if "kind=koutput" in text:
             return "matmul"
         return "elementwise"

@@ -300,6 +300,10 @@ def test_profile_attribution_names_kernels_by_their_hlo_operations():
         '  %input_reduce_fusion = f32[] fusion(f32[8]{0} %a), kind=kInput, calls=%x, '
         'metadata={op_name="jit(train_step)/optimizer/reduce_sum"}',
         '  %while.4 = (s32[]) while((s32[]) %t), condition=%c, body=%b, metadata={op_name="jit(train_step)/jvp(loss)/while"}',
+        '  %custom-call.8 = (bf16[8]{0}, f32[8]{0}) custom-call(f32[8]{0} %a), custom_call_target="__cudnn$fmhaSoftmax", '
+        'metadata={op_name="jit(train_step)/transpose(jvp(block))/checkpoint/rematted_computation/attn/attention/x"}',
+        '  %input_scatter_fusion = f32[8]{0} fusion(f32[8]{0} %a), kind=kInput, calls=%y, '
+        'metadata={op_name="jit(train_step)/transpose(jvp(embed))/scatter-add"}',
         '  ROOT %dot.5 = f32[8]{0} dot(f32[8]{0} %a, f32[8]{0} %a), metadata={op_name="jit(train_step)/jvp(loss)/btd,vd->btv/dot_general"}',
         '}'])
     ops = bench_train.hlo_operations(hlo)
@@ -308,6 +312,8 @@ def test_profile_attribution_names_kernels_by_their_hlo_operations():
     assert ops["custom-call.7"] == ("backward block/mlp/fc", "matmul")
     assert ops["input_reduce_fusion"] == ("update optimizer", "reduction")
     assert ops["while.4"] == ("loss", None) and ops["dot.5"] == ("loss", "matmul")
+    assert ops["custom-call.8"] == ("recompute block/attn/attention", "attention (cuDNN)")
+    assert ops["input_scatter_fusion"] == ("backward embed", "scatter")
     timed = [("custom-call.7", "nvjet_sm90_tst_192x192", 5.0), (None, "loop_tanh_fusion_2", 2.0),
              (None, "input_reduce_fusion", 1.0), (None, "while.4", 9.0), (None, "dot.5", 2.0),
              (None, "end: dot.5", 0.5), ("custom-call.7", "cutlass_kernel", 1.0)]

@@ -8,6 +8,7 @@ LIMIT=${2:?usage: bench/gpu-run.sh OUT SECONDS PHASE...}
 shift 2
 WORK=/tmp/gpu-run
 rm -rf "$WORK"
+export GPU_DEADLINE=$(( $(date +%s) + LIMIT - 10 ))  # gpu.sh shortens or skips what would run past it
 timeout "$LIMIT" "$(dirname "$0")/gpu.sh" "$WORK" "$@"
 rm -rf "$WORK/runs" "$WORK"/profile*  # run directories and traces: large, and summarised in the logs
 tar czf "$OUT/gpu.tgz" -C "$WORK" bench logs
@@ -17,6 +18,6 @@ for log in "$WORK"/logs/*.log; do
   grep -E "^(cudnn|pallas|splash|dot_product|xla|jax \(ours\))" "$log" | sed "s|^|$(basename "$log" .log): |" | cut -c1-300
 done
 for log in "$WORK"/logs/p760.log "$WORK"/logs/p124.log; do  # phase mfu's profiles by model part
-  [ -f "$log" ] && { echo "=== $(basename "$log" .log)"; grep -A 26 "profile: device busy" "$log" | cut -c1-100; }
+  [ -f "$log" ] && { echo "=== $(basename "$log" .log)"; grep -A 26 "profile: device busy" "$log" | cut -c1-140; }
 done
 exit 0

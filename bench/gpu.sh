@@ -14,7 +14,8 @@
 #              device time summed by model part (bench.py train --profile: "profile by scope"), then 760m
 #              with the loss in chunks against auto's whole logits, and under each XLA flag that could take
 #              time out of the reductions and elementwise kernels (cuBLASLt epilogues, cuDNN LayerNorm,
-#              the latency-hiding scheduler). About 5 minutes.
+#              the latency-hiding scheduler). About 6 minutes on an H100; under bench/gpu-run.sh a command that
+#              would outlast its limit is shortened or skipped.
 #   check      a few bfloat16 steps of `python train.py` with each attention implementation, run side
 #              by side (the GPU is shared; nothing is timed); the losses must fall and match xla's
 #   attention  python bench.py attention: cudnn (ALiBi as head dimensions) and pallas at 760m's shape
@@ -45,8 +46,17 @@ run() {  # run NAME SECONDS COMMAND...: output to OUT/logs/NAME.log, status and 
   local name=$1 limit=$2
   shift 2
   local start=$SECONDS
+  if [ -n "${GPU_DEADLINE:-}" ]; then  # bench/gpu-run.sh's end: no command may outlive it
+    local left=$((GPU_DEADLINE - $(date +%s) - 15))
+    if [ "$left" -lt 45 ]; then
+      echo "== $name: skipped, ${left} s left before the deadline" | tee -a "$OUT/logs/summary.txt"
+      return 0
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "== $name: $*" | tee -a "$OUT/logs/summary.txt"
-  timeout --signal=TERM --kill-after=20 "$limit" "$@" >"$OUT/logs/$name.log" 2>&1
+  # --foreground: the command stays in this shell's process group, so an outer timeout reaches it too
+  timeout --foreground --signal=TERM --kill-after=20 "$limit" "$@" >"$OUT/logs/$name.log" 2>&1
   local rc=$?
   echo "   exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/logs/summary.txt"
   tail -n 25 "$OUT/logs/$name.log"
@@ -62,15 +72,19 @@ bench() {  # bench NAME SECONDS ARGS...: python bench.py ARGS --out OUT/bench
 phase_env() {
   nvidia-smi >"$OUT/logs/nvidia-smi.txt" 2>&1
   head -n 15 "$OUT/logs/nvidia-smi.txt"
-  "$PY" -m pip list 2>/dev/null | grep -i -E "^(jax|jaxlib|jax-cuda|flax|optax|orbax|numpy|torch|triton|transformers|tokenizers|nvidia-cudnn|nvidia-cublas) " \
+  "$PY" -m pip list 2>/dev/null | grep -i -E "^(jax|jaxlib|jax-cuda[0-9]*-(plugin|pjrt)|flax|optax|orbax-checkpoint|numpy|torch|triton|transformers|tokenizers|nvidia-cudnn-cu[0-9]*|nvidia-cublas-cu[0-9]*) " \
     | tee "$OUT/logs/versions.txt"
   "$PY" -c "import jax; print(jax.devices(), jax.default_backend())" 2>&1 | tail -n 1
 }
 
 phase_mfu() {  # the profiles by model part first: they say where the rest of the step goes
   local steps="--steps 10 --warmup 2 --no-torch" flags
-  bench p760 150 train --model 760m --seq 2048 --batch 8 $steps --profile "$OUT/profile760"
-  bench p124 100 train --model 124m --batch 16 $steps --profile "$OUT/profile124"
+  # XLA runs a profiled program without its command buffers (CUDA graphs) unless told otherwise: then the
+  # trace's gaps between kernels would be the profiler's, not the step's
+  XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true \
+    bench p760 150 train --model 760m --seq 2048 --batch 8 $steps --profile "$OUT/profile760"
+  XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true \
+    bench p124 100 train --model 124m --batch 16 $steps --profile "$OUT/profile124"
   bench t760-chunk 120 train --model 760m --seq 2048 --batch 8 --loss-chunk 4096 $steps
   for flags in "--xla_gpu_enable_cublaslt=true" "--xla_gpu_enable_cudnn_layer_norm=true" \
                "--xla_gpu_enable_latency_hiding_scheduler=true"; do
