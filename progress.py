@@ -49,6 +49,12 @@ class Stop:
     resume from (a save in flight never appears as a step), and the run directory's lock goes with the
     process.
 
+    With several processes (`several()`, once jax.distributed has started) every process must stop at the
+    same step, since saving a checkpoint is collective: a process that stopped alone would leave the others
+    waiting for it for ever. JAX's preemption service then owns SIGTERM (the notice it propagates to every
+    process); a SIGINT here is handed to it as a SIGTERM; and `at_step`, called at every step, says when
+    all processes have agreed on the step to stop at (the one after the furthest any of them had reached).
+
     During start-up (`starting`, until train.py's first step is compiled and dispatched) a signal ends
     the process within moments, whatever the main thread is doing (loading data, compiling: Python's
     handlers run only between its bytecodes, so a watcher thread reads the signal from the interpreter's
@@ -57,6 +63,8 @@ class Stop:
 
     def __init__(self):
         self.signal: int | None = None
+        self.sync = False  # several processes: a stop is agreed through JAX's preemption sync (`several`)
+        self.agreed = False  # ... and has been agreed, at this step
         self.handlers = {}
         self.starting = True
         self.undo: list = []  # callables () -> str | None: each removes what the start wrote, and says what
@@ -115,6 +123,36 @@ class Stop:
                         f"newest checkpoint with --resume\n".encode())
             os._exit(128 + signum)
         self.signal = signum
+        if self.sync and signum != signal.SIGTERM:  # tell every process, through JAX's preemption notifier
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def several(self) -> None:
+        """Several processes run (jax.distributed started, with JAX's preemption service, which catches
+        SIGTERM from then on): stops are agreed between them from here on."""
+        import jax
+
+        self.sync = jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
+
+    def at_step(self, step: int) -> None:
+        """Called by every process at every step: with several processes, whether all have agreed to stop
+        at this one (then `stopping`)."""
+        if self.sync and not self.agreed:
+            from jax.experimental import multihost_utils
+
+            try:
+                self.agreed = multihost_utils.reached_preemption_sync_point(step)
+            except RuntimeError:  # no preemption sync in this JAX after all: each process stops on its own
+                self.sync = False
+
+    @property
+    def stopping(self) -> bool:
+        return self.agreed if self.sync else self.signal is not None
+
+    @property
+    def number(self) -> int:
+        """The stopping signal's number: this process's own, or SIGTERM where another process's stop (a
+        preemption notice) was agreed on."""
+        return self.signal or signal.SIGTERM
 
     def check(self) -> None:
         """Before the first step: a signal so far ends the start with Interrupted (nothing to save)."""
@@ -123,7 +161,7 @@ class Stop:
 
     @property
     def name(self) -> str:
-        return signal.Signals(self.signal).name
+        return signal.Signals(self.number).name
 
 
 class Steps:
@@ -161,7 +199,7 @@ class Steps:
 
     @property
     def stopping(self) -> bool:
-        return self.stop.signal is not None
+        return self.stop.stopping
 
     def tokens(self, s: int) -> int:
         """Tokens trained up to step s: this start's steps at its context and batch, on top of the restored."""
@@ -172,6 +210,7 @@ class Steps:
         this one is to be (evaluated, saved): every eval_every and checkpoint.every steps, at the last
         step, and a save when a signal came."""
         self.step += 1
+        self.stop.at_step(self.step)
         self.bar.update(1)
         if self.pending is not None:  # the previous step: finished, or about to be
             row = self.read()

@@ -10,9 +10,11 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -400,6 +402,53 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"SLURM_NTASKS": "4"}, "error: SLURM_NTASKS=4 says several processes run, but JAX cannot join them ("),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, "error: OMPI_COMM_WORLD_SIZE=2 says several processes run, but JAX cannot "),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"}, "error: JAX_COORDINATOR_ADDRESS is set: JAX_NUM_PROCESSES and "),
+], ids=["sbatch-without-srun", "mpi-size-alone", "coordinator-alone"])
+def test_a_launcher_half_seen_is_one_line(corpus, tmp_path, env, words):  # noqa: F811
+    """train.py run where a launcher's variables say several processes but not how to join them (inside an
+    sbatch script or an salloc shell without srun): one line naming the variable, exit 2, nothing made."""
+    run = tmp_path / "run"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "JAX_COORDINATOR"))}
+    done = subprocess.run([sys.executable, "train.py", *tiny(run, corpus)], cwd=REPO, capture_output=True, text=True,
+                          env={**clean, "JAX_PLATFORMS": "cpu", **env}, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(words) and "Traceback" not in done.stderr, done.stderr
+    assert not run.exists()
+
+
+def test_a_signal_to_one_process_stops_every_process_at_one_step_with_a_checkpoint(corpus, tmp_path):  # noqa: F811
+    """Ctrl-C reaching one process of two (a pod's workers signalled unevenly): both stop after the same
+    step, which all agreed on through JAX's preemption sync, with one checkpoint of it, instead of the
+    other process waiting for ever in the collective save. The signalled process ends with 130, the other
+    with 143 (the preemption notice it was sent), and process 0 says where the checkpoint is."""
+    run = tmp_path / "run"
+    port = free_port()
+    procs = [run_subprocess(tiny(run, corpus, "training.steps=100000", "checkpoint.every=100000",
+                                 "training.eval_every=100000"), devices=2, env_extra={
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
+        for i in range(2)]
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            if (run / "metrics.jsonl").exists() and len(rows(run)) >= 3:
+                break
+            time.sleep(0.2)
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+        procs[1].send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM, 128 + signal.SIGINT], outs
+    [saved] = os.listdir(run / "checkpoints")
+    assert f"stopped by SIGTERM after step {saved}; checkpoint saved in {run / 'checkpoints' / saved}" in outs[0][0]
+    assert [r["step"] for r in rows(run)] == list(range(1, int(saved) + 1))  # every step logged, once
 
 
 def test_two_processes_match_one(corpus, tmp_path):  # noqa: F811

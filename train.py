@@ -100,7 +100,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     """main() without the signal handlers, for the parsed command line `args`: `stop.signal` is set when
     one arrives; the run directory's lock, its checkpoints and its log go into `held`."""
     t_start = time.perf_counter()
-    sharding_lib.initialize_distributed()  # before any other JAX call; a no-op for a single process
+    if sharding_lib.initialize_distributed():  # before any other JAX call; a no-op for a single process
+        stop.several()  # a stop is agreed between the processes from here on
     is_main = jax.process_index() == 0  # only process 0 writes files and logs
     say = print if is_main else (lambda *args, **kwargs: None)
 
@@ -297,7 +298,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         say(f"continue with: python train.py --resume run_dir={run_dir}")
         if wandb_run is not None:
             wandb_run.finish()
-        return 128 + stop.signal  # not 0: `python train.py && python eval.py` must not go on
+        return 128 + stop.number  # not 0: `python train.py && python eval.py` must not go on
     summary = steps.summary(index, n_params, val_windows, val_tokens, val_of, ckpts.dir)
     if is_main:
         run_dir.save_summary(summary)
