@@ -90,7 +90,14 @@ def initialize_distributed() -> bool:
     tpu_hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
     launched = [env.get("SLURM_NTASKS"), env.get("OMPI_COMM_WORLD_SIZE")]
     if len(tpu_hosts) > 1 or any(n and n.isdigit() and int(n) > 1 for n in launched):
-        jax.distributed.initialize()  # JAX reads the cluster's own environment
+        try:
+            jax.distributed.initialize()  # JAX reads the cluster's own environment
+        except ValueError as e:  # e.g. SLURM_NTASKS in an sbatch script or salloc shell, without srun
+            what = next(f"{k}={env[k]}" for k in ("TPU_WORKER_HOSTNAMES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+                        if env.get(k))
+            raise ShardingError(f"{what} says several processes run, but JAX cannot join them ({e}): start one "
+                                f"train.py per process with the launcher (srun, mpirun), or set "
+                                f"JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID") from None
         return True
     return False
 
