@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from errors import RunError, ShardingError
+from errors import RunError, ShardingError, UserError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch is split over both data-parallel axes
@@ -122,6 +122,27 @@ def on_process_zero(check, stopped: str) -> None:
             error = RunError(stopped)
     if error is not None:
         raise error
+
+
+def on_every_process(check, stopped: str):
+    """Every process runs `check` (e.g. reading its data) and returns its result; if it fails with a user
+    error (one line) on any process, every process stops: that one with its error, the others with a
+    RunError saying `stopped` ({process}: the first that failed). Without it a process that failed alone
+    would leave the others waiting for it in their next collective."""
+    error, result = None, None
+    try:
+        result = check()
+    except UserError as e:
+        error = e
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(-1)
+        if error is None and failed.any():
+            error = RunError(stopped.format(process=int(np.argmax(failed))))
+    if error is not None:
+        raise error
+    return result
 
 
 def check_sizes(data: int, fsdp: int, tensor: int) -> None:

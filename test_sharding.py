@@ -421,6 +421,27 @@ def test_a_launcher_half_seen_is_one_line(corpus, tmp_path, env, words):  # noqa
     assert not run.exists()
 
 
+def test_bad_data_on_one_process_stops_every_process_with_one_line(corpus, tmp_path):  # noqa: F811
+    """Each process reads its own data directory (a copy on each node); one of them missing: that process
+    names it, the other says which process stopped, both in one line with exit 2, within moments, and
+    nothing is left (they used to wait for each other for ever, process 0 in a Gloo traceback)."""
+    run, port = tmp_path / "run", free_port()
+    procs = [run_subprocess(tiny(run, corpus if i == 0 else tmp_path / "nodata"), devices=2, env_extra={
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
+        for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [2, 2], outs
+    last = [err.strip().splitlines()[-1] for _, err in outs]
+    assert last == ["error: process 1 stopped before training (its error says why)",
+                    f"error: {tmp_path / 'nodata' / 'index.json'} not found; prepare the data with `python data.py`"]
+    assert not any("Traceback" in err for _, err in outs) and not run.exists()
+
+
 def test_a_signal_to_one_process_stops_every_process_at_one_step_with_a_checkpoint(corpus, tmp_path):  # noqa: F811
     """Ctrl-C reaching one process of two (a pod's workers signalled unevenly): both stop after the same
     step, which all agreed on through JAX's preemption sync, with one checkpoint of it, instead of the

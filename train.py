@@ -153,24 +153,30 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     # Data: the prepared corpus (the default one is prepared on first use; a URL is read by ranges,
     # and a resume checks that it has not changed), the model's vocabulary from its tokenizer, and a fixed validation
     # sample in whole batches (text windows, or prompt/completion rows with the loss on completions)
-    cfg.data.dir = data.resolve_dir(cfg.data.dir, progress=is_main)
-    index = shards.load_index(cfg.data.dir)
-    if args.resume:
-        run_dir.check_data(cfg.data.dir, index)
-    if cfg.model.vocab_size != index["vocab_size"]:
-        say(f"model.vocab_size {cfg.model.vocab_size} -> {index['vocab_size']}, the vocabulary of {cfg.data.dir}")
-        cfg.model = dataclasses.replace(cfg.model, vocab_size=index["vocab_size"])
+    def read_data():  # on every process (each may read its own copy); a failure on one stops them all
+        cfg.data.dir = data.resolve_dir(cfg.data.dir, progress=is_main)
+        index = shards.load_index(cfg.data.dir)
+        if args.resume:
+            run_dir.check_data(cfg.data.dir, index)
+        if cfg.model.vocab_size != index["vocab_size"]:
+            say(f"model.vocab_size {cfg.model.vocab_size} -> {index['vocab_size']}, the vocabulary of {cfg.data.dir}")
+            cfg.model = dataclasses.replace(cfg.model, vocab_size=index["vocab_size"])
+        train_loader = loader.open_loader(cfg.data.dir, "train", cfg.seq_len, t.batch_size, seed=cfg.seed,
+                                          process_index=rows_index, process_count=rows_count,
+                                          batching=cfg.data.batching)
+        if storage.is_url(cfg.data.dir):
+            group = train_loader.group
+            say(f"data {cfg.data.dir}: read in place, this process's rows only, {group} batch{'es' * (group > 1)} "
+                f"a request, {train_loader.prefetch} ahead (nothing copied)")
+        val = loader.validation_sample(cfg.data.dir, cfg.seq_len, t.batch_size // t.micro_batches, t.eval_windows,
+                                       cfg.data.batching)
+        if t.init_from:  # its model must be this one: checked before anything is written
+            rundir.check_init_from(t.init_from, cfg.model, index)
+        return index, train_loader, val
+
+    index, train_loader, (val_sample, val_windows, val_tokens, val_of) = sharding_lib.on_every_process(
+        read_data, "process {process} stopped before training (its error says why)")
     mcfg, seq_len = cfg.model, cfg.seq_len
-    train_loader = loader.open_loader(cfg.data.dir, "train", seq_len, t.batch_size, seed=cfg.seed,
-                                      process_index=rows_index, process_count=rows_count, batching=cfg.data.batching)
-    if storage.is_url(cfg.data.dir):
-        group = train_loader.group
-        say(f"data {cfg.data.dir}: read in place, this process's rows only, {group} batch{'es' * (group > 1)} "
-            f"a request, {train_loader.prefetch} ahead (nothing copied)")
-    val_sample, val_windows, val_tokens, val_of = loader.validation_sample(
-        cfg.data.dir, seq_len, t.batch_size // t.micro_batches, t.eval_windows, cfg.data.batching)
-    if t.init_from:  # its model must be this one: checked before anything is written
-        rundir.check_init_from(t.init_from, mcfg, index)
     stop.check()  # a signal before the first step: nothing to save
 
     # ------------------------------------------------------------------------------------------
