@@ -240,7 +240,8 @@ class Steps:
         """The validation loss of the step of `row`, added to it and shown."""
         self.val = val
         row.update(val)
-        self.bar.write(f"step {row['step']}: val loss {val['val_loss']:.4f}, val ppl {val['val_ppl']:.2f}")
+        if self.metrics_file is not None:  # process 0 reports; the others' logs stay quiet
+            self.bar.write(f"step {row['step']}: val loss {val['val_loss']:.4f}, val ppl {val['val_ppl']:.2f}")
 
     def log(self, row: dict) -> None:
         """One line of metrics.jsonl (and W&B), with tokens/s and MFU since the last logged step."""

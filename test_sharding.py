@@ -489,6 +489,7 @@ def test_two_processes_match_one(corpus, tmp_path):  # noqa: F811
 
     outs = finish(launch(tiny(multi, corpus, *args)))
     assert "2 process(es)" in outs[0][0] and "model test" not in outs[1][0]  # only process 0 reports
+    assert "step 5: val loss" in outs[0][0] and "val loss" not in outs[1][0] + outs[1][1]
     assert sorted(p.name for p in (multi / "checkpoints").iterdir()) == ["5"]
     finish(launch(["--resume", f"run_dir={multi}", "training.steps=7"]))
     a, b = rows(single), rows(multi)
