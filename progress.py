@@ -59,7 +59,9 @@ class Stop:
     the process within moments, whatever the main thread is doing (loading data, compiling: Python's
     handlers run only between its bytecodes, so a watcher thread reads the signal from the interpreter's
     wake-up pipe): the `undo` callbacks first remove what the start wrote (a new run directory), under
-    `writing` so that no write is half done, then one line says what was left."""
+    `writing` so that no write is half done, then one line says what was left. With several processes a
+    signal instead ends the start at the next of train.py's start-up checks (`check`), on every process
+    together, since one process gone alone would leave the others waiting for it."""
 
     def __init__(self):
         self.signal: int | None = None
@@ -98,7 +100,7 @@ class Stop:
                 os.close(read)
                 return
             signums = [n for n in got if n in (signal.SIGTERM, signal.SIGINT)]
-            if signums and self.starting:
+            if signums and self.starting and not self.sync:  # several processes: they agree in `check`
                 self.end_start(signums[0])
 
     def end_start(self, signum: int) -> None:
@@ -155,9 +157,17 @@ class Stop:
         return self.signal or signal.SIGTERM
 
     def check(self) -> None:
-        """Before the first step: a signal so far ends the start with Interrupted (nothing to save)."""
-        if self.signal is not None:
-            raise Interrupted(self.signal)
+        """Before the first step: a signal so far ends the start with Interrupted (nothing to save). With
+        several processes, on every process where any of them had one (every process calls this at the same
+        points of its start)."""
+        signum = self.signal
+        if self.sync:
+            from jax.experimental import multihost_utils
+
+            signals = multihost_utils.process_allgather(np.int32(signum or 0))
+            signum = signum or int(np.max(signals)) or None
+        if signum is not None:
+            raise Interrupted(signum)
 
     @property
     def name(self) -> str:

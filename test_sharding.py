@@ -442,6 +442,32 @@ def test_bad_data_on_one_process_stops_every_process_with_one_line(corpus, tmp_p
     assert not any("Traceback" in err for _, err in outs) and not run.exists()
 
 
+def test_a_signal_to_one_process_during_start_up_ends_every_process(corpus, tmp_path):  # noqa: F811
+    """Ctrl-C reaching one process of two while they start (reading data, compiling): every process ends
+    the start together at its next start-up check, with the one line of a stopped start and 130, and the
+    new run directory is removed (one process ending alone left the other waiting for it)."""
+    run, port = tmp_path / "run", free_port()
+    procs = [run_subprocess(tiny(run, corpus), devices=2, env_extra={
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i),
+        "PYTHONUNBUFFERED": "1"}) for i in range(2)]
+    try:
+        seen = []
+        for line in procs[0].stdout:  # the first line train.py prints once jax.distributed has started
+            seen.append(line)
+            if line.startswith(("model.vocab_size", "sharding: mesh")):
+                break
+        procs[1].send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [128 + signal.SIGINT] * 2, (seen, outs)
+    for out, _ in outs:
+        assert "stopped by SIGINT during start-up: nothing trained, nothing saved" in out
+    assert not run.exists()
+
+
 def test_a_signal_to_one_process_stops_every_process_at_one_step_with_a_checkpoint(corpus, tmp_path):  # noqa: F811
     """Ctrl-C reaching one process of two (a pod's workers signalled unevenly): both stop after the same
     step, which all agreed on through JAX's preemption sync, with one checkpoint of it, instead of the
