@@ -4,6 +4,7 @@ table, gradients that leave the reduction sharded, resharding on restore, two pr
 Runs on the 8 simulated CPU devices of conftest.py; the 4-device and two-process runs are
 subprocesses of `python train.py` with their own XLA_FLAGS.
 """
+import contextlib
 import dataclasses
 import json
 import os
@@ -358,16 +359,32 @@ def run_subprocess(args, devices, env_extra=None, timeout=240):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish(procs, timeout=300):
+@contextlib.contextmanager
+def killed_at_exit(procs):
+    """`procs`, each killed at the block's exit if still running (a failed test leaves no process behind)."""
     try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
+        yield procs
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def finish(procs, timeout=300):
+    with killed_at_exit(procs):
+        outs = [p.communicate(timeout=timeout) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     return outs
+
+
+def two_processes(train_args, devices=2, env=None):
+    """Two train.py processes joined as one job (JAX_COORDINATOR_ADDRESS on a free port), `devices` CPU
+    devices each; `train_args`: their arguments, or a function of the process index giving them."""
+    port = free_port()
+    return [run_subprocess(train_args(i) if callable(train_args) else train_args, devices, env_extra={
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i),
+        **(env or {})}) for i in range(2)]
 
 
 def test_restore_onto_another_mesh_and_stage(corpus, tmp_path):  # noqa: F811
@@ -425,16 +442,9 @@ def test_bad_data_on_one_process_stops_every_process_with_one_line(corpus, tmp_p
     """Each process reads its own data directory (a copy on each node); one of them missing: that process
     names it, the other says which process stopped, both in one line with exit 2, within moments, and
     nothing is left (they used to wait for each other for ever, process 0 in a Gloo traceback)."""
-    run, port = tmp_path / "run", free_port()
-    procs = [run_subprocess(tiny(run, corpus if i == 0 else tmp_path / "nodata"), devices=2, env_extra={
-        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
-        for i in range(2)]
-    try:
+    run = tmp_path / "run"
+    with killed_at_exit(two_processes(lambda i: tiny(run, corpus if i == 0 else tmp_path / "nodata"))) as procs:
         outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     assert [p.returncode for p in procs] == [2, 2], outs
     last = [err.strip().splitlines()[-1] for _, err in outs]
     assert last == ["error: process 1 stopped before training (its error says why)",
@@ -446,11 +456,8 @@ def test_a_signal_to_one_process_during_start_up_ends_every_process(corpus, tmp_
     """Ctrl-C reaching one process of two while they start (reading data, compiling): every process ends
     the start together at its next start-up check, with the one line of a stopped start and 130, and the
     new run directory is removed (one process ending alone left the other waiting for it)."""
-    run, port = tmp_path / "run", free_port()
-    procs = [run_subprocess(tiny(run, corpus), devices=2, env_extra={
-        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i),
-        "PYTHONUNBUFFERED": "1"}) for i in range(2)]
-    try:
+    run = tmp_path / "run"
+    with killed_at_exit(two_processes(tiny(run, corpus), env={"PYTHONUNBUFFERED": "1"})) as procs:
         seen = []
         for line in procs[0].stdout:  # the first line train.py prints once jax.distributed has started
             seen.append(line)
@@ -458,10 +465,6 @@ def test_a_signal_to_one_process_during_start_up_ends_every_process(corpus, tmp_
                 break
         procs[1].send_signal(signal.SIGINT)
         outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     assert [p.returncode for p in procs] == [128 + signal.SIGINT] * 2, (seen, outs)
     for out, _ in outs:
         assert "stopped by SIGINT during start-up: nothing trained, nothing saved" in out
@@ -474,12 +477,8 @@ def test_a_signal_to_one_process_stops_every_process_at_one_step_with_a_checkpoi
     other process waiting for ever in the collective save. The signalled process ends with 130, the other
     with 143 (the preemption notice it was sent), and process 0 says where the checkpoint is."""
     run = tmp_path / "run"
-    port = free_port()
-    procs = [run_subprocess(tiny(run, corpus, "training.steps=100000", "checkpoint.every=100000",
-                                 "training.eval_every=100000"), devices=2, env_extra={
-        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
-        for i in range(2)]
-    try:
+    long_run = tiny(run, corpus, "training.steps=100000", "checkpoint.every=100000", "training.eval_every=100000")
+    with killed_at_exit(two_processes(long_run)) as procs:
         deadline = time.time() + 180
         while time.time() < deadline and all(p.poll() is None for p in procs):
             if (run / "metrics.jsonl").exists() and len(rows(run)) >= 3:
@@ -488,10 +487,6 @@ def test_a_signal_to_one_process_stops_every_process_at_one_step_with_a_checkpoi
         assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
         procs[1].send_signal(signal.SIGINT)
         outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     assert [p.returncode for p in procs] == [128 + signal.SIGTERM, 128 + signal.SIGINT], outs
     [saved] = os.listdir(run / "checkpoints")
     assert f"stopped by SIGTERM after step {saved}; checkpoint saved in {run / 'checkpoints' / saved}" in outs[0][0]
@@ -507,17 +502,11 @@ def test_two_processes_match_one(corpus, tmp_path):  # noqa: F811
     assert train.main(tiny(single, corpus, *args)) == 0
     assert train.main(["--resume", f"run_dir={single}", "training.steps=7"]) == 0
 
-    def launch(train_args):
-        port = free_port()
-        return [run_subprocess(train_args, devices=4, env_extra={
-            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
-            for i in range(2)]
-
-    outs = finish(launch(tiny(multi, corpus, *args)))
+    outs = finish(two_processes(tiny(multi, corpus, *args), devices=4))
     assert "2 process(es)" in outs[0][0] and "model test" not in outs[1][0]  # only process 0 reports
     assert "step 5: val loss" in outs[0][0] and "val loss" not in outs[1][0] + outs[1][1]
     assert sorted(p.name for p in (multi / "checkpoints").iterdir()) == ["5"]
-    finish(launch(["--resume", f"run_dir={multi}", "training.steps=7"]))
+    finish(two_processes(["--resume", f"run_dir={multi}", "training.steps=7"], devices=4))
     a, b = rows(single), rows(multi)
     assert [r["step"] for r in b] == list(range(1, 8))
     np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-5)
