@@ -239,8 +239,8 @@ def hlo_operations(hlo: str) -> dict[str, tuple[str, str]]:
     HLO module's text (jax's Compiled.as_text()), fused computations and loop bodies included.
 
     Where: "forward", "backward" (autodiff's transpose) or "recompute" (remat's second forward pass) and
-    the named scopes of its op_name, e.g. "backward block/mlp/activation", "update optimizer"; the loss is "loss" alone, since the chunked loss
-    computes its gradients in its forward pass. Kind: matmul, attention (cuDNN), Pallas kernel,
+    the named scopes of its op_name, e.g. "backward block/mlp/activation", "update optimizer"; the loss
+    is "loss" alone, since the chunked loss computes its gradients in its forward pass. Kind: matmul, attention (cuDNN), Pallas kernel,
     reduction, elementwise, copy, collective, or the HLO opcode; None for a loop or call, whose body's
     operations are timed on their own."""
     import re

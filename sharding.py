@@ -107,28 +107,16 @@ def initialize_distributed() -> bool:
 
 
 def on_process_zero(check, stopped: str) -> None:
-    """Process 0 runs `check` (e.g. taking a run directory's lock); if it raises a RunError, every process
-    stops: process 0 with that error, the others with a RunError saying `stopped`."""
-    error = None
-    if jax.process_index() == 0:
-        try:
-            check()
-        except RunError as e:
-            error = e
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        if multihost_utils.broadcast_one_to_all(np.int32(error is not None)) and error is None:
-            error = RunError(stopped)
-    if error is not None:
-        raise error
+    """Process 0 runs `check` (e.g. taking a run directory's lock); if it fails with a user error, every
+    process stops: process 0 with that error, the others with a RunError "process 0 `stopped`"."""
+    on_every_process(lambda: check() if jax.process_index() == 0 else None, stopped)
 
 
 def on_every_process(check, stopped: str):
     """Every process runs `check` (e.g. reading its data) and returns its result; if it fails with a user
     error (one line) on any process, every process stops: that one with its error, the others with a
-    RunError saying `stopped` ({process}: the first that failed). Without it a process that failed alone
-    would leave the others waiting for it in their next collective."""
+    RunError "process K `stopped`", K the first that failed. Without it a process that failed alone would
+    leave the others waiting for it in their next collective."""
     error, result = None, None
     try:
         result = check()
@@ -139,7 +127,7 @@ def on_every_process(check, stopped: str):
 
         failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(-1)
         if error is None and failed.any():
-            error = RunError(stopped.format(process=int(np.argmax(failed))))
+            error = RunError(f"process {int(np.argmax(failed))} {stopped}")
     if error is not None:
         raise error
     return result

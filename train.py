@@ -119,7 +119,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         run_dir = rundir.Run(location)  # a local path or a URL (gs://...); str(run_dir) as given
     except storage.StorageError as e:
         raise RunError(f"run_dir: {e}") from None
-    stopped = f"process 0 stopped before training in {run_dir} (its error says why)"
+    stopped = f"stopped before training in {run_dir} (its error says why)"
     writer = "train.py --resume" if args.resume else "train.py"
     if args.resume:
         if not run_dir.is_file(rundir.CONFIG):
@@ -175,7 +175,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         return index, train_loader, val
 
     index, train_loader, (val_sample, val_windows, val_tokens, val_of) = sharding_lib.on_every_process(
-        read_data, "process {process} stopped before training (its error says why)")
+        read_data, "stopped before training (its error says why)")
     mcfg, seq_len = cfg.model, cfg.seq_len
     stop.check()  # a signal before the first step: nothing to save
 
