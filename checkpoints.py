@@ -1,8 +1,10 @@
 """A run's checkpoints: RUN/checkpoints/, written by orbax, with one owner, `Checkpoints`.
 
-    RUN/checkpoints/<step>/     orbax checkpoints of the state {params, opt_state, step, rng}, each with a
-                                fingerprint of every array and the tokens trained so far in its metadata;
-                                the fingerprints are checked on every restore
+    RUN/checkpoints/<step>/     orbax checkpoints of the state {params, opt_state, step, rng}, each with its
+                                format (formats.py), a fingerprint of every array and the tokens trained so
+                                far in its metadata, and a fingerprint of that metadata; the fingerprints
+                                are checked on every restore (a checkpoint from before them, format 1, is
+                                read with one line saying it cannot be verified)
     RUN/checkpoints/.deleting/  old checkpoints being deleted: renamed here first, so that a kill during
                                 a deletion never leaves half a checkpoint under its step's name
     RUN/checkpoints-damaged/    checkpoints a resume could not restore, moved aside (never deleted): <step>/,
@@ -30,6 +32,7 @@ import typing
 
 import numpy as np
 
+import formats
 import storage
 from errors import RunError
 
@@ -38,6 +41,7 @@ DAMAGED = "checkpoints-damaged"
 DELETING = ".deleting"  # inside RUN/checkpoints
 FINGERPRINTS = "fingerprints"  # the key of a checkpoint's custom metadata that holds them
 TOKENS = "tokens"  # ... and the one of the tokens trained up to it (context and batch may change on resume)
+METADATA = "#metadata"  # the fingerprint, among the arrays', of the rest of the metadata (format, tokens)
 
 
 class Checkpoints:
@@ -122,9 +126,16 @@ class Checkpoints:
         return sorted(ocp.path.step.checkpoint_steps(self.dir))
 
     def tokens(self, step: int) -> int | None:
-        """The tokens trained up to checkpoint `step`, as saved with it (None for a checkpoint without)."""
-        tokens = (self.manager().metadata(step).custom_metadata or {}).get(TOKENS)
-        return int(tokens) if isinstance(tokens, int) else None
+        """The tokens trained up to checkpoint `step`, as saved with it: fingerprinted with the rest of its
+        metadata from format 3 on (restore and load check it); None for a checkpoint without them (format 1)
+        or with a value that cannot be a count of tokens (an unverifiable format 2 one): the caller counts."""
+        tokens = self.custom_metadata(step).get(TOKENS)
+        return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= step else None
+
+    def custom_metadata(self, step: int) -> dict:
+        """Checkpoint `step`'s own metadata as this project writes it ({} where there is none)."""
+        custom = self.manager().metadata(step).custom_metadata
+        return custom if isinstance(custom, dict) else {}
 
     # ------------------------------------------------------------------------------------------
     # Saving
@@ -141,9 +152,7 @@ class Checkpoints:
         self.pending = step
         SAVE_ERRORS.messages.clear()  # what is reported from here on is this save's
         try:
-            mngr.save(step, args=ocp.args.StandardSave(state), force=True,
-                      custom_metadata={FINGERPRINTS: fingerprints(state),
-                                       **({TOKENS: int(tokens)} if tokens is not None else {})})
+            mngr.save(step, args=ocp.args.StandardSave(state), force=True, custom_metadata=metadata(state, tokens))
         except Exception as e:  # a synchronous save that failed
             SAVE_ERRORS.messages.append(str(e))
             self.wait()
@@ -215,6 +224,19 @@ class Checkpoints:
             if saved is None:
                 damaged.append((step, "its description of the arrays (_METADATA) is missing or unreadable"))
                 continue
+            try:
+                custom = self.custom_metadata(step)
+            except Exception as e:
+                damaged.append((step, f"its metadata (_CHECKPOINT_METADATA) cannot be read: {checkpoint_problem(e)}"))
+                continue
+            newer = formats.too_new(f"checkpoint {step} in {self.dir}", custom)
+            if newer:  # not damage: moved nowhere
+                raise RunError(newer)
+            try:
+                number = checkpoint_format(custom)
+            except ValueError as e:
+                damaged.append((step, str(e)))
+                continue
             mismatch = tree_mismatch(saved, abstract_state)
             if mismatch:
                 logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # as below: the caller exits
@@ -222,7 +244,7 @@ class Checkpoints:
                                f"({mismatch}); resume with the run's own model settings")
             try:
                 state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
-                corrupt = fingerprint_problem(mngr, step, state) or step_problem(state, step)
+                corrupt = fingerprint_problem(custom, number, state) or step_problem(state, step)
             except Exception as e:  # a damaged checkpoint: a file missing, an array unreadable
                 damaged.append((step, checkpoint_problem(e)))
                 continue
@@ -244,6 +266,8 @@ class Checkpoints:
                 say(f"checkpoint {', '.join(str(d) for d, _ in damaged)} cannot be restored "
                     f"({'; '.join(f'{d}: {why}' for d, why in damaged)}); moved to {self.damaged_dir()}; "
                     f"resuming from checkpoint {step}, the newest intact one")
+            if number == 1:
+                say(unverified(step, self.dir))
             return state, step
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
         step, why = damaged[0]
@@ -264,20 +288,35 @@ class Checkpoints:
             raise RunError(f"no checkpoint for step {step} in {self.dir}; saved steps: {', '.join(map(str, steps))}")
         mngr = self.manager()
         try:
+            custom = self.custom_metadata(step)
+        except Exception as e:
+            raise RunError(f"checkpoint {step} in {self.dir} cannot be read: its metadata (_CHECKPOINT_METADATA) "
+                           f"cannot be read: {checkpoint_problem(e)}") from None
+        newer = formats.too_new(f"checkpoint {step} in {self.dir}", custom)
+        if newer:
+            raise RunError(newer)
+        try:
+            number = checkpoint_format(custom)
+        except ValueError as e:
+            raise RunError(f"checkpoint {step} in {self.dir} is corrupt: {e}") from None
+        try:
             state = mngr.restore(step, args=ocp.args.StandardRestore(host_arrays(mngr, step)))
-            corrupt = fingerprint_problem(mngr, step, state) or step_problem(state, step)
+            corrupt = fingerprint_problem(custom, number, state) or step_problem(state, step)
         except Exception as e:  # a damaged checkpoint
             logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
             raise RunError(f"checkpoint {step} in {self.dir} cannot be read: {checkpoint_problem(e)}") from None
         if corrupt:
             raise RunError(f"checkpoint {step} in {self.dir} is corrupt: {corrupt}")
+        if number == 1 and (self.dir, step) not in SAID_UNVERIFIED:
+            SAID_UNVERIFIED.add((self.dir, step))
+            print(unverified(step, self.dir), file=sys.stderr, flush=True)
         return state, step
 
     def saved_fingerprints(self, step: int) -> dict[str, str]:
         """The array fingerprints saved with checkpoint `step`, by leaf name ({} if it has none): what `load`
         checks the arrays it reads against, so after a load they describe what it returned."""
-        saved = (self.manager().metadata(step).custom_metadata or {}).get(FINGERPRINTS)
-        return dict(saved) if isinstance(saved, dict) else {}
+        saved = self.custom_metadata(step).get(FINGERPRINTS)
+        return {k: v for k, v in saved.items() if k != METADATA} if isinstance(saved, dict) else {}
 
     def damaged_dir(self) -> str:
         """RUN/checkpoints-damaged, as a local path or URL (where restore moves what it cannot read)."""
@@ -386,18 +425,66 @@ def _fingerprint_fn():
     return jax.jit(lambda leaves: [one(x) for x in leaves])
 
 
-def fingerprint_problem(mngr, step: int, state) -> str | None:
-    """Which arrays of a restored checkpoint differ from the fingerprints saved with it; None only when
-    every array has its fingerprint and all agree. Every checkpoint this project writes carries them,
-    so missing or unreadable fingerprints are a problem too: the check fails closed, never open."""
-    try:
-        saved = (mngr.metadata(step).custom_metadata or {}).get(FINGERPRINTS)
-    except Exception as e:  # the metadata file itself is unreadable
-        return f"its metadata (_CHECKPOINT_METADATA) cannot be read: {checkpoint_problem(e)}"
-    now = fingerprints(state)
+def metadata(state, tokens: int | None) -> dict:
+    """The custom metadata a checkpoint of `state` is saved with: this code's format, the tokens trained up
+    to it, and the fingerprints of every array and of that metadata itself (METADATA)."""
+    custom = {**formats.record(), **({TOKENS: int(tokens)} if tokens is not None else {})}
+    return {**custom, FINGERPRINTS: {**fingerprints(state), METADATA: metadata_fingerprint(custom)}}
+
+
+def metadata_fingerprint(custom: dict) -> str:
+    """16 hex digits of the sha256 of a checkpoint's metadata other than its fingerprints."""
+    import hashlib
+    import json
+
+    rest = {k: v for k, v in custom.items() if k != FINGERPRINTS}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checkpoint_format(custom: dict) -> int:
+    """The format a checkpoint was written in (formats.py), from its metadata: as recorded there, or for one
+    from before formats were recorded, by what the metadata holds: fingerprints (format 2) or nothing of
+    this project's at all (format 1). A ValueError saying why when it is neither: damaged metadata."""
+    number = custom.get("format")
+    if number is not None:  # recorded from format 3 on: any smaller number is damage, not age
+        if not isinstance(number, int) or isinstance(number, bool) or number < formats.FIRST_RECORDED:
+            raise ValueError(f"its format in _CHECKPOINT_METADATA ({number!r}) is none this project has recorded "
+                             f"(an integer from {formats.FIRST_RECORDED} on): the file was altered or damaged")
+        return number
+    if FINGERPRINTS in custom or METADATA in custom:
+        return 2
+    if not custom:
+        return 1
+    raise ValueError("its array fingerprints (in _CHECKPOINT_METADATA) are missing or unreadable, so what was "
+                     "read cannot be checked against what was saved")
+
+
+SAID_UNVERIFIED: set = set()  # (directory, step) of the format 1 checkpoints a reader has said so of
+
+
+def unverified(step: int, directory) -> str:
+    """The one line said of a format 1 checkpoint when it is read."""
+    return (f"checkpoint {step} in {directory} was written before checkpoints carried fingerprints (format 1, "
+            f"before {formats.SINCE[2]}): read as it is, without checking it against what was saved; the "
+            f"checkpoints saved from now on are checked")
+
+
+def fingerprint_problem(custom: dict, number: int, state) -> str | None:
+    """Which arrays of a restored checkpoint of format `number`, with the metadata `custom`, differ from the
+    fingerprints saved with it; None only when every array has its fingerprint and all agree, and the
+    metadata's own fingerprint (from format 3 on) agrees too. From format 2 on every checkpoint carries
+    them, so missing or unreadable ones are a problem: the check fails closed, never open. A checkpoint of
+    format 1 has none to check (None)."""
+    if number == 1:
+        return None
+    saved = custom.get(FINGERPRINTS)
     if not isinstance(saved, dict) or not all(isinstance(v, str) for v in saved.values()):
         return ("its array fingerprints (in _CHECKPOINT_METADATA) are missing or unreadable, so what was read "
                 "cannot be checked against what was saved")
+    if (number >= 3 or METADATA in saved) and saved.get(METADATA) != metadata_fingerprint(custom):
+        return ("its metadata (_CHECKPOINT_METADATA: format, tokens trained) reads back other than saved (its "
+                "fingerprint differs): the file was altered or damaged")
+    now = fingerprints(state)
     unchecked = sorted(now.keys() - saved.keys())
     if unchecked:
         return (f"array {unchecked[0]}" + (f" and {len(unchecked) - 1} more" if len(unchecked) > 1 else "") +

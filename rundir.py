@@ -1,6 +1,7 @@
 """The run directory: every file of a run, wherever it lives, and loading what a run holds.
 
     RUN/config.yaml             the effective config (config.py's dataclasses, the model fully resolved)
+    RUN/format.json             the format the run was last written in (formats.py; none before format 3)
     RUN/data.json               the data it trained on: dir, index, tokenizer and its sha256, vocab_size, kind
     RUN/tokenizer.json          a copy of the data's tokenizer, so the run decodes without the corpus
     RUN/metrics.jsonl           one JSON object per logged step
@@ -43,6 +44,7 @@ import yaml
 
 import checkpoints as checkpoints_lib
 import config as config_lib
+import formats
 import shards
 import storage
 from errors import RunError, UserError
@@ -175,9 +177,11 @@ class Run(storage.RunDir):
     # config.yaml
 
     def config(self, overrides: typing.Sequence[str] = ()) -> config_lib.Config:
-        """The run's effective config (with `overrides`), for resume, eval, sample and convert."""
+        """The run's effective config (with `overrides`), for resume, eval, sample and convert; a run
+        written in a format newer than this code reads is a RunError naming the version that reads it."""
         if not self.is_file(CONFIG):
             raise RunError(f"{self} is not a run directory: {CONFIG} not found in it")
+        self.check_format()
         text = self.read_bytes(CONFIG)
         raw = config_lib.apply_overrides(config_lib.parse_yaml(text, self.show(CONFIG)), overrides)
         return config_lib.from_saved(raw)  # the model as saved, whatever conf/model_config.yaml says now
@@ -209,10 +213,28 @@ class Run(storage.RunDir):
         return cfg
 
     def save_config(self, cfg: config_lib.Config) -> str:
-        """Write config.yaml at once (a crash never leaves half a config); returns how it is named."""
+        """Write config.yaml at once (a crash never leaves half a config), and format.json: the run is
+        written in this code's format from now on (a resumed older run included). Returns how the config
+        is named."""
         header = "# The effective config of this run (written by train.py); `python train.py --resume` reads it.\n"
+        self.write_text(formats.FILE, json.dumps(formats.record()) + "\n")
         self.write_text(CONFIG, header + yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
         return self.show(CONFIG)
+
+    def check_format(self) -> None:
+        """A RunError (one line) when the run directory is in a format newer than this code reads, or its
+        format.json is damaged. A run from before format 3 has none: every older format is read."""
+        recorded = self._json_object(formats.FILE)
+        if recorded is None:
+            return
+        newer = formats.too_new(f"run directory {self}", recorded)
+        if newer:
+            raise RunError(newer)
+        number = recorded.get("format")
+        if not isinstance(number, int) or isinstance(number, bool) or number < formats.FIRST_RECORDED:
+            raise RunError(f"{self.show(formats.FILE)} records no format this project has written (an integer from "
+                           f"{formats.FIRST_RECORDED} on): it is damaged; write {json.dumps(formats.record())} into it "
+                           f"if this version wrote the run")
 
     def check_new(self) -> None:
         """A new run may start here: nothing is in the directory yet (but perhaps a lock)."""
@@ -548,7 +570,8 @@ class Run(storage.RunDir):
 
         with self.checkpoints() as saved:
             state, step = saved.load(step)
-            saved_fingerprints = saved.saved_fingerprints(step)
+            # a format 1 checkpoint saved none: those of what it holds, the numbers a save would have kept
+            saved_fingerprints = saved.saved_fingerprints(step) or checkpoints_lib.fingerprints(state)
 
         def numpy_tree(tree):
             if not isinstance(tree, dict):

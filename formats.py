@@ -1,0 +1,47 @@
+"""What this code writes and what it reads: the format numbers of a run directory and of a checkpoint.
+
+A training run outlives a version of this toolkit: it is stopped, the toolkit upgraded (`git pull`),
+and the run resumed, evaluated, sampled, exported. The promise: every format this project has ever
+written stays readable (age is not damage), and a format newer than the code is refused in one line
+naming the version that reads it (a downgrade under a run).
+
+    format  written from  what changed
+    1       2026-11-22    orbax checkpoints of {params, opt_state, step, rng}, no fingerprints
+    2       2026-11-24    + every array's fingerprint in the checkpoint's metadata (and the tokens trained)
+    3       2026-11-27    + the format itself, in RUN/format.json and in every checkpoint's metadata, and
+                          a fingerprint of that metadata (tokens trained included)
+
+A run directory written before format 3 has no RUN/format.json; a checkpoint written before it has no
+`format` in its metadata, and is told by what it holds (checkpoints.checkpoint_format). A checkpoint of
+format 1 cannot be verified (it has no fingerprints): it is read with one line saying so. One of format
+2 or later must carry its fingerprints: missing or unreadable ones are damage, refused.
+
+Imports nothing of the project; knows nothing of models or storage.
+"""
+from __future__ import annotations
+
+FORMAT = 3  # what this code writes
+FIRST_RECORDED = 3  # formats 1 and 2 recorded no number: they are told by what a checkpoint holds
+SINCE = {1: "2026-11-22", 2: "2026-11-24", 3: "2026-11-27"}  # the first version that wrote each format
+FILE = "format.json"  # RUN/format.json: {"format": N, "since": date}
+
+
+def record() -> dict:
+    """What a run directory (RUN/format.json) and a checkpoint's metadata record of the format they are
+    written in: the number and the first version of the toolkit that wrote it (which a reader too old for
+    it names)."""
+    return {"format": FORMAT, "since": SINCE[FORMAT]}
+
+
+def too_new(what: str, recorded: dict) -> str | None:
+    """Why `what` (a run directory, a checkpoint), recording `recorded` ({format, since}), cannot be read by
+    this code, in one line; None when it can. A format that is not a positive integer is None here too:
+    the caller decides whether that is damage."""
+    number = recorded.get("format")
+    if not isinstance(number, int) or isinstance(number, bool) or number <= FORMAT:
+        return None
+    since = recorded.get("since")
+    version = f"the toolkit's versions from {since} on" if isinstance(since, str) else "a newer toolkit"
+    return (f"{what} is in format {number}, written by {version}; this code reads formats 1-{FORMAT} (written up "
+            f"to {SINCE[FORMAT]}): upgrade (git pull, then pip install -r requirements.txt) to "
+            + (f"a version of {since} or later" if isinstance(since, str) else "the version that wrote it"))
