@@ -101,7 +101,24 @@ class ArgumentParser(argparse.ArgumentParser):
         raise self.error_class(f"{message} ({self.hint or f'see python {self.prog} --help'})")
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a kill or a preemption, a closed terminal
+
+
+def detach_from_terminal() -> None:
+    """After SIGHUP (the terminal was closed, an ssh session dropped): standard output and error that went
+    to that terminal go to /dev/null from now on, so that the work still to do (a checkpoint to save)
+    never fails on a write to a terminal that is gone. Output to a file or a pipe stays."""
+    import stat
+
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        try:
+            terminal = stat.S_ISCHR(os.fstat(fd).st_mode)  # (isatty says no once the terminal has hung up)
+        except OSError:  # already unusable
+            terminal = True
+        if terminal:
+            os.dup2(null, fd)
+    os.close(null)
 PYTHON = (3, 11)  # the oldest Python the project and its pinned dependencies run on
 
 if sys.version_info < PYTHON:  # every entry point imports this file first: one line, not a SyntaxError later
@@ -133,17 +150,40 @@ if __name__ != "__main__":
     sys.excepthook = _missing_package_hook
 
 
-def stop_at_once_while_loading() -> None:
-    """For a command's first lines, before it imports JAX and the rest: SIGINT or SIGTERM (Ctrl-C)
+_deferred: list[int] | None = None  # while loading with several processes: the signals that arrived
+
+
+def stop_at_once_while_loading(defer: bool = False) -> None:
+    """For a command's first lines, before it imports JAX and the rest: SIGINT, SIGTERM or SIGHUP (Ctrl-C)
     while they load ends it at once with one line and status 128 + N. Nothing is written while
     modules load, and an interrupted import would otherwise end in a traceback or worse (an abort
-    inside a native library). run_cli puts the usual handling back before the command's work."""
+    inside a native library). run_cli puts the usual handling back before the command's work.
+
+    `defer` (this process is one of several, which must stop together): the first signal is kept
+    instead (`pending_signal`), for the command to agree on with the others once they have joined; a
+    second one ends the process at once."""
+    global _deferred
+
     def stop(signum, frame):
+        if signum == signal.SIGHUP:
+            detach_from_terminal()
+        if _deferred is not None and not _deferred:
+            _deferred.append(signum)
+            return
         os.write(2, f"error: stopped by {signal.Signals(signum).name} while starting; nothing was done\n".encode())
         os._exit(128 + signum)
 
+    _deferred = [] if defer else None
     for s in STOP_SIGNALS:
         signal.signal(s, stop)
+
+
+def pending_signal() -> int | None:
+    """The signal kept while loading (see stop_at_once_while_loading's `defer`), taken: None when none came."""
+    global _deferred
+    taken = _deferred[0] if _deferred else None
+    _deferred = None
+    return taken
 
 
 def parse_before_loading(parse_args: Callable[[Sequence[str]], object]) -> None:
@@ -160,31 +200,37 @@ def parse_before_loading(parse_args: Callable[[Sequence[str]], object]) -> None:
 def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None, *,
         interrupted: str = "interrupted") -> int:
     """main(argv), with a UserError as one `error: ...` line on stderr and its exit status, and a
-    KeyboardInterrupt as `error: <interrupted>` and 130."""
+    KeyboardInterrupt as `error: <interrupted>` and 130 (see `describe`)."""
     import threading
 
-    if threading.current_thread() is threading.main_thread():  # the defaults, after stop_at_once_while_loading
+    # the defaults, after stop_at_once_while_loading (unless it keeps signals for the command to agree on)
+    if threading.current_thread() is threading.main_thread() and _deferred is None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         return main(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_status
-    except KeyboardInterrupt:
-        print(f"error: {interrupted}", file=sys.stderr)
-        return 130
-    except OSError as e:  # a path the user gave that the system refuses, wherever it surfaced
-        if e.errno not in PATH_ERRNOS:
+    except (UserError, KeyboardInterrupt, OSError, RuntimeError) as e:
+        said = describe(e, interrupted)
+        if said is None:
             raise
-        print(f"error: {path_problem(e)}", file=sys.stderr)
-        return UserError.exit_status
-    except RuntimeError as e:  # pathlib's resolve() meeting a symbolic link that points back at itself
-        if not str(e).startswith("Symlink loop"):
-            raise
-        print(f"error: {str(e).splitlines()[0]}: a symbolic link on the path points back into itself",
-              file=sys.stderr)
-        return UserError.exit_status
+        print(said[0], file=sys.stderr)
+        return said[1]
+
+
+def describe(e: BaseException, interrupted: str = "interrupted") -> tuple[str, int] | None:
+    """(the one `error: ...` line, the exit status) for an error a user can cause: a UserError, a Ctrl-C
+    that got through (130), a path the system refused (2), a symbolic link pointing back into itself (2);
+    None for anything else (a bug, whose traceback is kept)."""
+    if isinstance(e, UserError):
+        return f"error: {e}", e.exit_status
+    if isinstance(e, KeyboardInterrupt):
+        return f"error: {interrupted}", 130
+    if isinstance(e, OSError) and e.errno in PATH_ERRNOS:  # a path the user gave, wherever it surfaced
+        return f"error: {path_problem(e)}", UserError.exit_status
+    if isinstance(e, RuntimeError) and str(e).startswith("Symlink loop"):  # pathlib's resolve()
+        return f"error: {str(e).splitlines()[0]}: a symbolic link on the path points back into itself", \
+            UserError.exit_status
+    return None
 
 
 PATH_ERRNOS = {getattr(errno, name) for name in ("ENOENT", "ENOTDIR", "EISDIR", "ENAMETOOLONG", "ELOOP", "EACCES",

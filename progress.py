@@ -1,7 +1,7 @@
 """The training loop's bookkeeping, for train.py: what happens around each step, kept in small objects
 so that train.run reads as the flat loop it is.
 
-    Stop       SIGTERM and SIGINT: the first stops the run cleanly (after a checkpoint of its step, or
+    Stop       SIGTERM, SIGINT and SIGHUP: the first stops the run cleanly (after a checkpoint of its step, or
                before the first step with nothing saved: Interrupted); a second ends the process at once
     Steps      per step: its metrics read one step late (so the device never waits on the host), checked
                for divergence, logged to metrics.jsonl and W&B with tokens/s and MFU, the progress bar;
@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+import errors
 import model as model_lib
 import shards
 import step as step_lib
@@ -34,7 +35,7 @@ def perplexity(loss: float) -> float:
 
 
 class Interrupted(Exception):
-    """SIGTERM or SIGINT arrived before the first training step: nothing was trained or saved."""
+    """A stop signal (SIGTERM, SIGINT, SIGHUP) arrived before the first training step: nothing was trained or saved."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -42,8 +43,8 @@ class Interrupted(Exception):
 
 
 class Stop:
-    """`with Stop() as stop`: SIGTERM and SIGINT handlers (on the main thread only) for as long as the
-    run lasts. The first signal sets `stop.signal`: the loop saves a checkpoint of its step and ends, or
+    """`with Stop() as stop`: SIGTERM, SIGINT and SIGHUP handlers (on the main thread only) for as long as
+    the run lasts (SIGHUP, a closed terminal, also sends the output meant for that terminal to /dev/null). The first signal sets `stop.signal`: the loop saves a checkpoint of its step and ends, or
     before the first step `check()` raises Interrupted. A second one stops the process at once, with
     128 + N, not through orbax's and the loader's threads: the newest complete checkpoint is the one to
     resume from (a save in flight never appears as a step), and the run directory's lock goes with the
@@ -59,23 +60,27 @@ class Stop:
     the process within moments, whatever the main thread is doing (loading data, compiling: Python's
     handlers run only between its bytecodes, so a watcher thread reads the signal from the interpreter's
     wake-up pipe): the `undo` callbacks first remove what the start wrote (a new run directory), under
-    `writing` so that no write is half done, then one line says what was left. With several processes a
-    signal instead ends the start at the next of train.py's start-up checks (`check`), on every process
-    together, since one process gone alone would leave the others waiting for it."""
+    `writing` so that no write is half done, then one line says what was left. With several processes
+    (`expect_several`: the launch says so) a signal ends every process's start together, since one
+    process gone alone would leave the others waiting for it: one that came before the processes joined
+    is kept (also from errors.stop_at_once_while_loading) and ended at the first `check` after joining;
+    once joined, the signalled process posts its stop (multihost.fail) and every process ends at once."""
 
-    def __init__(self):
+    def __init__(self, expect_several: bool = False):
+        self.expect_several = expect_several  # several processes are launched, not yet joined
         self.signal: int | None = None
         self.sync = False  # several processes: a stop is agreed through JAX's preemption sync (`several`)
         self.agreed = False  # ... and has been agreed, at this step
         self.handlers = {}
         self.starting = True
         self.undo: list = []  # callables () -> str | None: each removes what the start wrote, and says what
-        self.writing = threading.Lock()  # held by the start's writes into the run directory
+        self.writing = threading.RLock()  # held by the start's writes into the run directory
         self.pipe = None
 
     def __enter__(self) -> Stop:
         if threading.current_thread() is threading.main_thread():
-            self.handlers = {s: signal.signal(s, self.arrived) for s in (signal.SIGTERM, signal.SIGINT)}
+            self.handlers = {s: signal.signal(s, self.arrived) for s in errors.STOP_SIGNALS}
+            self.signal = errors.pending_signal()  # one that came while the modules loaded
             read, write = os.pipe()
             os.set_blocking(write, False)
             self.pipe = (read, write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
@@ -99,9 +104,12 @@ class Stop:
             if not got:  # __exit__ closed the pipe
                 os.close(read)
                 return
-            signums = [n for n in got if n in (signal.SIGTERM, signal.SIGINT)]
-            if signums and self.starting and not self.sync:  # several processes: they agree in `check`
-                self.end_start(signums[0])
+            signums = [n for n in got if n in errors.STOP_SIGNALS]
+            if signums and self.starting:
+                if self.sync:  # joined: every process ends its start now
+                    self.end_start_everywhere(signums[0])
+                elif not self.expect_several:  # several, not joined yet: `check` ends it once they have
+                    self.end_start(signums[0])
 
     def end_start(self, signum: int) -> None:
         """A signal during start-up: undo what the start wrote, say so in one line, end with 128 + N."""
@@ -111,6 +119,20 @@ class Stop:
         os.write(1, (line + "\n").encode())
         os._exit(128 + signum)
 
+    def end_start_everywhere(self, signum: int) -> None:
+        """A signal during start-up with several processes joined: every process ends its start, each
+        undoing what it wrote, with one line and 128 + N (multihost.fail; the others through its watch)."""
+        import multihost
+
+        self.writing.acquire()  # held to the end: the main thread starts no other write of the run
+        multihost.fail(Interrupted(signum), self.stopped_line(signum), 128 + signum, out=1)
+
+    def undo_start(self) -> None:
+        """Undo what the start wrote (under `writing`), if training has not begun: for multihost.at_end."""
+        if self.starting:
+            with self.writing:
+                self.stopped_line(signal.SIGTERM)
+
     def stopped_line(self, signum: int) -> str:
         """Runs the `undo` callbacks and says, in one line, that the start was stopped and what it left."""
         said = [line for undo in self.undo for line in [undo()] if line]
@@ -119,6 +141,8 @@ class Stop:
                 + ("; ".join(said) if said else "nothing was written"))
 
     def arrived(self, signum, frame) -> None:
+        if signum == signal.SIGHUP:  # the terminal is gone: the checkpoint still to save must not fail on it
+            errors.detach_from_terminal()
         if self.signal is not None:
             sys.stdout.flush()
             os.write(2, f"\nerror: stopped at once by a second {signal.Signals(signum).name}; resume from the "
@@ -133,6 +157,7 @@ class Stop:
         SIGTERM from then on): stops are agreed between them from here on."""
         import jax
 
+        self.expect_several = False
         self.sync = jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
 
     def at_step(self, step: int) -> None:
@@ -158,16 +183,12 @@ class Stop:
 
     def check(self) -> None:
         """Before the first step: a signal so far ends the start with Interrupted (nothing to save). With
-        several processes, on every process where any of them had one (every process calls this at the same
-        points of its start)."""
-        signum = self.signal
-        if self.sync:
-            from jax.experimental import multihost_utils
-
-            signals = multihost_utils.process_allgather(np.int32(signum or 0))
-            signum = signum or int(np.max(signals)) or None
-        if signum is not None:
-            raise Interrupted(signum)
+        several processes, every process's start ends (end_start_everywhere)."""
+        self.expect_several = False  # joined, or alone after all
+        if self.signal is not None:
+            if self.sync:
+                self.end_start_everywhere(self.signal)
+            raise Interrupted(self.signal)
 
     @property
     def name(self) -> str:

@@ -45,6 +45,7 @@ import yaml
 import checkpoints as checkpoints_lib
 import config as config_lib
 import formats
+import multihost
 import shards
 import storage
 from errors import RunError, UserError
@@ -335,6 +336,7 @@ class Run(storage.RunDir):
         lease.start()
 
         def release():
+            forget()
             self.fence = None
             lease.stop()
             try:
@@ -342,6 +344,7 @@ class Run(storage.RunDir):
                     self.delete_if(LOCK, lease.generation)
             except (storage.StorageError, storage.Conflict):
                 pass  # taken meanwhile, or it expires by itself
+        forget = multihost.at_end(release)  # also when another process ends the run: a resume need not wait
         return release
 
     def held_by(self) -> str | None:

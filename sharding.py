@@ -1,4 +1,4 @@
-"""Device mesh, the one logical-axis rules table, ZeRO stages 0-3, batch placement, multi-host start-up.
+"""Device mesh, the one logical-axis rules table, ZeRO stages 0-3, batch placement.
 
     devices ──make_mesh──> Mesh (data, fsdp, tensor)
     logical_axes.param_axes (names per weight dim) ──RULES for the ZeRO stage──> PartitionSpec per weight
@@ -29,18 +29,17 @@ replicated, never silently. A dimension with a logical name no rule covers is an
 Tensor-parallel divisibility (every dimension TENSOR_RULES splits) is checked up front by `check_model`.
 
 The logical axis names are logical_axes.py's (the model's weights and activations carry them); of the
-project only errors.py is imported.
+project only errors.py is imported. Starting several processes as one run is multihost.py's.
 """
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from errors import RunError, ShardingError, UserError
+from errors import ShardingError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch is split over both data-parallel axes
@@ -67,70 +66,7 @@ ACTIVATION_RULES = {"batch": BATCH_AXES, "heads": "tensor", "kv_heads": "tensor"
 
 
 # ----------------------------------------------------------------------------------------------
-# Multi-host start-up
-
-
-def initialize_distributed() -> bool:
-    """Start jax.distributed when this process is one of several; True if it is. Call before any other JAX call.
-
-    GPU clusters (or any launcher): JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES, JAX_PROCESS_ID.
-    TPU pods, SLURM and Open MPI: detected by JAX itself. A single process: nothing happens.
-    """
-    if jax.distributed.is_initialized():
-        return True
-    env = os.environ
-    if env.get("JAX_COORDINATOR_ADDRESS"):
-        try:
-            count, index = int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"])
-        except (KeyError, ValueError):
-            raise ShardingError("JAX_COORDINATOR_ADDRESS is set: JAX_NUM_PROCESSES and JAX_PROCESS_ID must be "
-                                "set to integers too") from None
-        jax.distributed.initialize(env["JAX_COORDINATOR_ADDRESS"], num_processes=count, process_id=index)
-        return True
-    tpu_hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
-    launched = [env.get("SLURM_NTASKS"), env.get("OMPI_COMM_WORLD_SIZE")]
-    if len(tpu_hosts) > 1 or any(n and n.isdigit() and int(n) > 1 for n in launched):
-        try:
-            jax.distributed.initialize()  # JAX reads the cluster's own environment
-        except ValueError as e:  # e.g. SLURM_NTASKS in an sbatch script or salloc shell, without srun
-            what = next(f"{k}={env[k]}" for k in ("TPU_WORKER_HOSTNAMES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
-                        if env.get(k))
-            raise ShardingError(f"{what} says several processes run, but JAX cannot join them ({e}): start one "
-                                f"train.py per process with the launcher (srun, mpirun), or set "
-                                f"JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID") from None
-        return True
-    return False
-
-
-# ----------------------------------------------------------------------------------------------
 # Mesh
-
-
-def on_process_zero(check, stopped: str) -> None:
-    """Process 0 runs `check` (e.g. taking a run directory's lock); if it fails with a user error, every
-    process stops: process 0 with that error, the others with a RunError "process 0 `stopped`"."""
-    on_every_process(lambda: check() if jax.process_index() == 0 else None, stopped)
-
-
-def on_every_process(check, stopped: str):
-    """Every process runs `check` (e.g. reading its data) and returns its result; if it fails with a user
-    error (one line) on any process, every process stops: that one with its error, the others with a
-    RunError "process K `stopped`", K the first that failed. Without it a process that failed alone would
-    leave the others waiting for it in their next collective."""
-    error, result = None, None
-    try:
-        result = check()
-    except UserError as e:
-        error = e
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(-1)
-        if error is None and failed.any():
-            error = RunError(f"process {int(np.argmax(failed))} {stopped}")
-    if error is not None:
-        raise error
-    return result
 
 
 def check_sizes(data: int, fsdp: int, tensor: int) -> None:

@@ -35,6 +35,7 @@ import step as step_lib
 import train
 from conftest import xla_flags
 from test_model import largest_array
+from test_multihost import finish, run_subprocess
 from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
 
 REPO = pathlib.Path(__file__).resolve().parent
@@ -352,41 +353,6 @@ def test_chunked_loss_step_never_holds_the_whole_logits():
     assert whole_eval - chunked_eval >= logits_bytes / 2 and chunked_eval < logits_bytes / 2
 
 
-def run_subprocess(args, devices, env_extra=None, timeout=240):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": xla_flags(devices), **(env_extra or {})}
-    return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-@contextlib.contextmanager
-def killed_at_exit(procs):
-    """`procs`, each killed at the block's exit if still running (a failed test leaves no process behind)."""
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-
-
-def finish(procs, timeout=300):
-    with killed_at_exit(procs):
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    return outs
-
-
-def two_processes(train_args, devices=2, env=None):
-    """Two train.py processes joined as one job (JAX_COORDINATOR_ADDRESS on a free port), `devices` CPU
-    devices each; `train_args`: their arguments, or a function of the process index giving them."""
-    port = free_port()
-    return [run_subprocess(train_args(i) if callable(train_args) else train_args, devices, env_extra={
-        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i),
-        **(env or {})}) for i in range(2)]
-
-
 def test_restore_onto_another_mesh_and_stage(corpus, tmp_path):  # noqa: F811
     """Saved at stage 3 on 8 devices, resumed at stage 1 on 4 devices: the same run continues."""
     straight, resumed = tmp_path / "straight", tmp_path / "resharded"
@@ -413,102 +379,3 @@ def restore_params(run_dir, step):
 
     with ocp.CheckpointManager(pathlib.Path(run_dir).resolve() / "checkpoints") as mngr:
         return mngr.restore(step, args=ocp.args.StandardRestore())["params"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.parametrize("env, words", [
-    ({"SLURM_NTASKS": "4"}, "error: SLURM_NTASKS=4 says several processes run, but JAX cannot join them ("),
-    ({"OMPI_COMM_WORLD_SIZE": "2"}, "error: OMPI_COMM_WORLD_SIZE=2 says several processes run, but JAX cannot "),
-    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"}, "error: JAX_COORDINATOR_ADDRESS is set: JAX_NUM_PROCESSES and "),
-], ids=["sbatch-without-srun", "mpi-size-alone", "coordinator-alone"])
-def test_a_launcher_half_seen_is_one_line(corpus, tmp_path, env, words):  # noqa: F811
-    """train.py run where a launcher's variables say several processes but not how to join them (inside an
-    sbatch script or an salloc shell without srun): one line naming the variable, exit 2, nothing made."""
-    run = tmp_path / "run"
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "JAX_COORDINATOR"))}
-    done = subprocess.run([sys.executable, "train.py", *tiny(run, corpus)], cwd=REPO, capture_output=True, text=True,
-                          env={**clean, "JAX_PLATFORMS": "cpu", **env}, timeout=120)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stderr.strip().splitlines()[-1].startswith(words) and "Traceback" not in done.stderr, done.stderr
-    assert not run.exists()
-
-
-def test_bad_data_on_one_process_stops_every_process_with_one_line(corpus, tmp_path):  # noqa: F811
-    """Each process reads its own data directory (a copy on each node); one of them missing: that process
-    names it, the other says which process stopped, both in one line with exit 2, within moments, and
-    nothing is left (they used to wait for each other for ever, process 0 in a Gloo traceback)."""
-    run = tmp_path / "run"
-    with killed_at_exit(two_processes(lambda i: tiny(run, corpus if i == 0 else tmp_path / "nodata"))) as procs:
-        outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [2, 2], outs
-    last = [err.strip().splitlines()[-1] for _, err in outs]
-    assert last == ["error: process 1 stopped before training (its error says why)",
-                    f"error: {tmp_path / 'nodata' / 'index.json'} not found; prepare the data with `python data.py`"]
-    assert not any("Traceback" in err for _, err in outs) and not run.exists()
-
-
-def test_a_signal_to_one_process_during_start_up_ends_every_process(corpus, tmp_path):  # noqa: F811
-    """Ctrl-C reaching one process of two while they start (reading data, compiling): every process ends
-    the start together at its next start-up check, with the one line of a stopped start and 130, and the
-    new run directory is removed (one process ending alone left the other waiting for it)."""
-    run = tmp_path / "run"
-    with killed_at_exit(two_processes(tiny(run, corpus), env={"PYTHONUNBUFFERED": "1"})) as procs:
-        seen = []
-        for line in procs[0].stdout:  # the first line train.py prints once jax.distributed has started
-            seen.append(line)
-            if line.startswith(("model.vocab_size", "sharding: mesh")):
-                break
-        procs[1].send_signal(signal.SIGINT)
-        outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [128 + signal.SIGINT] * 2, (seen, outs)
-    for out, _ in outs:
-        assert "stopped by SIGINT during start-up: nothing trained, nothing saved" in out
-    assert not run.exists()
-
-
-def test_a_signal_to_one_process_stops_every_process_at_one_step_with_a_checkpoint(corpus, tmp_path):  # noqa: F811
-    """Ctrl-C reaching one process of two (a pod's workers signalled unevenly): both stop after the same
-    step, which all agreed on through JAX's preemption sync, with one checkpoint of it, instead of the
-    other process waiting for ever in the collective save. The signalled process ends with 130, the other
-    with 143 (the preemption notice it was sent), and process 0 says where the checkpoint is."""
-    run = tmp_path / "run"
-    long_run = tiny(run, corpus, "training.steps=100000", "checkpoint.every=100000", "training.eval_every=100000")
-    with killed_at_exit(two_processes(long_run)) as procs:
-        deadline = time.time() + 180
-        while time.time() < deadline and all(p.poll() is None for p in procs):
-            if (run / "metrics.jsonl").exists() and len(rows(run)) >= 3:
-                break
-            time.sleep(0.2)
-        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
-        procs[1].send_signal(signal.SIGINT)
-        outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [128 + signal.SIGTERM, 128 + signal.SIGINT], outs
-    [saved] = os.listdir(run / "checkpoints")
-    assert f"stopped by SIGTERM after step {saved}; checkpoint saved in {run / 'checkpoints' / saved}" in outs[0][0]
-    assert [r["step"] for r in rows(run)] == list(range(1, int(saved) + 1))  # every step logged, once
-
-
-def test_two_processes_match_one(corpus, tmp_path):  # noqa: F811
-    """2 processes x 4 CPU devices (gloo) train, save and resume with the losses of 1 process x 8 devices."""
-    args = ("training.steps=5", "checkpoint.every=5", "training.eval_every=5", "sharding.zero_stage=3",
-            "sharding.fsdp=2", "training.batch_size=16")
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    # the reference: the same save at 5 and resume to 7 (the schedule's length changes with steps)
-    assert train.main(tiny(single, corpus, *args)) == 0
-    assert train.main(["--resume", f"run_dir={single}", "training.steps=7"]) == 0
-
-    outs = finish(two_processes(tiny(multi, corpus, *args), devices=4))
-    assert "2 process(es)" in outs[0][0] and "model test" not in outs[1][0]  # only process 0 reports
-    assert "step 5: val loss" in outs[0][0] and "val loss" not in outs[1][0] + outs[1][1]
-    assert sorted(p.name for p in (multi / "checkpoints").iterdir()) == ["5"]
-    finish(two_processes(["--resume", f"run_dir={multi}", "training.steps=7"], devices=4))
-    a, b = rows(single), rows(multi)
-    assert [r["step"] for r in b] == list(range(1, 8))
-    np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-5)
-    np.testing.assert_allclose([r["val_loss"] for r in b if "val_loss" in r],
-                               [r["val_loss"] for r in a if "val_loss" in r], rtol=1e-5)

@@ -12,6 +12,7 @@ import pathlib
 import random
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -803,6 +804,49 @@ def test_signal_saves_and_exits_cleanly(sig, corpus, tmp_path):
     assert [r["step"] for r in rows(run_dir)] == list(range(1, last + 3))
 
 
+def test_closing_the_terminal_saves_a_checkpoint(corpus, tmp_path):
+    """train.py run in a terminal (a pseudo-terminal: its controlling terminal, stdin, stdout and stderr),
+    which is then closed, as an ssh session drops or a terminal window is closed: SIGHUP finishes the step,
+    saves a checkpoint of it and exits 129, though the terminal its progress bar wrote to is gone; the run
+    resumes from that step."""
+    import fcntl
+    import pty
+    import termios
+
+    run_dir = tmp_path / "hup"
+    args = tiny(run_dir, corpus, "training.steps=100000", "checkpoint.every=100000", "training.eval_every=100000")
+    master, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 rows, 100 columns
+    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                         stdin=terminal, stdout=terminal, stderr=terminal, start_new_session=True,
+                         preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+    os.close(terminal)
+    shown = []
+    reader = threading.Thread(target=lambda: shown.extend(iter(lambda: _read(master), b"")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and p.poll() is None and not (
+                (run_dir / "metrics.jsonl").is_file() and len(rows(run_dir)) >= 3 and b"train:" in b"".join(shown)):
+            time.sleep(0.2)  # (train: its progress bar, on the terminal)
+        assert p.poll() is None and b"train:" in b"".join(shown), b"".join(shown)[-2000:]
+        os.close(master)  # the terminal is closed
+        assert p.wait(timeout=120) == 128 + signal.SIGHUP
+    finally:
+        p.kill()
+    last = rows(run_dir)[-1]["step"]
+    assert [int(d.name) for d in (run_dir / "checkpoints").iterdir() if d.name.isdigit()] == [last]
+    assert train.main(["--resume", f"run_dir={run_dir}", f"training.steps={last + 1}"]) == 0
+    assert [r["step"] for r in rows(run_dir)] == list(range(1, last + 2))
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except OSError:  # closed
+        return b""
+
+
 @pytest.mark.parametrize("moment, left", [("sharding:", ("nothing was written", "removed the run directory")),
                                           ("model test:", ("removed the run directory",))])
 def test_signal_during_start_up_exits_at_once_and_leaves_nothing(moment, left, corpus, tmp_path):
@@ -864,7 +908,7 @@ def test_one_writer_per_run_directory_and_a_second_signal(corpus, tmp_path, caps
     assert int(restore(run_dir, last + 1)["step"]) == last + 1
 
 
-@pytest.mark.parametrize("sig, delay", [(signal.SIGINT, 0.3), (signal.SIGTERM, 1.5)])
+@pytest.mark.parametrize("sig, delay", [(signal.SIGINT, 0.3), (signal.SIGTERM, 1.5), (signal.SIGHUP, 0.8)])
 def test_a_signal_at_any_moment_of_the_start_is_a_clean_stop(sig, delay, corpus, tmp_path):
     """While Python loads JAX and the rest (the first seconds), then while the run sets up: always
     status 128 + N and no traceback, and no run directory left behind."""

@@ -21,9 +21,10 @@ may be a URL too.
 from __future__ import annotations
 
 import errors  # light: nothing but the standard library
+import multihost  # light too: JAX loads when a distributed start needs it
 
-if __name__ == "__main__":
-    errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
+if __name__ == "__main__":  # a Ctrl-C while JAX and the rest load: one line, no traceback (several processes:
+    errors.stop_at_once_while_loading(defer=multihost.launched_several())  # kept, to stop all together)
 
 
 def parse_args(argv):
@@ -76,7 +77,7 @@ from errors import RunError
 
 
 def main(argv=None) -> int:
-    """Train; 0 once trained to training.steps, 128 + N when signal N (SIGTERM, SIGINT) stopped it.
+    """Train; 0 once trained to training.steps, 128 + N when signal N (SIGTERM, SIGINT, SIGHUP) stopped it.
 
     The handlers are installed first, so a signal during start-up (data, compilation) stops the run
     cleanly too: before the first step with nothing saved, after it with a checkpoint of the last step.
@@ -87,10 +88,18 @@ def main(argv=None) -> int:
         import plan
 
         return plan.run(args)
-    with progress.Stop() as stop:
+    with progress.Stop(expect_several=multihost.launched_several()) as stop:
         try:
             with contextlib.ExitStack() as held:  # the run directory's lock and checkpoints, however run() ends
-                return run(args, stop, held)
+                try:
+                    return run(args, stop, held)
+                except progress.Interrupted:
+                    raise
+                except Exception as e:  # with several processes: every one ends now, each with one line
+                    said = errors.describe(e)
+                    multihost.fail(e, *(said or (f"error: {type(e).__name__}: {e}".splitlines()[0], 1)),
+                                   traceback=said is None)
+                    raise
         except progress.Interrupted as e:
             print(stop.stopped_line(e.signum), flush=True)
             return 128 + e.signum
@@ -100,8 +109,11 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     """main() without the signal handlers, for the parsed command line `args`: `stop.signal` is set when
     one arrives; the run directory's lock, its checkpoints and its log go into `held`."""
     t_start = time.perf_counter()
-    if sharding_lib.initialize_distributed():  # before any other JAX call; a no-op for a single process
-        stop.several()  # a stop is agreed between the processes from here on
+    if multihost.initialize():  # before any other JAX call; a no-op for a single process
+        stop.several()  # a stop is agreed between the processes from here on,
+        multihost.watch()  # and a failure on any one ends them all
+        multihost.at_end(stop.undo_start)
+    stop.check()  # a signal that came before the processes joined
     is_main = jax.process_index() == 0  # only process 0 writes files and logs
     say = print if is_main else (lambda *args, **kwargs: None)
 
@@ -124,7 +136,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     if args.resume:
         if not run_dir.is_file(rundir.CONFIG):
             raise RunError(f"nothing to resume: {run_dir} is not a run directory (no {rundir.CONFIG})")
-        sharding_lib.on_process_zero(lambda: held.enter_context(run_dir.writer(writer)), stopped)
+        multihost.on_process_zero(lambda: held.enter_context(run_dir.writer(writer)), stopped)
         cfg = run_dir.resume_config(args.overrides)
     else:
         run_dir.check_new()
@@ -174,7 +186,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
             rundir.check_init_from(t.init_from, cfg.model, index)
         return index, train_loader, val
 
-    index, train_loader, (val_sample, val_windows, val_tokens, val_of) = sharding_lib.on_every_process(
+    index, train_loader, (val_sample, val_windows, val_tokens, val_of) = multihost.on_every_process(
         read_data, "stopped before training (its error says why)")
     mcfg, seq_len = cfg.model, cfg.seq_len
     stop.check()  # a signal before the first step: nothing to save
@@ -200,7 +212,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         with stop.writing:
             if is_main:
                 stop.undo.append(run_dir.begin_new())
-            sharding_lib.on_process_zero(lambda: held.enter_context(run_dir.writer(writer, new=True)), stopped)
+            multihost.on_process_zero(lambda: held.enter_context(run_dir.writer(writer, new=True)), stopped)
             if is_main:
                 run_dir.save_config(cfg)
                 run_dir.save_data(cfg.data.dir, index)
@@ -312,6 +324,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
             wandb_run.summary.update(summary)
             wandb_run.finish()
     say(progress.report(summary))
+    multihost.finished()
     return 0
 
 

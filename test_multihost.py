@@ -1,0 +1,355 @@
+"""Tests of multihost.py: several train.py processes as one run, joined however they were launched (JAX's
+variables, a Cloud TPU VM pod's GCE metadata on 127.0.0.1), training and saving together, and ending
+together, each with one line, whatever happens on one of them: a user error, an exception, a lost lease,
+a signal at any moment from launch on. Two processes with gloo collectives on the CPU.
+"""
+import contextlib
+import http.server
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import multihost
+import rundir
+import train
+from conftest import xla_flags
+from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
+
+REPO = pathlib.Path(__file__).resolve().parent
+
+
+def run_subprocess(args, devices, env_extra=None, timeout=240, python=("train.py",)):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": xla_flags(devices), **(env_extra or {})}
+    return subprocess.Popen([sys.executable, *python, *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@contextlib.contextmanager
+def killed_at_exit(procs):
+    """`procs`, each killed at the block's exit if still running (a failed test leaves no process behind)."""
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def finish(procs, timeout=300):
+    with killed_at_exit(procs):
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return outs
+
+
+def two_processes(train_args, devices=2, env=None, failing=None):
+    """Two train.py processes joined as one job (JAX_COORDINATOR_ADDRESS on a free port), `devices` CPU
+    devices each; `train_args`: their arguments, or a function of the process index giving them; `env`:
+    more variables, or a function of the index giving them. `failing`: (index, code) runs `code` in that
+    process before train.py (see `injected`)."""
+    port = free_port()
+    launch = lambda i: {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",  # noqa: E731
+                        "JAX_PROCESS_ID": str(i)}
+    return [run_subprocess(train_args(i) if callable(train_args) else train_args, devices,
+                           env_extra=env(i) if callable(env) else {**launch(i), **(env or {})},
+                           python=injected(failing[1]) if failing and failing[0] == i else ("train.py",))
+            for i in range(2)]
+
+
+def injected(code: str) -> tuple[str, ...]:
+    """The python arguments that run `code` (a patch of a project module: the failure under test), then
+    train.py as the command line does."""
+    return ("-c", f"import runpy, sys\n{code}\nsys.argv[0] = 'train.py'\nrunpy.run_path('train.py', run_name='__main__')")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"SLURM_NTASKS": "4"}, "error: SLURM_NTASKS=4 says several processes run, but JAX cannot join them ("),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, "error: OMPI_COMM_WORLD_SIZE=2 says several processes run, but JAX cannot "),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"}, "error: JAX_COORDINATOR_ADDRESS is set: JAX_NUM_PROCESSES and "),
+], ids=["sbatch-without-srun", "mpi-size-alone", "coordinator-alone"])
+def test_a_launcher_half_seen_is_one_line(corpus, tmp_path, env, words):  # noqa: F811
+    """train.py run where a launcher's variables say several processes but not how to join them (inside an
+    sbatch script or an salloc shell without srun): one line naming the variable, exit 2, nothing made."""
+    run = tmp_path / "run"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "JAX_COORDINATOR"))}
+    done = subprocess.run([sys.executable, "train.py", *tiny(run, corpus)], cwd=REPO, capture_output=True, text=True,
+                          env={**clean, "JAX_PLATFORMS": "cpu", **env}, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(words) and "Traceback" not in done.stderr, done.stderr
+    assert not run.exists()
+
+
+def test_bad_data_on_one_process_stops_every_process_with_one_line(corpus, tmp_path):  # noqa: F811
+    """Each process reads its own data directory (a copy on each node); one of them missing: that process
+    names it, the other says which process stopped, both in one line with exit 2, within moments, and
+    nothing is left (they used to wait for each other for ever, process 0 in a Gloo traceback)."""
+    run = tmp_path / "run"
+    with killed_at_exit(two_processes(lambda i: tiny(run, corpus if i == 0 else tmp_path / "nodata"))) as procs:
+        outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    last = [err.strip().splitlines()[-1] for _, err in outs]
+    assert last == ["error: process 1 stopped before training (its error says why)",
+                    f"error: {tmp_path / 'nodata' / 'index.json'} not found; prepare the data with `python data.py`"]
+    assert not any("Traceback" in err for _, err in outs) and not run.exists()
+
+
+def test_a_signal_to_one_process_during_start_up_ends_every_process(corpus, tmp_path):  # noqa: F811
+    """Ctrl-C reaching one process of two while they start (reading data, compiling): every process ends
+    the start together at its next start-up check, with the one line of a stopped start and 130, and the
+    new run directory is removed (one process ending alone left the other waiting for it)."""
+    run = tmp_path / "run"
+    with killed_at_exit(two_processes(tiny(run, corpus), env={"PYTHONUNBUFFERED": "1"})) as procs:
+        seen = []
+        for line in procs[0].stdout:  # the first line train.py prints once jax.distributed has started
+            seen.append(line)
+            if line.startswith(("model.vocab_size", "sharding: mesh")):
+                break
+        procs[1].send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [128 + signal.SIGINT] * 2, (seen, outs)
+    for out, _ in outs:
+        assert "stopped by SIGINT during start-up: nothing trained, nothing saved" in out
+    assert not run.exists()
+
+
+def test_a_signal_to_one_process_stops_every_process_at_one_step_with_a_checkpoint(corpus, tmp_path):  # noqa: F811
+    """Ctrl-C reaching one process of two (a pod's workers signalled unevenly): both stop after the same
+    step, which all agreed on through JAX's preemption sync, with one checkpoint of it, instead of the
+    other process waiting for ever in the collective save. The signalled process ends with 130, the other
+    with 143 (the preemption notice it was sent), and process 0 says where the checkpoint is."""
+    run = tmp_path / "run"
+    long_run = tiny(run, corpus, "training.steps=100000", "checkpoint.every=100000", "training.eval_every=100000")
+    with killed_at_exit(two_processes(long_run)) as procs:
+        deadline = time.time() + 180
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            if (run / "metrics.jsonl").exists() and len(rows(run)) >= 3:
+                break
+            time.sleep(0.2)
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+        procs[1].send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM, 128 + signal.SIGINT], outs
+    [saved] = os.listdir(run / "checkpoints")
+    assert f"stopped by SIGTERM after step {saved}; checkpoint saved in {run / 'checkpoints' / saved}" in outs[0][0]
+    assert [r["step"] for r in rows(run)] == list(range(1, int(saved) + 1))  # every step logged, once
+
+
+def test_two_processes_match_one(corpus, tmp_path):  # noqa: F811
+    """2 processes x 4 CPU devices (gloo) train, save and resume with the losses of 1 process x 8 devices."""
+    args = ("training.steps=5", "checkpoint.every=5", "training.eval_every=5", "sharding.zero_stage=3",
+            "sharding.fsdp=2", "training.batch_size=16")
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    # the reference: the same save at 5 and resume to 7 (the schedule's length changes with steps)
+    assert train.main(tiny(single, corpus, *args)) == 0
+    assert train.main(["--resume", f"run_dir={single}", "training.steps=7"]) == 0
+
+    outs = finish(two_processes(tiny(multi, corpus, *args), devices=4))
+    assert "2 process(es)" in outs[0][0] and "model test" not in outs[1][0]  # only process 0 reports
+    assert "step 5: val loss" in outs[0][0] and "val loss" not in outs[1][0] + outs[1][1]
+    assert sorted(p.name for p in (multi / "checkpoints").iterdir()) == ["5"]
+    finish(two_processes(["--resume", f"run_dir={multi}", "training.steps=7"], devices=4))
+    a, b = rows(single), rows(multi)
+    assert [r["step"] for r in b] == list(range(1, 8))
+    np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-5)
+    np.testing.assert_allclose([r["val_loss"] for r in b if "val_loss" in r],
+                               [r["val_loss"] for r in a if "val_loss" in r], rtol=1e-5)
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"},
+     "JAX_NUM_PROCESSES=2 and JAX_PROCESS_ID=1 set without JAX_COORDINATOR_ADDRESS"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
+     "JAX_NUM_PROCESSES=2 and JAX_PROCESS_ID=2: the count must be at least 1 and the index from 0 to the count - 1"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "-1", "JAX_PROCESS_ID": "0"},
+     "JAX_NUM_PROCESSES=-1 and JAX_PROCESS_ID=0: the count must be at least 1"),
+    ({"JAX_COORDINATOR_ADDRESS": "nohost.invalid:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+     "JAX_COORDINATOR_ADDRESS=nohost.invalid:1234: the host nohost.invalid cannot be found"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+     "JAX_COORDINATOR_ADDRESS=127.0.0.1: not HOST:PORT"),
+], ids=["no-coordinator", "index-past-count", "negative-count", "unknown-host", "no-port"])
+def test_launcher_variables_that_cannot_work_are_one_line(corpus, tmp_path, env, words, monkeypatch, capsys):  # noqa: F811
+    """JAX's launch variables half set or impossible: one line naming them before anything is made (a
+    process that trained alone, or a JaxRuntimeError traceback, before)."""
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    run = tmp_path / "run"
+    assert train.cli(tiny(run, corpus)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {words}") and err.count("\n") == 1, err
+    assert not run.exists()
+
+
+class Metadata(http.server.BaseHTTPRequestHandler):
+    """A GCE metadata server's instance attributes for one TPU VM worker (`attributes`), answering only
+    requests that carry Metadata-Flavor: Google, as the real one does."""
+
+    attributes: dict = {}
+
+    def do_GET(self):
+        prefix = "/computeMetadata/v1/instance/attributes/"
+        key = self.path[len(prefix):] if self.path.startswith(prefix) else None
+        if self.headers.get("Metadata-Flavor") != "Google" or key not in self.attributes:
+            self.send_error(403 if key in self.attributes else 404)
+            return
+        body = self.attributes[key].encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def metadata_servers(workers: int):
+    """One metadata server on 127.0.0.1 per TPU VM worker of a pod: GCE_METADATA_IP for each."""
+    servers = []
+    for i in range(workers):
+        handler = type("Worker", (Metadata,), {"attributes": {
+            "agent-worker-number": str(i), "worker-network-endpoints": ",".join(["127.0.0.1"] * workers),
+            "tpu-env": "ACCELERATOR_TYPE: 'v4-16'\n"}})
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    try:
+        yield [f"127.0.0.1:{server.server_address[1]}" for server in servers]
+    finally:
+        for server in servers:
+            server.shutdown()
+
+
+def test_a_tpu_vm_pod_joins_through_its_metadata_and_stops_together(corpus, tmp_path, monkeypatch):  # noqa: F811
+    """A Cloud TPU VM pod made with gcloud has no launcher variables: each worker reads its index and the
+    workers' addresses from the GCE metadata server, worker 0 coordinating. Two train.py processes, each
+    with its own metadata server on 127.0.0.1 answering as worker 0 and 1, join, train, and on a SIGTERM
+    to both (a preemption notice) stop after the same step with one checkpoint of it."""
+    run = tmp_path / "run"
+    with metadata_servers(2) as hosts:
+        monkeypatch.setenv("GCE_METADATA_IP", hosts[1])
+        assert multihost.launch() == multihost.Launch(
+            {"coordinator_address": "127.0.0.1:8482", "num_processes": 2, "process_id": 1},
+            "a Cloud TPU VM pod (worker 1 of 2, from the GCE metadata)")
+        monkeypatch.delenv("GCE_METADATA_IP")
+        port = free_port()
+        long_run = tiny(run, corpus, "training.steps=100000", "checkpoint.every=100000", "training.eval_every=100000")
+        env = lambda i: {"GCE_METADATA_IP": hosts[i], multihost.PORT_ENV: str(port)}  # noqa: E731
+        with killed_at_exit(two_processes(long_run, env=env)) as procs:
+            deadline = time.time() + 180
+            while time.time() < deadline and all(p.poll() is None for p in procs):
+                if (run / "metrics.jsonl").exists() and len(rows(run)) >= 3:
+                    break
+                time.sleep(0.2)
+            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, outs
+    assert "(4 devices, 2 process(es))" in outs[0][0]
+    [saved] = os.listdir(run / "checkpoints")
+    assert f"stopped by SIGTERM after step {saved}" in outs[0][0]
+    assert [r["step"] for r in rows(run)] == list(range(1, int(saved) + 1))
+
+
+def last_line(err: str) -> str:
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("where, patch, why", [
+    ("mid-training", "import progress\n"
+     "dispatched = progress.Steps.dispatched\n"
+     "def failing(self, metrics):\n"
+     "    if self.step == 4: raise ValueError('injected failure after step 4')\n"
+     "    return dispatched(self, metrics)\n"
+     "progress.Steps.dispatched = failing", "ValueError: injected failure after step 4"),
+    ("during restore", "import checkpoints\n"
+     "def failing(self, *args, **kwargs):\n"
+     "    raise RuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB')\n"
+     "checkpoints.Checkpoints.restore = failing",
+     "RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB"),
+])
+def test_an_exception_on_one_process_ends_every_process_within_seconds(corpus, tmp_path, where, patch, why):  # noqa: F811
+    """Any exception on process 1 alone (a bug, an out-of-memory), mid-training or while restoring: process
+    1 ends with its traceback and one line, process 0 within seconds with one line naming process 1 and
+    why; the last checkpoint stays intact and the run's lock is free (a resume starts at once)."""
+    run = tmp_path / "run"
+    args = tiny(run, corpus, "training.steps=100000", "checkpoint.every=2", "training.eval_every=100000")
+    if where == "during restore":
+        assert train.main(tiny(run, corpus, "training.steps=2", "checkpoint.every=2")) == 0
+        args = ["--resume", f"run_dir={run}", "training.steps=100000"]
+    with killed_at_exit(two_processes(args, failing=(1, patch))) as procs:
+        procs[1].wait(timeout=240)
+        failed = time.monotonic()
+        procs[0].wait(timeout=60)
+        took = time.monotonic() - failed
+        outs = [p.communicate() for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], outs
+    assert last_line(outs[1][1]) == f"error: {why}" and "Traceback" in outs[1][1]
+    assert last_line(outs[0][1]) == f"error: process 1 failed: {why}; process 0 stops too"
+    assert "Traceback" not in outs[0][1] and took < 15, (took, outs[0][1][-2000:])
+    assert rundir.Run(run).held_by() is None
+    params, step = rundir.Run(run).load_params()  # the newest checkpoint reads, its fingerprints checked
+    assert step % 2 == 0 and step >= 2
+
+
+def test_a_signal_right_after_launch_ends_every_process(corpus, tmp_path):  # noqa: F811
+    """SIGTERM to one of two processes while Python and JAX are still loading, before they have joined:
+    it is kept, and once they have joined every process ends its start, with one line and 143 each, and
+    nothing made (the signalled process used to end alone and the other waited for it)."""
+    run = tmp_path / "run"
+    with killed_at_exit(two_processes(tiny(run, corpus))) as procs:
+        time.sleep(1.0)  # the command's first lines have run; JAX is loading
+        procs[1].send_signal(signal.SIGTERM)
+        outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, outs
+    assert "stopped by SIGTERM during start-up: nothing trained, nothing saved" in outs[1][0]
+    assert "process 1 stopped by SIGTERM during start-up" in outs[0][0] and "process 0 stops too" in outs[0][0]
+    assert not run.exists()
+
+
+def test_a_lost_lease_ends_every_process(corpus, tmp_path, gcs_bucket):  # noqa: F811
+    """A run in a bucket whose lease process 0 loses (another writer took the run: the lock replaced under
+    it) while two processes train: process 0 stops before its next write with its one line, and process 1
+    with one naming process 0 and why, instead of waiting for it in the next collective save; the new
+    holder's lock stays."""
+    import fsspec
+
+    fs = fsspec.filesystem("gs")
+    run = f"{gcs_bucket}/run"
+    args = tiny(run, corpus, "training.steps=100000", "checkpoint.every=2", "training.eval_every=100000")
+    with killed_at_exit(two_processes(args, env={rundir.LEASE_TTL_ENV: "6"})) as procs:
+        deadline = time.time() + 180
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            fs.invalidate_cache()
+            if fs.find(f"{run}/checkpoints", maxdepth=2):
+                break
+            time.sleep(0.2)
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+        taker = {"host": "elsewhere", "pid": 1, "purpose": "train.py --resume", "since": "now", "token": "taker",
+                 "heartbeat": time.time() + 3600}
+        fs.pipe(f"{run}/{rundir.LOCK}", json.dumps(taker).encode())
+        outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    lost = last_line(outs[0][1])
+    assert lost.startswith(f"error: this process lost the lease on {run} (train.py --resume (pid 1 on elsewhere"), lost
+    assert last_line(outs[1][1]) == f"error: process 0 failed: {lost.removeprefix('error: ')}; process 1 stops too"
+    assert json.loads(fs.cat_file(f"{run}/{rundir.LOCK}"))["token"] == "taker"
