@@ -67,6 +67,14 @@ def _empty(sources: list, tally: corpus.Tally) -> str:
 
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, as taskset and container limits set it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this system
+        return os.cpu_count() or 1
+
+
 def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_val: Callable[[str], bool],
              val_fraction: float, workers, shard_tokens, text_field, overwrite, strict, progress,
              runner: str = "local", beam_options: list[str] | None = None) -> dict:
@@ -75,8 +83,8 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
     (gs://bucket/dir): the directory is built on the local disk and uploaded (shards.Staged)."""
     if shard_tokens < 1:
         raise DataError(f"shard tokens must be positive, got {shard_tokens}")
-    if tokenizer is None and vocab_size < 258:  # 256 byte symbols and the end-of-text token
-        raise DataError(f"vocab size must be at least 258 for a byte-level BPE, got {vocab_size}")
+    if tokenizer is None:
+        shards.check_trained_vocab(vocab_size)
     shards.check_out(out, overwrite, [location for kind, location, _ in sources if kind != "hf"])
     if runner not in ("local", "beam"):
         raise DataError(f"unknown runner {runner!r} (choose local or beam)")
@@ -88,7 +96,9 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
             import data_beam  # apache-beam is optional: imported only for this runner
         except ImportError as e:
             raise DataError(f"--runner beam needs apache-beam ({e}); pip install apache-beam")
-    workers = max(1, workers or os.cpu_count() or 1)
+    if workers is not None and workers < 1:
+        raise DataError(f"workers must be >= 1, got {workers}")
+    workers = min(workers or usable_cpus(), usable_cpus())  # threads beyond the CPUs would only share them
     saved_env = {k: os.environ.get(k) for k in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS")}
     # bars only on a terminal, and erased when done, so an error stays the one line on stderr
     bars = dict(disable=None if progress else True, leave=False, file=sys.stderr, dynamic_ncols=True)
@@ -291,7 +301,8 @@ def parse_args(argv: list[str] | None):
                                                       "(default 8192, 4096 for the default corpus)")
     parser.add_argument("--val-fraction", type=float, help="share of documents held out "
                                                              "(default 0.005; 0.05 for prompt_completion)")
-    parser.add_argument("--workers", type=int, help="tokenizer threads (default: all cores)")
+    parser.add_argument("--workers", type=int, help="tokenizer threads, at most the CPUs this process may use "
+                                                   "(default: all of them)")
     parser.add_argument("--shard-tokens", type=int, default=2**27, help="tokens per shard file")
     parser.add_argument("--text-field", default="text", help="JSON field / Parquet column holding the text")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
@@ -317,9 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     """The command line; a user error raises (cli() prints it)."""
     args = parse_args(argv)
     start = time.perf_counter()
-    if args.vocab_size is not None and args.vocab_size < 258:  # 0 must not read as "the default"
-        raise DataError(f"--vocab-size must be at least 258 (256 byte symbols and the end-of-text token), "
-                        f"got {args.vocab_size}")
+    if args.vocab_size is not None:  # 0 must not read as "the default"
+        shards.check_trained_vocab(args.vocab_size, "--vocab-size")
+    if args.workers is not None and args.workers < 1:  # 0 or -3 must not read as "the default" or as 1
+        raise DataError(f"--workers must be >= 1 (default: the {usable_cpus()} CPUs this process may use), "
+                        f"got {args.workers}")
+    if args.seq_len is not None and args.format != "prompt_completion":
+        raise DataError("--seq-len is for --format prompt_completion (examples fitted to the training context); "
+                        "text is one stream, cut into windows of training.seq_len when training")
     if args.out is not None and not args.out.strip():
         raise DataError("--out is empty; name the directory to write")
     if args.verify:
@@ -354,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.val_fraction is None:
         args.val_fraction = 0.005
+    if args.workers is not None and args.workers > usable_cpus():
+        print(f"note: --workers {args.workers} is more than the {usable_cpus()} CPUs this process may use: "
+              f"{usable_cpus()} tokenizer threads (more would only share them)")
     beam_options = _beam_flags(args.beam_option, args.runner)
     runner = dict(runner=args.runner, beam_options=beam_options)
     if args.input:

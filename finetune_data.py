@@ -86,8 +86,6 @@ def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in
     if tokenizer is not None:
         tok = shards.install_tokenizer(tokenizer, tmp)
     else:
-        if vocab_size < 258:
-            raise DataError(f"vocab size must be at least 258 for a byte-level BPE, got {vocab_size}")
         texts = (text for name, p, c in _records(sources, in_field, out_field, corpus.Tally()) if not is_val(name)
                  for text in (p, c))
         tok = shards.train_tokenizer(texts, vocab_size)
@@ -154,6 +152,8 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
         raise DataError(f"seq_len and shard tokens must be positive, got {seq_len} and {shard_tokens}")
     if not 0 <= val_fraction < 1:
         raise DataError(f"val fraction must be in [0, 1), got {val_fraction}")
+    if tokenizer is None:
+        shards.check_trained_vocab(vocab_size)
     sources = corpus.expand(inputs)
     shards.check_out(out, overwrite, [location for _, location, _ in sources])
     is_val = lambda name: corpus.in_val(name, val_fraction)  # noqa: E731

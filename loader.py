@@ -287,6 +287,9 @@ def open_loader(data_dir, split: str, seq_len: int, batch_size: int, *, seed: in
     rows = dict(seed=seed, process_index=process_index, process_count=process_count)
     if shards.is_prompt_completion(shards.load_index(data_dir)):
         return PromptCompletionLoader(data_dir, split, seq_len, batch_size, batching=batching, **rows)
+    if batching != "packing" and process_index == 0:  # said, not refused: a run saved with it still resumes
+        print(f"note: data.batching={batching} applies to prompt/completion data only; {data_dir} is text, read "
+              f"as windows of one token stream (no examples to pad)", flush=True)
     return TextLoader(data_dir, split, seq_len, batch_size, **rows)
 
 
@@ -377,6 +380,10 @@ class Examples:
                                 f"({shards.PROMPT}, {shards.COMPLETION} or {shards.END}): the shard is corrupt")
             ends.append(np.flatnonzero(mask == shards.END) + 1 + self.masks.starts[i])
         ends = np.concatenate(ends) if ends else np.zeros(0, np.int64)  # one past each example's last token
+        if self.stream.tokens and (not len(ends) or ends[-1] != self.stream.tokens):  # e.g. every byte PROMPT
+            raise DataError(f"{self.masks.files[-1]}: the split's last loss-mask byte is not {shards.END} (the "
+                            f"end of an example): {len(ends)} examples end in {self.stream.tokens} tokens, and the "
+                            f"rest belongs to none; the loss masks are damaged, prepare the directory again")
         self.starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         self.lengths = (ends - self.starts).astype(np.int64)
         self.eot = int(index["eot_id"])

@@ -21,12 +21,14 @@ token that closes an example).
 Writing: `ShardWriter` cuts a split's tokens into shards, hashing each; `Staged` is the sibling
 DIR.tmp-<pid> a directory is built in, swapped into place only when complete (outputs.StagedDir), so an
 interrupted preparation never leaves an index naming missing or partial shards, nor loses the old DIR.
-Reading: `load_index` checks the index, the tokenizer's sha256 and every shard's size (truncated,
-extended, missing); `verify` reads every file against its sha256. `Source` reads a directory's files
-where they are: memory-mapped on a local disk, by byte ranges from a URL (gs://...), nothing copied; at
-a URL, `load_index` reads index.json, the tokenizer and one listing of the directory, which checks
-every file's size and gives each one's version (the object store's generation and checksum), so that
-a resume can refuse data that changed underneath.
+Reading: `load_index` checks the index (its fields' types and ranges, and its kind against its files:
+loss-mask shards in every split with `kind: "prompt_completion"`, none without a kind), the
+tokenizer's sha256 and every shard's size (truncated, extended, missing); `verify` reads every file
+against its sha256. `Source` reads a directory's files where they are: memory-mapped on a local disk,
+by byte ranges from a URL (gs://...), nothing copied; at a URL, `load_index` reads index.json, the
+tokenizer and one listing of the directory, which checks every file's size and gives each one's
+version (the object store's generation and checksum), so that a resume can refuse data that changed
+underneath.
 
 Knows nothing of models or of how documents are found (corpus.py) or batched (loader.py).
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -50,7 +53,11 @@ EOT_TOKEN = "<|endoftext|>"
 EOT_CANDIDATES = (EOT_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
 CHUNK_BYTES = 1 << 20  # text per encode_batch call: large enough to amortise, small enough to bound memory
 PROMPT_COMPLETION = "prompt_completion"  # index["kind"] of prompt/completion data; text data has no kind
+ENTROPY_FIELDS = ("unigram_entropy", "loss_unigram_entropy")  # of the index and of each split: numbers or absent
 PROMPT, COMPLETION, END = 0, 1, 2  # loss-mask byte values of prompt/completion data
+# the largest BPE vocabulary trained here: the tokenizers library reserves ~66 bytes an entry up front (2**30
+# entries: 70 GB, an abort), and the largest vocabularies in use are near 2**18
+MAX_TRAINED_VOCAB = 2**24
 BATCHING = ("packing", "padding")  # how the loader fills rows with prompt/completion examples (data.batching)
 
 
@@ -67,6 +74,13 @@ def train_tokenizer(docs: Iterator[str], vocab_size: int):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(docs, trainer)
     return tokenizer
+
+
+def check_trained_vocab(vocab_size: int, what: str = "vocab size") -> None:
+    """A BPE vocabulary size train_tokenizer can take, or a DataError (before anything is written)."""
+    if not 258 <= vocab_size <= MAX_TRAINED_VOCAB:
+        raise DataError(f"{what} must be between 258 (256 byte symbols and the end-of-text token) and "
+                        f"{MAX_TRAINED_VOCAB:,} (2**24) for a byte-level BPE, got {vocab_size:,}")
 
 
 def load_tokenizer_file(path: str | os.PathLike):
@@ -220,7 +234,14 @@ def unigram_entropy(counts: np.ndarray) -> float:
 def check_out(out, overwrite: bool, inputs: list[str]) -> pathlib.Path:
     """A data directory may be written at `out` (outputs.check_out's rules): new, or with --overwrite an
     existing data directory (one with index.json) or empty directory, holding no input (--overwrite must
-    never delete one). Raises DataError, before anything is written."""
+    never delete one), and its path UTF-8 text (the tokenizer library and index.json take no other). Raises
+    DataError, before anything is written."""
+    try:
+        str(out).encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes that are no UTF-8, which Python keeps as lone surrogates
+        shown = os.fsencode(str(out)).decode("utf-8", "backslashreplace")
+        raise DataError(f"--out {shown} is not UTF-8 text (byte 0x{ord(str(out)[e.start]) & 0xFF:02x} at "
+                        f"{e.start}): the tokenizer library writes only UTF-8 paths; choose another --out") from None
     out = outputs.check_out(out, overwrite, ours=lambda d: (d / "index.json").is_file(),
                             what="a data directory (one with index.json)", error=DataError)
     if out.exists() and not overwrite:
@@ -257,6 +278,29 @@ class Staged(outputs.StagedDir):
 
 def is_prompt_completion(index: dict) -> bool:
     return index.get("kind") == PROMPT_COMPLETION
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_kind(index: dict, path: str) -> None:
+    """A directory's kind agrees with its files: `kind: prompt_completion` and loss-mask shards in every
+    split, or no kind (text, as every data.py wrote it) and no loss-mask shards. Anything else is refused:
+    prompt/completion data read as text would train on its prompts, and the masks be ignored."""
+    kind, splits = index.get("kind"), index["splits"]
+    masked = [name for name, split in splits.items() if "mask_shards" in split]
+    if "kind" in index and kind != PROMPT_COMPLETION:
+        raise DataError(f"{path}: unknown kind {kind!r}: this data.py reads {PROMPT_COMPLETION!r} (prompt/completion "
+                        f"data) or no kind at all (text); prepare the directory again")
+    if kind == PROMPT_COMPLETION and len(masked) < len(splits):
+        unmasked = next(name for name in splits if name not in masked)
+        raise DataError(f"{path}: kind {PROMPT_COMPLETION!r}, but split {unmasked!r} has no mask_shards (its loss "
+                        f"masks); prepare the directory again")
+    if kind is None and masked:
+        raise DataError(f"{path}: split {masked[0]!r} has loss-mask shards (mask_shards) but the index names no "
+                        f"kind: prompt/completion data would be read as text; restore its \"kind\": "
+                        f"\"{PROMPT_COMPLETION}\" or prepare the directory again")
 
 
 VERSION_FIELDS = ("generation", "md5Hash", "crc32c", "ETag", "etag")  # what an object store says of an object
@@ -390,12 +434,26 @@ def read_index(data_dir) -> tuple[Source, dict, list[IndexedFile]]:
         version = index["format_version"]
         if version != FORMAT_VERSION:
             raise DataError(f"{path}: format version {version}, this data.py reads {FORMAT_VERSION}")
-        dtype, vocab = index["dtype"], int(index["vocab_size"])
+        dtype, vocab = index["dtype"], index["vocab_size"]
+        if not _is_int(vocab) or vocab < 1:
+            raise DataError(f"{path}: vocab_size must be a positive integer, got {vocab!r}; re-run data.py")
         if dtype not in ("uint16", "uint32") or vocab > np.iinfo(dtype).max + 1:
             raise DataError(f"{path}: dtype {dtype!r} cannot hold vocabulary size {vocab}")
+        if not _is_int(index["eot_id"]) or not 0 <= index["eot_id"] < vocab:
+            raise DataError(f"{path}: eot_id must be a token id below vocab_size {vocab}, got {index['eot_id']!r}")
+        _check_kind(index, path)
         for name, split in index["splits"].items():
             if sum(int(s["tokens"]) for s in split["shards"]) != int(split["tokens"]):
                 raise DataError(f"{path}: split {name!r} shard token counts do not add up to {split['tokens']}")
+            if "mask_shards" in split and sum(int(s["tokens"]) for s in split["mask_shards"]) != int(split["tokens"]):
+                raise DataError(f"{path}: split {name!r} loss-mask shard counts do not add up to {split['tokens']}")
+        for where, fields in [("", index), *((f"split {name!r} ", split) for name, split in index["splits"].items())]:
+            for key in ENTROPY_FIELDS:  # read back as numbers (train.py's summary compares the loss with them)
+                value = fields.get(key)
+                if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                              and math.isfinite(value) and value >= 0):
+                    raise DataError(f"{path}: {where}{key} must be a number >= 0 (nats per token) or absent, "
+                                    f"got {value!r}")
         files = index_files(index)
         bad = [f.file for f in files if not isinstance(f.file, str) or "/" in f.file or f.file in ("", ".", "..")]
         if bad:
@@ -478,11 +536,14 @@ def verify(data_dir) -> tuple[list[str], str]:
     """Checks every file of a data directory against its index.json, reading each whole: the size and
     sha256 of every token and loss-mask shard and of the tokenizer. A shard for which the index records
     no sha256 (an index written before shards had hashes) gets its size checked, and for a token shard
-    its ids against the vocabulary. A URL is read where it is, each file streamed and hashed (no local
+    its ids against the vocabulary, for a loss-mask shard its bytes against the mask values (a split's
+    last one ending in END). A URL is read where it is, each file streamed and hashed (no local
     copy). Returns (one line per problem, a one-line summary)."""
     source, index, files = read_index(data_dir)
     directory = storage.RunDir(source.location)  # its files by name, through fsspec at a URL
     problems, nbytes, unhashed = [], 0, 0
+    # each split's last loss-mask shard, whose last byte closes the split's last example (END)
+    closing = {split["mask_shards"][-1]["file"] for split in index["splits"].values() if split.get("mask_shards")}
     for entry in files:
         path, size = directory.show(entry.file), directory.size(entry.file)
         if entry.size is not None:
@@ -498,7 +559,10 @@ def verify(data_dir) -> tuple[list[str], str]:
                            f"{entry.sha256[:16]}...: changed")
         elif problem is None:
             unhashed += 1
-            problem = _id_problem(directory, entry.file, index) if entry.kind == "tokens" and entry.size else None
+            if entry.kind == "tokens" and entry.size:
+                problem = _id_problem(directory, entry.file, index)
+            elif entry.kind == "mask" and entry.size:
+                problem = _mask_problem(directory, entry.file, entry.file in closing)
         if problem is None:
             nbytes += size
         else:
@@ -511,7 +575,7 @@ def verify(data_dir) -> tuple[list[str], str]:
     checked = "sizes and sha256 match index.json"
     if unhashed:
         checked += (f"; {unhashed} shards have no sha256 in index.json (written by an older data.py): "
-                    f"their sizes and token ids checked only")
+                    f"their sizes and token ids (loss-mask values) checked only")
     return [], f"{directory}: intact, {len(files)} files ({kinds}, the tokenizer), {nbytes / 1e6:.1f} MB; {checked}"
 
 
@@ -528,6 +592,23 @@ def _id_problem(directory: storage.RunDir, name: str, index: dict) -> str | None
             return (f"{directory.show(name)}: token {done + at} is id {int(tokens[at])}, outside the vocabulary "
                     f"of {vocab}")
         done += len(tokens)
+    return None
+
+
+def _mask_problem(directory: storage.RunDir, name: str, closing: bool) -> str | None:
+    """The first byte of a loss-mask shard that is no mask value, or (`closing`: the split's last shard) a
+    last byte that does not end an example, if any (read as it streams)."""
+    done, last = 0, None
+    for chunk in directory.chunks(name):
+        mask = np.frombuffer(chunk, np.uint8)
+        if len(mask) and int(mask.max()) > END:
+            at = int(np.flatnonzero(mask > END)[0])
+            return (f"{directory.show(name)}: byte {done + at} is {int(mask[at])}, not a loss-mask value "
+                    f"({PROMPT}, {COMPLETION} or {END})")
+        done += len(mask)
+        last = int(mask[-1]) if len(mask) else last
+    if closing and last is not None and last != END:
+        return f"{directory.show(name)}: the last byte is {last}, not {END}: the split's last example never ends"
     return None
 
 

@@ -809,6 +809,7 @@ PLACES = {  # where --out goes: (out, extra arguments, the words its one error l
     "proc": lambda tmp, ro, full: (pathlib.Path("/proc/gpt-jax-test-out"), [], ["No such file or directory"]),
     "under-a-file": lambda tmp, ro, full: (tmp / "f.txt" / "sub", [], [f"{tmp / 'f.txt'} is a file, not a directory"]),
     "full-disk": lambda tmp, ro, full: (full / "a" / "out", [], ["No space left on device"]),
+    "not-utf8": lambda tmp, ro, full: (tmp / os.fsdecode(b"out\xff"), [], ["is not UTF-8 text (byte 0xff at"]),
 }
 
 
@@ -819,7 +820,7 @@ def bad_place(request, tmp_path, place: str):
     ro = request.getfixturevalue("read_only_dir") if place.startswith("read-only") else None
     full = request.getfixturevalue("full_disk") if place == "full-disk" else None
     out, extra, words = PLACES[place](tmp_path, ro, full)
-    return out, extra, [str(out)] + words
+    return out, extra, [os.fsencode(out).decode("utf-8", "backslashreplace")] + words  # a byte no UTF-8 as \xff
 
 
 @pytest.mark.parametrize("place", list(PLACES))
@@ -833,6 +834,45 @@ def test_writing_onto_a_bad_place_is_one_line_and_leaves_nothing(big_inputs, tmp
     assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(
         ["f.txt"] + {"read-only": ["ro", "kept.txt"], "read-only-overwrite": ["ro", "kept.txt"],
                      "full-disk": ["full"]}.get(place, []))  # no staging directory, no parent made for it
+
+
+DATA_MISTAKES = {  # id: (format, data.py's arguments after --input/--out, the words of its one error line)
+    "vocab 2**33": ("text", ["--vocab-size", str(2**33)], "--vocab-size must be between 258 (256 byte symbols"),
+    "vocab 2**24 + 1": ("text", ["--vocab-size", str(2**24 + 1)], "and 16,777,216 (2**24) for a byte-level BPE, "
+                                                                  "got 16,777,217"),
+    "vocab 2**33 pairs": ("prompt_completion", ["--vocab-size", str(2**33)], "--vocab-size must be between 258"),
+    "workers -3": ("text", ["--workers", "-3"], "--workers must be >= 1"),
+    "workers 0": ("text", ["--workers", "0"], "--workers must be >= 1"),
+    "seq-len on text": ("text", ["--seq-len", "64"], "--seq-len is for --format prompt_completion"),
+}
+
+
+@pytest.mark.parametrize("case", list(DATA_MISTAKES))
+def test_a_bad_size_is_one_line_before_anything_is_written(big_inputs, tmp_path, capsys, case):
+    """Sizes past what the tokenizer library (an abort inside it) or the machine takes, or that would be
+    taken as something else (--workers -3 as 1), and --seq-len where it means nothing: one line, nothing made."""
+    kind, extra, words = DATA_MISTAKES[case]
+    inputs = ["--input", str(big_inputs / "text")] if kind == "text" else [
+        "--format", "prompt_completion", "--input", str(big_inputs / "pairs.jsonl"), "--seq-len", "64"]
+    one_error_line(capsys, data.cli([*inputs, "--out", str(tmp_path / "out"), *extra]), words)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_more_workers_than_cpus_use_the_cpus(big_inputs, tmp_path, capsys, monkeypatch):
+    """--workers 1000000 (which ran a million threads until killed): one line says so, and the pool has
+    as many threads as this process has CPUs; the directory is the one --workers 1 makes."""
+    pools = []
+    real = data.ThreadPoolExecutor
+    monkeypatch.setattr(data, "ThreadPoolExecutor", lambda n: pools.append(n) or real(n))
+    args = ["--input", str(big_inputs / "text"), "--tokenizer", str(big_inputs / "tokenizer.json")]
+    assert data.cli([*args, "--out", str(tmp_path / "many"), "--workers", "1000000"]) == 0
+    cpus = len(os.sched_getaffinity(0))
+    assert set(pools) == {cpus}  # (a build or two: corpus.held_out_extra)
+    assert capsys.readouterr().out.startswith(f"note: --workers 1000000 is more than the {cpus} CPUs this process "
+                                              f"may use: {cpus} tokenizer threads")
+    assert data.cli([*args, "--out", str(tmp_path / "one"), "--workers", "1"]) == 0
+    assert pools[-1] == 1
+    assert tree(tmp_path / "many") == tree(tmp_path / "one")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -933,9 +973,114 @@ def test_verify_an_index_without_hashes_checks_sizes_and_ids(prepared, tmp_path)
             del shard["sha256"]  # as an index written before shards had hashes
     (out / "index.json").write_text(json.dumps(index))
     problems, summary = shards.verify(out)
-    assert problems == [] and "intact" in summary and "no sha256" in summary and "token ids checked only" in summary
+    assert problems == [] and "intact" in summary and "no sha256" in summary
+    assert "token ids (loss-mask values) checked only" in summary
     overwrite_token(shard_path(out, "val", 0), 4, 65535)
     problems, summary = shards.verify(out)
     assert problems == [f"{shard_path(out, 'val', 0)}: token 4 is id 65535, outside the vocabulary of "
                         f"{index['vocab_size']}"]
     assert "1 of" in summary
+
+
+@pytest.fixture(scope="module")
+def pairs_data(tmp_path_factory, prepared):
+    """A small prompt/completion directory, with the `prepared` tokenizer (nothing trained)."""
+    root = tmp_path_factory.mktemp("pairs")
+    rng = np.random.default_rng(5)
+    pairs = [{"in_text": " ".join(rng.choice(WORDS, 4)), "out_text": " ".join(rng.choice(WORDS, 3))} for _ in range(60)]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    import finetune_data
+    finetune_data.prepare([str(root / "pairs.jsonl")], root / "data", seq_len=64, val_fraction=0.2, progress=False,
+                          tokenizer=str(prepared[0] / "tokenizer.json"))
+    return root / "data"
+
+
+def _set(key, value):
+    return lambda index: index.__setitem__(key, value)
+
+
+def _in_split(split, key, value):
+    return lambda index: index["splits"][split].__setitem__(key, value)
+
+
+BAD_INDEXES = {  # id: (text or prompt/completion data, the change to its index.json, the error after PATH/index.json: )
+    "kind deleted": ("pairs", lambda index: index.pop("kind"),
+                     "split 'train' has loss-mask shards (mask_shards) but the index names no kind"),
+    "kind unknown": ("pairs", _set("kind", "chat"), "unknown kind 'chat': this data.py reads 'prompt_completion'"),
+    "kind null": ("pairs", _set("kind", None), "unknown kind None"),
+    "text called prompt/completion": ("text", _set("kind", "prompt_completion"),
+                                      "kind 'prompt_completion', but split 'train' has no mask_shards"),
+    "mask shards gone": ("pairs", lambda index: index["splits"]["val"].pop("mask_shards"),
+                         "kind 'prompt_completion', but split 'val' has no mask_shards"),
+    "mask counts": ("pairs", lambda index: index["splits"]["train"]["mask_shards"][0].__setitem__("tokens", 1),
+                    "split 'train' loss-mask shard counts do not add up"),
+    "entropy a string": ("pairs", _set("loss_unigram_entropy", "abc"),
+                         "loss_unigram_entropy must be a number >= 0 (nats per token) or absent, got 'abc'"),
+    "entropy NaN": ("text", _set("unigram_entropy", float("nan")), "unigram_entropy must be a number >= 0"),
+    "split entropy negative": ("text", _in_split("val", "unigram_entropy", -1.0),
+                               "split 'val' unigram_entropy must be a number >= 0"),
+    "vocab 0": ("text", _set("vocab_size", 0), "vocab_size must be a positive integer, got 0"),
+    "vocab -1": ("pairs", _set("vocab_size", -1), "vocab_size must be a positive integer, got -1"),
+    "vocab 2.5": ("text", _set("vocab_size", 2.5), "vocab_size must be a positive integer, got 2.5"),
+    "vocab true": ("text", _set("vocab_size", True), "vocab_size must be a positive integer, got True"),
+    "eot outside": ("text", lambda index: index.__setitem__("eot_id", index["vocab_size"]),
+                    "eot_id must be a token id below vocab_size"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INDEXES))
+def test_a_damaged_index_is_refused_alike_by_loading_and_verify(case, prepared, pairs_data, tmp_path, capsys):
+    """An index.json whose kind disagrees with its files (prompt/completion data would be trained as text,
+    its prompts in the loss) or whose fields have the wrong type or range: the loader, train.py's first
+    reading (load_index) and `data.py --verify` each refuse it in the same one line."""
+    base, change, message = BAD_INDEXES[case]
+    out = tmp_path / "d"
+    shutil.copytree(pairs_data if base == "pairs" else prepared[0], out)
+    index = json.loads((out / "index.json").read_text())
+    change(index)
+    (out / "index.json").write_text(json.dumps(index))
+    expected = f"{out / 'index.json'}: {message}"
+    for read in (shards.load_index, lambda d: loader.open_loader(d, "train", 8, 2), shards.verify):
+        with pytest.raises(data.DataError) as e:
+            read(out)
+        assert str(e.value).startswith(expected), str(e.value)
+    assert one_error_line(capsys, data.cli(["--verify", str(out)])) == f"error: {e.value}"  # as verify raised it
+
+
+def test_an_index_of_every_earlier_version_is_read(prepared, pairs_data, tmp_path):
+    """Text data has never had a kind (nor prompt/completion data a missing one): a text index without one
+    reads as text; prompt/completion data without loss_unigram_entropy (written before it was kept) reads."""
+    assert "kind" not in json.loads((prepared[0] / "index.json").read_text())
+    assert isinstance(loader.open_loader(prepared[0], "train", 8, 2), loader.TextLoader)
+    out = tmp_path / "d"
+    shutil.copytree(pairs_data, out)
+    index = json.loads((out / "index.json").read_text())
+    for fields in (index, *index["splits"].values()):
+        fields.pop("loss_unigram_entropy")
+    (out / "index.json").write_text(json.dumps(index))
+    assert isinstance(loader.open_loader(out, "train", 64, 2), loader.PromptCompletionLoader)
+    assert shards.verify(out)[0] == []
+
+
+def test_loss_masks_that_end_no_example_are_refused(pairs_data, tmp_path, capsys):
+    """Loss-mask shards that are all prompt (no example ever ends): the loader names the shard in one
+    line; `--verify` lists both splits' shards (their sha256 changed, or, in an index without hashes,
+    the last byte that ends no example); train.py stops in one line and makes no run directory."""
+    out = tmp_path / "d"
+    shutil.copytree(pairs_data, out)
+    masks = {split: shard_path(out, split, 0, "mask_shards") for split in ("train", "val")}
+    for mask in masks.values():
+        mask.write_bytes(bytes(mask.stat().st_size))  # every byte shards.PROMPT
+    for split, mask in masks.items():
+        with pytest.raises(data.DataError, match=rf"{mask}: the split's last loss-mask byte is not 2 .*0 examples"):
+            loader.open_loader(out, split, 64, 2)
+    assert [line.split(": ")[0] for line in shards.verify(out)[0]] == [str(m) for m in masks.values()]
+    index = json.loads((out / "index.json").read_text())
+    for split in index["splits"].values():
+        for shard in split["mask_shards"]:
+            del shard["sha256"]  # as an index written before shards had hashes
+    (out / "index.json").write_text(json.dumps(index))
+    assert shards.verify(out)[0] == [f"{m}: the last byte is 0, not 2: the split's last example never ends"
+                                     for m in masks.values()]
+    assert masks["train"].name in one_error_line(capsys, train.cli(tiny(tmp_path / "run", out, "training.seq_len=64")))
+    assert not (tmp_path / "run").exists()
