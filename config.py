@@ -21,6 +21,7 @@ import dataclasses
 import math
 import os
 import pathlib
+import stat
 import types
 import typing
 
@@ -198,12 +199,18 @@ def _bad(key, value, tp):
     raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
-def _build(cls, raw, prefix: str):
-    """A dataclass `cls` from the mapping `raw`; unknown keys and wrong types are ConfigErrors."""
+def _mapping(raw, cls, prefix: str) -> dict:
+    """A copy of the section `raw` of dataclass `cls` ({} for an absent one), or a ConfigError naming it."""
     if raw is None:
-        raw = {}
+        return {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix} must be a mapping of {', '.join(_fields(cls))}, got {raw!r}")
+    return dict(raw)
+
+
+def _build(cls, raw, prefix: str):
+    """A dataclass `cls` from the mapping `raw`; unknown keys and wrong types are ConfigErrors."""
+    raw = _mapping(raw, cls, prefix)
     fields = _fields(cls)
     unknown = [k for k in raw if k not in fields]
     if unknown:
@@ -306,18 +313,17 @@ def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
         elif top in SECTIONS:
             fields = _fields(SECTIONS[top])
             nested = _nested_section(fields.get(path[1])) if len(path) > 1 else None
+            # a section the file gives as something else (`training: 5`) is refused, never replaced
             if len(path) == 3 and nested is not None:  # one key of a nested section: training.lora.rank=16
-                section = raw.get(top)
-                section = dict(section) if isinstance(section, dict) else {}
-                inner = section.get(path[1])
-                section[path[1]] = {**(inner if isinstance(inner, dict) else {}), path[2]: value}
+                section = _mapping(raw.get(top), SECTIONS[top], top)
+                inner = _mapping(section.get(path[1]), nested, f"{top}.{path[1]}")
+                section[path[1]] = {**inner, path[2]: value}
                 raw[top] = section
                 continue
             if len(path) != 2:
                 valid = ", ".join(f"{top}.{k}" for k in fields)
                 raise ConfigError(f"override {text!r} must name one key of {top}; valid keys: {valid}")
-            section = raw.get(top)
-            raw[top] = {**(section if isinstance(section, dict) else {}), path[1]: value}
+            raw[top] = {**_mapping(raw.get(top), SECTIONS[top], top), path[1]: value}
         else:
             if len(path) != 1:
                 raise ConfigError(f"override {text!r}: {top} has no sub-keys")
@@ -410,16 +416,27 @@ def validate(cfg: Config) -> None:
                                    or t.loss_chunk < 0):
         raise ConfigError(f"training.loss_chunk must be auto or an integer >= 0 (0: the loss over the whole "
                           f"logits), got {t.loss_chunk!r}")
+    eps = cfg.model.layer_norm_epsilon  # added to the variance: NaN or <= 0 would surface as a NaN loss at step 1
+    if not (math.isfinite(eps) and eps > 0):
+        raise ConfigError(f"model.layer_norm_epsilon must be a positive number, got {eps}")
     if t.lora is not None:
-        check_lora(t.lora, t.init_from)
+        check_lora(t.lora, t.init_from, cfg.model)
     if cfg.data.batching not in BATCHING:
         raise ConfigError(f"data.batching must be one of {', '.join(BATCHING)}, got {cfg.data.batching!r}")
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode must be one of {', '.join(WANDB_MODES)}, got {cfg.wandb.mode!r}")
 
 
-def check_lora(lora: LoRAConfig, init_from: str | None) -> None:
-    """training.lora's values, and the base it needs (training.init_from)."""
+def lora_shapes(m: GPTConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of the weight each LoRA target adapts, as model.py's Dense sees it: q (d, H*D), k and v
+    (d, K*D), o (H*D, d); mlp each of the MLP's weights, (d, F) and (F, d), whose narrower side is the same."""
+    d, heads, kv = m.embedding_dim, m.num_head * m.head_dim, m.kv_heads * m.head_dim
+    return {"q": (d, heads), "k": (d, kv), "v": (d, kv), "o": (heads, d), "mlp": (d, m.ffn_dim)}
+
+
+def check_lora(lora: LoRAConfig, init_from: str | None, model: GPTConfig | None = None) -> None:
+    """training.lora's values, and the base it needs (training.init_from); with `model` (the base's), a
+    rank below the narrowest side of every adapted weight."""
     if not init_from:
         raise ConfigError("training.lora needs training.init_from: the run directory (or import) whose model the "
                           "adapters sit on, frozen")
@@ -437,16 +454,35 @@ def check_lora(lora: LoRAConfig, init_from: str | None) -> None:
     if lora.base_dtype is not None and lora.base_dtype not in LoRAConfig.BASE_DTYPES:
         raise ConfigError(f"training.lora.base_dtype must be null or one of {', '.join(LoRAConfig.BASE_DTYPES)}, "
                           f"got {lora.base_dtype!r}")
+    if model is not None:  # a rank of min(in, out) or more is a full-rank update, with more parameters than W
+        shapes = lora_shapes(model)
+        target = min(lora.targets, key=lambda x: min(shapes[x]))
+        narrowest = min(shapes[target])
+        if lora.rank >= narrowest:
+            n_in, n_out = shapes[target]
+            raise ConfigError(f"training.lora.rank {lora.rank} is at or above min(in, out) = {narrowest} of the "
+                              f"adapted {target} weight ({n_in} x {n_out}): the largest useful rank is {narrowest - 1}")
 
 
 def read_yaml(path) -> dict:
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found")
+        if not path.exists():
+            raise ConfigError(f"config file {path} not found")
+        raise ConfigError(f"config file {path} is not a regular file but {_file_kind(path)}; give a YAML file")
     try:
         return parse_yaml(path.read_bytes(), path)
     except OSError as e:  # unreadable: a permission, an I/O error
         raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+
+
+def _file_kind(path: pathlib.Path) -> str:
+    """What a path that exists but is no regular file is, in words (read without opening it: a FIFO
+    would wait for a writer, /dev/zero never end)."""
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "another kind of file")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

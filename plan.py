@@ -152,6 +152,8 @@ def target(name: str = "H100", devices: int | None = None) -> Target:
     size = re.fullmatch(r"(\d+(?:\.\d+)?)(gib|gb)", text)
     if size:
         memory = float(size[1]) * (GiB if size[2] == "gib" else 1e9)
+        if memory < 1:  # every share of it is a division by it
+            raise PlanError(f"--device {name.strip()}: a GPU's memory must be more than 0, e.g. 24GiB")
         return Target(f"a GPU with {name.strip()}", memory, _count(devices, None, name), "gpu", None)
     m = (re.fullmatch(r"(h100|h200|a100)(?:-?(\d+)(?:gb|gib)?)?", text)
          or re.fullmatch(r"(v2|v3|v4|v5e|v5p|v5litepod|v5lite|v6e)(?:-(\d+))?", text))
@@ -171,6 +173,9 @@ def target(name: str = "H100", devices: int | None = None) -> Target:
         in_slice = processes = None
         if number:
             n = int(number)
+            if n < 1:
+                smallest = CORES_PER_CHIP if kind.slice_names == "cores" else 1
+                raise PlanError(f"TPU slice {name}: no {kind.slice_names} in it; the smallest is {base}-{smallest}")
             chips = n // CORES_PER_CHIP if kind.slice_names == "cores" else n
             if kind.slice_names == "cores" and n % CORES_PER_CHIP:
                 raise PlanError(f"TPU slice {name}: {base} slices are named by TensorCores, an even number")

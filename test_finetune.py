@@ -404,8 +404,56 @@ def test_fcm_training_learns_and_evaluation_is_unaffected(corpus, tmp_path):  # 
     assert abs(sum(losses) / sum(counts) - got[-1]["val_loss"]) < 1e-4
 
 
-def test_config_checks():
-    with pytest.raises(config.ConfigError, match="training.fcm_max_ratio must be in"):
-        config.load_config(overrides=["training.fcm_max_ratio=1.5"])
-    with pytest.raises(config.ConfigError, match="data.batching must be one of packing, padding"):
-        config.load_config(overrides=["data.batching=stack"])
+LORA_BASE = ["model=test", "training.init_from=base"]  # model test: d 32, 4 heads of 8, MLP 128
+CONFIG_MISTAKES = {  # id: (config file text or None for the default, overrides, the error's text)
+    "fcm ratio": (None, ["training.fcm_max_ratio=1.5"], "training.fcm_max_ratio must be in"),
+    "batching": (None, ["data.batching=stack"], "data.batching must be one of packing, padding"),
+    # a rank at or above the narrower side of an adapted weight: min over the targets of min(in, out), less one
+    "lora rank 100000": (None, [*LORA_BASE, "training.lora.rank=100000"],
+                         "training.lora.rank 100000 is at or above min(in, out) = 32 of the adapted q weight "
+                         "(32 x 32): the largest useful rank is 31"),
+    "lora rank 32": (None, [*LORA_BASE, "training.lora.rank=32"], "min(in, out) = 32 of the adapted q weight"),
+    "lora rank, grouped k": (None, [*LORA_BASE, "model.num_kv_head=1", "training.lora.targets=[q,k]",
+                                    "training.lora.rank=8"],  # k: d x (1 head of 8)
+                             "min(in, out) = 8 of the adapted k weight (32 x 8): the largest useful rank is 7"),
+    "lora rank, narrow mlp": (None, [*LORA_BASE, "model.mlp_dim=16", "training.lora.targets=[o,mlp]",
+                                     "training.lora.rank=20"],
+                              "min(in, out) = 16 of the adapted mlp weight (32 x 16): the largest useful rank is 15"),
+    # a section given as something else is refused, not replaced by an override's one key
+    "section a number": ("training: 5\n", ["training.steps=3"], "training must be a mapping of steps, batch_size"),
+    "nested section a number": ("training:\n  lora: 5\n", [*LORA_BASE, "training.lora.rank=4"],
+                                "training.lora must be a mapping of rank, alpha, dropout, targets, base_dtype, got 5"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_MISTAKES))
+def test_config_checks(case, tmp_path):
+    text, overrides, message = CONFIG_MISTAKES[case]
+    path = config.DEFAULT_CONFIG
+    if text is not None:
+        path = tmp_path / "config.yaml"
+        path.write_text(text)
+    with pytest.raises(config.ConfigError) as e:
+        config.load_config(path, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_largest_useful_lora_rank_is_taken():
+    """The rank each refusal above names is accepted (the largest below min(in, out) of every target)."""
+    for overrides, rank in [([], 31), (["model.num_kv_head=1", "training.lora.targets=[q,k]"], 7),
+                            (["model.mlp_dim=16", "training.lora.targets=[o,mlp]"], 15)]:
+        cfg = config.load_config(overrides=[*LORA_BASE, *overrides, f"training.lora.rank={rank}"])
+        assert cfg.training.lora.rank == rank
+
+
+def test_padding_on_text_data_is_said_and_changes_nothing(corpus, capsys):  # noqa: F811
+    """data.batching=padding on text data (windows of one stream: no examples to pad) is one line from the
+    loader of process 0, and the batches are those of the default."""
+    padded = loader.open_loader(corpus, "train", 16, 4, seed=1, batching="padding")
+    out = capsys.readouterr().out
+    assert out == (f"note: data.batching=padding applies to prompt/completion data only; {corpus} is text, read "
+                   "as windows of one token stream (no examples to pad)\n")
+    packed = loader.open_loader(corpus, "train", 16, 4, seed=1)
+    assert all((padded.get_batch(s) == packed.get_batch(s)).all() for s in range(3))
+    loader.open_loader(corpus, "train", 16, 4, seed=1, batching="padding", process_index=1, process_count=2)
+    assert capsys.readouterr().out == ""  # said once, by the first process

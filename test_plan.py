@@ -363,6 +363,10 @@ def test_changes_that_fit_do_fit(capsys):
     (["--devices", "8", "training.batch_size=4"], "error: a micro-batch of 4 sequences"),
     (["--devices", "8", "sharding.tensor=8", "model=test"], "error: model.num_head (4) is not divisible"),
     (["--mfu", "2"], "error: --mfu must be in (0, 1]"),
+    (["--device", "v4-0"], "error: TPU slice v4-0: no cores in it; the smallest is v4-2"),
+    (["--device", "v5e-0"], "error: TPU slice v5e-0: no chips in it; the smallest is v5e-1"),
+    (["--device", "0GiB"], "error: --device 0GiB: a GPU's memory must be more than 0"),
+    (["--device", "0.0GB"], "error: --device 0.0GB: a GPU's memory must be more than 0"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     assert train.cli(["--plan", *args]) == 2
