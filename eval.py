@@ -9,7 +9,8 @@ length L and every token of a window is scored once, with as much context as the
 (the ALiBi paper's "nonoverlapping" evaluation). Lengths are multiples of the training context
 (`2x`) or token counts (`512`); the default is 1x, 2x, 4x and 8x. A learned-position model has
 no embedding past its block_size: the default lengths stop there (with a message), an explicit
-longer one is an error. `--max-tokens N` scores N // L windows at each length, spread evenly over the split.
+longer one is an error. `--max-tokens N` scores N // L windows at each length, spread evenly over the split
+(N at least the longest L: below it, a length would score more than was asked).
 The table is printed, added to RUN_DIR/eval/step<N>.json, drawn as RUN_DIR/eval/step<N>-perplexity.png,
 and logged to the run's wandb project when it has one. Every row records what it measured (data,
 split and its size, max_tokens where that cut the split short): a new row replaces only the row of
@@ -21,17 +22,25 @@ HellaSwag); `--tasks a,b` runs any tasks or groups lm-evaluation-harness knows, 
 YAML files under `--include-path`. harness.py wraps the model for the harness (`JaxLM`) and runs
 the tasks; the reference columns head the printed table, and every metric goes into the JSON.
 
-User errors (a missing run, an unknown task, a length the model cannot take) end in one
-`error: ...` line on stderr and exit status 2.
+Progress bars (ours, lm-eval's, the datasets library's) are drawn on a terminal only: a redirected
+log gets the results and no bars.
+
+User errors (a missing run, an unknown task, a length the model cannot take, a --batch-tokens whose
+logits exceed the device's memory) end in one `error: ...` line on stderr and exit status 2.
 """
 from __future__ import annotations
 
 import os
+import sys
 
 import errors  # light: nothing but the standard library
 
 if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
+    if not sys.stderr.isatty():  # a log, not a terminal: no progress bars of lm-eval's (tqdm), the datasets
+        # library's or the Hub's in it (each reads its variable once, when first imported: so here, first)
+        for name in ("TQDM_DISABLE", "HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+            os.environ.setdefault(name, "1")
 
 DEFAULT_LENGTHS = "1x,2x,4x,8x"
 DEFAULT_TASKS = ("lambada_openai", "piqa", "winogrande", "hellaswag")  # --tasks alone
@@ -57,9 +66,11 @@ def parse_args(argv):
                    "window of rolling log-likelihoods (default: the model's block_size, as lm-eval's HF backend "
                    "reads it from a --format hf export)")
     p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per scoring batch (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed for few-shot sampling and sampled generation "
-                                                              "(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed for few-shot sampling and sampled generation, "
+                                                              "0 to 2**32 - 1 (default: %(default)s)")
     args = p.parse_args(argv)
+    if not 0 <= args.seed < 2**32:  # lm-eval seeds numpy's global generator with it, which takes 32 bits
+        raise errors.EvalError(f"--seed must be in 0..2**32 - 1, got {args.seed}")
     for name in ("max_tokens", "max_length", "batch_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -76,7 +87,6 @@ if __name__ == "__main__":
 
 import math
 import pathlib
-import sys
 import time
 from typing import Iterable, Sequence
 
@@ -88,6 +98,7 @@ import data
 import harness
 import loader
 import rundir
+import sample
 import shards
 import storage
 from errors import DataError, EvalError
@@ -122,7 +133,8 @@ def window_loss(scorer, windows: Iterable[np.ndarray], rows: int, total: int | N
     Batches are padded to `rows` rows (padding rows are not counted), so one shape is compiled.
     """
     nll, n = 0.0, 0
-    with tqdm(total=total, desc=desc, unit="window", disable=desc is None, leave=False) as bar:
+    # a bar on a terminal only (disable=None: none when stderr is a file or a pipe)
+    with tqdm(total=total, desc=desc, unit="window", disable=True if desc is None else None, leave=False) as bar:
         for batch in windows:
             b = len(batch)
             if b < rows:
@@ -138,14 +150,15 @@ def perplexity_table(scorer, data_dir, lengths: Sequence[int], train_len: int, *
                      batch_tokens: int = 16384, max_tokens: int | None = None, progress: bool = True) -> list[dict]:
     """One row per length: {length, multiple, tokens, windows, loss, ppl, split_tokens, max_tokens}.
 
-    Every window of the split is scored once, or with `max_tokens` max_tokens // length windows (at least
-    one) spread evenly over the split (loader.spread). A row says what it measured: the split's size, and max_tokens where that cut
-    the windows short (None: the whole split).
+    Every window of the split is scored once, or with `max_tokens` (at least the longest length: check_max_tokens)
+    max_tokens // length windows spread evenly over the split (loader.spread). A row says what it measured:
+    the split's size, and max_tokens where that cut the windows short (None: the whole split).
     """
+    check_max_tokens(max_tokens, lengths)
     table = []
     for length in lengths:
         rows = max(1, batch_tokens // length)
-        max_windows = None if max_tokens is None else max(1, max_tokens // length)
+        max_windows = None if max_tokens is None else max_tokens // length
         try:
             split_tokens = shards.load_index(data_dir)["splits"].get(split, {}).get("tokens", 0)
             all_windows = (split_tokens - 1) // length
@@ -160,6 +173,27 @@ def perplexity_table(scorer, data_dir, lengths: Sequence[int], train_len: int, *
                       "loss": loss, "ppl": math.exp(loss), "split_tokens": split_tokens,
                       "max_tokens": max_tokens if cut else None})
     return table
+
+
+def check_max_tokens(max_tokens: int | None, lengths: Sequence[int]) -> None:
+    """--max-tokens holds one window of every length, or an EvalError naming the smallest that does: below
+    the longest, that length's row would score a whole window, more than was asked."""
+    if max_tokens is not None and lengths and max_tokens < max(lengths):
+        raise EvalError(f"--max-tokens {max_tokens} is less than one window of {max(lengths)} tokens, the longest of "
+                        f"the evaluation lengths ({', '.join(map(str, sorted(lengths)))}): give --max-tokens "
+                        f"{max(lengths)} or more, or shorter --lengths")
+
+
+def check_batch_tokens(batch_tokens: int, model_cfg) -> None:
+    """--batch-tokens whose scoring batch's float32 logits (batch_tokens x the padded vocabulary) fit the
+    device, or an EvalError naming the most that do, before anything is allocated."""
+    memory, what = sample.device_memory()
+    per_token = model_cfg.padded_vocab_size * 4
+    if batch_tokens * per_token > memory:
+        raise EvalError(f"--batch-tokens {batch_tokens:,}: a scoring batch's logits alone take "
+                        f"{batch_tokens * per_token / sample.GiB:,.1f} GiB ({model_cfg.padded_vocab_size:,} float32 "
+                        f"logits a token), more than the {memory / sample.GiB:,.1f} GiB of {what}; at most "
+                        f"--batch-tokens {memory // per_token:,}")
 
 
 # What a perplexity row measured: rows that agree on all of these are one series (one line of the plot);
@@ -317,6 +351,8 @@ def main(argv=None) -> int:
             print(f"learned positions: evaluating only up to block_size {model_cfg.block_size} "
                   f"(skipping {', '.join(map(str, sorted(set(lengths) - set(kept))))})", file=sys.stderr)
             lengths = kept
+    check_max_tokens(args.max_tokens, lengths)
+    check_batch_tokens(args.batch_tokens, model_cfg)
     task_names = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks is not None else []
     if args.tasks is not None and not task_names:
         raise EvalError("--tasks is empty")
@@ -371,7 +407,8 @@ def main(argv=None) -> int:
 
     tasks = None
     if task_names:
-        lm = harness.JaxLM(model, tokenizer, eot_id=eot_id, max_length=args.max_length, batch_tokens=args.batch_tokens)
+        lm = harness.JaxLM(model, tokenizer, eot_id=eot_id, max_length=args.max_length, batch_tokens=args.batch_tokens,
+                           progress=sys.stderr.isatty())  # bars on a terminal only, not in a log
         t0 = time.perf_counter()
         tasks = harness.run_tasks(lm, task_names, include_path=args.include_path, limit=args.limit,
                           num_fewshot=args.num_fewshot, seed=args.seed)

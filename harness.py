@@ -130,7 +130,8 @@ class JaxLM(TemplateLM):
             items.append((bucket, i, inputs, targets, n_cont))
         items.sort(key=lambda item: (item[0], -len(item[2])))
         results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
-        bar = tqdm(total=len(items), desc=desc, unit="request", disable=not (self.progress and desc), leave=False)
+        bar = tqdm(total=len(items), desc=desc, unit="request", leave=False,
+                   disable=None if self.progress and desc else True)  # None: on a terminal only
         start = 0
         while start < len(items):
             bucket = items[start][0]
@@ -206,7 +207,8 @@ class JaxLM(TemplateLM):
             settings[i] = until
         graphdef, state = nnx.split(self.model)
         out: list[str] = [""] * len(requests)
-        bar = tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm or not self.progress, leave=False)
+        bar = tqdm(total=len(requests), desc="generate_until", leave=False,
+                   disable=True if disable_tqdm or not self.progress else None)  # None: on a terminal only
         rows = max(1, self.batch_tokens // self.max_length)
         for (_, new, temperature), members in groups.items():
             fn = sample.make_generate(graphdef, self.model.config, new, temperature=temperature, eot_id=self.eot_id)

@@ -22,7 +22,8 @@ finetune_data.py encodes it, and the completion (the out_text, up to the end-of-
 printed alone.
 
 User errors (a missing run directory or checkpoint, an empty prompt, a bad number, a too-long
-learned-position request) end in one `error: ...` line on stderr and exit status 2.
+learned-position request, a cache and logits larger than the device's memory, which the error sizes
+down) end in one `error: ...` line on stderr and exit status 2, before the model loads.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def parse_args(argv):
     p.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens; 0 = all (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set with probability P; 1 = all "
                                                                  "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, a 64-bit integer (default: %(default)s)")
     p.add_argument("--num-samples", type=int, default=1, help="samples, generated in one batch (default: %(default)s)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step; default the last")
     args = p.parse_args(argv)
@@ -56,6 +57,8 @@ def parse_args(argv):
         raise errors.SampleError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.num_samples < 1:
         raise errors.SampleError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if not -2**63 <= args.seed < 2**63:  # jax.random.key takes a 64-bit integer
+        raise errors.SampleError(f"--seed must be a 64-bit integer (between -2**63 and 2**63 - 1), got {args.seed}")
     if args.prompt == "":
         raise errors.SampleError("--prompt is empty; give some text to continue")
     return args
@@ -64,6 +67,7 @@ def parse_args(argv):
 if __name__ == "__main__":
     errors.parse_before_loading(parse_args)  # --help and argument mistakes: at once, before JAX loads
 
+import os
 import sys
 import time
 from typing import Callable
@@ -76,7 +80,10 @@ from flax import nnx
 import rundir
 import shards
 from errors import SampleError
-from model import GPT, GPTConfig, init_cache
+from model import DTYPES, GPT, GPTConfig, init_cache
+
+GiB = 2**30
+MAX_POSITIONS = 2**31  # positions are int32 on the device
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,6 +169,45 @@ def generate(model: GPT, prompt, max_new_tokens: int, *, seed: int = 0, temperat
     return np.asarray(out)
 
 
+def device_memory() -> tuple[int, str]:
+    """(bytes, what they are) one device can hold: its allocator's limit (a GPU's, a TPU's), or on the
+    CPU, which reports none, this machine's physical memory."""
+    device = jax.devices()[0]
+    limit = ((device.memory_stats() if hasattr(device, "memory_stats") else None) or {}).get("bytes_limit")
+    if limit:
+        return int(limit), f"the {device.device_kind} device's memory"
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine's memory"
+
+
+def generation_bytes(cfg: GPTConfig, samples: int, prompt: int, new: int) -> int:
+    """The bytes make_generate's arrays take beyond the weights: the KV cache, 2 x (N, B, T0 + new - 1, K, D)
+    in the compute dtype, the prefill's float32 logits (B, T0, V_padded) and the new tokens (B, new) int32."""
+    itemsize = np.dtype(DTYPES[cfg.dtype]).itemsize
+    cache = 2 * cfg.N * samples * (prompt + new - 1) * cfg.kv_heads * cfg.head_dim * itemsize
+    return cache + samples * prompt * cfg.padded_vocab_size * 4 + samples * new * 4
+
+
+def check_generation_size(cfg: GPTConfig, samples: int, prompt: int, new: int) -> None:
+    """A SampleError, before anything is allocated, for a request whose positions pass int32 or whose cache
+    and logits (generation_bytes) exceed what the device holds; it names the most that fits."""
+    if prompt + new > MAX_POSITIONS:
+        raise SampleError(f"prompt ({prompt} tokens) + --max-new-tokens ({new}) = {prompt + new} positions, past "
+                          f"the 2**31 a model addresses")
+    memory, what = device_memory()
+    need = generation_bytes(cfg, samples, prompt, new)
+    if need <= memory:
+        return
+    per_token = generation_bytes(cfg, samples, prompt, 2) - generation_bytes(cfg, samples, prompt, 1)
+    most_new = (memory - generation_bytes(cfg, samples, prompt, 1)) // per_token + 1
+    most_samples = memory // generation_bytes(cfg, 1, prompt, new)
+    fits = [f"--max-new-tokens {most_new:,}" if most_new >= 1 else None,
+            f"--num-samples {most_samples:,}" if most_samples >= 1 else None]
+    fits = " or ".join(f for f in fits if f) or "a shorter prompt"
+    raise SampleError(f"--num-samples {samples:,} x (prompt {prompt} + --max-new-tokens {new:,}) needs "
+                      f"{need / GiB:,.1f} GiB for the KV cache and logits, more than the {memory / GiB:,.1f} GiB of "
+                      f"{what}; at most {fits} fits")
+
+
 def truncate(tokens: np.ndarray, eot_id: int | None) -> list[int]:
     """A row of new tokens up to (not including) its first end-of-text token."""
     tokens = [int(t) for t in tokens]
@@ -189,6 +235,7 @@ def main(argv=None) -> int:
         raise SampleError(
             f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) = {total} exceeds "
             f"block_size {cfg.block_size} of this learned-position model")
+    check_generation_size(cfg, args.num_samples, len(prompt_ids), args.max_new_tokens)
     eot_id = shards.eot_id_of(tokenizer)
     model, step = run.load_model(args.step)
 

@@ -379,11 +379,16 @@ metric_list:
     return mc, lam
 
 
-def test_local_tasks_end_to_end_give_hand_computed_accuracy(run, loaded, tmp_path, capsys):
+def test_local_tasks_end_to_end_give_hand_computed_accuracy(run, loaded, tmp_path):
+    """`python eval.py --tasks` on two local tasks: the accuracies computed by hand; its stderr, a pipe
+    here as in a redirected log, holds no progress bar (lm-eval's, the datasets library's or ours)."""
     model, tokenizer, eot = loaded
     mc, lam = write_tasks(tmp_path, random.Random(5))
-    assert E.cli(["--checkpoint", str(run), "--no-perplexity", "--tasks", "tiny_mc,tiny_lambada",
-                  "--include-path", str(tmp_path), "--max-length", "32"]) == 0
+    done = subprocess.run([sys.executable, str(pathlib.Path(E.__file__)), "--checkpoint", str(run), "--no-perplexity",
+                           "--tasks", "tiny_mc,tiny_lambada", "--include-path", str(tmp_path), "--max-length", "32"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr and "it/s" not in done.stderr, done.stderr
     results = json.loads((run / "eval" / "step40.json").read_text())["tasks"]
 
     def encode_pair(context, continuation):  # the harness's target delimiter is one space
@@ -404,8 +409,7 @@ def test_local_tasks_end_to_end_give_hand_computed_accuracy(run, loaded, tmp_pat
                             32) for d in lam]
     assert results["tiny_lambada"]["acc"] == pytest.approx(np.mean([g for _, g in scores]))
     assert results["tiny_lambada"]["perplexity"] == pytest.approx(np.exp(-np.mean([s for s, _ in scores])), rel=1e-4)
-    out = capsys.readouterr().out
-    assert "tiny_mc acc" in out and "tiny_lambada perplexity" in out
+    assert "tiny_mc acc" in done.stdout and "tiny_lambada perplexity" in done.stdout
 
 
 def test_reference_columns_lead_the_task_table():
@@ -427,9 +431,10 @@ def test_cli_writes_table_json_and_plot(run, capsys):
     assert [r["length"] for r in saved["rows"]] == [32, 64, 128, 256]  # 1x..8x of the training context 32
     assert saved["train_len"] == 32 and all(r["tokens"] <= 400 for r in saved["rows"])
     assert (run / "eval" / "step40-perplexity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     for r in saved["rows"]:
         assert f"{r['ppl']:.3f}" in out
+    assert "\r" not in err and "ppl @" not in err  # stderr is no terminal here: no progress bar in it
 
 
 def test_results_of_several_runs_merge_by_length(run, corpus, tmp_path, capsys):  # noqa: F811
@@ -568,6 +573,15 @@ def test_learned_positions_stop_at_block_size(learned_run, capsys):
     (["--checkpoint", "{run}", "--no-perplexity"], "nothing to evaluate"),
     (["--checkpoint", "{run}", "--include-path", "{missing}", "--tasks", "x", "--no-perplexity"], "not a directory"),
     (["--checkpoint", "{run}", "--split", "nosuch"], "no split 'nosuch' (has: train, val)"),
+    (["--checkpoint", "{run}", "--seed", str(2**70), "--tasks", "x"], "--seed must be in 0..2**32 - 1, got 1180591"),
+    (["--checkpoint", "{run}", "--seed", "-1", "--tasks", "x"], "--seed must be in 0..2**32 - 1, got -1"),
+    # below one window: each length would score a whole window anyway (1x..8x of 32 here)
+    (["--checkpoint", "{run}", "--max-tokens", "10"], "--max-tokens 10 is less than one window of 256 tokens, the "
+                                                      "longest of the evaluation lengths (32, 64, 128, 256): give "
+                                                      "--max-tokens 256 or more"),
+    (["--checkpoint", "{run}", "--lengths", "32,64", "--max-tokens", "63"], "one window of 64 tokens"),
+    (["--checkpoint", "{run}", "--batch-tokens", str(10**20)], "--batch-tokens 100,000,000,000,000,000,000: a "
+                                                               "scoring batch's logits alone take"),
 ])
 def test_user_errors_are_one_line(run, tmp_path, capsys, argv, message):
     argv = [a.format(run=run, missing=tmp_path / "missing") for a in argv]

@@ -282,11 +282,46 @@ def test_cli_errors_are_one_line(runs, capsys, tmp_path):
         (["--checkpoint", alibi, "--prompt", "the", "--temperature", -1], "--temperature"),
         (["--checkpoint", alibi, "--prompt", "the", "--num-samples", 0], "--num-samples"),
         (["--checkpoint", alibi, "--prompt", "the", "--max-new-tokens", "ten"], "--max-new-tokens"),
+        (["--checkpoint", alibi, "--prompt", "the", "--seed", 2**70], "--seed must be a 64-bit integer"),
+        (["--checkpoint", alibi, "--prompt", "the", "--seed", 2**63], "--seed must be a 64-bit integer"),
+        (["--checkpoint", alibi, "--prompt", "the", "--max-new-tokens", 2**31], "past the 2**31 a model addresses"),
+        (["--checkpoint", alibi, "--prompt", "the", "--max-new-tokens", 2**31 - 10], "for the KV cache and logits"),
+        (["--checkpoint", alibi, "--prompt", "the", "--num-samples", 10**12], "for the KV cache and logits"),
     ]
     for argv, words in cases:
         rc, out, err = run_cli(capsys, *argv)
         assert rc == 2 and out == "", argv
         assert err.count("\n") == 1 and err.startswith("error: ") and words in err, (argv, err)
+
+
+def test_a_generation_larger_than_memory_is_refused_naming_what_fits(runs, capsys, monkeypatch):
+    """--max-new-tokens 1e9 (a 1.5 TB cache on the default model) or --num-samples 1e9: refused before the
+    model loads, naming the most new tokens (or samples) whose KV cache and logits fit the device; that
+    many runs. The device's memory is set here to what 3 samples of 40 new tokens need (plus a little), so
+    the numbers do not depend on the machine."""
+    run_dir = runs / "alibi"
+    cfg = rundir.Run(run_dir).config().model
+    assert (cfg.N, cfg.kv_heads, cfg.head_dim, cfg.dtype) == (2, 4, 8, "float32")  # the test size
+    prompt = len(rundir.Run(run_dir).tokenizer().encode("the", add_special_tokens=False).ids)
+    vocab = -(-cfg.vocab_size // 128) * 128
+
+    def need(samples, new):  # k and v caches, the prefill's logits, the new tokens
+        return 2 * 2 * samples * (prompt + new - 1) * 4 * 8 * 4 + samples * prompt * vocab * 4 + samples * new * 4
+
+    memory = need(3, 40) + 100
+    monkeypatch.setattr(sample, "device_memory", lambda: (memory, "this machine's memory"))
+    rc, _, err = run_cli(capsys, "--checkpoint", run_dir, "--prompt", "the", "--max-new-tokens", 10**9,
+                         "--num-samples", 3, "--temperature", 0)
+    assert need(1, 10**9) > memory  # not even one sample of 1e9 tokens: only the length is named
+    assert rc == 2 and err == (f"error: --num-samples 3 x (prompt {prompt} + --max-new-tokens 1,000,000,000) needs "
+                               f"{need(3, 10**9) / 2**30:,.1f} GiB for the KV cache and logits, more than the "
+                               f"{memory / 2**30:,.1f} GiB of this machine's memory; at most --max-new-tokens 40 fits\n")
+    rc, out, _ = run_cli(capsys, "--checkpoint", run_dir, "--prompt", "the", "--max-new-tokens", 40,
+                         "--num-samples", 3, "--temperature", 0)
+    assert rc == 0 and out.count("---------- sample ") == 3
+    assert need(10**6, 1) > memory  # a million samples do not fit even one new token: only the samples are named
+    rc, _, err = run_cli(capsys, "--checkpoint", run_dir, "--prompt", "the", "--num-samples", 10**6)
+    assert rc == 2 and err.endswith(f"; at most --num-samples {memory // need(1, 100):,} fits\n"), err
 
 
 def help_entries(parse_args, capsys) -> dict[str, str]:
