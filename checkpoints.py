@@ -97,7 +97,9 @@ class Checkpoints:
         self.mngr = ocp.CheckpointManager(
             self.dir,
             options=ocp.CheckpointManagerOptions(max_to_keep=self.keep, enable_async_checkpointing=self.async_save,
-                                                 todelete_subdir=DELETING),  # object stores delete in place
+                                                 todelete_subdir=DELETING,  # object stores delete in place
+                                                 temporary_path_class=fenced_commit(self.run.check_fence)
+                                                 if self.run.remote else None),
             item_handlers=ocp.StandardCheckpointHandler(),  # so that a checkpoint's tree can be read before restoring
         )
         return self.mngr
@@ -180,6 +182,7 @@ class Checkpoints:
             time.sleep(0.05)
             if self.run.remote or not any(pathlib.Path(self.dir).glob("*.orbax-checkpoint-tmp*")):
                 break
+        self.run.check_fence()  # a save the lease's fence stopped: that is the reason
         steps = self.steps()
         reason = SAVE_ERRORS.reason()
         raise RunError(f"saving checkpoint {step} in {self.dir} failed ({reason}); "
@@ -333,6 +336,23 @@ class Checkpoints:
                     if n not in taken)
         self.run.move(f"{CHECKPOINTS}/{step}", f"{DAMAGED}/{name}")
         return name
+
+
+def fenced_commit(fence):
+    """orbax's commit of a checkpoint in an object store (its commit marker, commit_success.txt, written
+    once every array is: until then the step's objects are no checkpoint), behind the run's `fence`: a
+    holder that lost the run's lease while its save was in flight (paused past the lease, and the run
+    taken over meanwhile) never commits a step, whatever it had written by then."""
+    import asyncio
+
+    import orbax.checkpoint as ocp
+
+    class FencedCommitFile(ocp.path.atomicity.CommitFileTemporaryPath):
+        async def finalize(self, *args, **kwargs):
+            await asyncio.to_thread(fence)  # raises (the save fails) when the lease is no longer this process's
+            await super().finalize(*args, **kwargs)
+
+    return FencedCommitFile
 
 
 def forget_listings(url) -> None:

@@ -605,3 +605,39 @@ def test_a_paused_holder_that_lost_its_lease_writes_nothing_more(journey, capsys
     assert steps == list(range(1, 25))  # each step once: nothing of the first after the takeover
     assert json.loads(store().cat_file(f"{run}/summary.json"))["steps"] == 24
     assert rundir.LOCK not in remote_files(run)
+
+
+def test_a_holder_paused_inside_its_save_never_commits_it(journey, gcs_refusals):
+    """The holder of a run in the bucket is paused (SIGSTOP) while its asynchronous save of checkpoint 8
+    is in flight (the store busy with its arrays), past its lease; `--resume` takes the run over from
+    checkpoint 4 and trains to step 6. When the first continues (SIGCONT) its save goes on, but the
+    commit marker is behind the lease's fence: checkpoint 8 is never committed, and the first stops
+    with its one line (it used to commit the step the new holder had resumed before)."""
+    bucket, _, _, cwd = journey
+    run = f"{bucket}/paused-save"
+    ttl = 6
+    env = {**os.environ, rundir.LEASE_TTL_ENV: str(ttl)}
+    command = [sys.executable, str(REPO / "train.py")]
+    args = tiny(run, f"{bucket}/data", "training.steps=24", "checkpoint.every=4", "training.eval_every=4")
+    gcs_refusals(f"{run}/checkpoints/8/default/", status=503)  # its arrays: retried while the store is busy
+    first = subprocess.Popen([*command, *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 180
+        while gcs_refusals.refused() == 0 and first.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert first.poll() is None and checkpoints(run) == [4], first.communicate()[1][-2000:]
+        first.send_signal(signal.SIGSTOP)  # inside the save of checkpoint 8
+        time.sleep(ttl + 1)
+        second = subprocess.run([*command, "--resume", f"run_dir={run}", "training.steps=6"], cwd=cwd, env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 0, second.stdout + second.stderr
+        assert "resuming from step 4" in second.stdout
+        gcs_refusals.lift()
+        first.send_signal(signal.SIGCONT)
+        _, err = first.communicate(timeout=180)
+    finally:
+        first.kill()
+    assert first.returncode == 2, err
+    assert err.strip().splitlines()[-1].startswith(f"error: this process lost the lease on {run} ("), err[-2000:]
+    assert checkpoints(run) == [4, 6]  # nothing of the first's checkpoint 8 counts as saved
