@@ -590,6 +590,9 @@ def test_default_config_has_a_comment_on_every_key():
     ("training.loss_chunk=-1", ["training.loss_chunk", ">= 0"]),
     ("training.steps=99999999999999999999", ["training.steps", "below 2**31", "99999999999999999999"]),
     ("checkpoint.every=4294967296", ["checkpoint.every", "below 2**31"]),
+    ("model.layer_norm_epsilon=.nan", ["model.layer_norm_epsilon must be a positive number, got nan"]),
+    ("model.layer_norm_epsilon=.inf", ["model.layer_norm_epsilon", "positive", "inf"]),
+    ("model.layer_norm_epsilon=0", ["model.layer_norm_epsilon", "positive", "0.0"]),
 ])
 def test_config_errors_name_key_and_choices(override, words):
     extra = ["training.micro_batches=4"] if "batch_size" in override else []
@@ -608,6 +611,20 @@ def test_config_file_that_is_not_text_is_one_line(tmp_path):
     good = tmp_path / "utf8.yaml"
     good.write_bytes("run_dir: runs/caf\u00e9\n".encode())
     assert config.load_config(good).run_dir == "runs/caf\u00e9"
+
+
+def test_a_config_that_is_no_regular_file_is_named_as_what_it_is(tmp_path):
+    """A FIFO (which would wait for a writer), /dev/zero (which never ends) or a directory as --config:
+    one line saying what it is, read without opening it; a missing file is 'not found'."""
+    import os
+    os.mkfifo(tmp_path / "fifo")
+    for path, what in [(tmp_path / "fifo", "a FIFO (named pipe)"), ("/dev/zero", "a character device"),
+                       (tmp_path, "a directory")]:
+        with pytest.raises(config.ConfigError) as e:
+            config.load_config(path)
+        assert str(e.value) == f"config file {path} is not a regular file but {what}; give a YAML file"
+    with pytest.raises(config.ConfigError, match=f"config file {tmp_path / 'none.yaml'} not found"):
+        config.load_config(tmp_path / "none.yaml")
 
 
 def test_a_resume_or_init_from_on_other_data_is_refused(finished_run, corpus, tmp_path, capsys):
