@@ -73,6 +73,7 @@ class Stop:
         self.agreed = False  # ... and has been agreed, at this step
         self.handlers = {}
         self.starting = True
+        self.done = False  # trained to the end (`ended`)
         self.undo: list = []  # callables () -> str | None: each removes what the start wrote, and says what
         self.writing = threading.RLock()  # held by the start's writes into the run directory
         self.pipe = None
@@ -88,8 +89,16 @@ class Stop:
         return self
 
     def __exit__(self, *exc) -> None:
-        for s, h in self.handlers.items():
-            signal.signal(s, h)
+        for s in self.handlers:  # the run is over (trained, stopped or failed): a signal now ends nothing more
+            signal.signal(s, self.after_the_end)
+
+    def ended(self) -> str | None:
+        """The run has trained its last step: a signal from now on is only said (after_the_end). Returns the
+        line for one that came during the last step (the run completed all the same), else None."""
+        self.done = True
+        if self.signal is not None:
+            return f"{signal.Signals(self.signal).name} arrived as the run ended: it is complete, nothing was lost"
+        return None
         if self.pipe is not None:
             read, write, previous = self.pipe
             signal.set_wakeup_fd(previous)
@@ -119,6 +128,12 @@ class Stop:
         os.write(1, (line + "\n").encode())
         os._exit(128 + signum)
 
+    @staticmethod
+    def after_the_end(signum, frame) -> None:
+        """A stop signal once the run has ended (the process exits, its threads and JAX shut down): said,
+        and the process exits as it was going to, with the run's own status."""
+        os.write(2, f"{signal.Signals(signum).name} after the run ended: nothing more to stop\n".encode())
+
     def end_start_everywhere(self, signum: int) -> None:
         """A signal during start-up with several processes joined: every process ends its start, each
         undoing what it wrote, with one line and 128 + N (multihost.fail; the others through its watch)."""
@@ -143,6 +158,9 @@ class Stop:
     def arrived(self, signum, frame) -> None:
         if signum == signal.SIGHUP:  # the terminal is gone: the checkpoint still to save must not fail on it
             errors.detach_from_terminal()
+        if self.done:
+            self.after_the_end(signum, frame)
+            return
         if self.signal is not None:
             sys.stdout.flush()
             os.write(2, f"\nerror: stopped at once by a second {signal.Signals(signum).name}; resume from the "
@@ -211,6 +229,7 @@ class Steps:
         self.flops_per_token = model_lib.flops_per_token(cfg.model, cfg.seq_len)
         self.peak = step_lib.peak_flops(jax.local_devices()[0].device_kind)
         self.metrics_file, self.wandb_run = metrics_file, wandb_run
+        self.history = list(metrics_file.rows) if metrics_file is not None else []  # for the loss curve
         self.last_ckpt, self.run_dir = last_ckpt, run_dir
         rows = metrics_file.rows if metrics_file is not None else []
         self.clock = float(rows[-1].get("time_s", 0.0)) if rows else 0.0  # the run's time before this start
@@ -259,7 +278,7 @@ class Steps:
         loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
-            raise Diverged(f"{what} at step {s}; last good checkpoint: {self.last_ckpt} ({self.run_dir})")
+            raise Diverged(f"{what} at step {s}; {self.last_good()}")
         self.recent_losses.append(loss)
         now = time.perf_counter()
         if s == self.start_step + 1:
@@ -273,6 +292,9 @@ class Steps:
         row.update(val)
         if self.metrics_file is not None:  # process 0 reports; the others' logs stay quiet
             self.bar.write(f"step {row['step']}: val loss {val['val_loss']:.4f}, val ppl {val['val_ppl']:.2f}")
+            self.history.append(row)  # (logged just after: drawn with it below, then kept once)
+            self.plot()
+            self.history.pop()
 
     def log(self, row: dict) -> None:
         """One line of metrics.jsonl (and W&B), with tokens/s and MFU since the last logged step."""
@@ -284,6 +306,7 @@ class Steps:
         self.mark, self.last_row = (s, now), row
         if self.metrics_file is not None:
             self.metrics_file.append(row)
+            self.history.append(row)
             if self.wandb_run is not None:
                 self.wandb_run.log(row, step=s)
         postfix = {"loss": f"{row['loss']:.3f}"}
@@ -299,8 +322,16 @@ class Steps:
     def check_finite(self, params_finite) -> None:
         """Before a save: parameters that are not all finite stop the run (Diverged), nothing saved."""
         if not bool(params_finite):
-            raise Diverged(f"parameters are not finite after step {self.step}; "
-                           f"last good checkpoint: {self.last_ckpt} ({self.run_dir})")
+            raise Diverged(f"parameters are not finite after step {self.step}; {self.last_good()}")
+
+    def last_good(self) -> str:
+        """What a diverged run leaves to go on from, in words."""
+        if self.last_ckpt is None:
+            return (f"no checkpoint was saved before it: {self.run_dir} holds the run's config and metrics up to "
+                    f"here; start again in another run_dir (or remove this one) with other settings, e.g. a lower "
+                    f"training.lr or more training.warmup_steps")
+        return (f"the last good checkpoint is step {self.last_ckpt} in {self.run_dir}: continue from it with "
+                f"python train.py --resume run_dir={self.run_dir} and other settings, e.g. training.lr=...")
 
     def saved(self) -> None:
         self.last_ckpt = self.step
@@ -313,9 +344,16 @@ class Steps:
         self.mark = (self.step, time.perf_counter())
 
     def finish(self) -> None:
-        """The loop has ended: the last dispatched step, if not read yet, is logged."""
+        """The loop has ended: the last dispatched step, if not read yet, is logged, and the loss curve drawn."""
         if self.pending is not None:
             self.log(self.read())
+        self.plot()
+
+    def plot(self) -> None:
+        """Process 0: RUN/loss.png, the training and validation loss so far (after each evaluation, and at
+        the end of the loop)."""
+        if self.metrics_file is not None and self.history:
+            self.run_dir.write_bytes(self.run_dir.LOSS_PLOT, loss_plot(self.history, f"{self.run_dir.name}: loss"))
 
     def summary(self, index: dict, n_params: int, val_windows: int, val_tokens: int, val_of: int, ckpt_dir) -> dict:
         """summary.json: where training ended, with the unigram baseline of the tokens the loss counts
@@ -340,6 +378,8 @@ class Steps:
             "unigram_entropy": entropy,
             "unigram_entropy_of": "the completions (the tokens in the loss)" if completions else "the corpus",
             "checkpoint": os.path.join(ckpt_dir, str(self.last_ckpt)) if self.last_ckpt is not None else None,
+            "run_dir": str(self.run_dir),
+            "loss_plot": self.run_dir.show(self.run_dir.LOSS_PLOT) if self.history else None,
         }
         if entropy is not None and summary["val_loss"] is not None:
             summary["val_loss_below_unigram"] = entropy - summary["val_loss"]
@@ -356,6 +396,32 @@ def sample_words(summary: dict) -> str:
             "python eval.py measures the whole split)")
 
 
+def loss_plot(rows: list[dict], title: str) -> bytes:
+    """A PNG of the training loss of each logged step and the validation loss of each evaluation, by step."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", linewidth=1)
+    val = [r for r in rows if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], marker="o", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    plt.close(fig)
+    return png.getvalue()
+
+
 def report(summary: dict) -> str:
     """The lines train.py ends with, from its summary.json."""
     fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
@@ -369,4 +435,9 @@ def report(summary: dict) -> str:
         f"{fmt(summary['unigram_entropy'], '.4f')} nats/token"
         + (f"; the val loss is {abs(gap):.3f} nats {'below' if gap >= 0 else 'above'} it" if gap is not None else "")
         + f"\n  checkpoint {summary['checkpoint']}"
+        + (f"\n  loss curve {summary['loss_plot']}" if summary.get("loss_plot") else "")
+        + (f"\nnext: python eval.py --checkpoint {run}    # perplexity on the validation split, at 1-8x the context\n"
+           f"      python sample.py --checkpoint {run} --prompt \"The\"\n"
+           f"      python convert_torch.py --checkpoint {run} --format hf --out {run}-hf    # for transformers"
+           if (run := summary.get("run_dir")) else "")
     )

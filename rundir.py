@@ -6,6 +6,7 @@
     RUN/tokenizer.json          a copy of the data's tokenizer, so the run decodes without the corpus
     RUN/metrics.jsonl           one JSON object per logged step
     RUN/summary.json            where training ended
+    RUN/loss.png                the training and validation loss by step (drawn at each evaluation)
     RUN/.lock                   who writes the run now (train.py, an import): one writer at a time
     RUN/wandb_id.txt            the W&B run id: a resume and eval.py log into the same W&B run
     RUN/lora_base.json          a LoRA run's frozen base: training.init_from, its checkpoint step, a fingerprint
@@ -174,6 +175,8 @@ def results_problem(results) -> str | None:
 class Run(storage.RunDir):
     """A run directory and the files in it (see the module docstring)."""
 
+    LOSS_PLOT = "loss.png"
+
     # ------------------------------------------------------------------------------------------
     # config.yaml
 
@@ -212,6 +215,34 @@ class Run(storage.RunDir):
             raise RunError(f"--resume cannot change training.lora ({show(was)} -> {show(now)}): its checkpoints hold "
                            f"those adapters (or the whole model); start a new run to train others")
         return cfg
+
+    # what a resume may change without a word: where things are, how often the loop logs, evaluates and
+    # saves, and W&B (training.steps has its own line, about the schedule)
+    UNREMARKABLE = ("run_dir", "data.dir", "training.steps", "training.log_every", "training.eval_every",
+                    "training.eval_windows", "checkpoint.", "wandb.")
+
+    def resume_changes(self, saved: config_lib.Config, cfg: config_lib.Config) -> str | None:
+        """One line on what a resume's overrides change of the run as it was configured (`saved`) that its
+        continuation depends on (the batch, the context, the seed, the optimizer, the model's dtype...):
+        the steps after the checkpoint then differ from those the run would have had; None for nothing."""
+        def flat(tree, prefix=""):
+            for key, value in tree.items():
+                if isinstance(value, dict):
+                    yield from flat(value, f"{prefix}{key}.")
+                else:
+                    yield f"{prefix}{key}", value
+
+        was, now = dict(flat(config_lib.to_dict(saved))), dict(flat(config_lib.to_dict(cfg)))
+        changed = [f"{k} {was.get(k)} -> {now.get(k)}" for k in sorted(was.keys() | now.keys())
+                   if was.get(k) != now.get(k) and not k.startswith(self.UNREMARKABLE)]
+        if not changed:
+            return None
+        drawn = [k for k in ("training.batch_size", "training.seq_len", "seed", "data.batching")
+                 if any(c.startswith(k + " ") for c in changed)]
+        return (f"--resume changes {', '.join(changed)}: the steps from here on are not those the run would have "
+                f"had with its own settings" + (f" (the batches are drawn anew for {' and '.join(drawn)})"
+                                                  if drawn else "")
+                + "; a resume with the saved settings continues it exactly")
 
     def save_config(self, cfg: config_lib.Config) -> str:
         """Write config.yaml at once (a crash never leaves half a config), and format.json: the run is
@@ -290,9 +321,16 @@ class Run(storage.RunDir):
             os.close(fd)
             raise RunError(f"run directory {self} is in use by {other}; one process writes a run at a time "
                            f"(wait for it to end, or stop it first)") from None
+        before = os.pread(fd, 4096, 0)
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-        return lambda: os.close(fd)  # the flock goes with the descriptor; the file stays (no unlink race)
+
+        def release():  # the flock goes with the descriptor; the file stays (no unlink race), as it was before
+            if before:  # (its content names the holder only while the flock is held)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, before, 0)
+            os.close(fd)
+        return release
 
     def _lease(self, holder: dict):
         """Take the run's lease in an object store (see `writer`); returns its release. In Google Cloud

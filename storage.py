@@ -131,6 +131,13 @@ class RunDir:
 
     def __init__(self, location):
         self.remote = is_url(location)
+        try:
+            str(location).encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes that are no UTF-8, carried as surrogates: orbax cannot save there
+            bad = str(location)[e.start:e.end].encode("utf-8", "surrogateescape")
+            raise StorageError(f"{str(location).encode('utf-8', 'surrogateescape')!r}: a run directory's path must "
+                               f"be UTF-8 text (it holds the byte {bad[:1]!r}), which the checkpoints' storage "
+                               f"needs; choose or rename it") from None
         if self.remote:
             _check_names_a_place(location)
         self.location = str(location).rstrip("/") if self.remote else local_path(location)

@@ -70,8 +70,8 @@ def rows(run_dir) -> list[dict]:
 
 
 def contents(run_dir) -> dict:
-    """Every file of a run directory with its bytes, but the lock (whose holder a resume records)."""
-    return {p: p.read_bytes() for p in pathlib.Path(run_dir).rglob("*") if p.is_file() and p.name != rundir.LOCK}
+    """Every file of a run directory with its bytes, the lock too (which names its holder only while held)."""
+    return {p: p.read_bytes() for p in pathlib.Path(run_dir).rglob("*") if p.is_file()}
 
 
 def deterministic(row: dict) -> dict:
@@ -122,6 +122,15 @@ def test_end_to_end_run(finished_run, corpus):
     assert summary["wall_time_s"] >= r[-1]["time_s"]
     assert summary["unigram_entropy"] == index["unigram_entropy"]
     assert summary["checkpoint"] == str((run_dir / "checkpoints" / "8").resolve())
+    # the loss curve: a picture (a PNG matplotlib reads back)
+    import matplotlib.image
+
+    assert summary["loss_plot"] == str(run_dir / "loss.png")
+    assert matplotlib.image.imread(run_dir / "loss.png").shape[:2] == (480, 720)  # 6 x 4 inches at 120 dpi
+    # the report ends with the next commands
+    said = progress.report(summary)
+    assert said.endswith(f'python convert_torch.py --checkpoint {run_dir} --format hf --out {run_dir}-hf    '
+                         f'# for transformers') and f"python eval.py --checkpoint {run_dir}" in said
     # the run directory is self-contained: config (vocabulary from the data), data reference, tokenizer
     cfg = rundir.Run(run_dir).config()
     assert cfg.model.vocab_size == index["vocab_size"] == 300
@@ -188,12 +197,19 @@ def test_resume_overrides_are_checked_against_the_runs_own_config(corpus, tmp_pa
     assert train.main(["--config", str(tmp_path / "test.yaml"), "--resume", f"run_dir={run_dir}",
                        "training.seq_len=100", "training.steps=3"]) == 0
     assert rundir.Run(run_dir).config().training.seq_len == 100 and int(restore(run_dir, 3)["step"]) == 3
+    # what a resume's override changes of the run's continuation is said in one line (training.steps aside)
+    out = capsys.readouterr().out
+    [said] = [line for line in out.splitlines() if line.startswith("--resume changes ")]
+    assert said.startswith("--resume changes training.seq_len 32 -> 100: the steps from here on are not those the "
+                           "run would have had with its own settings (the batches are drawn anew for "
+                           "training.seq_len)"), said
     # extending a run re-lays the schedule: said at the resume, with the learning rate before and after
     tr = rundir.Run(run_dir).config().training
     lr = lambda steps, s: tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * min(  # noqa: E731
         (s - tr.warmup_steps) / max(1, steps - tr.warmup_steps), 1.0)))
     assert train.main(["--resume", f"run_dir={run_dir}", "training.steps=5"]) == 0
     out = capsys.readouterr().out
+    assert "--resume changes" not in out
     assert (f"training.steps 3 -> 5: the warm-up and cosine schedule now spans 5 steps, so the learning rate of "
             f"step 4 goes from {lr(3, 4):.3g} to {lr(5, 4):.3g}") in out
     with pytest.raises(config.ConfigError, match=r"training.seq_len must be in 1..model.block_size \(128\)"):
@@ -484,7 +500,8 @@ def test_nan_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, capsys):
     msg = err[-1]
     assert msg.startswith("error: ") and not any(line.startswith("error") for line in err[:-1])
     step = int(msg.split(" at step ")[1].split(";")[0])
-    good = int(msg.split("last good checkpoint: ")[1].split()[0])
+    good = int(msg.split("the last good checkpoint is step ")[1].split()[0])
+    assert f"python train.py --resume run_dir={run_dir} " in msg
     assert good == step - 1 >= 1
     assert "loss is nan" in msg or "loss is inf" in msg or "not finite" in msg
     # checkpoints exist up to the last good step, none after it, and the last one is finite
@@ -494,6 +511,11 @@ def test_nan_stops_and_keeps_last_good_checkpoint(corpus, tmp_path, capsys):
     assert int(state["step"]) == good
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(state["params"]))
     assert all(row["step"] < step for row in rows(run_dir))
+    # diverged before its first checkpoint: said so, not "checkpoint None"
+    early = tmp_path / "early"
+    assert train.cli(tiny(early, corpus, "training.lr=1e30", "training.warmup_steps=1")) == 1
+    msg = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no checkpoint was saved before it: " in msg and "None" not in msg and "another run_dir" in msg
 
 
 def test_weight_decay_mask():
@@ -644,8 +666,8 @@ def test_a_resume_or_init_from_on_other_data_is_refused(finished_run, corpus, tm
                  tokenizer=str(corpus / "tokenizer.json"), progress=False)
     same = tmp_path / "copy"
     shutil.copytree(corpus, same)
-    def files_of(run):  # all but the lock, which each writer that takes it rewrites with its name
-        return {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+    def files_of(run):  # the lock too: it names its holder only while held, and is put back as it was
+        return {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
 
     files = files_of(run_dir)
     for data_dir, words in [(other_bpe, "another tokenizer than this run's"),
@@ -819,6 +841,33 @@ def test_signal_saves_and_exits_cleanly(sig, corpus, tmp_path):
     # --resume continues after the saved step (two more steps)
     assert train.main(["--resume", f"run_dir={run_dir}", f"training.steps={last + 2}"]) == 0
     assert [r["step"] for r in rows(run_dir)] == list(range(1, last + 3))
+
+
+def test_a_run_dir_that_is_no_utf8_is_refused_before_training(corpus, tmp_path, capsys):
+    """A run directory whose path holds bytes that are no UTF-8 (a file system with Latin-1 names): one line
+    before anything is made (it trained, then failed its first save with 91 tracebacks, losing the work)."""
+    run_dir = os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9")
+    assert train.cli(tiny(run_dir, corpus)) == 2
+    err = capsys.readouterr().err
+    assert "a run directory's path must be UTF-8 text (it holds the byte b'\\xe9')" in err and err.count("\n") == 1
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_signal_after_the_last_step_is_said_and_changes_nothing(corpus, tmp_path):
+    """SIGTERM once the run has trained its last step (its summary printed, the process shutting down):
+    one line saying the run had ended, and the run's own status, 0 (it was killed with -15 before)."""
+    run_dir = tmp_path / "done"
+    p = subprocess.Popen([sys.executable, "train.py", *tiny(run_dir, corpus, "training.steps=1")], cwd=REPO,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.startswith("done: 1 steps"):
+            break
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "SIGTERM after the run ended: nothing more to stop" in err or "SIGTERM arrived as the run ended" in out
+    assert "Traceback" not in err and json.loads((run_dir / "summary.json").read_text())["steps"] == 1
 
 
 def test_closing_the_terminal_saves_a_checkpoint(corpus, tmp_path):

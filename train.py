@@ -136,8 +136,9 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     if args.resume:
         if not run_dir.is_file(rundir.CONFIG):
             raise RunError(f"nothing to resume: {run_dir} is not a run directory (no {rundir.CONFIG})")
+        run_dir.resume_config(args.overrides)  # refused overrides are refused before the lock is written
         multihost.on_process_zero(lambda: held.enter_context(run_dir.writer(writer)), stopped)
-        cfg = run_dir.resume_config(args.overrides)
+        cfg = run_dir.resume_config(args.overrides)  # as it is now that no other writer can change it
     else:
         run_dir.check_new()
     t, ck, sh = cfg.training, cfg.checkpoint, cfg.sharding
@@ -145,7 +146,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         say(f"warning: training.warmup_steps ({t.warmup_steps}) exceeds training.steps ({t.steps}): the learning "
             f"rate peaks at {t.steps / t.warmup_steps:.0%} of training.lr; set training.warmup_steps below "
             f"{t.steps} to reach it")
-    sharding_lib.on_process_zero(lambda: rundir.check_wandb(cfg), stopped)  # before anything is written
+    multihost.on_process_zero(lambda: rundir.check_wandb(cfg), stopped)  # before anything is written
     try:
         attention_lib.check_attention_backend(cfg.model)  # e.g. attention=cudnn without a GPU, before any work
     except ValueError as e:
@@ -245,6 +246,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         tokens_before = ckpts.tokens(last_ckpt)  # (None: saved before tokens were kept)
         if tokens_before is None:
             tokens_before = start_step * saved.training.batch_size * saved.seq_len
+        if changes := run_dir.resume_changes(saved, cfg):
+            say(changes)
         if saved.training.steps != t.steps and start_step < t.steps:
             before = float(step_lib.lr_schedule(dataclasses.replace(t, steps=saved.training.steps))(start_step))
             say(f"training.steps {saved.training.steps} -> {t.steps}: the warm-up and cosine schedule now spans "
@@ -317,6 +320,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         if wandb_run is not None:
             wandb_run.finish()
         return 128 + stop.number  # not 0: `python train.py && python eval.py` must not go on
+    if came := stop.ended():  # from here a signal changes nothing: the run is complete
+        say(came)
     summary = steps.summary(index, n_params, val_windows, val_tokens, val_of, ckpts.dir)
     if is_main:
         run_dir.save_summary(summary)
