@@ -41,7 +41,9 @@ never sees a mesh. (The names live in our own metadata key rather than NNX's `ou
 NNX applies eagerly and which then requires a mesh even on one CPU.)
 
 Precision: parameters are float32; matrix products run in the compute `dtype`; attention scores,
-the softmax, the logits and the loss (loss.py) are float32 whatever the compute dtype.
+the softmax, the logits and the loss (loss.py) are float32 whatever the compute dtype. With `fp8`, the
+blocks' projections (q/k/v, attention output, MLP) run in float8 (fp8.py); the embedding, the output
+projection and attention itself do not.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import fp8
 from attention import (ATTENTION_IMPLS, Masking, apply_rotary, attention, cached_attention, dropout, rotary_angles,
                        segment_positions)
 from logical_axes import activation_sharding_of, logical_constraint
@@ -99,11 +102,12 @@ class GPTConfig:
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16
     remat: str = "none"  # rematerialisation per block: none | full | save_matmuls
     attention: str = "auto"  # auto (fastest for the backend) | xla (reference) | dot_product | cudnn (GPU) | pallas
+    fp8: bool = False  # the blocks' projections in float8 (fp8.py): FP8 GEMMs on an H100/H200, FP8's numerics elsewhere
 
     # (class attributes, not fields) what a mapping `model: {...}` without a named size must set
     REQUIRED_FIELDS = ("vocab_size", "block_size", "embedding_dim", "num_head", "N")
     # the fields that change the parameters or the function they compute: what training.init_from, an
-    # import and an export must agree on; the rest say how it is computed (dropout, dtype, remat, attention)
+    # import and an export must agree on; the rest say how it is computed (dropout, dtype, remat, attention, fp8)
     PARAMETER_FIELDS = ("vocab_size", "block_size", "embedding_dim", "num_head", "N", "alibi_attn", "bias",
                         "embed_norm", "gelu_approximate", "layer_norm_epsilon", "rotary_dim", "rotary_interleaved",
                         "rotary_base", "position_offset", "residual", "norm", "activation", "mlp_dim", "num_kv_head",
@@ -154,6 +158,9 @@ class GPTConfig:
             raise ValueError(f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
+        if self.fp8 and self.dtype not in fp8.COMPUTE_DTYPES:
+            raise ValueError(f"model.fp8 needs model.dtype {' or '.join(fp8.COMPUTE_DTYPES)}, got {self.dtype!r} "
+                             f"(float16 cannot hold the scale of an FP8 gradient)")
         if self.attention == "cudnn" and self.dtype == "float32":
             raise ValueError("model.attention=cudnn needs model.dtype bfloat16 or float16 (cuDNN's fused kernel)")
         if self.attention not in ("auto", "xla") and self.dropout > 0:
@@ -212,6 +219,9 @@ class Dense(nnx.Module):
 
     The first `n_in` kernel dimensions are contracted with the input's last dimensions.
 
+    With `fp8`, the einsum of x and the kernel runs in float8 (fp8.einsum: e4m3 operands, e5m2 gradients);
+    the adapter, the bias and everything around stay in the compute dtype.
+
     With `lora` (a config.LoRAConfig: rank r, alpha, dropout), low-rank factors A `lora_a` (in dims..., r)
     and B `lora_b` (r, out dims...) add (alpha / r) * (dropout(x) A) B to the output, in the compute dtype.
     A is initialised as PEFT's (uniform in +-1/sqrt(fan_in)), B as zeros, so that a new adapter changes
@@ -222,10 +232,10 @@ class Dense(nnx.Module):
     """
 
     def __init__(self, shape, axes, n_in: int, *, std: float, bias: bool, dtype, rngs: nnx.Rngs, lora=None,
-                 lora_slices: tuple[float, ...] | None = None):
+                 lora_slices: tuple[float, ...] | None = None, fp8: bool = False):
         self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
         self.bias = nnx.Param(jnp.zeros(shape[n_in:], jnp.float32), axes=axes[n_in:]) if bias else None
-        self.dtype, self.n_in = dtype, n_in
+        self.dtype, self.n_in, self.fp8 = dtype, n_in, fp8
         self.lora_a = self.lora_b = None
         if lora is not None:
             r, fan_in = lora.rank, math.prod(shape[:n_in])
@@ -239,7 +249,10 @@ class Dense(nnx.Module):
 
     def __call__(self, spec: str, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         """einsum(spec, x, kernel) [+ the adapter] [+ bias]; `dropout_key` drops the adapter's input (if it has one)."""
-        y = jnp.einsum(spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.fp8:  # quantized from the weight's own dtype: no compute-dtype copy of it
+            y = fp8.einsum(spec, x, self.kernel[...], self.dtype)
+        else:
+            y = jnp.einsum(spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.lora_a is not None:
             y = y + self._adapter(spec, x, dropout_key)
         return y if self.bias is None else y + self.bias[...].astype(self.dtype)
@@ -302,7 +315,7 @@ def _slices(lora, *targets: str) -> tuple[float, ...] | None:
 class Attention(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, lora=None, rngs: nnx.Rngs):
         d, H, K, D, dtype = cfg.embedding_dim, cfg.num_head, cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype]
-        dense = functools.partial(Dense, bias=cfg.attn_bias, dtype=dtype, rngs=rngs)
+        dense = functools.partial(Dense, bias=cfg.attn_bias, dtype=dtype, rngs=rngs, fp8=cfg.fp8)
         if K == H:  # q, k and v in one weight: (d, 3, H, D)
             self.c_attn = dense((d, 3, H, D), ("embed", None, "heads", "kv"), 1, std=0.02,
                                 lora=_adapted(lora, "q", "k", "v"), lora_slices=_slices(lora, "q", "k", "v"))
@@ -365,7 +378,7 @@ class MLP(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, lora=None, rngs: nnx.Rngs):
         d, f = cfg.embedding_dim, cfg.ffn_dim
         dense = functools.partial(Dense, n_in=1, bias=cfg.bias, dtype=DTYPES[cfg.dtype], rngs=rngs,
-                                  lora=_adapted(lora, "mlp"))
+                                  lora=_adapted(lora, "mlp"), fp8=cfg.fp8)
         self.c_fc = dense((d, f), ("embed", "mlp"), std=0.02)  # SwiGLU's "up" projection
         self.c_gate = dense((d, f), ("embed", "mlp"), std=0.02) if cfg.activation == "swiglu" else None
         self.c_proj = dense((f, d), ("mlp", "embed"), std=0.02 / math.sqrt(2 * cfg.N))

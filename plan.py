@@ -30,6 +30,12 @@ project's jitted step (test_plan.py; bench/RESULTS.md compares it with the peaks
             only its row statistics (cudnn, pallas, splash):             H B T 4
         the compute-dtype copy of the block's weights (gathered at ZeRO stage 3), when c < 4:
                                                                         block parameters x c
+        with model.fp8, the float8 copy of each projection's input, which the gradients' products read
+            again (the norms' outputs, the attended values, the MLP's activation), counted on top of the
+            compute-dtype activations (which a GPU's FP8 GEMMs may leave unread):  (norms d + H D + F) B T
+            and, instead of their compute-dtype copy, the projections' weights quantized: in float8 on a
+            GPU (what its FP8 GEMMs read), elsewhere dequantized in the compute dtype, float32 included:
+                                                                        projection weights x (1 | c)
     remat full keeps only each block's input, B T d c; remat save_matmuls the block's input, q, k, v,
         the attention's output projection and the MLP's input projections ((H + 2K) D + d + F') B T c.
         Either recomputes one block at a time in the backward pass: one block's "none" set on top.
@@ -69,7 +75,10 @@ Measured errors, against XLA's temporary memory for the compiled step on the CPU
 attention; three sizes, and tensor parallelism with micro-batches: test_plan.py): -5% to +4% with
 remat none (0% to +11% with the loss 256 tokens at a time); -10% to +11% under remat full and
 save_matmuls (-11% to +14% with the loss in chunks). Against the peaks measured on an H100 without
-remat: -1% to +15% (bench/RESULTS.md). The model assumes a memory-minimising accelerator schedule:
+remat: -1% to +15% (bench/RESULTS.md). With model.fp8 (three sizes, float32 and bfloat16, each remat
+policy): -16% to +13% against the CPU's compiled step, which runs the products on dequantized copies,
+where the same configurations without FP8 are -17% to +19%; the GPU's FP8 GEMMs are still to be
+measured. The model assumes a memory-minimising accelerator schedule:
 each block recomputed and its activations freed as the backward pass reaches it (under remat
 model.py pins this with optimization barriers, which the GPU compiler keeps until it has scheduled
 and the CPU compiler drops before; TPUs unmeasured), and the gradients reduced (at ZeRO stages 2
@@ -243,11 +252,14 @@ class _State:
     def placed(self, mesh, zero_stage: int):
         """Per-device bytes {params, grads, opt_state (with step and rng), base (a LoRA run's frozen base,
         else 0), blocks (the blocks' weights as tensor parallelism alone splits them), head (the output
-        embedding, likewise), and blocks_f32 and head_f32 (the same were they float32)}, and the weights that
-        a ZeRO rule could not split evenly."""
+        embedding, likewise), blocks_f32 and head_f32 (the same were they float32), and kernels_f32 (the
+        blocks' projection weights alone, float32)}, and the weights that a ZeRO rule could not split evenly."""
         shardings, grad_shardings, fallbacks = sharding_lib.state_shardings(self.abstract, self.axes, mesh, zero_stage)
         per_device = lambda tree, sh: sharding_lib.sharded_bytes(tree, sh, mesh)[1]  # noqa: E731
         f32 = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float32), tree)  # noqa: E731
+        none = jax.ShapeDtypeStruct((0,), np.float32)  # a leaf of no bytes, keeping the tree's structure
+        kernels = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
+            lambda path, x: x if path[-1].key == "kernel" else none, tree)
         weights = {"params": self.weights, "opt_state": {}}
         tensor_only = sharding_lib.state_shardings(weights, self.weight_axes, mesh, 0)[0]["params"]
         base = 0
@@ -265,6 +277,7 @@ class _State:
             "blocks_f32": per_device(f32(w["blocks"]), tensor_only["blocks"]),
             "head": per_device(w[head], tensor_only[head]),
             "head_f32": per_device(f32(w[head]), tensor_only[head]),
+            "kernels_f32": per_device(kernels(f32(w["blocks"])), tensor_only["blocks"]),
         }, fallbacks
 
 
@@ -328,11 +341,17 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
     narrow = c < 4
     held = np.dtype(model_lib.DTYPES[lora.base_dtype]).itemsize if lora is not None and lora.base_dtype else 4
     copies = c < held  # the weights' compute-dtype copies exist (not when a LoRA base is held in that dtype)
+    block_copies = placed["blocks_f32"] / N * c / 4 if copies else 0.0  # one block's weights in the compute dtype
+    if m.fp8:  # its projections' weights quantized instead: float8 on a GPU (what its FP8 GEMMs read), else dequantized
+        kernels = placed["kernels_f32"] / N / 4  # one block's projection weights on a device
+        block_copies += kernels * (1 if dev.backend == "gpu" else c) - (kernels * c if copies else 0)
 
     # one block's activations kept for the backward pass without remat (the module docstring's table)
     softmax = H / tp * B * T * T * (4 + (c if narrow else 0)) if impl in ("xla", "dot_product") else H / tp * BT * 4
     none_block = (norms * (2 * 4 + c) * BT * d + (2 * H + 2 * K) * D_kernel / tp * BT * c + 2.5 * F_in / tp * BT * c
-                  + softmax + (placed["blocks_f32"] / N * c / 4 if copies else 0))
+                  + softmax + block_copies)
+    if m.fp8:  # the float8 copies of the projections' inputs (the norms' outputs, the attended values, the activation)
+        none_block += (norms * d + (H * D + F) / tp) * BT
     if lora is not None and lora.dropout > 0:  # each adapter's dropped input, kept for its A's gradient
         none_block += _dropped_inputs(m, lora, tp) * BT * c
     if m.remat == "none":
@@ -393,8 +412,8 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
                                   if impl in ("xla", "dot_product") else f"none: {impl}'s blocks are on chip"),
     }
     if sh.zero_stage == 3:  # gathered where a layer uses them: one block's and the output embedding, plus copies
-        terms["ZeRO-3 gathered weights"] = (placed["blocks"] / N + placed["head"]
-                                            + ((placed["blocks_f32"] / N + placed["head_f32"]) * c / 4 if copies else 0))
+        terms["ZeRO-3 gathered weights"] = (placed["blocks"] / N + placed["head"] + block_copies
+                                            + (placed["head_f32"] * c / 4 if copies else 0))
         notes["ZeRO-3 gathered weights"] = "one block's and the output embedding's"
     if lora is not None:
         notes["parameters"] = f"float32: the adapters (LoRA rank {lora.rank} on {', '.join(lora.targets)})"
@@ -547,7 +566,7 @@ def report(cfg, dev: Target, mfu: float = 0.4) -> str:
         + (f", {dev.processes} host(s), one process each" if dev.processes else ""),
         f"  mesh {mesh}, ZeRO stage {sh.zero_stage}; batch {t.batch_size} x {cfg.seq_len} tokens in "
         f"{t.micro_batches} micro-batch(es): {e.micro_rows} sequence(s) per device per micro-batch",
-        f"  {m.dtype} compute, remat {m.remat}, attention {e.attention}"
+        f"  {m.dtype} compute{' (projections in FP8)' if m.fp8 else ''}, remat {m.remat}, attention {e.attention}"
         + (f" (model.attention=auto on {dev.backend.upper()})" if m.attention == "auto" else ""),
         "per device:",
     ]

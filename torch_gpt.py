@@ -68,7 +68,7 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class TorchGPTConfig:
-    """The architecture fields of model.GPTConfig (dtype, remat and attention are JAX-side only), with
+    """The architecture fields of model.GPTConfig (dtype, remat, attention and fp8 are JAX-side only), with
     the same meanings and defaults; see model.py."""
 
     vocab_size: int
