@@ -3,7 +3,7 @@
 
     python bench.py data [--workers K] [--batch B] [--seq T] [--repeats N] [--out bench/]
     python bench.py data --remote [--latency-ms 50] [--bandwidth-mbs 200] [--shards 2000] [--seq 1024]
-    python bench.py train [--model 124m] [--seq T] [--batch B] [--attention IMPL] [--out bench/]
+    python bench.py train [--model 124m] [--seq T] [--batch B] [--attention IMPL] [--fp8] [--out bench/]
     python bench.py attention [--impls xla,cudnn,pallas,pallas:128x64x8] [--batch B] [--seq T] [--heads H]
                               [--head-dim D]
 
@@ -406,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="a LoRA step instead: adapters of this rank on a frozen random base held in the compute "
                         "dtype (needs --no-torch; default 0: full training)")
     p.add_argument("--lora-targets", default="q,v", help="--lora's targets, from q,k,v,o,mlp (default q,v)")
+    p.add_argument("--fp8", action="store_true",
+                   help="the blocks' projections in FP8 (model.fp8), timed beside the same step without it in the same "
+                        "run (needs --no-torch)")
     p.add_argument("--steps", type=int, default=20, help="timed steps; the median is reported (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s for MFU, in TFLOP/s (default: by device kind)")

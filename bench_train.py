@@ -2,6 +2,7 @@
 
     python bench.py train [--model 124m|417m|760m|1_3b|small|test] [--seq T] [--batch B]
                           [--dtype bfloat16] [--remat POLICY] [--attention IMPL] [--loss-chunk N] [--steps N]
+                          [--fp8 --no-torch]
 
 What is timed, for each framework, on one device and the same batch of B x T random tokens:
   ours    the train_step of step.build, the very function train.py runs (state donated,
@@ -17,6 +18,11 @@ Each runs --warmup steps (compilation included) and then --steps timed steps, ea
 Ours then runs --steps more as train.py's loop does, each dispatched before the previous step's loss
 is read (`pipelined`): the device does not wait for the host's dispatch between steps, which the
 synchronised steps include (12 ms of 180 at 760m on an H200).
+
+With --fp8 ours runs with the blocks' projections in FP8 (model.fp8: cuBLASLt FP8 GEMMs on an H100/H200),
+and in the same run, first, the same step without FP8: both tokens/s, their ratio (the target: 1.25x for
+760m at T = 2048 in bfloat16), and each compiled step's temporary memory (XLA's figure for the program,
+which the process-wide peak cannot give for the second of two steps).
 
 MFU = tokens/s x (6 N + 6 L d T) / peak FLOP/s (model.flops_per_token; N parameters, L blocks,
 width d, context T), with the peak from the device kind (step.PEAK_FLOPS: 989 TFLOP/s dense bf16
@@ -114,10 +120,13 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
     if args.packed:  # a prompt/completion batch: the masked step train.py runs on fine-tuning data
         tokens = {"tokens": tokens, **{name: jax.device_put(a, fns.batch_sharding)
                                        for name, a in packed_rows(batch, seq, args.packed).items()}}
-    hlo = None
-    if getattr(args, "profile", None):  # compiled here, so that the profile's operations can be named from its HLO
+    hlo = temp_bytes = None
+    if getattr(args, "profile", None) or getattr(args, "fp8", False):
+        # compiled here: the profile's operations named from its HLO; the program's own memory for --fp8's two steps
         train_step = train_step.lower(state, tokens, *base).compile()
-        hlo = train_step.as_text()
+        hlo = train_step.as_text() if getattr(args, "profile", None) else None
+        analysis = train_step.memory_analysis()
+        temp_bytes = getattr(analysis, "temp_size_in_bytes", None)
     losses = []
 
     def one_step():
@@ -145,9 +154,9 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     result = _throughput(timing, batch * seq, model_lib.flops_per_token(mcfg, seq, adapters), peak)
     result.update({"device_kind": device.device_kind, "adapters": adapters, "platform": device.platform, "peak_flops": peak,
-                   "loss_chunk": fns.loss_chunk,
+                   "loss_chunk": fns.loss_chunk, "fp8": mcfg.fp8, "compiled_temp_bytes": temp_bytes,
                    "peak_memory_bytes": (stats or {}).get("peak_bytes_in_use"),
-                   "loss_first": losses[0], "loss_last": losses[-1]})
+                   "loss_first": losses[0], "loss_last": losses[-1], "loss_steps": len(losses)})
     if profile is not None:
         result["profile"] = profile
     return result
@@ -454,6 +463,13 @@ def resolve(args):
     chunk = {} if args.loss_chunk is None else {"loss_chunk": args.loss_chunk}
     if not 0 <= args.packed <= seq or not 0.0 <= args.fcm < 1.0:
         raise TrainBenchError(f"--packed must be between 0 and --seq ({seq}), --fcm in [0, 1)")
+    if getattr(args, "fp8", False):
+        if args.torch:
+            raise TrainBenchError("--fp8 times our step with and without FP8; pass --no-torch")
+        try:
+            mcfg = dataclasses.replace(mcfg, fp8=True)
+        except ValueError as e:
+            raise TrainBenchError(f"--fp8: {e}") from None
     lora = None
     if getattr(args, "lora", 0):
         if args.torch:
@@ -482,6 +498,9 @@ def targets(name: str, mcfg, seq: int, ours: dict, results: dict) -> dict:
         out["ratio_vs_torch_met"] = counts and results["ratio_vs_torch"] >= 1.2
     if name == "760m" and seq >= 8192:
         out["fits_at_8192"] = counts  # it ran to the end without running out of memory
+    if "fp8_speedup" in results and name == "760m" and seq == 2048 and mcfg.dtype == "bfloat16":
+        out["fp8_speedup_min"] = 1.25  # FP8 against the same step in bfloat16, in the same run
+        out["fp8_speedup_met"] = counts and results["fp8_speedup"] >= 1.25
     return out
 
 
@@ -515,8 +534,12 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
             except torch.cuda.OutOfMemoryError:  # recorded: theirs not fitting is a result too
                 torch.cuda.empty_cache()
                 others[w] = {"error": "out of memory"}
-    print(f"jax: {args.warmup} warm-up + {args.steps} steps", flush=True)
     try:
+        if mcfg.fp8:  # first the same step without FP8, in the same process, on the same device
+            print(f"jax without fp8: {args.warmup} warm-up + {args.steps} steps", flush=True)
+            others["without fp8"] = bench_jax(dataclasses.replace(mcfg, fp8=False), args.batch, seq, args,
+                                              peak_override)
+        print(f"jax: {args.warmup} warm-up + {args.steps} steps", flush=True)
         ours = bench_jax(mcfg, args.batch, seq, args, peak_override)
     except Exception as e:  # XLA reports running out of memory as a runtime error
         if "RESOURCE_EXHAUSTED" not in str(e):
@@ -534,13 +557,17 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
                else "LoRA: tokens/s * (4 N + 6 L d T + 6 x adapters) / peak FLOP/s",
                "lora": dataclasses.asdict(args.train_config.lora) if args.train_config.lora else None,
                "jax": ours, **others}
+    if "without fp8" in others:  # ours with FP8 against ours without: a speed-up, not another framework
+        base = others.pop("without fp8")
+        results["without_fp8"] = base
+        results["fp8_speedup"] = ours["tokens_per_s"] / base["tokens_per_s"]
     ran = [w for w, r in others.items() if "error" not in r]
     for w in ran:
         results[f"ratio_vs_{w}"] = ours["tokens_per_s"] / others[w]["tokens_per_s"]
     results["targets"] = targets(name, mcfg, seq, ours, results)
 
     peak = ours["peak_flops"]
-    resolved = attention_lib.resolve_attention(mcfg, masked=bool(args.packed or args.fcm))
+    resolved = attention_lib.resolve_attention(mcfg, masked=bool(args.packed or args.fcm), length=seq)
     attention = mcfg.attention if resolved == mcfg.attention else f"{mcfg.attention} ({resolved})"
     results["attention"] = resolved
     gib = lambda b: "n/a" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
@@ -552,6 +579,7 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
                       + (f" ({ours['loss_chunk']})" if args.train_config.loss_chunk == "auto" else "")
                       + (f", {args.packed} examples packed a row" if args.packed else "")
                       + (f", FCM up to {args.fcm}" if args.fcm else "")
+                      + (", the blocks' projections in FP8" if mcfg.fp8 else "")
                       + (f", LoRA rank {args.lora} on {args.lora_targets} ({ours['adapters']:,} adapter parameters; "
                          f"base in {mcfg.dtype})" if ours["adapters"] else "")),
             ("device", f"{ours['device_kind']} ({ours['platform']})"),
@@ -559,7 +587,8 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
                     f"{results['flops_per_token'] / 1e6:.1f} MFLOP/token) / peak "
                     + (f"{peak / 1e12:.0f} TFLOP/s" + (" (--peak-tflops)" if peak_override else " (device kind)")
                        if peak else "(no peak known for this device: n/a; --peak-tflops sets one)"))]
-    for w, r in {"jax (ours)": ours, **others}.items():
+    without = {"jax without fp8": results["without_fp8"]} if "without_fp8" in results else {}
+    for w, r in {"jax (ours)": ours, **without, **others}.items():
         if "error" in r:
             rows.append((w, r["error"]))
             continue
@@ -567,8 +596,14 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
         if "step_s_pipelined" in r:
             extra += (f"; pipelined as train.py runs: {r['tokens_per_s_pipelined']:,.0f} tokens/s, "
                       f"{r['step_s_pipelined'] * 1e3:.1f} ms a step, MFU {mfu({'mfu': r['mfu_pipelined']})}")
+        if r.get("compiled_temp_bytes") is not None:
+            extra += f"; compiled step's temporary memory {gib(r['compiled_temp_bytes'])}"
         rows.append((w, f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_s_median'] * 1e3:.1f} ms median of "
                         f"{r['steps']}, MFU {mfu(r)}, peak memory {gib(r['peak_memory_bytes'])}{extra}"))
+    if without:
+        rows.append(("fp8 / without", f"{results['fp8_speedup']:.2f}x tokens/s; loss {ours['loss_last']:.4f} after "
+                                      f"{ours['loss_steps']} steps on the same batch, "
+                                      f"{without['jax without fp8']['loss_last']:.4f} without"))
     for w in ran:
         rows.append((f"ours / {w}", f"{results[f'ratio_vs_{w}']:.2f}x tokens/s"))
     for thread, prof in (ours.get("profile") or {}).get("devices", {}).items():
@@ -584,10 +619,11 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
         rows.extend((f"  {where} ({kind})"[:62], f"{us / 1e3:8.2f} ms {share:6.1%}")
                     for where, kind, us, share in profile["by_scope"][:25])
     batch_kind = (f" packed {args.packed}" if args.packed else "") + (f" fcm {args.fcm}" if args.fcm else "") \
-        + (f" lora {args.lora} ({args.lora_targets})" if ours["adapters"] else "")
+        + (f" lora {args.lora} ({args.lora_targets})" if ours["adapters"] else "") + (" fp8" if mcfg.fp8 else "")
     summary = (f"{name} B={args.batch} T={seq}{batch_kind} {mcfg.dtype} {attention}: {ours['tokens_per_s']:,.0f} tok/s, "
                f"{ours['step_s_median'] * 1e3:.1f} ms/step, MFU {mfu(ours)} "
                f"({mfu({'mfu': ours['mfu_pipelined']})} pipelined), mem {gib(ours['peak_memory_bytes'])}"
+               + (f"; fp8 {results['fp8_speedup']:.2f}x the step without" if without else "")
                + "".join(f"; {results[f'ratio_vs_{w}']:.2f}x {w}" for w in ran)
                + "".join(f"; {w}: {others[w]['error']}" for w in others if w not in ran)
                + ("" if ours["platform"] == "gpu" else " (CPU smoke test: no GPU figures)"))
@@ -699,7 +735,7 @@ def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
         timing = time_steps(lambda: step(q, k, v, g), jax.block_until_ready, args.warmup, args.steps)
         entry = {**timing, **{f"error_{n}": e for n, e in errors.items()},
                  "temp_bytes": getattr(memory, "temp_size_in_bytes", None)}
-        resolved = attention_lib.resolve_attention(config(impl.split(":")[0]), masked=mask is not None)
+        resolved = attention_lib.resolve_attention(config(impl.split(":")[0]), masked=mask is not None, length=T)
         entry["runs_as"] = resolved
         results["impls"][impl] = entry
         temp = "n/a" if entry["temp_bytes"] is None else f"{entry['temp_bytes'] / 2**20:.1f} MiB"

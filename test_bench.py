@@ -349,6 +349,36 @@ def test_bench_train_lora_step(tmp_path, capsys):
     assert not (tmp_path / "none").exists()
 
 
+def test_bench_train_fp8_beside_the_step_without(tmp_path, capsys):
+    """--fp8 times the step with the projections in FP8 and, in the same run, the same step without: their
+    tokens/s and ratio, each compiled step's memory; the FP8 target counts for 760m on an H100/H200 only."""
+    out = tmp_path / "bench"
+    argv = ["train", "--model", "test", "--seq", "16", "--batch", "2", "--dtype", "float32", "--no-torch",
+            "--steps", "2", "--warmup", "1", "--fp8", "--out", str(out)]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    [path] = out.glob("train-*.json")
+    r = json.loads(path.read_text())["results"]
+    fp8, without = r["jax"], r["without_fp8"]
+    assert r["config"]["fp8"] is True and fp8["fp8"] is True and without["fp8"] is False
+    assert r["fp8_speedup"] == pytest.approx(fp8["tokens_per_s"] / without["tokens_per_s"], rel=1e-12)
+    assert fp8["compiled_temp_bytes"] > 0 and without["compiled_temp_bytes"] > 0
+    # the same model and batch, computed two ways: the FP8 rounding moves the first loss a little
+    assert 0 < abs(fp8["loss_first"] - without["loss_first"]) < 1e-2 * without["loss_first"]
+    assert "fp8 / without" in printed and "the blocks' projections in FP8" in printed
+    assert "fp8_speedup_min" not in r["targets"]  # the test size: no target
+    mcfg = M.GPTConfig(**{**r["config"], "dtype": "bfloat16"})
+    for kind, speedup, met in (("NVIDIA H100 80GB HBM3", 1.3, True), ("NVIDIA H200", 1.2, False), ("cpu", 2.0, False)):
+        t = bench_train.targets("760m", mcfg, 2048, {"device_kind": kind, "mfu": 0.5}, {"fp8_speedup": speedup})
+        assert t["fp8_speedup_min"] == 1.25 and t["fp8_speedup_met"] is met
+    for extra, message in [([], "--fp8 times our step with and without FP8; pass --no-torch"),
+                           (["--no-torch", "--dtype", "float16"], "model.fp8 needs model.dtype float32 or bfloat16")]:
+        assert bench.cli(["train", "--model", "test", "--fp8", *extra, "--out", str(tmp_path / "none")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "none").exists()
+
+
 def test_bench_train_errors_are_one_line(tmp_path, capsys):
     out = tmp_path / "bench"
     assert bench.cli(["train", "--model", "nope", "--out", str(out)]) == 2

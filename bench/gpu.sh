@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of bench/RESULTS.md, in one command per phase, for a machine with one NVIDIA GPU.
 #
-#   bench/gpu.sh OUT PHASE...      phases: env mfu check attention train124 packed train760 torch flags profile memory lora
+#   bench/gpu.sh OUT PHASE...      phases: env mfu fp8 fp8loss check exact attention train124 packed train760 torch flags profile memory lora
 #   (PYTHON=python3 by default: the interpreter that has jax[cuda], torch and transformers)
 #
 # Each phase's benchmarks are recorded by bench.py under OUT/bench (JSON files and a copy of
@@ -16,8 +16,18 @@
 #              time out of the reductions and elementwise kernels (cuBLASLt epilogues, cuDNN LayerNorm,
 #              the latency-hiding scheduler). About 6 minutes on an H100; under bench/gpu-run.sh a command that
 #              would outlast its limit is shortened or skipped.
+#   fp8        760m at T = 2048 (B = 8) with the blocks' projections in FP8 (model.fp8) beside the same step in
+#              bfloat16 in one run (bench.py train --fp8: tokens/s of each, their ratio, each compiled step's
+#              memory), and `train.py --plan` for each. About 3 minutes on an H100.
+#   fp8loss    FP8_STEPS (default 300) steps of train.py for 760m on the default corpus (prepared first if need
+#              be) in bfloat16 without and then with FP8, their losses side by side in logs/fp8-loss.txt. About
+#              2-3 minutes a run on an H100 (compilation, the steps, the final checkpoint).
 #   check      a few bfloat16 steps of `python train.py` with each attention implementation, run side
 #              by side (the GPU is shared; nothing is timed); the losses must fall and match xla's
+#   exact      ALiBi on the real kernels at a long context (bench.py attention, T = 32768: cudnn's error beside
+#              pallas's), and test_attention.py's checks on this GPU: the compiled steps of a cudnn run (plain
+#              rows: cuDNN's kernel; packed and FCM rows: pallas) hold no (T, T) array, ALiBi within each
+#              dtype's rounding at every length. About 3 minutes on an H100.
 #   attention  python bench.py attention: cudnn (ALiBi as head dimensions) and pallas at 760m's shape
 #              (T = 2048 and 8192) and 124m's, and pallas on rows of 4 packed examples: error, memory, time
 #   train124   python bench.py train for 124m (T = 1024, B = 16): auto's choice with the chunked loss
@@ -92,6 +102,48 @@ phase_mfu() {  # the profiles by model part first: they say where the rest of th
   done
 }
 
+phase_fp8() {  # FP8 against bfloat16 at 760m in one run, and the plans of both
+  bench t760-fp8 240 train --model 760m --seq 2048 --batch 8 --fp8 --steps 10 --warmup 2 --no-torch
+  local fp8
+  for fp8 in false true; do
+    run "plan-760m-fp8-$fp8" 60 "$PY" train.py --plan --device H100 model=760m model.block_size=2048 \
+      training.batch_size=8 model.dtype=bfloat16 model.fp8="$fp8"
+  done
+}
+
+phase_fp8loss() {  # the loss of FP8_STEPS real steps of 760m with FP8 beside bfloat16's
+  local fp8 steps=${FP8_STEPS:-300}
+  [ -f data/pystdlib/index.json ] || run prepare 300 "$PY" data.py
+  for fp8 in false true; do  # one after the other: each takes most of the GPU's memory
+    rm -rf "$OUT/runs/fp8-$fp8"
+    run "loss760-fp8-$fp8" 420 "$PY" train.py run_dir="$OUT/runs/fp8-$fp8" model=760m model.block_size=2048 \
+      model.dtype=bfloat16 model.fp8="$fp8" training.batch_size=8 training.steps="$steps" training.lr=3e-4 \
+      training.min_lr=3e-5 training.warmup_steps=50 training.log_every=10 training.eval_every="$steps" \
+      training.eval_windows=64 checkpoint.every=100000
+    rm -rf "$OUT/runs/fp8-$fp8/checkpoints"  # 12 GB of state: only the metrics are read
+  done
+  "$PY" - "$OUT/runs" <<'EOF' | tee "$OUT/logs/fp8-loss.txt"
+import json, pathlib, sys
+root = pathlib.Path(sys.argv[1])
+def rows(fp8):
+    path = root / f"fp8-{fp8}" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def losses(rows):  # (mean training loss of the last 5 logged steps, the last validation loss)
+    last, val = [r["loss"] for r in rows[-5:]], [r["val_loss"] for r in rows if "val_loss" in r]
+    return sum(last) / len(last), val[-1] if val else float("nan")
+runs = {fp8: rows(fp8) for fp8 in ("false", "true")}
+for fp8, got in runs.items():
+    if not got:
+        print(f"fp8 {fp8}: FAILED, no metrics (see logs/loss760-fp8-{fp8}.log)")
+        continue
+    train, val = losses(got)
+    print(f"fp8 {fp8}: step {got[-1]['step']}, training loss {train:.4f} (mean of the last 5 logged), val_loss {val:.4f}")
+if all(runs.values()):
+    (t8, v8), (t16, v16) = losses(runs["true"]), losses(runs["false"])
+    print(f"fp8 / bfloat16: training loss {t8 / t16 - 1:+.2%}, val_loss {v8 / v16 - 1:+.2%} (target: within 1% at 500 steps)")
+EOF
+}
+
 phase_check() {
   [ -f data/pystdlib/index.json ] || run prepare 300 "$PY" data.py
   local impls="xla dot_product cudnn pallas"  # cudnn: ALiBi as head dimensions
@@ -120,6 +172,13 @@ for impl in impls:
     print(f"{impl:12s} steps {len(got)}: first {first} ... last {got[-1]:.3f}; falls {falls}; "
           f"max |loss - xla| over the first 10 steps {diff:.4f}")
 EOF
+}
+
+phase_exact() {  # cuDNN's kernel with ALiBi's columns at 32768 positions, and no (T, T) array in a cudnn step
+  bench attn32768 150 attention --seq 32768 --batch 1 --heads 2 --head-dim 96 --impls cudnn,pallas --steps 3 \
+    --warmup 1
+  run exact-tests 240 "$PY" -m pytest -q -p no:cacheprovider -n 0 test_attention.py \
+    -k "t_by_t or within or past or splash_scales"
 }
 
 phase_attention() {  # the kernels alone at 760m's, 124m's and a long shape, whole rows and packed
