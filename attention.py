@@ -16,8 +16,13 @@ Implementations (`model.attention` in the config, `ATTENTION_IMPLS`): the refere
 `_attend`: float32 scores and softmax, dropout), `dot_product` through jax.nn.dot_product_attention,
 `cudnn`, cuDNN's fused flash kernel with ALiBi carried as extra head dimensions (alibi_dims.py),
 `pallas`, flash_alibi.py's Triton kernel, and `splash`, JAX's splash attention for TPUs
-(splash.py); `auto` is resolved per backend by `resolve_attention`. Generation's cached attention
-(`cached_attention`) is always the reference.
+(splash.py); `auto` is resolved per backend, dtype and length by `resolve_attention`. Generation's
+cached attention (`cached_attention`) is always the reference.
+
+Every implementation computes ALiBi within its dtype's own rounding at every length: cudnn and splash
+carry it as head dimensions only where that identity is exact enough (16-bit types, up to 65,536
+positions in bfloat16 and 32,768 in float16; alibi_dims.py says why), and `resolve_attention` hands
+float32 and longer sequences to a kernel that adds the bias to each score (pallas on a GPU, xla elsewhere).
 
 Packed examples and forgetful causal masking reach attention as a `Masking`: two int32 (B, T)
 vectors of segment ids, O(T) memory, which the fused kernels (pallas, splash) take as they are and
@@ -47,6 +52,7 @@ ATTENTION_IMPLS = ("auto", "xla", "dot_product", "cudnn", "pallas", "splash")
 CUDNN_MULTIPLE = 8  # cuDNN's fused kernel takes head sizes that are multiples of 8 ...
 CUDNN_MAX_HEAD = {"hopper": 256, "older": 128}  # ... up to 256 on Hopper and later GPUs, else 128
 PALLAS_ALIBI_MAX_HEAD = 64  # auto: ALiBi heads up to this size take pallas on a GPU (bench/RESULTS.md)
+ALIBI_AS_COLUMNS = ("cudnn", "splash")  # carry ALiBi as extra head dimensions (alibi_dims.py); the rest add the bias
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,7 +176,7 @@ def attention(q, k, v, cfg, dropout_key=None, mask=None, sharding=None) -> jax.A
     whole on each.
     """
     B, T, H, D = q.shape
-    impl = resolve_attention(cfg, masked=mask is not None)
+    impl = resolve_attention(cfg, masked=mask is not None, length=T)
     if impl == "pallas":  # O(T) memory: the bias is made inside the kernel from the slopes
         group = H // k.shape[2]  # the kernel takes as many key/value heads as query heads
         k, v = (jnp.repeat(x, group, axis=2) if group > 1 else x for x in (k, v))
@@ -181,8 +187,8 @@ def attention(q, k, v, cfg, dropout_key=None, mask=None, sharding=None) -> jax.A
     if impl == "cudnn":
         check_attention_backend(dataclasses.replace(cfg, attention=impl))
         return cudnn_attention(q, k, v, cfg)
-    if impl == "dot_product":
-        bias = alibi_bias(H, T, T)[None].astype(q.dtype) if cfg.alibi_attn else None  # (1, H, T, T)
+    if impl == "dot_product":  # the bias in float32, added to float32 scores: exact in 16-bit types too
+        bias = alibi_bias(H, T, T)[None] if cfg.alibi_attn else None  # (1, H, T, T)
         return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True)
     return _attend(q, k, v, jnp.arange(T), jnp.arange(T), cfg, dropout_key, mask)
 
@@ -196,14 +202,16 @@ def cudnn_attention(q, k, v, cfg, implementation: str = "cudnn") -> jax.Array:
     rides in extra head dimensions (alibi_dims.py), so neither the forward nor the backward pass holds
     a (T, T) array. The kernel takes even lengths only: one extra key after every query is hidden by
     the causal mask, and the extra query row is dropped. `implementation="xla"` runs the same
-    identity through XLA's attention (how the tests check it off a GPU)."""
+    identity through XLA's attention (how the tests check it off a GPU). In float32, and past
+    alibi_dims.exact_length, the identity is not exact enough: `resolve_attention` never sends those here."""
     import alibi_dims
 
     B, T, H, D = q.shape
     if T % 2:
         q, k, v = (jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0))) for x in (q, k, v))
     if cfg.alibi_attn:
-        q, k, v = alibi_dims.extend(q, k, v, alibi_slopes(H), CUDNN_MULTIPLE)
+        q, k = alibi_dims.extend(q, k, alibi_slopes(H), CUDNN_MULTIPLE, scale=1.0 / math.sqrt(D))
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - D)))  # JAX's call takes v as wide as k
     y = jax.nn.dot_product_attention(q, k, v, scale=1.0 / math.sqrt(D), is_causal=True,
                                       implementation=implementation)
     return y[:, :T, :, :D]
@@ -267,9 +275,25 @@ def cudnn_max_head() -> int:
     return CUDNN_MAX_HEAD["hopper" if capability >= 9.0 else "older"]
 
 
-def resolve_attention(cfg, backend: str | None = None, masked: bool = False, max_head: int | None = None) -> str:
+def alibi_columns_exact(cfg, length: int | None = None) -> bool:
+    """Whether ALiBi carried as head dimensions (alibi_dims.py, what cudnn and splash run) computes this
+    model's attention at `length` within the kernels' own rounding: always without ALiBi; never in
+    float32 (its accumulator's rounding grows with the length: already 150x the bias form's error at
+    T = 2048); in the 16-bit types up to alibi_dims.exact_length (65,536 positions in bfloat16,
+    32,768 in float16). None: a length within it."""
+    if not cfg.alibi_attn:
+        return True
+    import alibi_dims
+
+    limit = alibi_dims.exact_length(cfg.dtype)
+    return limit > 0 and (length is None or length <= limit)
+
+
+def resolve_attention(cfg, backend: str | None = None, masked: bool = False, max_head: int | None = None,
+                      length: int | None = None) -> str:
     """The implementation that runs `cfg.attention` on `backend` (default: JAX's default backend) for a
-    plain batch or, with `masked`, a batch with a `Masking` (packed examples, FCM).
+    plain batch or, with `masked`, a batch with a `Masking` (packed examples, FCM), of sequences of
+    `length` (the model's call passes its own; None: a length the ALiBi columns take).
 
     `auto` is the fastest correct one measured there (bench/RESULTS.md, `python bench.py attention`
     and `train`): on an NVIDIA GPU in bfloat16 or float16, `cudnn` wherever cuDNN's kernel takes the
@@ -279,13 +303,22 @@ def resolve_attention(cfg, backend: str | None = None, masked: bool = False, max
     which cuDNN's kernel cannot take as JAX calls it; on a TPU, `splash`. The reference `xla`
     everywhere else: the CPU, float32 on a GPU, and attention dropout (only xla has it).
 
-    A chosen implementation runs as chosen, except where it cannot take a masked batch: `cudnn` hands
-    masked batches to `pallas` (O(T) too), and `dot_product` to the reference `xla`. `cudnn` with
-    heads it cannot take (ALiBi's columns pushing a head of 128 past an older GPU's limit) also
-    runs as `pallas`. `max_head` stands for the GPU's limit (default: this machine's)."""
+    Exact at every length: where ALiBi as head dimensions would not be exact enough
+    (`alibi_columns_exact`: float32, sequences past 65,536 positions in bfloat16 or 32,768 in
+    float16), ALiBi takes the bias-form kernel instead, which adds the bias to each scaled score:
+    `pallas` on a GPU, `xla` elsewhere (on a TPU too, whose fused kernel has no bias input).
+
+    A chosen implementation runs as chosen, except where it cannot take the call: `cudnn` hands
+    masked batches, heads it cannot take (ALiBi's columns pushing a head of 128 past an older GPU's
+    limit) and the lengths or dtype its ALiBi columns cannot carry exactly to `pallas`; `splash`
+    hands the latter to `xla`; `dot_product` hands masked batches to `xla`. `max_head` stands for
+    the GPU's limit (default: this machine's)."""
+    exact = alibi_columns_exact(cfg, length)
     if cfg.attention != "auto":
-        if cfg.attention == "cudnn" and (masked or not cudnn_takes(cfg, max_head)):
+        if cfg.attention == "cudnn" and (masked or not exact or not cudnn_takes(cfg, max_head)):
             return "pallas"
+        if cfg.attention == "splash" and not exact:
+            return "xla"
         if cfg.attention == "dot_product" and masked:
             return "xla"
         return cfg.attention
@@ -294,25 +327,97 @@ def resolve_attention(cfg, backend: str | None = None, masked: bool = False, max
         return "xla"
     if backend == "gpu" and cfg.dtype != "float32":
         small_alibi = cfg.alibi_attn and cfg.head_dim <= PALLAS_ALIBI_MAX_HEAD
-        if not masked and not small_alibi and cudnn_takes(cfg, max_head):
+        if not masked and not small_alibi and exact and cudnn_takes(cfg, max_head):
             return "cudnn"
         return "pallas"
-    if backend == "tpu":
+    if backend == "tpu" and exact:
         return "splash"
     return "xla"
 
 
+NATIVE_BACKEND = {"cudnn": "gpu", "pallas": "gpu", "splash": "tpu"}  # where each kernel runs compiled
+
+
+def backend_problem(impl: str, backend: str | None = None) -> str | None:
+    """Why the implementation `impl` cannot run on `backend` (default: JAX's default), in words; None
+    where it can (off its own backend pallas and splash run in Pallas's interpret mode: `attention_note`)."""
+    backend = backend or jax.default_backend()
+    if impl == "cudnn" and backend != "gpu":
+        return f"model.attention=cudnn needs an NVIDIA GPU (cuDNN); this JAX runs on {backend}"
+    if impl == "pallas" and backend == "tpu":
+        return "model.attention=pallas is a Triton kernel for NVIDIA GPUs, not TPUs"
+    if impl == "splash" and backend == "gpu":
+        return "model.attention=splash is a TPU kernel, not for NVIDIA GPUs"
+    return None
+
+
 def check_attention_backend(cfg) -> None:
     """Raises ValueError (one line) when `cfg.attention` cannot run on the default JAX backend."""
+    problem = backend_problem(cfg.attention)
+    if problem:
+        instead = {"cudnn": "attention=xla, dot_product or pallas", "pallas": "attention=splash or xla",
+                   "splash": "attention=cudnn or pallas"}[cfg.attention]
+        raise ValueError(f"{problem}: use {instead}")
+
+
+def cudnn_dtype_problem() -> str:
+    """The line that refuses model.attention=cudnn in float32 (model.GPTConfig's check). Without an
+    NVIDIA GPU here that comes first: a 16-bit dtype alone would only lead to it."""
+    problem = backend_problem("cudnn")
+    need = "cudnn needs model.dtype bfloat16 or float16"
+    if problem:
+        return f"{problem}: use attention=xla, dot_product or pallas; on a GPU, {need} too"
+    return f"model.attention={need} (cuDNN's fused kernel)"
+
+
+def attention_note(cfg, length: int | None = None) -> str | None:
+    """A line for the start of a run whose chosen `cfg.attention` does not run as chosen and compiled on
+    this backend at sequences of `length`: cudnn or splash handing ALiBi to the bias form where its
+    columns are not exact enough (float32, long sequences), or a kernel in Pallas's interpret mode
+    (pallas off a GPU, splash off a TPU: exact, for tests; a `test`-size training step measured 2.7x
+    slower than xla with pallas and 19x with splash on two CPU cores). None for `auto`, for an
+    implementation that runs as chosen, and for one that cannot run here (check_attention_backend)."""
     backend = jax.default_backend()
-    if cfg.attention == "cudnn" and backend != "gpu":
-        raise ValueError(f"model.attention=cudnn needs an NVIDIA GPU (cuDNN); this JAX runs on {backend}: "
-                         f"use attention=xla, dot_product or pallas")
-    if cfg.attention == "pallas" and backend == "tpu":
-        raise ValueError("model.attention=pallas is a Triton kernel for NVIDIA GPUs; on a TPU use attention=splash "
-                         "or xla")
-    if cfg.attention == "splash" and backend == "gpu":
-        raise ValueError("model.attention=splash is a TPU kernel; on an NVIDIA GPU use attention=cudnn or pallas")
+    if cfg.attention == "auto" or backend_problem(cfg.attention, backend):
+        return None
+    impl = resolve_attention(cfg, backend, length=length)
+    if cfg.attention in ALIBI_AS_COLUMNS and not alibi_columns_exact(cfg, length):
+        import alibi_dims
+
+        where = ("in float32" if cfg.dtype == "float32"
+                 else f"past {alibi_dims.exact_length(cfg.dtype):,} positions in {cfg.dtype}")
+        return (f"note: model.attention={cfg.attention} carries ALiBi as head dimensions, which is not exact {where}: "
+                f"attention runs as {impl}, which adds the bias to each score")
+    if _interpreted(cfg, length):
+        return (f"note: model.attention={impl} runs in Pallas's interpret mode on {backend}: exact, for testing "
+                f"the kernel, and 3-20x slower than attention=xla (what auto picks here)")
+    return None
+
+
+def _interpreted(cfg, length: int | None = None) -> bool:
+    """Whether `cfg.attention` runs a Pallas kernel in interpret mode on the default backend."""
+    backend = jax.default_backend()
+    impl = resolve_attention(cfg, backend, length=length)
+    return impl in ("pallas", "splash") and NATIVE_BACKEND[impl] != backend and not backend_problem(impl, backend)
+
+
+def attention_here(cfg, requested: str | None = None):
+    """(model config, note) for a reader of a trained run (eval.py): `cfg` with the implementation
+    `requested`, or by default the saved `cfg.attention` where it runs compiled on this machine and
+    else `auto` (a run trained with cudnn, read on a CPU); the note says in one line what was
+    chosen and why, where that is not the saved one or runs in interpret mode (None otherwise).
+    Raises ValueError (one line) for a requested implementation that cannot run here."""
+    if requested is not None:
+        chosen = dataclasses.replace(cfg, attention=requested)  # GPTConfig's own checks too
+        check_attention_backend(chosen)
+        return chosen, attention_note(chosen)
+    problem = backend_problem(cfg.attention)
+    if problem is None and not _interpreted(cfg):
+        return cfg, None
+    chosen = dataclasses.replace(cfg, attention="auto")
+    why = problem or f"model.attention={cfg.attention} would run in Pallas's interpret mode here"
+    return chosen, (f"{why}: reading this run with attention=auto ({resolve_attention(chosen)}) instead "
+                    f"(--attention chooses another)")
 
 
 # ----------------------------------------------------------------------------------------------
