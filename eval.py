@@ -2,7 +2,7 @@
 
     python eval.py --checkpoint RUN_DIR [--step N] [--lengths 1x,2x,4x,8x] [--max-tokens N]
                    [--tasks [LIST]] [--limit N] [--include-path DIR] [--num-fewshot K]
-                   [--max-length L] [--batch-tokens N] [--no-perplexity]
+                   [--max-length L] [--batch-tokens N] [--attention IMPL] [--no-perplexity]
 
 Perplexity: the run's validation split is cut into non-overlapping windows of each evaluation
 length L and every token of a window is scored once, with as much context as the window gives it
@@ -66,6 +66,9 @@ def parse_args(argv):
                    "window of rolling log-likelihoods (default: the model's block_size, as lm-eval's HF backend "
                    "reads it from a --format hf export)")
     p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per scoring batch (default: %(default)s)")
+    p.add_argument("--attention", default=None, metavar="IMPL",
+                   help="attention implementation, one of model.attention's (default: the run's own where it runs "
+                        "compiled on this machine, else auto: e.g. a run trained with cudnn, read on a CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed for few-shot sampling and sampled generation, "
                                                               "0 to 2**32 - 1 (default: %(default)s)")
     args = p.parse_args(argv)
@@ -94,6 +97,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+import attention as attention_lib
 import data
 import harness
 import loader
@@ -332,6 +336,12 @@ def main(argv=None) -> int:
     run_dir = args.checkpoint
     run = rundir.existing(run_dir)
     cfg = run.config()
+    try:  # an implementation this machine runs (the run's own may need another machine's GPU)
+        attending, note = attention_lib.attention_here(cfg.model, args.attention)
+    except ValueError as e:
+        raise EvalError(f"--attention {args.attention}: {e}") from None
+    if note:
+        print(note, file=sys.stderr)
     model_cfg, train_len = cfg.model, cfg.seq_len
     tokenizer = run.tokenizer()
     eot_id = shards.eot_id_of(tokenizer)
@@ -362,7 +372,7 @@ def main(argv=None) -> int:
 
     if task_names and args.include_path is None:
         harness.check_task_data(task_names)  # offline with nothing cached: now, not after the model and lm-eval's index
-    model, step = run.load_model(args.step)
+    model, step = run.load_model(args.step, attention=attending.attention)
     if not run.remote:
         (pathlib.Path(run.location) / "eval").mkdir(exist_ok=True)
     results_name = rundir.eval_results_name(step)

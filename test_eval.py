@@ -627,6 +627,46 @@ def test_tasks_offline_fail_at_once_in_one_line(run, tmp_path, offline_user):
     assert rest[0].endswith("and only datasets in the local cache load (or give local task files with --include-path)")
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN runs here")
+def test_a_run_trained_with_cudnn_is_read_where_there_is_no_gpu(run, corpus, tmp_path, capsys):  # noqa: F811
+    """A run trained on a GPU (model.attention: cudnn, bfloat16) evaluated on this machine: eval.py says
+    in one line that it reads it with auto instead, and scores what the bfloat16 model computes with the
+    reference attention (the windows scored one by one); --attention cudnn is refused in one line.
+    sample.py, whose cached attention is always the reference, generates from it as from its xla twin."""
+    def gpu_run(name, attention):
+        run_dir = tmp_path / name
+        shutil.copytree(run, run_dir, ignore=shutil.ignore_patterns("eval"))
+        config = run_dir / "config.yaml"
+        text = config.read_text()
+        assert text.count("\n  dtype: float32\n") == text.count("\n  attention: auto\n") == 1
+        config.write_text(text.replace("\n  dtype: float32\n", "\n  dtype: bfloat16\n")
+                          .replace("\n  attention: auto\n", f"\n  attention: {attention}\n"))
+        return run_dir
+
+    run_dir = gpu_run("cudnn", "cudnn")
+    argv = ["--checkpoint", str(run_dir), "--lengths", "32", "--max-tokens", "320", "--batch-tokens", "256"]
+    capsys.readouterr()
+    assert E.cli(argv) == 0
+    assert ("model.attention=cudnn needs an NVIDIA GPU (cuDNN); this JAX runs on cpu: reading this run with "
+            "attention=auto (xla) instead (--attention chooses another)\n") in capsys.readouterr().err
+    row, = json.loads((run_dir / "eval" / "step40.json").read_text())["perplexity"]["rows"]
+    model, _ = rundir.Run(run_dir).load_model(attention="xla")
+    assert model.config.dtype == "bfloat16" and row["windows"] == 10
+    assert row["loss"] == pytest.approx(window_nll(model, val_stream(corpus), 32, 10) / row["tokens"], rel=1e-3)
+
+    assert E.cli([*argv, "--attention", "cudnn"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --attention cudnn: model.attention=cudnn needs an NVIDIA GPU (cuDNN); this JAX runs on cpu: use "
+        "attention=xla, dot_product or pallas"]
+
+    texts = []
+    for run_dir in (run_dir, gpu_run("xla", "xla")):
+        assert sample.cli(["--checkpoint", str(run_dir), "--prompt", "alpha beta", "--max-new-tokens", "8",
+                           "--temperature", "0"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].count("alpha beta") == 1
+
+
 def test_alibi_perplexity_at_twice_the_training_context(tmp_path, corpus):  # noqa: F811
     """The default `small` ALiBi model, trained at context 64 for 100 steps, is no worse at 128 than 1.1x.
     (`python train.py` compiled as users' is, with LLVM's optimisations: the suite's unoptimised code takes
