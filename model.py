@@ -56,8 +56,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import fp8
-from attention import (ATTENTION_IMPLS, Masking, apply_rotary, attention, cached_attention, dropout, rotary_angles,
-                       segment_positions)
+from attention import (ATTENTION_IMPLS, Masking, apply_rotary, attention, cached_attention, cudnn_dtype_problem,
+                       dropout, rotary_angles, segment_positions)
 from logical_axes import activation_sharding_of, logical_constraint
 from loss import PADDED_LOGIT, chunk_layout, chunked_cross_entropy, cross_entropy, tied_logits
 
@@ -162,7 +162,7 @@ class GPTConfig:
             raise ValueError(f"model.fp8 needs model.dtype {' or '.join(fp8.COMPUTE_DTYPES)}, got {self.dtype!r} "
                              f"(float16 cannot hold the scale of an FP8 gradient)")
         if self.attention == "cudnn" and self.dtype == "float32":
-            raise ValueError("model.attention=cudnn needs model.dtype bfloat16 or float16 (cuDNN's fused kernel)")
+            raise ValueError(cudnn_dtype_problem())  # without a GPU here, that first
         if self.attention not in ("auto", "xla") and self.dropout > 0:
             raise ValueError(
                 f"model.attention={self.attention} cannot drop attention probabilities; use attention=xla or dropout=0"

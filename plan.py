@@ -297,18 +297,19 @@ def _dropped_inputs(m, lora, tp: int) -> int:
     return width
 
 
-def _kernel_head(impl: str, m) -> int:
+def _kernel_head(impl: str, m) -> float:
     """The head size of the q, k, v and output a step keeps for the attention's backward pass: the
-    fused kernels' padded copies (cudnn: ALiBi's columns, a multiple of 8; splash: whole 128-lane tiles;
-    pallas: a power of two), the model's own otherwise."""
+    fused kernels' padded copies (cudnn: ALiBi's columns, a multiple of 8; splash: q and k in whole
+    128-lane tiles; pallas: a power of two), the model's own otherwise."""
     import alibi_dims
 
     D = m.head_dim
     if impl == "cudnn" and m.alibi_attn:
         return alibi_dims.padded_dim(D, model_lib.DTYPES[m.dtype], attention_lib.CUDNN_MULTIPLE)
-    if impl == "splash":
-        extra = alibi_dims.extra_columns(model_lib.DTYPES[m.dtype]) if m.alibi_attn else 0
-        return -(-(D + extra) // 128) * 128
+    if impl == "splash":  # q and k as splash.qk_width says, v and the output at D: their mean for all four
+        import splash
+
+        return (splash.qk_width(D, model_lib.DTYPES[m.dtype], m.alibi_attn) + D) / 2
     if impl == "pallas":
         return 1 << (D - 1).bit_length()
     return D
@@ -334,7 +335,7 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
     c = np.dtype(model_lib.DTYPES[m.dtype]).itemsize
     lora = t.lora
     masked = t.fcm_max_ratio > 0  # FCM: a masked batch (fine-tuning data is masked too; the plan does not read data)
-    impl = attention_lib.resolve_attention(m, dev.backend, masked=masked)
+    impl = attention_lib.resolve_attention(m, dev.backend, masked=masked, length=T)
     D_kernel = _kernel_head(impl, m)  # the head size the kernel's saved q, k, v and output have
     norms = 1 if m.residual == "parallel_shared" else 2
     BT = B * T

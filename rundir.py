@@ -658,8 +658,12 @@ class Run(storage.RunDir):
         with self.checkpoints(write=True) as saver:
             saver.save(step, state)
 
-    def load_model(self, step: int | None = None):
-        """(the run's model.GPT with the checkpoint's parameters, the checkpoint step)."""
+    def load_model(self, step: int | None = None, attention: str | None = None):
+        """(the run's model.GPT with the checkpoint's parameters, the checkpoint step). `attention`: the
+        implementation to run it with instead of its config's (attention.attention_here chooses one that runs
+        on this machine); the parameters do not depend on it."""
+        import dataclasses
+
         import jax
         import jax.numpy as jnp
         from flax import nnx
@@ -667,6 +671,8 @@ class Run(storage.RunDir):
         from model import GPT
 
         cfg = self.config().model
+        if attention is not None:
+            cfg = dataclasses.replace(cfg, attention=attention)
         params, step = self.load_params(step)
         abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(params=0)))  # shapes only, nothing computed
         graphdef, state = nnx.split(abstract)

@@ -316,7 +316,8 @@ def test_auto_attention_picks_the_measured_fastest_per_backend():
     assert A.resolve_attention(dataclasses.replace(bf16, attention="dot_product"), "gpu", masked=True) == "xla"
     assert A.resolve_attention(bf16, "cpu") == "xla"
     assert A.resolve_attention(cfg, "gpu") == "xla"  # float32
-    assert A.resolve_attention(cfg, "tpu") == "splash"  # float32 too: splash's softmax is float32
+    assert A.resolve_attention(cfg, "tpu") == "xla"  # float32 ALiBi: the bias form (ALiBi's columns are not exact)
+    assert A.resolve_attention(dataclasses.replace(cfg, alibi_attn=False), "tpu") == "splash"  # no ALiBi: exact
     for backend in ("gpu", "tpu"):
         assert A.resolve_attention(dataclasses.replace(bf16, dropout=0.1), backend) == "xla"  # only xla drops
     for impl in ("xla", "dot_product", "cudnn", "pallas", "splash"):  # a named implementation is kept

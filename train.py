@@ -151,6 +151,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         attention_lib.check_attention_backend(cfg.model)  # e.g. attention=cudnn without a GPU, before any work
     except ValueError as e:
         raise RunError(str(e)) from None
+    if note := attention_lib.attention_note(cfg.model, cfg.seq_len):  # e.g. pallas on a CPU: interpret mode
+        say(note)
     if jax.process_count() > 1:  # every process has checked run_dir before process 0 writes into it
         from jax.experimental import multihost_utils
 
