@@ -51,6 +51,11 @@ so a copy of that file alone next to an export is all that `GPT.from_pretrained`
 numpy and safetensors installed). `from convert_torch import GPT`
 gives the same class.
 
+Every output (an export, an adapter, an imported run) is built beside --out and swapped into place
+whole (outputs.StagedDir). A Ctrl-C (or SIGTERM, SIGHUP) before the swap stops the command with one
+line, nothing written and an --out that was there as it was; one after it lets the command finish, say
+what it wrote, and then that the stop came after (exit status 128 + N either way; outputs.Stops).
+
 Exporting needs numpy and safetensors only; the GPT module and reading pytorch_model.bin need torch.
 """
 from __future__ import annotations
@@ -89,6 +94,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import json
+import os
 import pathlib
 import shlex
 import shutil
@@ -471,9 +477,18 @@ def _export_adapter(args, source) -> int:
 
 
 def cli(argv=None) -> int:
-    """main() with user errors as one `error: ...` line on stderr and exit status 2."""
-    return errors.run_cli(main, argv)
+    """main() with user errors as one `error: ...` line on stderr and exit status 2, and Ctrl-C, SIGTERM and
+    SIGHUP as outputs.stoppable handles them: a stop before the output is in place leaves nothing written,
+    one after it is said after the output's line."""
+    def stoppable_main(argv):
+        return outputs.stoppable(main, argv, parse_args(argv).out, error=ConvertError,
+                                 restore=__name__ != "__main__")  # run as a program, the process ends with it
+    return errors.run_cli(stoppable_main, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    exit_status = cli()
+    for stream in (sys.stdout, sys.stderr):  # all said: the process ends now (outputs.Stops)
+        with contextlib.suppress(OSError, ValueError):  # a reader that has gone, a closed stream
+            stream.flush()
+    os._exit(exit_status)

@@ -8,6 +8,10 @@ one StorageError line. An output at a URL (gs://bucket/dir) is checked by the sa
 store has them (`check_out_url`), built on the local disk and uploaded with the file that marks it
 complete last (StagedDir says what a kill leaves).
 
+A command that writes such an output runs its work through `stoppable`, for Ctrl-C, SIGTERM and SIGHUP
+(`Stops`): one before the commit stops it with one line and nothing written, one after the commit lets it
+finish and say so, never a traceback.
+
 Knows nothing of the data format or of models; imports nothing of the project but errors.py and
 storage.py.
 """
@@ -16,15 +20,18 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import gc
 import os
 import pathlib
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from typing import Callable
 
-from errors import StorageError, UserError
+from errors import STOP_SIGNALS, StorageError, UserError, detach_from_terminal
 from storage import filesystem, is_url, one_line, os_problem, process_alive
 
 # Beside OUT (".OUT..." where the caller hides them), process PID leaves only these names:
@@ -279,10 +286,16 @@ class StagedDir:
         self.path.mkdir()
 
     def commit(self) -> None:
-        if self.remote:
+        if self.remote:  # an upload: interruptible, and _upload says what a stop in it leaves
+            if _stops is not None and _stops.noted:
+                raise KeyboardInterrupt
             self._upload()
             self.committed = True
+            if _stops is not None:
+                _stops.holding = True
             return
+        if _stops is not None:
+            _stops.hold()  # from here on the new directory goes into place whatever comes
         ready = self._name("-ready")
         os.rename(self.path, ready)  # complete: from here on a next run may put it into place
         if self.replace and os.path.lexists(self.out):
@@ -352,3 +365,96 @@ class StagedDir:
                     (not self.remote and os.path.abspath(where) == str(self.out))
                 raise StorageError(f"cannot write {self.shown}: {reason}" + ("" if ours else f" ({where})")) \
                     from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Stop signals
+
+
+class Stops:
+    """Ctrl-C (SIGINT), SIGTERM and SIGHUP while a command writes its output (the handler `stoppable`
+    installs).
+
+    Until the output is committed (`hold`, just before StagedDir.commit swaps a local directory into place;
+    after an upload to an object store, which stays interruptible and says what it left) a stop ends the
+    command at once: a KeyboardInterrupt, so the staging directory goes and an --out that was there stays
+    as it was. From the commit on a stop is only noted: the output goes into place whole, the command says
+    what it wrote, and then that the stop came after. A stop that arrives inside a garbage collector's
+    callback (JAX has one), where a KeyboardInterrupt would be printed and dropped, is sent again once out
+    of it; and any stop noted but swallowed still stops the command at the commit, before anything is
+    written."""
+
+    def __init__(self):
+        self.noted: list[int] = []
+        self.holding = False
+
+    def __call__(self, signum, frame) -> None:
+        if signum == signal.SIGHUP:
+            detach_from_terminal()
+        self.noted.append(signum)
+        if self.holding:
+            return
+        if self.in_gc_callback(frame):
+            timer = threading.Timer(GC_RETRY_S, os.kill, (os.getpid(), signum))
+            timer.daemon = True
+            timer.start()
+            return
+        raise KeyboardInterrupt
+
+    @staticmethod
+    def in_gc_callback(frame) -> bool:
+        """Whether `frame` runs inside a garbage collector callback, which drops what it raises."""
+        codes = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+        while frame is not None:
+            if frame.f_code in codes:
+                return True
+            frame = frame.f_back
+        return False
+
+    def hold(self) -> None:
+        """From here on a stop is only noted; one noted already (and swallowed) stops the command now."""
+        self.holding = True
+        if self.noted:
+            raise KeyboardInterrupt
+
+    def name(self) -> str:
+        return signal.Signals(self.noted[0]).name if self.noted else "SIGINT"
+
+    def status(self) -> int:
+        return 128 + (self.noted[0] if self.noted else signal.SIGINT)
+
+
+_stops: Stops | None = None  # while `stoppable` runs a command in the main thread
+GC_RETRY_S = 0.05  # a stop that arrived in a garbage collector's callback is sent again this much later
+
+
+def stoppable(main: Callable, argv, out, *, error: type[UserError] = StorageError, restore: bool = True) -> int:
+    """main(argv), a command that writes the output `out` through StagedDir, with the stop signals handled
+    as Stops says: a stop before the commit raises `error` (exit status 128 + N) saying that nothing was
+    written; one after it is said on stderr after main's own output, and the status is 128 + N. `restore`:
+    put the previous handlers back afterwards (False for a process that ends with the command, where a stop
+    from then on is only noted). Outside the main thread (no signals there) it is main(argv)."""
+    global _stops
+    if _stops is not None or threading.current_thread() is not threading.main_thread():
+        return main(argv)
+    stops = _stops = Stops()
+    previous = {s: signal.signal(s, stops) for s in STOP_SIGNALS}
+    try:
+        status = main(argv)
+    except KeyboardInterrupt:  # before the commit (Stops.hold): nothing was written
+        stops.holding = True  # the line is said whatever comes now
+        stopped = error(f"stopped by {stops.name()}; nothing was written (--out {out} is as it was)")
+        stopped.exit_status = stops.status()
+        raise stopped from None
+    except BaseException:
+        stops.holding = True
+        raise
+    finally:
+        if restore:
+            _stops = None
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+    if stops.noted:
+        print(f"stopped by {stops.name()} after {out} was complete: it is written whole", file=sys.stderr)
+        return stops.status()
+    return status
