@@ -137,17 +137,25 @@ def check_out(out, overwrite: bool, *, ours: Callable[[pathlib.Path], bool], wha
               error: type[UserError] = StorageError) -> pathlib.Path:
     """Whether a writer may put a directory at --out `out`, before anything is written; raises `error`.
 
-    Never: an empty --out, the current directory or a directory holding it (`/` included), the home
-    directory, a path under a regular file, a file or a symbolic link. With --overwrite an existing --out is
-    replaced only if it is empty or `ours(out)` (the writer's own kind of output, `what`: "a data directory
-    (one with index.json)"); otherwise the error names what is in it. Leftovers of dead writers into `out`
-    are settled first (settle_leftovers). Whether an existing --out needs --overwrite is the caller's rule.
+    Never: an empty --out, a path that is not UTF-8 text, the current directory or a directory holding it
+    (`/` included), the home directory, a path under a regular file, a file or a symbolic link. With
+    --overwrite an existing --out is replaced only if it is empty or `ours(out)` (the writer's own kind of
+    output, `what`: "a data directory (one with index.json)"); otherwise the error names what is in it.
+    Leftovers of dead writers into `out` are settled first (settle_leftovers). Whether an existing --out
+    needs --overwrite is the caller's rule.
 
     A URL (gs://bucket/dir) is checked by the same rules, as far as an object store has them (check_out_url)."""
     if not str(out).strip():
         raise error("--out is empty; name the directory to write")
     if is_url(out):
         return check_out_url(str(out), overwrite, ours=ours, what=what, error=error)
+    try:
+        str(out).encode("utf-8")
+    except UnicodeEncodeError as e:  # bytes that are no UTF-8, which Python keeps as lone surrogates
+        shown = os.fsencode(str(out)).decode("utf-8", "backslashreplace")
+        raise error(f"--out {shown} is not UTF-8 text (byte 0x{ord(str(out)[e.start]) & 0xFF:02x} at {e.start}): "
+                    f"the libraries that write it (safetensors, orbax) take only UTF-8 paths; choose another --out") \
+            from None
     shown, out = str(out), pathlib.Path(out)
     untouched = "choose another --out (nothing was written or deleted)"
     try:

@@ -438,7 +438,7 @@ def test_overwrite_replaces_only_the_tools_own_output(gpt2_runs, tmp_path, capsy
     capsys.readouterr()
     for kind, out, words in [
         ("export", data_dir, f"--out {data_dir} holds index.json and is not an export of convert_torch.py"),
-        ("export", run, f"--out {run} holds checkpoints/, config.yaml, tokenizer.json and is not an export"),
+        ("export", run, f"--out {run} holds checkpoints/, config.yaml, format.json and 1 more and is not an export"),
         ("import", export, f"--out {export} holds config.json, model.safetensors, tokenizer.json and is not a "
                            f"run directory"),
     ]:
