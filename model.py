@@ -30,10 +30,10 @@ Generation uses a separate path: `GPT.decode(tokens, cache, pos)` runs the same 
 tokens at positions pos.. against a preallocated KV cache (`init_cache`), for sample.py; the
 training path `__call__` does not touch it.
 
-Low-rank adapters (LoRA, training.lora) sit on the chosen projections when the model is made with
-`GPT(config, lora=...)`: `lora_a` and `lora_b` beside each adapted kernel (Dense), the only weights a
-LoRA run trains; `split_lora` and `join_lora` part and join them from the base's, `merge_lora` folds
-them into the kernels, giving the base model's tree, which every other path (decode included) runs.
+Low-rank adapters (LoRA, training.lora; lora.py) sit on the chosen projections when the model is made
+with `GPT(config, lora=...)`: `lora_a` and `lora_b` beside each adapted kernel (Dense), the only weights
+a LoRA run trains; `adapted_kernels` says where they are, for lora.py to fold them into the kernels,
+giving the base model's tree, which every other path (decode included) runs.
 
 Every parameter carries logical axis names in its `axes` metadata and the main activations are
 constrained by name (logical_axes.py); `sharding.py` maps the names to mesh axes, and the model
@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import fp8
+import lora as lora_lib
 from attention import (ATTENTION_IMPLS, Masking, apply_rotary, attention, cached_attention, cudnn_dtype_problem,
                        dropout, rotary_angles, segment_positions)
 from logical_axes import activation_sharding_of, logical_constraint
@@ -222,13 +223,10 @@ class Dense(nnx.Module):
     With `fp8`, the einsum of x and the kernel runs in float8 (fp8.einsum: e4m3 operands, e5m2 gradients);
     the adapter, the bias and everything around stay in the compute dtype.
 
-    With `lora` (a config.LoRAConfig: rank r, alpha, dropout), low-rank factors A `lora_a` (in dims..., r)
-    and B `lora_b` (r, out dims...) add (alpha / r) * (dropout(x) A) B to the output, in the compute dtype.
-    A is initialised as PEFT's (uniform in +-1/sqrt(fan_in)), B as zeros, so that a new adapter changes
-    nothing. A weight that fuses several projections along its first output dimension (q, k, v) takes
-    `lora_slices`, a 0/1 per slice: the adapter's B is multiplied by it, so an unchosen slice gets no
-    update and no gradient. A takes the kernel's input axis names and B its output ones, the rank
-    dimension none: sharding.py's rules place the factors as their kernel.
+    With `lora` (a config.LoRAConfig: rank r, alpha, dropout), its low-rank factors `lora_a` (in dims...,
+    r) and `lora_b` (r, out dims...) add lora.output to it (lora.py: the factors' initialisation and
+    arithmetic). A weight that fuses several projections along its first output dimension (q, k, v) takes
+    `lora_slices`, a 0/1 per slice: B's unchosen slices are zero, so they get no update and no gradient.
     """
 
     def __init__(self, shape, axes, n_in: int, *, std: float, bias: bool, dtype, rngs: nnx.Rngs, lora=None,
@@ -237,14 +235,10 @@ class Dense(nnx.Module):
         self.bias = nnx.Param(jnp.zeros(shape[n_in:], jnp.float32), axes=axes[n_in:]) if bias else None
         self.dtype, self.n_in, self.fp8 = dtype, n_in, fp8
         self.lora_a = self.lora_b = None
-        if lora is not None:
-            r, fan_in = lora.rank, math.prod(shape[:n_in])
-            bound = 1.0 / math.sqrt(fan_in)  # PEFT: kaiming_uniform_(a=sqrt(5)) of an (r, fan_in) weight
-            a = jax.random.uniform(rngs.params(), (*shape[:n_in], r), jnp.float32, -bound, bound)
-            self.lora_a = nnx.data(nnx.Param(a, axes=(*axes[:n_in], None)))  # (in dims..., r)
-            b = jnp.zeros((r, *shape[n_in:]), jnp.float32)
-            self.lora_b = nnx.data(nnx.Param(b, axes=(None, *axes[n_in:])))  # (r, out dims...)
-            self.lora_scale, self.lora_dropout = lora.alpha / r, lora.dropout
+        if lora is not None:  # lora.py: the factors, their place in the tree kept here (lora_a, lora_b)
+            a, b = lora_lib.init_factors(shape, axes, n_in, lora.rank, rngs.params())
+            self.lora_a, self.lora_b = nnx.data(a), nnx.data(b)  # (in dims..., r), (r, out dims...)
+            self.lora_scale, self.lora_dropout = lora.alpha / lora.rank, lora.dropout
             self.lora_slices = None if lora_slices is None or all(lora_slices) else tuple(lora_slices)
 
     def __call__(self, spec: str, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
@@ -254,35 +248,9 @@ class Dense(nnx.Module):
         else:
             y = jnp.einsum(spec, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.lora_a is not None:
-            y = y + self._adapter(spec, x, dropout_key)
+            y = y + lora_lib.output(spec, x, self.lora_a[...], self.lora_b[...], n_in=self.n_in, scale=self.lora_scale,
+                                    rate=self.lora_dropout, chosen=self.lora_slices, key=dropout_key, dtype=self.dtype)
         return y if self.bias is None else y + self.bias[...].astype(self.dtype)
-
-    def _lora_b(self) -> jax.Array:
-        """B (r, out dims...), its unchosen slices zeroed."""
-        b = self.lora_b[...]
-        if self.lora_slices is None:
-            return b
-        mask = jnp.asarray(self.lora_slices, b.dtype).reshape((1, -1) + (1,) * (b.ndim - 2))
-        return b * mask
-
-    def _adapter(self, spec: str, x: jax.Array, dropout_key) -> jax.Array:
-        """(alpha / r) * einsum(einsum(dropout(x), A), B), the kernel's einsum split at the rank."""
-        ins, out = spec.split("->")
-        x_dims, k_dims = ins.split(",")
-        r = next(c for c in "rzyxwvu" if c not in spec)  # a letter for the rank dimension
-        kept = "".join(c for c in x_dims if c not in k_dims[:self.n_in])  # x's batch dims, e.g. "bt"
-        x = dropout(x.astype(self.dtype), self.lora_dropout, dropout_key)
-        h = jnp.einsum(f"{x_dims},{k_dims[:self.n_in]}{r}->{kept}{r}", x, self.lora_a[...].astype(self.dtype))
-        y = jnp.einsum(f"{kept}{r},{r}{k_dims[self.n_in:]}->{out}", h, self._lora_b().astype(self.dtype))
-        return (self.lora_scale * y).astype(self.dtype)
-
-    def merged_kernel(self) -> jax.Array:
-        """The kernel with the adapter folded in, float32: kernel + (alpha / r) * A @ B (B's unchosen slices zero)."""
-        kernel = self.kernel[...].astype(jnp.float32)
-        if self.lora_a is None:
-            return kernel
-        update = jnp.tensordot(self.lora_a[...].astype(jnp.float32), self._lora_b().astype(jnp.float32), axes=1)
-        return kernel + self.lora_scale * update
 
 
 def _norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm | nnx.RMSNorm:
@@ -302,32 +270,23 @@ def _norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm | nnx.RMSNorm:
     )
 
 
-def _adapted(lora, *targets: str):
-    """`lora` (a config.LoRAConfig) if it targets any of `targets`, else None: what Dense takes."""
-    return lora if lora is not None and set(targets) & set(lora.targets) else None
-
-
-def _slices(lora, *targets: str) -> tuple[float, ...] | None:
-    """Dense's lora_slices for a weight fusing `targets` along its first output dim: 1 where targeted."""
-    return None if lora is None else tuple(float(t in lora.targets) for t in targets)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, lora=None, rngs: nnx.Rngs):
         d, H, K, D, dtype = cfg.embedding_dim, cfg.num_head, cfg.kv_heads, cfg.head_dim, DTYPES[cfg.dtype]
         dense = functools.partial(Dense, bias=cfg.attn_bias, dtype=dtype, rngs=rngs, fp8=cfg.fp8)
         if K == H:  # q, k and v in one weight: (d, 3, H, D)
             self.c_attn = dense((d, 3, H, D), ("embed", None, "heads", "kv"), 1, std=0.02,
-                                lora=_adapted(lora, "q", "k", "v"), lora_slices=_slices(lora, "q", "k", "v"))
+                                lora=lora_lib.adapted(lora, "q", "k", "v"),
+                                lora_slices=lora_lib.slices(lora, "q", "k", "v"))
             self.c_q = self.c_kv = None
         else:  # grouped-query attention: q (d, H, D), and k and v (d, 2, K, D) with their own axis name
             self.c_attn = None
-            self.c_q = dense((d, H, D), ("embed", "heads", "kv"), 1, std=0.02, lora=_adapted(lora, "q"))
+            self.c_q = dense((d, H, D), ("embed", "heads", "kv"), 1, std=0.02, lora=lora_lib.adapted(lora, "q"))
             self.c_kv = dense((d, 2, K, D), ("embed", None, "kv_heads", "kv"), 1, std=0.02,
-                              lora=_adapted(lora, "k", "v"), lora_slices=_slices(lora, "k", "v"))
+                              lora=lora_lib.adapted(lora, "k", "v"), lora_slices=lora_lib.slices(lora, "k", "v"))
         # residual projection, scaled down by depth as in GPT-2: (H, D, d)
         self.c_proj = dense((H, D, d), ("heads", "kv", "embed"), 2, std=0.02 / math.sqrt(2 * cfg.N),
-                            lora=_adapted(lora, "o"))
+                            lora=lora_lib.adapted(lora, "o"))
         self.cfg = cfg
 
     def qkv(self, x: jax.Array, rope=None, lora_key=None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -378,7 +337,7 @@ class MLP(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, lora=None, rngs: nnx.Rngs):
         d, f = cfg.embedding_dim, cfg.ffn_dim
         dense = functools.partial(Dense, n_in=1, bias=cfg.bias, dtype=DTYPES[cfg.dtype], rngs=rngs,
-                                  lora=_adapted(lora, "mlp"), fp8=cfg.fp8)
+                                  lora=lora_lib.adapted(lora, "mlp"), fp8=cfg.fp8)
         self.c_fc = dense((d, f), ("embed", "mlp"), std=0.02)  # SwiGLU's "up" projection
         self.c_gate = dense((d, f), ("embed", "mlp"), std=0.02) if cfg.activation == "swiglu" else None
         self.c_proj = dense((f, d), ("mlp", "embed"), std=0.02 / math.sqrt(2 * cfg.N))
@@ -628,70 +587,12 @@ class GPT(nnx.Module):
 # Low-rank adapters: the parameter tree of a GPT with `lora` is the base model's, plus `lora_a` and
 # `lora_b` beside each adapted kernel, e.g. blocks/0/attn/c_attn/{kernel, bias, lora_a, lora_b}
 
-LORA_LEAVES = ("lora_a", "lora_b")
-
-
-def split_lora(params: dict) -> tuple[dict, dict]:
-    """(base, adapters) of a pure dict of parameters: the adapters are the `lora_a` and `lora_b` leaves, with
-    their nesting; the base is everything else (the base model's own tree)."""
-    base, adapters = {}, {}
-    for k, v in params.items():
-        if isinstance(v, dict):
-            b, a = split_lora(v)
-            if b:
-                base[k] = b
-            if a:
-                adapters[k] = a
-        elif k in LORA_LEAVES:
-            adapters[k] = v
-        else:
-            base[k] = v
-    return base, adapters
-
-
-def join_lora(base: dict, adapters: dict) -> dict:
-    """The union of split_lora's two trees: the parameters of the GPT with adapters."""
-    out = dict(base)
-    for k, v in adapters.items():
-        out[k] = join_lora(out.get(k, {}), v) if isinstance(v, dict) else v
-    return out
-
-
-def merge_lora(config: GPTConfig, lora, params: dict) -> dict:
-    """The base model's parameters (no lora leaves) computing what the GPT(config, lora) with `params` (base
-    and adapters) computes: each adapted kernel replaced by kernel + (alpha / r) * A @ B, in float32."""
-    abstract = nnx.eval_shape(lambda: GPT(config, lora=lora, rngs=nnx.Rngs(params=0)))
-    graphdef, state = nnx.split(abstract)
-    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
-    merged, _ = split_lora(params)
-    for path, module in nnx.iter_modules(nnx.merge(graphdef, state)):
-        if isinstance(module, Dense) and module.lora_a is not None:
-            node = merged
-            for k in path:
-                node = node[k]
-            node["kernel"] = module.merged_kernel()
-    return merged
-
-
-def lora_factors(config: GPTConfig, lora, adapters: dict) -> dict:
-    """{'blocks.0.attn.c_attn': (A, B, targeted)} for every adapted Dense of GPT(config, lora), from `adapters`
-    (split_lora's tree, numpy): A (in dims..., r) and B (r, out dims...) as float32 numpy arrays, B's slices of
-    untargeted projections zero, and `targeted` (out dims...) True where the adapter may change the output.
-    The update of the kernel is (alpha / r) * A @ B. What an export of the adapters maps (convert_torch.py)."""
-    import numpy as np
-
-    out = {}
-    for path, module in nnx.iter_modules(nnx.eval_shape(lambda: GPT(config, lora=lora, rngs=nnx.Rngs(params=0)))):
-        if isinstance(module, Dense) and module.lora_a is not None:
-            node = adapters
-            for k in path:
-                node = node[k]
-            a, b = np.asarray(node["lora_a"], np.float32), np.asarray(node["lora_b"], np.float32)
-            targeted = np.ones(b.shape[1:], bool)
-            if module.lora_slices is not None:
-                targeted = targeted & np.asarray(module.lora_slices, bool).reshape((-1,) + (1,) * (b.ndim - 2))
-            out[".".join(map(str, path))] = (a, b * targeted, targeted)
-    return out
+def adapted_kernels(config: GPTConfig, lora) -> dict:
+    """Where GPT(config, lora) has adapters: {path of the adapted Dense (a tuple of keys): (alpha / r, its
+    chosen slices or None)}, what lora.merge and lora.factors fold in or export."""
+    model = nnx.eval_shape(lambda: GPT(config, lora=lora, rngs=nnx.Rngs(params=0)))
+    return {path: (module.lora_scale, module.lora_slices) for path, module in nnx.iter_modules(model)
+            if isinstance(module, Dense) and module.lora_a is not None}
 
 
 def init_cache(config: GPTConfig, batch: int, max_len: int) -> dict:

@@ -593,7 +593,7 @@ class Run(storage.RunDir):
 
     def load_adapters(self, step: int | None = None) -> tuple[dict, int]:
         """(adapters, step) of a LoRA run's checkpoint, the last by default: its `lora_a` and `lora_b` leaves
-        as load_params gives parameters (model.split_lora's tree), not merged into any base."""
+        as load_params gives parameters (lora.split's tree), not merged into any base."""
         cfg = self.config()
         if cfg.training.lora is None:
             raise RunError(f"{self} is not a LoRA run (its training.lora is null), so it has no adapters")
@@ -628,10 +628,11 @@ class Run(storage.RunDir):
         lora = cfg.training.lora if cfg is not None else None
         if lora is None or adapters_only:
             return params, step, fingerprint
+        import lora as lora_lib
         import model as model_lib
 
         base, record = load_lora_base(self.lora_base().get("init_from") or cfg.training.init_from, self)
-        merged = model_lib.merge_lora(cfg.model, lora, model_lib.join_lora(base, params))
+        merged = lora_lib.merge(lora_lib.join(base, params), model_lib.adapted_kernels(cfg.model, lora))
         shape = {k: getattr(lora, k) for k in lora.SHAPE_FIELDS}
         return numpy_tree(merged), step, sha256({"base": record["fingerprint"], "adapters": fingerprint, "lora": shape})
 

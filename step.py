@@ -9,7 +9,7 @@ measures what training runs. Nothing here reads files.
         batch: tokens (B, T+1) int, or for prompt/completion data a dict {tokens (B, T+1),
         weights (B, T) loss weights, segments (B, T) packed-example ids}
 
-LoRA (training.lora): the state's params are the adapters alone (model.split_lora's second tree, the
+LoRA (training.lora): the state's params are the adapters alone (lora.split's second tree, the
 `lora_a` and `lora_b` leaves in the model's nesting), and the optimizer state is theirs; the frozen base
 model is an argument of its own, never donated nor updated, placed by the same rules table:
     train_step(state, batch, base) -> (new state, metrics)      eval_step(params, batch, base)
@@ -30,6 +30,7 @@ from flax import nnx
 import attention as attention_lib
 import logical_axes
 import loss as loss_lib
+import lora as lora_lib
 import model as model_lib
 import sharding as sharding_lib
 
@@ -154,7 +155,7 @@ def make_init_state(mcfg: model_lib.GPTConfig, tx, lora=None):
     def init_state(init_key, train_key):
         params = nnx.to_pure_dict(nnx.state(model_lib.GPT(mcfg, lora=lora, rngs=nnx.Rngs(params=init_key))))
         if lora is not None:
-            params = model_lib.split_lora(params)[1]
+            params = lora_lib.split(params)[1]
         return {
             "params": params,
             "opt_state": tx.init(params),
@@ -193,7 +194,7 @@ def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activat
 
     def _train_step(state, batch, base):
         params = state["params"]
-        joined = (lambda p: p) if base is None else (lambda p: model_lib.join_lora(base, p))  # noqa: E731
+        joined = (lambda p: p) if base is None else (lambda p: lora_lib.join(base, p))  # noqa: E731
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
         # micro-batch i takes rows i, i+M, i+2M, ...: every device's contiguous block of rows
         # splits into M pieces in place, so each micro-batch spans all data-parallel devices
@@ -248,7 +249,7 @@ def state_shapes(mcfg: model_lib.GPTConfig, t, abstract_vars=None):
     keys = jax.random.split(jax.random.key(0))  # shapes only: the seed changes no shape
     axes = nnx.to_pure_dict(logical_axes.param_axes(abstract_vars))
     if lora is not None:
-        axes = model_lib.split_lora(axes)[1]
+        axes = lora_lib.split(axes)[1]
     return jax.eval_shape(make_init_state(mcfg, tx, lora), *keys), axes
 
 
@@ -258,8 +259,8 @@ def base_shapes(mcfg: model_lib.GPTConfig, lora, abstract_vars=None) -> tuple[di
     make_loss's (of the model with adapters), if at hand."""
     if abstract_vars is None:
         _, abstract_vars = make_loss(mcfg, lora=lora)
-    base = model_lib.split_lora(nnx.to_pure_dict(abstract_vars))[0]
-    axes = model_lib.split_lora(nnx.to_pure_dict(logical_axes.param_axes(abstract_vars)))[0]
+    base = lora_lib.split(nnx.to_pure_dict(abstract_vars))[0]
+    axes = lora_lib.split(nnx.to_pure_dict(logical_axes.param_axes(abstract_vars)))[0]
     return frozen_shapes(base, lora.base_dtype), axes
 
 
@@ -358,7 +359,7 @@ def _build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int) -> Bu
     def eval_step(params, batch, base=None):
         """Summed loss and count of a validation batch: no dropout, no FCM; segments kept apart."""
         with logical_axes.activation_sharding(activations):
-            loss, n = masked_loss(params if base is None else model_lib.join_lora(base, params), batch)
+            loss, n = masked_loss(params if base is None else lora_lib.join(base, params), batch)
         return loss * n, n
 
     # the initial state's program runs once: on the CPU compiled without LLVM's optimisations, which take

@@ -381,6 +381,7 @@ def exports(tmp_path_factory):
 
     import config
     import convert_torch
+    import lora as lora_lib
     import model
     import shards
 
@@ -396,7 +397,7 @@ def exports(tmp_path_factory):
     convert_torch.export(params, cfg, root / "export" / "default-hf", "hf", root / "tokenizer.json")
     # the LoRA section's: an adapter (random, B too) and its base in the transformers layout
     lora = config.LoRAConfig(rank=4, targets=["q", "v", "mlp"])
-    adapters = model.split_lora(jax.tree.map(lambda a: rng.normal(0, 0.02, a.shape).astype(a.dtype), nnx.to_pure_dict(
+    adapters = lora_lib.split(jax.tree.map(lambda a: rng.normal(0, 0.02, a.shape).astype(a.dtype), nnx.to_pure_dict(
         nnx.state(nnx.eval_shape(lambda: model.GPT(cfg, lora=lora, rngs=nnx.Rngs(params=0)))))))[1]
     convert_torch.export_adapter(adapters, cfg, lora, root / "export" / "gpt2-lora-adapter")
     return root
