@@ -202,7 +202,7 @@ def to_torch_tensors(params: dict, c: GPTConfig, fmt: str) -> dict[str, np.ndarr
 def lora_tensors(factors: dict, c: GPTConfig, fmt: str) -> tuple[dict[str, np.ndarray], list[str], bool]:
     """A PEFT LoRA adapter of a transformers layout: (tensors, target_modules, fan_in_fan_out).
 
-    `factors`: lora.factors, {'blocks.0.attn.c_attn': (A, B, targeted)}. Each adapted kernel goes where
+    `factors`: model.lora_factors, {'blocks.0.attn.c_attn': (A, B, targeted)}. Each adapted kernel goes where
     its layout puts it: the layout's own mapping of the kernel (reshapes, transposes, the split of q/k/v) is
     applied to the index of every input and output element, which gives the order of A's rows and B's
     columns in the module (in PEFT's shapes: lora_A.weight (r, in), lora_B.weight (out, r), named
@@ -281,9 +281,10 @@ ACTIVATION_NAMES = {"gelu_new": ("gelu", True), "gelu_pytorch_tanh": ("gelu", Tr
                     "relu": ("relu", None), "silu": ("swiglu", None)}
 
 
-def hf_format(c: GPTConfig) -> str:
+def hf_format(c: GPTConfig, adapters: bool = False) -> str:
     """The transformers layout that expresses the model exactly ('gpt2', 'bloom', 'gptj', 'gpt_neox',
-    'opt' or 'llama'), or a ConvertError saying why none does."""
+    'opt' or 'llama'), or a ConvertError saying why none does: of the export --format hf, or with
+    `adapters` of --format peft (a LoRA run's adapters, for its base in that layout)."""
     if c.positions == "alibi":
         fmt, family = "bloom", "an ALiBi model maps to BLOOM"
     elif c.positions == "learned":
@@ -321,6 +322,10 @@ def hf_format(c: GPTConfig) -> str:
         (fmt == "opt" and c.layer_norm_epsilon != 1e-5, f"layer_norm_epsilon: {c.layer_norm_epsilon} (OPT's is 1e-5)"),
     ]
     why = [msg for bad, msg in why if bad]
+    if why and adapters:
+        raise ConvertError(f"cannot export the adapters with --format peft: PEFT adapts a base in its transformers "
+                           f"layout, and {family}, which cannot express {', '.join(why)}; export the merged model "
+                           f"with --format torch instead")
     if why:
         raise ConvertError(f"cannot export to --format hf: {family}, which cannot express {', '.join(why)}; "
                            f"use --format torch")
