@@ -299,17 +299,18 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
 
 def export_adapter(adapters: dict, gpt_config, lora, out, overwrite: bool = False, source=None,
                    base: str | None = None) -> str:
-    """Write a LoRA run's adapters (Run.load_adapters: model.split_lora's tree) of a model.GPTConfig and
+    """Write a LoRA run's adapters (Run.load_adapters: lora.split's tree) of a model.GPTConfig and
     config.LoRAConfig into `out` as a PEFT LoRA adapter for the base model in its transformers layout
     (hf_layouts.lora_tensors): adapter_model.safetensors and adapter_config.json (r, lora_alpha,
     lora_dropout, target_modules; PEFT's scale lora_alpha / r is the run's alpha / rank). `base`: what
     base_model_name_or_path names. Returns the layout (the transformers model_type)."""
+    import lora as lora_lib
     import model as model_lib
 
     c = gpt_config if isinstance(gpt_config, GPTConfig) else GPTConfig(**dict(gpt_config))
     layout = hf_format(c, adapters=True)
     out = _check_out(out, source, overwrite, "adapter")
-    tensors, targets, conv1d = lora_tensors(model_lib.lora_factors(c, lora, adapters), c, layout)
+    tensors, targets, conv1d = lora_tensors(lora_lib.factors(adapters, model_lib.adapted_kernels(c, lora)), c, layout)
     meta = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
             "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": targets, "bias": "none",
             "fan_in_fan_out": conv1d, "use_rslora": False, "use_dora": False, "init_lora_weights": True,

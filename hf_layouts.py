@@ -202,7 +202,7 @@ def to_torch_tensors(params: dict, c: GPTConfig, fmt: str) -> dict[str, np.ndarr
 def lora_tensors(factors: dict, c: GPTConfig, fmt: str) -> tuple[dict[str, np.ndarray], list[str], bool]:
     """A PEFT LoRA adapter of a transformers layout: (tensors, target_modules, fan_in_fan_out).
 
-    `factors`: model.lora_factors, {'blocks.0.attn.c_attn': (A, B, targeted)}. Each adapted kernel goes where
+    `factors`: lora.factors, {'blocks.0.attn.c_attn': (A, B, targeted)}. Each adapted kernel goes where
     its layout puts it: the layout's own mapping of the kernel (reshapes, transposes, the split of q/k/v) is
     applied to the index of every input and output element, which gives the order of A's rows and B's
     columns in the module (in PEFT's shapes: lora_A.weight (r, in), lora_B.weight (out, r), named

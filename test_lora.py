@@ -3,7 +3,7 @@
 - a new adapter is PEFT's (A kaiming-uniform, B zero), its factors named for sharding as their kernel;
   adapters with B = 0 leave the model exactly as it was, for the fused q/k/v weight and for grouped-query
   attention's separate ones;
-- the merged weights (model.merge_lora, rundir's load_params) are kernel + (alpha / r) * A @ B, written out
+- the merged weights (lora.merge, rundir's load_params) are kernel + (alpha / r) * A @ B, written out
   here, an untargeted slice of a fused weight untouched, and give the unmerged model's logits;
 - the step trains adapters only, from the base's loss; on 8 simulated devices, at every ZeRO stage and with
   tensor parallelism, it equals one device's; the frozen base stays bit for bit what it was; a base held
@@ -34,6 +34,7 @@ import eval as eval_lib
 import hf_layouts
 import loader
 import loss as loss_lib
+import lora as lora_lib
 import model
 import rundir
 import sample
@@ -166,13 +167,13 @@ def test_a_new_adapter_is_peft_s_and_changes_nothing():
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_adapters_with_b_zero_leave_the_model_exactly_as_it_was(layout):
     cfg, lora = model.GPTConfig(**LAYOUTS[layout][0]), LAYOUTS[layout][1]
-    base, adapters = model.split_lora(random_params(cfg, 1, lora))
+    base, adapters = lora_lib.split(random_params(cfg, 1, lora))
     assert jax.tree.structure(base) == jax.tree.structure(shapes(cfg))  # the base model's own tree, adapters beside
     found = {(i, part, name) for i, block in adapters["blocks"].items() for part, mods in block.items()
              for name in mods}
     assert found == expected_dense(cfg, lora)
     adapters = jax.tree_util.tree_map_with_path(lambda p, x: x if p[-1].key == "lora_a" else 0 * x, adapters)
-    np.testing.assert_array_equal(eager_logits(cfg, model.join_lora(base, adapters), TOKS, lora),
+    np.testing.assert_array_equal(eager_logits(cfg, lora_lib.join(base, adapters), TOKS, lora),
                                   eager_logits(cfg, base, TOKS))
 
 
@@ -180,8 +181,8 @@ def test_adapters_with_b_zero_leave_the_model_exactly_as_it_was(layout):
 def test_merged_weights_are_the_formula_and_give_the_adapted_models_logits(layout):
     cfg, lora = model.GPTConfig(**LAYOUTS[layout][0]), LAYOUTS[layout][1]
     # random A and B, B's unchosen slices too: the mask must hide them
-    base, adapters = model.split_lora(random_params(cfg, 1, lora))
-    merged = jax.tree.map(np.asarray, model.merge_lora(cfg, lora, model.join_lora(base, adapters)))
+    base, adapters = lora_lib.split(random_params(cfg, 1, lora))
+    merged = jax.tree.map(np.asarray, lora_lib.merge(lora_lib.join(base, adapters), model.adapted_kernels(cfg, lora)))
     want = merged_by_formula(cfg, lora, base, adapters)
     assert jax.tree.structure(merged) == jax.tree.structure(base)
     for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(want), strict=True):
@@ -190,7 +191,7 @@ def test_merged_weights_are_the_formula_and_give_the_adapted_models_logits(layou
     untouched = FUSED[fused].index("k" if "k" not in lora.targets else "v")  # not targeted: exactly the base's
     np.testing.assert_array_equal(merged["blocks"][0]["attn"][fused]["kernel"][:, untouched],
                                   base["blocks"][0]["attn"][fused]["kernel"][:, untouched])
-    np.testing.assert_allclose(logits(cfg, merged, TOKS), logits(cfg, model.join_lora(base, adapters), TOKS, lora),
+    np.testing.assert_allclose(logits(cfg, merged, TOKS), logits(cfg, lora_lib.join(base, adapters), TOKS, lora),
                                atol=1e-5, rtol=0)
 
 
@@ -226,7 +227,7 @@ def peft_logits(base_dir, adapter_dir, toks) -> tuple[np.ndarray, set]:
 def test_peft_loads_the_exported_adapter_as_the_adapted_model(layout, tmp_path):
     switches, targets, modules = PEFT_CASES[layout]
     cfg, lora = model.GPTConfig(**switches), config.LoRAConfig(rank=3, alpha=5.0, dropout=0.1, targets=targets)
-    base, adapters = model.split_lora(random_params(cfg, 2, lora, std=0.2))  # B too: a trained adapter
+    base, adapters = lora_lib.split(random_params(cfg, 2, lora, std=0.2))  # B too: a trained adapter
     assert ct.export(base, cfg, tmp_path / "base", fmt="hf") == layout
     assert ct.export_adapter(adapters, cfg, lora, tmp_path / "adapter") == layout
     meta = json.loads((tmp_path / "adapter" / ct.ADAPTER_CONFIG).read_text())
@@ -234,7 +235,7 @@ def test_peft_loads_the_exported_adapter_as_the_adapted_model(layout, tmp_path):
     got, adapted = peft_logits(tmp_path / "base", tmp_path / "adapter", TOKS)
     n = hf_layouts.LAYOUTS[layout]
     assert adapted == {f"base_model.model.{n['P']}{n['h']}.{i}.{m}" for i in range(cfg.N) for m in modules}
-    want = logits(cfg, model.join_lora(base, adapters), TOKS, lora)[..., :V]
+    want = logits(cfg, lora_lib.join(base, adapters), TOKS, lora)[..., :V]
     assert np.abs(want - logits(cfg, base, TOKS)[..., :V]).max() > 0.1  # the adapters change the model
     np.testing.assert_allclose(got, want, atol=TOL, rtol=0)  # every real logit
 
@@ -315,12 +316,12 @@ def test_a_bfloat16_base_computes_with_its_rounded_weights(step_case):
         matrix = x.ndim >= 2 and path[-1].key not in ("bias", "scale")  # kernels, embeddings; not norms, biases
         assert x.dtype == (jnp.bfloat16 if matrix else np.float32), jax.tree_util.keystr(path)
     # the loss is the float32 model's with those weights rounded to bfloat16, and adapters (float32) beside
-    adapters = model.split_lora(random_params(cfg, 2, lora))[1]
+    adapters = lora_lib.split(random_params(cfg, 2, lora))[1]
     loss_sum, n = fns.eval_step(adapters, {"tokens": batch, "weights": np.ones((8, 16), np.float32)}, placed)
     rounded = jax.tree.map(lambda x: np.asarray(x, np.float32), placed)
-    want, _ = loss_lib.cross_entropy(logits(cfg, model.join_lora(rounded, adapters), batch[:, :-1], lora), batch[:, 1:])
+    want, _ = loss_lib.cross_entropy(logits(cfg, lora_lib.join(rounded, adapters), batch[:, :-1], lora), batch[:, 1:])
     assert float(loss_sum / n) == pytest.approx(float(want), abs=1e-5)
-    exact, _ = loss_lib.cross_entropy(logits(cfg, model.join_lora(base, adapters), batch[:, :-1], lora), batch[:, 1:])
+    exact, _ = loss_lib.cross_entropy(logits(cfg, lora_lib.join(base, adapters), batch[:, :-1], lora), batch[:, 1:])
     assert float(want) != float(exact)  # the rounding shows
 
 
@@ -401,7 +402,7 @@ def test_readers_get_the_merged_model(lora_run, windows):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     toks = windows[:, :-1]
     merged_logits = logits(cfg.model, params, toks)
-    np.testing.assert_allclose(merged_logits, logits(cfg.model, model.join_lora(base_params, adapters), toks,
+    np.testing.assert_allclose(merged_logits, logits(cfg.model, lora_lib.join(base_params, adapters), toks,
                                                      cfg.training.lora), atol=1e-5, rtol=0)
     m, _ = rundir.Run(run).load_model()  # what sample.py and eval.py load
     np.testing.assert_array_equal(logits(cfg.model, nnx.to_pure_dict(nnx.state(m)), toks), merged_logits)
