@@ -120,6 +120,10 @@ __all__ = ["ConvertError", "export", "export_adapter", "import_hf", "read_run", 
            "main", "cli", "GPT", "WEIGHTS_NAME", "CONFIG_NAME", "TOKENIZER_NAME"]
 
 TOKENIZER_NAME = "tokenizer.json"
+# the settings the import's printed commands fine-tune with: peak learning rates for a pretrained model, in full
+# and for LoRA's adapters (conf/config.yaml's 3e-3 and 600 steps train its small model from scratch)
+FINE_TUNING = "training.steps=500 training.lr=1e-4 training.min_lr=1e-5 training.warmup_steps=50"
+LORA_TUNING = "training.steps=500 training.lr=1e-3 training.min_lr=1e-4 training.warmup_steps=50"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # PEFT's file names
 
 
@@ -431,13 +435,15 @@ def main(argv=None) -> int:
         tokenizer = run if has_tokenizer else f"PATH/{TOKENIZER_NAME}"
         print(f"imported {args.import_hf} into run directory {args.out} (step 0), context {context} tokens (what its "
               f"config.json names, or its family's default where it names none; train on shorter windows with "
-              f"training.seq_len=N). Fine-tune it (the run takes the imported model) on your text files:\n"
+              f"training.seq_len=N). Fine-tune it (the run takes the imported model) on your text files, with a "
+              f"fine-tuning learning rate (conf/config.yaml's is for training from scratch) and steps to suit "
+              f"your data:\n"
               f"  python data.py --input 'TEXT/*.txt' --out {shlex.quote(data_dir)} --tokenizer {shlex.quote(tokenizer)}\n"
               f"  python train.py training.init_from={shlex.quote(run)} data.dir={shlex.quote(data_dir)} "
-              f"run_dir={shlex.quote(run + '-tuned')}\n"
+              f"run_dir={shlex.quote(run + '-tuned')} {FINE_TUNING}\n"
               f"or train low-rank adapters on it, frozen (LoRA: a fraction of the memory):\n"
               f"  python train.py training.init_from={shlex.quote(run)} data.dir={shlex.quote(data_dir)} "
-              f"run_dir={shlex.quote(run + '-lora')} training.lora.rank=8")
+              f"run_dir={shlex.quote(run + '-lora')} training.lora.rank=8 {LORA_TUNING}")
         return 0
     args.checkpoint = storage.local_path(args.checkpoint)  # file:///x: the local run directory /x
     source = None if storage.is_url(args.checkpoint) else args.checkpoint

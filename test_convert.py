@@ -885,6 +885,13 @@ def test_the_fine_tuning_commands_the_import_prints_run_as_printed(corpus, tmp_p
     assert [c.split()[1] for c in commands] == ["data.py", "train.py", "train.py"], out
     prepare, finetune, lora = commands
     assert "'TEXT/*.txt'" in prepare and "training.lora.rank=8" in lora
+    # fine-tuning's peak learning rates (about 1e-4 in full, 1e-3 for LoRA), not the from-scratch default's
+    default = config.load_config().training.lr
+    for command, lr in [(finetune, 1e-4), (lora, 1e-3)]:
+        training = config.load_config(overrides=[a for a in command.split()[2:]
+                                                 if a.startswith("training.") and "init_from" not in a]
+                                      + ["training.init_from=runs/base"]).training
+        assert training.lr == lr < default and training.warmup_steps < training.steps, command
     run(prepare.replace("'TEXT/*.txt'", str(corpus.parent / "src")))
     imported = rundir.Run(tmp_path / "runs" / "gpt2-base").config().model
     data_dir = tmp_path / "data" / "gpt2-base"
