@@ -27,7 +27,9 @@ Added to the emulator as shipped, as the real service behaves:
 - the listen backlog is 1024, not 5: tensorstore and gcsfs open many connections at once, and a
   dropped one is retried only about a second later.
 - a client that stalls in the middle of a request (a paused process) is dropped after 5 s, as the
-  service drops a stalled connection, instead of holding the one-at-a-time server for good.
+  service drops a stalled connection, instead of holding the one-at-a-time server for good; one that
+  hangs up before its answer is sent is dropped without a word (no BrokenPipeError traceback), and a
+  read of a missing object is a 404 without the emulator's "Resource not found" lines.
 - nothing is kept of deleted objects (the emulator keeps them "soft-deleted" by default) and no
   metadata file is rewritten on every change: a memory store needs neither, and both grow with a session.
 
@@ -47,6 +49,7 @@ import argparse
 import functools
 import http
 import http.server
+import logging
 import sys
 import time
 
@@ -57,6 +60,8 @@ from gcp_storage_emulator.exceptions import NotFound
 
 emulator_storage.DEFAULT_SOFT_DELETE_RETENTION_SECONDS = 0
 emulator_storage.Storage._write_config_to_file = lambda self: None
+# a read of an object that is not there is answered 404, as by the service, without two lines on the terminal
+logging.getLogger(emulator_storage.__name__).addFilter(lambda record: record.funcName != "get_file")
 
 
 def _generation(request, storage) -> int | None:
@@ -176,11 +181,20 @@ class _Handler(emulator.RequestHandler):
     timeout = 5.0
 
 
-class _Server(http.server.HTTPServer):
+class _Quiet:
+    """A client that hangs up in the middle of an answer (a killed or stopped process, a read cut short) is
+    the client's business, as on the real service: no traceback on the server's terminal."""
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):  # BrokenPipeError, reset, ...
+            super().handle_error(request, client_address)
+
+
+class _Server(_Quiet, http.server.HTTPServer):
     request_queue_size = 1024
 
 
-class _ThreadingServer(http.server.ThreadingHTTPServer):
+class _ThreadingServer(_Quiet, http.server.ThreadingHTTPServer):
     request_queue_size = 1024
 
 
