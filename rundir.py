@@ -119,7 +119,7 @@ class _Lease:
             if self.lost:
                 return
             try:
-                generation = self.run.write_if(LOCK, self._content(), self.generation)
+                generation = storage.Versions(self.run).write_if(LOCK, self._content(), self.generation)
             except storage.Conflict:
                 self._lost_to_whoever_holds_it()
                 return
@@ -129,7 +129,7 @@ class _Lease:
         """A conditional renewal failed: lost, unless the lock holds our own token (our last write went
         through but its answer did not reach us), whose generation is then adopted."""
         try:
-            generation, raw = self.run.versioned(LOCK)
+            generation, raw = storage.Versions(self.run).versioned(LOCK)
         except storage.StorageError:
             generation, raw = None, b""
         lock = self.run._parse_lock(raw) or {}
@@ -344,7 +344,7 @@ class Run(storage.RunDir):
         waited = 0.0
         while True:
             try:
-                generation, raw = self.versioned(LOCK)
+                generation, raw = storage.Versions(self).versioned(LOCK)
             except storage.StorageError:
                 generation, raw = None, b""  # deleted meanwhile by its holder: free
             other = self._parse_lock(raw)
@@ -361,7 +361,7 @@ class Run(storage.RunDir):
                     continue
             content = (json.dumps({**holder, "heartbeat": time.time()}) + "\n").encode()
             try:
-                mine = self.write_if(LOCK, content, generation)
+                mine = storage.Versions(self).write_if(LOCK, content, generation)
             except storage.Conflict:
                 continue  # another writer took or renewed it between our read and our write: look again
             if mine is not None:
@@ -379,7 +379,7 @@ class Run(storage.RunDir):
             lease.stop()
             try:
                 if not lease.lost:
-                    self.delete_if(LOCK, lease.generation)
+                    storage.Versions(self).delete_if(LOCK, lease.generation)
             except (storage.StorageError, storage.Conflict):
                 pass  # taken meanwhile, or it expires by itself
         forget = multihost.at_end(release)  # also when another process ends the run: a resume need not wait

@@ -240,80 +240,6 @@ class RunDir:
         if self.fence is not None:
             self.fence()
 
-    # Conditional operations on one object, for the lease of a run in an object store. Google Cloud
-    # Storage answers generation preconditions (ifGenerationMatch: 0 creates only an absent object, G
-    # replaces or deletes only generation G), which make taking, renewing and releasing the lease
-    # atomic. Other stores return None from generation() and the lease falls back to write-then-read.
-
-    def _gcs(self, name: str):
-        """(filesystem, bucket, key) of RUN/name when the store is Google Cloud Storage (gcsfs), else None."""
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
-        if not self.remote or "gs" not in protocols or not hasattr(self.fs, "call"):
-            return None
-        bucket, key = self._path(name).split("/", 1)
-        return self.fs, bucket, key
-
-    def versioned(self, name: str) -> tuple[int | None, bytes]:
-        """(generation, content) of RUN/name read together ((None, b"") when absent); the generation is
-        None too where the store has none (not GCS)."""
-        gcs = self._gcs(name)
-        if gcs is None:
-            return None, (self.read_bytes(name) if self.is_file(name) else b"")
-        fs, bucket, key = gcs
-        from urllib.parse import quote
-
-        media = f"{fs._location}/download/storage/v1/b/{quote(bucket, safe='')}/o/{quote(key, safe='')}"
-        while True:
-            try:
-                generation = int(fs.call("GET", "b/{}/o/{}", bucket, key, json_out=True)["generation"])
-                _, content = fs.call("GET", media, alt="media", ifGenerationMatch=str(generation))
-            except FileNotFoundError:  # absent (or deleted between the two requests)
-                return None, b""
-            except FileExistsError:  # 412: replaced between the two requests: read the new one
-                continue
-            except Exception as e:
-                raise StorageError(f"{self.show(name)}: {one_line(e)}") from None
-            return generation, content
-
-    def write_if(self, name: str, content: bytes, generation: int | None) -> int | None:
-        """Write RUN/name only if it is still `generation` (None: only if absent): its new generation, or
-        Conflict. Where the store has no generations (not GCS) it writes unconditionally (None back)."""
-        gcs = self._gcs(name)
-        if gcs is None:
-            self._do(name, self.fs.pipe_file, self._path(name), content)
-            return None
-        fs, bucket, key = gcs
-        from urllib.parse import quote
-
-        try:
-            out = fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o", uploadType="media",
-                          name=key, ifGenerationMatch=str(generation or 0), data=content, json_out=True)
-        except FileExistsError:  # 412: another writer's generation is there now
-            raise Conflict(name) from None
-        except Exception as e:
-            raise StorageError(f"{self.show(name)}: {one_line(e)}") from None
-        fs.invalidate_cache(self._path(name))
-        return int(out["generation"])
-
-    def delete_if(self, name: str, generation: int | None) -> None:
-        """Delete RUN/name only if it is still `generation` (Conflict otherwise); unconditionally where the
-        store has no generations."""
-        gcs = self._gcs(name)
-        if gcs is None or generation is None:
-            if self.is_file(name):
-                self._do(name, self.fs.rm_file, self._path(name))
-            return
-        fs, bucket, key = gcs
-        try:
-            fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=str(generation))
-        except FileExistsError:
-            raise Conflict(name) from None
-        except FileNotFoundError:
-            return
-        except Exception as e:
-            raise StorageError(f"{self.show(name)}: {one_line(e)}") from None
-        fs.invalidate_cache(self._path(name))
-
     def read_text(self, name: str) -> str:
         return self.read_bytes(name).decode()
 
@@ -362,6 +288,87 @@ class RunDir:
         if self.remote:
             return f"{self.location}/checkpoints"
         return (pathlib.Path(self.location) / "checkpoints").resolve()
+
+
+class Versions:
+    """Conditional operations on one file of a run directory in an object store, for the lease of the run
+    (rundir.py). Google Cloud Storage answers generation preconditions (ifGenerationMatch: 0 creates only an
+    absent object, G replaces or deletes only generation G), which make taking, renewing and releasing the
+    lease atomic. Other stores have no generations (None): there each operation is unconditional, and the
+    lease falls back to write-then-read."""
+
+    def __init__(self, run: RunDir):
+        self.run = run
+
+    def _gcs(self, name: str):
+        """(filesystem, bucket, key) of RUN/name when the store is Google Cloud Storage (gcsfs), else None."""
+        fs = self.run.fs
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        if not self.run.remote or "gs" not in protocols or not hasattr(fs, "call"):
+            return None
+        bucket, key = self.run._path(name).split("/", 1)
+        return fs, bucket, key
+
+    def versioned(self, name: str) -> tuple[int | None, bytes]:
+        """(generation, content) of RUN/name read together ((None, b"") when absent); the generation is
+        None too where the store has none (not GCS)."""
+        gcs = self._gcs(name)
+        if gcs is None:
+            return None, (self.run.read_bytes(name) if self.run.is_file(name) else b"")
+        fs, bucket, key = gcs
+        from urllib.parse import quote
+
+        media = f"{fs._location}/download/storage/v1/b/{quote(bucket, safe='')}/o/{quote(key, safe='')}"
+        while True:
+            try:
+                generation = int(fs.call("GET", "b/{}/o/{}", bucket, key, json_out=True)["generation"])
+                _, content = fs.call("GET", media, alt="media", ifGenerationMatch=str(generation))
+            except FileNotFoundError:  # absent (or deleted between the two requests)
+                return None, b""
+            except FileExistsError:  # 412: replaced between the two requests: read the new one
+                continue
+            except Exception as e:
+                raise StorageError(f"{self.run.show(name)}: {one_line(e)}") from None
+            return generation, content
+
+    def write_if(self, name: str, content: bytes, generation: int | None) -> int | None:
+        """Write RUN/name only if it is still `generation` (None: only if absent): its new generation, or
+        Conflict. Where the store has no generations (not GCS) it writes unconditionally (None back)."""
+        gcs = self._gcs(name)
+        if gcs is None:
+            self.run._do(name, self.run.fs.pipe_file, self.run._path(name), content)
+            return None
+        fs, bucket, key = gcs
+        from urllib.parse import quote
+
+        try:
+            out = fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o", uploadType="media",
+                          name=key, ifGenerationMatch=str(generation or 0), data=content, json_out=True)
+        except FileExistsError:  # 412: another writer's generation is there now
+            raise Conflict(name) from None
+        except Exception as e:
+            raise StorageError(f"{self.run.show(name)}: {one_line(e)}") from None
+        fs.invalidate_cache(self.run._path(name))
+        return int(out["generation"])
+
+    def delete_if(self, name: str, generation: int | None) -> None:
+        """Delete RUN/name only if it is still `generation` (Conflict otherwise); unconditionally where the
+        store has no generations."""
+        gcs = self._gcs(name)
+        if gcs is None or generation is None:
+            if self.run.is_file(name):
+                self.run._do(name, self.run.fs.rm_file, self.run._path(name))
+            return
+        fs, bucket, key = gcs
+        try:
+            fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=str(generation))
+        except FileExistsError:
+            raise Conflict(name) from None
+        except FileNotFoundError:
+            return
+        except Exception as e:
+            raise StorageError(f"{self.run.show(name)}: {one_line(e)}") from None
+        fs.invalidate_cache(self.run._path(name))
 
 
 class JsonLines:

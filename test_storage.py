@@ -184,7 +184,7 @@ def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeyp
 
     fs, root = fsspec.core.url_to_fs(run_url)
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == [
-        "config.yaml", "data.json", "metrics.jsonl", "summary.json", "tokenizer.json"]
+        "config.yaml", "data.json", "format.json", "loss.png", "metrics.jsonl", "summary.json", "tokenizer.json"]
     assert fs.cat_file(f"{root}/tokenizer.json") == (prepared / "tokenizer.json").read_bytes()
     assert json.loads(fs.cat_file(f"{root}/data.json"))["index"] == f"{data_url}/index.json"
     summary = json.loads(fs.cat_file(f"{root}/summary.json"))
