@@ -593,11 +593,13 @@ class Run(storage.RunDir):
 
     def load_adapters(self, step: int | None = None) -> tuple[dict, int]:
         """(adapters, step) of a LoRA run's checkpoint, the last by default: its `lora_a` and `lora_b` leaves
-        as load_params gives parameters (lora.split's tree), not merged into any base."""
+        as load_params gives parameters (lora.split's tree), not merged into any base; the base they
+        were trained on must be there, as for load_params (load_lora_base), or a RunError names it."""
         cfg = self.config()
         if cfg.training.lora is None:
             raise RunError(f"{self} is not a LoRA run (its training.lora is null), so it has no adapters")
         params, step, _ = self.load_weights(step, adapters_only=True)
+        load_lora_base(self.lora_base().get("init_from") or cfg.training.init_from, self)  # the base they adapt
         return params, step
 
     def load_weights(self, step: int | None = None, adapters_only: bool = False) -> tuple[dict, int, str]:
