@@ -419,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time the PyTorch model (and GPT2LMHeadModel for learned positions); default on")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the PyTorch models (default: on a GPU only)")
+    p.add_argument("--threads", type=int, help="CPU cores (and threads) for both ours and PyTorch, the first K this "
+                   "process may use (default: all of them)")
     p.add_argument("--out", default=str(ROOT / "bench"), help="where results are recorded (default bench/)")
     p.set_defaults(run=bench_train)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import statistics
 import time
 
@@ -425,6 +426,41 @@ def bench_torch(mcfg, batch: int, seq: int, args, which: str, peak: float | None
     return result
 
 
+def usable_cores() -> list[int]:
+    """The CPU cores this process may run on."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def load_per_core() -> float | None:
+    """The 1-minute load average over the machine's cores: about the share of them busy (None where unknown)."""
+    return os.getloadavg()[0] / (os.cpu_count() or 1) if hasattr(os, "getloadavg") else None
+
+
+def same_threads(threads: int | None, torch_too: bool) -> dict:
+    """Ours and PyTorch (`torch_too`) on the same `threads` CPU cores (default: all this process may use),
+    set before JAX starts: the process's CPU affinity, by which XLA sizes its CPU thread pool and to which
+    it confines PyTorch's too, and torch.set_num_threads. With unequal threads (OMP_NUM_THREADS=1 gives
+    PyTorch one, and ours all), or other work on the cores, the comparison measures that instead:
+    PyTorch's OpenMP threads wait for one another spinning, so a busy machine slows it by far more than
+    ours, the ratio growing a hundredfold."""
+    cores = usable_cores()
+    if threads is not None:
+        if not 1 <= threads <= len(cores):
+            raise TrainBenchError(f"--threads must be between 1 and the {len(cores)} core(s) this process may use, "
+                                  f"got {threads}")
+        cores = cores[:threads]
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)
+    if torch_too:
+        import torch
+
+        torch.set_num_threads(len(cores))
+    return {"threads": len(cores), "cores": cores}
+
+
+BUSY_LOAD = 0.25  # a 1-minute load average per core above this (besides the run's own) is a busy machine
+
+
 # ---------------------------------------------------------------------------------------------
 # The run
 
@@ -509,9 +545,8 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     import attention as attention_lib
     import model as model_lib
 
-    name, mcfg, seq = resolve(args)
-    peak_override = args.peak_tflops * 1e12 if args.peak_tflops else None
-    others = {}
+    load_start = load_per_core()  # before this run adds its own
+    pinned = None
     if args.torch:  # first: JAX takes most of a GPU's memory once it starts
         try:
             import torch
@@ -519,7 +554,13 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
         except ImportError as e:
             raise TrainBenchError(f"the PyTorch side needs torch and transformers ({e}); install them "
                                   f"(pip install -r requirements-test.txt) or pass --no-torch") from None
-
+    threads = getattr(args, "threads", None)
+    if args.torch or threads is not None:
+        pinned = same_threads(threads, args.torch)  # before resolve() starts JAX
+    name, mcfg, seq = resolve(args)
+    peak_override = args.peak_tflops * 1e12 if args.peak_tflops else None
+    others = {}
+    if args.torch:
         import step as step_lib
 
         torch_peak = peak_override
@@ -564,6 +605,11 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     ran = [w for w, r in others.items() if "error" not in r]
     for w in ran:
         results[f"ratio_vs_{w}"] = ours["tokens_per_s"] / others[w]["tokens_per_s"]
+    # the machine's 1-minute load average over its cores before and after: above about 0.1 before (or
+    # this run's own share, threads / cores, after), other work shared the cores and skewed the times
+    results["load_per_core"] = {"start": load_start, "end": load_per_core(), "cores": os.cpu_count()}
+    if pinned is not None:
+        results["threads"] = pinned
     results["targets"] = targets(name, mcfg, seq, ours, results)
 
     peak = ours["peak_flops"]
@@ -606,6 +652,18 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
                                       f"{without['jax without fp8']['loss_last']:.4f} without"))
     for w in ran:
         rows.append((f"ours / {w}", f"{results[f'ratio_vs_{w}']:.2f}x tokens/s"))
+    if pinned is not None and ours["platform"] == "cpu":
+        rows.append(("threads", f"{pinned['threads']} for both (cores {','.join(map(str, pinned['cores']))}; "
+                                f"--threads sets it)"))
+    load = results["load_per_core"]
+    if load["start"] is not None:
+        own = (pinned["threads"] if pinned else len(usable_cores())) / load["cores"]  # what this run adds, at most
+        busy = load["start"] > BUSY_LOAD or load["end"] > own + BUSY_LOAD
+        rows.append(("machine load", f"{load['start']:.2f} per core before, {load['end']:.2f} after (this run's own "
+                                     f"share up to {own:.2f})" + ("; BUSY: other work shared the cores, so these "
+                                     "times are not an idle machine's, PyTorch's least of all (its threads wait "
+                                     "for each other spinning): rerun when idle, or with --threads 1"
+                                     if busy else "; idle")))
     for thread, prof in (ours.get("profile") or {}).get("devices", {}).items():
         rows.append((f"profile: {thread}", f"{prof['total_us'] / 1e3:.1f} ms of device time per step"))
         rows.extend((f"  {name[:60]}", f"{us / 1e3:8.2f} ms {share:6.1%}") for name, us, share in prof["top"][:15])

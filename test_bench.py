@@ -4,6 +4,7 @@ on a GPU the same tests run the Triton kernels and cuDNN."""
 import dataclasses
 import json
 import math
+import os
 import re
 import statistics
 
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from flax import nnx
 
 import attention as A
@@ -204,8 +206,15 @@ def expected_params(c: M.GPTConfig) -> int:
 def test_bench_train_cpu_smoke(tmp_path, capsys):
     out = tmp_path / "bench"
     argv = ["train", "--model", "test", "--no-alibi", "--seq", "24", "--batch", "2", "--dtype", "float32",
-            "--steps", "3", "--warmup", "1", "--peak-tflops", "0.5", "--out", str(out)]
-    assert bench.main(argv) == 0
+            "--steps", "3", "--warmup", "1", "--peak-tflops", "0.5", "--threads", "1", "--out", str(out)]
+    cores, torch_threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        assert bench.main(argv) == 0
+        # both frameworks on the first core alone: this process's affinity (XLA's threads and torch's) and torch's
+        assert os.sched_getaffinity(0) == {min(cores)} and torch.get_num_threads() == 1
+    finally:  # this test process goes on with its cores
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(torch_threads)
     printed = capsys.readouterr().out
     [path] = out.glob("train-*.json")
     record = json.loads(path.read_text())
@@ -234,6 +243,15 @@ def test_bench_train_cpu_smoke(tmp_path, capsys):
     assert r["targets"]["counted"] is counted
     assert r["targets"]["ratio_vs_torch_met"] is (counted and r["ratio_vs_torch"] >= 1.2)
     assert path.name in (out / "RESULTS.md").read_text()
+    assert r["threads"] == {"threads": 1, "cores": [min(cores)]}
+    assert re.search(rf"^threads +1 for both \(cores {min(cores)};", printed, re.M), printed
+    # how busy the machine was: the 1-minute load average over its cores before and after, said busy when it
+    # exceeds a quarter of a core beyond what this run (one core of the machine's) could add itself
+    load = r["load_per_core"]
+    assert load["cores"] == os.cpu_count() and 0 <= load["start"] and 0 <= load["end"]
+    busy = load["start"] > 0.25 or load["end"] > 1 / os.cpu_count() + 0.25
+    assert re.search(rf"^machine load +{load['start']:.2f} per core before, {load['end']:.2f} after", printed, re.M)
+    assert ("BUSY: other work shared the cores" in printed) is busy and ("; idle" in printed) is not busy
 
 
 def test_bench_train_profile_records_device_time_per_operation(tmp_path, capsys, monkeypatch):
@@ -388,6 +406,9 @@ def test_bench_train_errors_are_one_line(tmp_path, capsys):
     assert "longer than block_size 64" in capsys.readouterr().err
     assert bench.cli(["train", "--model", "test", "--loss-chunk", "-1", "--out", str(out)]) == 2
     assert "--loss-chunk must be at least 0" in capsys.readouterr().err
+    cores = len(os.sched_getaffinity(0))
+    assert bench.cli(["train", "--model", "test", "--threads", str(cores + 1), "--out", str(out)]) == 2
+    assert f"--threads must be between 1 and the {cores} core(s)" in capsys.readouterr().err
     # a sub-command's argparse mistake is the benchmark's own error too: one line, no usage block
     with pytest.raises(errors.BenchError, match=r"--seq: invalid int value: 'x' \(see python .*train --help\)"):
         bench.main(["train", "--seq", "x", "--out", str(out)])
