@@ -27,6 +27,7 @@ import pathlib
 import re
 import shutil
 import sys
+import tempfile
 import time
 import typing
 
@@ -84,14 +85,16 @@ class Checkpoints:
 
         if self.mngr is not None:
             return self.mngr
+        if str(self.dir).startswith("gs://"):
+            tensorstore_authenticated(str(self.dir)[len("gs://"):].split("/")[0])
         sys.unraisablehook = drop_closed_loop_errors  # a failed read's or save's others end on closed loops
+        absl = logging.getLogger("absl")  # orbax's: what it says of a damaged checkpoint, restore and load say
+        absl.setLevel(logging.ERROR)  # in the user's terms ("Metadata file does not exist" was a WARNING line)
+        if SAVE_ERRORS not in absl.filters:  # orbax's own reports of a failed save or read: kept for our one line
+            absl.addFilter(SAVE_ERRORS)
         if not self.write:  # a reader: its item's handler reads the checkpoint's description of its arrays
             self.mngr = ocp.CheckpointManager(self.dir, item_handlers=ocp.StandardCheckpointHandler())
             return self.mngr
-        logging.getLogger("absl").setLevel(logging.WARNING)
-        absl = logging.getLogger("absl")
-        if SAVE_ERRORS not in absl.filters:  # orbax's own reports of a failed save: kept for our one line
-            absl.addFilter(SAVE_ERRORS)
         self.purge_deleted(unfinished=True)
         _small_arrays_written_whole()
         self.mngr = ocp.CheckpointManager(
@@ -249,6 +252,7 @@ class Checkpoints:
                 state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
                 corrupt = fingerprint_problem(custom, number, state) or step_problem(state, step)
             except Exception as e:  # a damaged checkpoint: a file missing, an array unreadable
+                logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # its other reads' "never retrieved"
                 damaged.append((step, checkpoint_problem(e)))
                 continue
             if corrupt:  # it read, but not as it was written: flipped bits
@@ -379,6 +383,31 @@ def named_leaves(tree) -> list[tuple[str, typing.Any]]:
     name = lambda k: getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))  # noqa: E731  (dict, list, attr)
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return [("/".join(str(name(k)) for k in path), leaf) for path, leaf in flat]
+
+
+@functools.cache
+def tensorstore_authenticated(bucket: str) -> None:
+    """Have tensorstore (orbax's arrays in gs://) find its credentials now, once a process, its stderr kept
+    aside meanwhile: it says which ones it uses in an INFO line ("I1127 ... Using GOOGLE_AUTH_TOKEN_FOR_TESTING"
+    with the local bucket, "... using service account" on a VM) that no setting silences (its Python module
+    sets its log's threshold to INFO). What else it said there (an ERROR: no credentials found) goes on."""
+    import tensorstore as ts
+
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as said:
+        kept = os.dup(2)
+        os.dup2(said.fileno(), 2)
+        try:  # one read of an object that need not exist: the request that makes it authenticate
+            ts.KvStore.open({"driver": "gcs", "bucket": bucket}).result().read(".credentials-probe").result()
+        except Exception:  # no access, no network: the checkpoints' own requests say so
+            pass
+        finally:
+            os.dup2(kept, 2)
+            os.close(kept)
+        said.seek(0)
+        for line in said.read().decode(errors="replace").splitlines(keepends=True):
+            if not re.match(r"I\d{4} [\d:.]+ +\d+ \S+:\d+\] ", line):
+                sys.stderr.write(line)
 
 
 REPLICA_SLICE_BYTES = 1 << 20  # a replicated array smaller than this per replica is written by one replica

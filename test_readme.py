@@ -27,8 +27,12 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
+import socket
+import struct
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -53,7 +57,8 @@ PLACEHOLDERS = {
     "pairs.jsonl": "/tmp/readme-corpus/pairs.jsonl",  # your prompt/completion pairs
 }
 CAPITAL_WORDS = {"DOCKER"}  # words in capitals that are real values (Beam's environment_type), not placeholders
-EXTERNAL = {"pip", "pytest", "git", "gcloud", "srun", "nohup", "cd"}  # tools checked no further (but what they run)
+EXTERNAL = {"pip", "pytest", "git", "gcloud", "srun", "nohup", "cd",  # tools checked no further (but what they run)
+            "hf"}  # huggingface_hub's command (hf download)
 PYTHONS = {"python", "python3", ".venv/bin/python"}
 
 
@@ -213,8 +218,13 @@ class Checker:
         data.parse_args(args)
 
     def script_eval(self, args, line):
+        import tempfile
+
         import eval as eval_lib
 
+        if "--include-path" in args:  # the reader's own directory of tasks (which the parser wants to exist)
+            args = list(args)
+            args[args.index("--include-path") + 1] = tempfile.mkdtemp(prefix="readme-tasks-")
         eval_lib.parse_args(args)
 
     def script_sample(self, args, line):
@@ -403,10 +413,19 @@ def exports(tmp_path_factory):
     return root
 
 
-def test_the_pytorch_snippet_runs_and_its_install_lines_name_what_it_imports(exports, monkeypatch, capsys):
+def test_the_pytorch_snippet_runs_and_its_install_lines_name_what_it_imports(exports, tmp_path, monkeypatch, capsys):
+    """The snippet runs from any directory, its checkout (path/to/gpt-jax) named: torch_gpt.py is imported
+    from there, not from where Python happens to run."""
     (snippet,) = [body for lang, body in BLOCKS if lang == "python" and "torch_gpt" in body]
-    monkeypatch.chdir(exports)  # where the README's convert_torch.py commands wrote export/default and -hf
-    exec(compile(snippet, "README.md's snippet", "exec"), {"__name__": "readme_snippet"})
+    checkout = tmp_path / "checkout"  # the README's convert_torch.py commands wrote export/default and -hf in it
+    shutil.copytree(exports / "export", checkout / "export")
+    shutil.copyfile(REPO / "torch_gpt.py", checkout / "torch_gpt.py")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "torch_gpt")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(REPO))])
+    names = {"__name__": "readme_snippet"}
+    exec(compile(snippet.replace("path/to/gpt-jax", str(checkout)), "README.md's snippet", "exec"), names)
+    assert sys.modules["torch_gpt"].__file__ == str(checkout / "torch_gpt.py")
     assert capsys.readouterr().out.startswith("def main(")  # the prompt and its continuation
 
     # every package the snippet and torch_gpt.py import is in the install lines before it
@@ -427,6 +446,34 @@ def test_the_pytorch_snippet_runs_and_its_install_lines_name_what_it_imports(exp
     assert ["pip", "install", "torch", "--index-url", "https://download.pytorch.org/whl/cpu"] in installs
 
 
+def test_the_local_task_is_what_lm_eval_reads(tmp_path, monkeypatch):
+    """The evaluation section's task YAML and its JSON Lines, written where its eval.py command finds them
+    (--include-path tasks, run from tmp_path): lm-eval's own task class reads every document, with the
+    question as the context, the choices and the label as the data give them."""
+    import json
+
+    import yaml
+    from lm_eval.api.task import ConfigurableTask
+
+    (task_yaml,) = [body for lang, body in BLOCKS if lang == "yaml" and "dataset_path: json" in body]
+    (lines,) = [body for lang, body in BLOCKS if lang == "text" and body.startswith('{"question"')]
+    task = yaml.safe_load(task_yaml)
+    (command,) = [line for line in BASH_LINES if "--include-path" in line]
+    argv = commands(command)[0]
+    include, name = argv[argv.index("--include-path") + 1], argv[argv.index("--tasks") + 1]
+    assert name == task["task"] and task["dataset_kwargs"]["data_files"]["test"] == f"{include}/{name}.jsonl"
+    (tmp_path / include).mkdir()
+    (tmp_path / include / f"{name}.yaml").write_text(task_yaml)
+    (tmp_path / include / f"{name}.jsonl").write_text(lines)
+    monkeypatch.chdir(tmp_path)
+    loaded = ConfigurableTask(config=yaml.safe_load((tmp_path / include / f"{name}.yaml").read_text()))
+    docs, rows = list(loaded.test_docs()), [json.loads(line) for line in lines.splitlines()]
+    assert loaded.OUTPUT_TYPE == "multiple_choice" and len(docs) == len(rows) == 2
+    for doc, row in zip(docs, rows):
+        assert loaded.doc_to_text(doc) == row["question"] and loaded.doc_to_choice(doc) == row["choices"]
+        assert loaded.doc_to_target(doc) == row["label"]
+
+
 def test_the_peft_snippet_loads_the_adapter(exports, monkeypatch):
     """The LoRA section's snippet, its base (path/to/gpt2) the transformers export of the adapter's base."""
     import peft
@@ -439,13 +486,22 @@ def test_the_peft_snippet_loads_the_adapter(exports, monkeypatch):
     assert len(peft.get_peft_model_state_dict(names["model"])) == 2 * 2 * 3  # blocks x (A, B) x adapted modules
 
 
+LIBRARY_NOISE = re.compile(r"^([IWEF]\d{4} |WARNING:|ERROR:|Traceback|Exception )", re.M)  # absl's C++ log, Python's
+
+
 def test_the_local_bucket_of_the_readme(tmp_path):
     """`python gcs_emulator.py --bucket local`, as the README starts it: the port first (what conftest.py
-    and bench_remote.py read), then export lines which, alone, make gs://local reachable from a new shell."""
+    and bench_remote.py read), then export lines which, alone, make gs://local reachable from a new shell.
+    No library talks there: no line of tensorstore's own log (which credentials it uses) when a checkpoint
+    is saved and loaded, none of orbax's when one is damaged (the project says it in one line), and nothing
+    on the server's terminal: no traceback when a client hangs up in the middle of a download, no line for
+    a read of an object that is not there (a 404, as the service answers)."""
     import gcs_emulator
 
-    server = subprocess.Popen([sys.executable, str(REPO / "gcs_emulator.py"), "--bucket", "local"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    server_log = tmp_path / "server.log"
+    with open(server_log, "w") as log:
+        server = subprocess.Popen([sys.executable, str(REPO / "gcs_emulator.py"), "--bucket", "local"],
+                                  stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         port = server.stdout.readline().strip()
         assert port.isdigit()
@@ -457,15 +513,30 @@ def test_the_local_bucket_of_the_readme(tmp_path):
         env = {k: v for k, v in os.environ.items() if k not in exports}  # a shell with only the pasted lines
         code = ("import logging; logging.basicConfig(); "  # libraries' warnings shown, as train.py's logging shows them
                 "import gcsfs; fs = gcsfs.GCSFileSystem(); print(fs.ls('local')); "
-                "fs.pipe('local/dir/a.txt', b'hello'); print(fs.cat('local/dir/a.txt').decode())")
-        done = subprocess.run([sys.executable, "-c", code], env={**env, **exports}, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=60)
+                "fs.pipe('local/dir/a.txt', b'hello'); print(fs.cat('local/dir/a.txt').decode()); "
+                "import numpy as np, rundir; run = rundir.Run('gs://local/run'); "  # orbax, tensorstore's arrays
+                "run.save_params({'w': np.arange(3.0)}); print(run.load_params()[0]['w'].tolist()); "
+                "fs.rm('local/run/checkpoints/0/_CHECKPOINT_METADATA'); print(run.load_params()[1]); "
+                "fs.pipe('local/big', bytes(4 << 20))")
+        done = subprocess.run([sys.executable, "-c", code], env={**env, **exports, "PYTHONPATH": str(REPO)},
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.split() == ["[]", "hello"]
+        assert done.stdout.split("\n")[:4] == ["[]", "hello", "[0.0, 1.0, 2.0]", "0"]
         assert "Authentication failed" not in done.stderr  # no search for credentials the local bucket needs not
+        assert LIBRARY_NOISE.findall(done.stderr) == [], done.stderr
+        assert "written before checkpoints carried fingerprints" in done.stderr  # the project's line instead
+        # a client hangs up (a reset) while the server sends it 4 MiB
+        with socket.create_connection(("127.0.0.1", int(port))) as client:
+            client.sendall(b"GET /storage/v1/b/local/o/big?alt=media HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert client.recv(4096).startswith(b"HTTP/1.")
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        answer = urllib.request.urlopen(f"http://127.0.0.1:{port}/storage/v1/b/local/o/dir%2Fa.txt?alt=media",
+                                        timeout=30)
+        assert answer.read() == b"hello"  # the server went on
     finally:
         server.kill()
         server.wait(10)
+    assert server_log.read_text() == ""  # nothing on the server's terminal but what it printed first
 
 
 def test_an_undocumented_placeholder_or_tool_fails(monkeypatch):
