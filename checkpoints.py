@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import json
 import logging
 import os
 import pathlib
@@ -42,6 +43,7 @@ DAMAGED = "checkpoints-damaged"
 DELETING = ".deleting"  # inside RUN/checkpoints
 FINGERPRINTS = "fingerprints"  # the key of a checkpoint's custom metadata that holds them
 TOKENS = "tokens"  # ... and the one of the tokens trained up to it (context and batch may change on resume)
+STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's file of a checkpoint's own metadata, ours among it
 METADATA = "#metadata"  # the fingerprint, among the arrays', of the rest of the metadata (format, tokens)
 
 
@@ -138,9 +140,21 @@ class Checkpoints:
         return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= step else None
 
     def custom_metadata(self, step: int) -> dict:
-        """Checkpoint `step`'s own metadata as this project writes it ({} where there is none)."""
-        custom = self.manager().metadata(step).custom_metadata
-        return custom if isinstance(custom, dict) else {}
+        """Checkpoint `step`'s own metadata as this project writes it: the custom part of its
+        _CHECKPOINT_METADATA, which orbax writes into every checkpoint (a format 1 one's is empty). A file
+        that is missing, unreadable or without that part is damage: a ValueError saying so (orbax's own
+        reader would give an empty one, which would pass for format 1, unverified)."""
+        from etils import epath  # orbax's paths: a local directory or a bucket alike
+
+        try:
+            raw = json.loads((epath.Path(self.dir) / str(step) / STEP_METADATA).read_bytes())
+        except Exception as e:  # missing, unreadable, not JSON
+            raise ValueError(f"its metadata ({STEP_METADATA}) is missing or unreadable ({storage.one_line(e)[:120]})") \
+                from None
+        custom = raw.get("custom_metadata") if isinstance(raw, dict) else None
+        if not isinstance(custom, dict):
+            raise ValueError(f"its metadata ({STEP_METADATA}) has no custom metadata, as every checkpoint has")
+        return custom
 
     # ------------------------------------------------------------------------------------------
     # Saving
@@ -232,8 +246,8 @@ class Checkpoints:
                 continue
             try:
                 custom = self.custom_metadata(step)
-            except Exception as e:
-                damaged.append((step, f"its metadata (_CHECKPOINT_METADATA) cannot be read: {checkpoint_problem(e)}"))
+            except ValueError as e:
+                damaged.append((step, str(e)))
                 continue
             newer = formats.too_new(f"checkpoint {step} in {self.dir}", custom)
             if newer:  # not damage: moved nowhere
@@ -296,9 +310,8 @@ class Checkpoints:
         mngr = self.manager()
         try:
             custom = self.custom_metadata(step)
-        except Exception as e:
-            raise RunError(f"checkpoint {step} in {self.dir} cannot be read: its metadata (_CHECKPOINT_METADATA) "
-                           f"cannot be read: {checkpoint_problem(e)}") from None
+        except ValueError as e:
+            raise RunError(f"checkpoint {step} in {self.dir} cannot be read: {e}") from None
         newer = formats.too_new(f"checkpoint {step} in {self.dir}", custom)
         if newer:
             raise RunError(newer)

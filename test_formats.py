@@ -153,7 +153,8 @@ def test_a_format_newer_than_the_code_is_refused_naming_the_version(old_run, cap
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before  # not moved aside: it is not damaged
 
 
-@pytest.mark.parametrize("damage", ["fingerprints gone", "format gone", "tokens", "format 1"])
+@pytest.mark.parametrize("damage", ["fingerprints gone", "format gone", "tokens", "format 1", "metadata file gone",
+                                    "metadata file cut"])
 def test_a_fingerprinted_checkpoint_without_its_fingerprints_is_refused(tmp_path, damage):
     """The fail-closed check stays: a checkpoint of format 3 whose fingerprints are missing, whose metadata
     lost its format (it would pass for format 2), whose tokens trained were altered, or which claims
@@ -169,6 +170,12 @@ def test_a_fingerprinted_checkpoint_without_its_fingerprints_is_refused(tmp_path
     meta = run / "checkpoints" / "8" / "_CHECKPOINT_METADATA"
     text = json.loads(meta.read_text())
     custom = text["custom_metadata"]
+    if damage.startswith("metadata file"):  # a file lost or cut off is damage, never an unverified format 1
+        meta.unlink() if damage.endswith("gone") else meta.write_text(meta.read_text()[:40])
+        with pytest.raises(rundir.RunError, match=r"^checkpoint 8 in .* cannot be read: its metadata "
+                                                  r"\(_CHECKPOINT_METADATA\) is missing or unreadable"):
+            rundir.Run(run).load_params(8)
+        return
     if damage == "fingerprints gone":
         del custom["fingerprints"]
     elif damage == "format gone":
