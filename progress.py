@@ -143,10 +143,11 @@ class Stop:
         multihost.fail(Interrupted(signum), self.stopped_line(signum), 128 + signum, out=1)
 
     def undo_start(self) -> None:
-        """Undo what the start wrote (under `writing`), if training has not begun: for multihost.at_end."""
+        """Undo what the start wrote, if training has not begun: for multihost.at_end. `writing` is held to
+        the end: the main thread, still starting until the process exits, writes nothing more."""
         if self.starting:
-            with self.writing:
-                self.stopped_line(signal.SIGTERM)
+            self.writing.acquire()
+            self.stopped_line(signal.SIGTERM)
 
     def stopped_line(self, signum: int) -> str:
         """Runs the `undo` callbacks and says, in one line, that the start was stopped and what it left."""
