@@ -1,4 +1,4 @@
-"""A run's checkpoints: RUN/checkpoints/, written by orbax, with one owner, `Checkpoints`.
+"""A run's checkpoints: RUN/checkpoints/, written by orbax, read through `Checkpoints`, written through `Saver`.
 
     RUN/checkpoints/<step>/     orbax checkpoints of the state {params, opt_state, step, rng}, each with its
                                 format (formats.py), a fingerprint of every array and the tokens trained so
@@ -10,11 +10,12 @@
     RUN/checkpoints-damaged/    checkpoints a resume could not restore, moved aside (never deleted): <step>/,
                                 or <step>.1/, ... for a step damaged again
 
-train.py saves and restores through `Checkpoints` (asynchronously, rotating old ones out), an import
-saves its parameters through it (synchronously), and every reader (rundir.Run.load_params, hence
-init_from, eval, sample and export) loads through it. A save that fails (a full disk, no access to a
-bucket), a checkpoint that cannot be read or that does not fit the model: a RunError, one line in the
-user's terms, never orbax's or tensorstore's tracebacks.
+train.py saves and restores through a `Saver` (asynchronously, rotating old ones out), an import saves
+its parameters through one (synchronously), and every reader (rundir.Run.load_params, hence init_from,
+eval, sample and export) loads through `Checkpoints`; rundir.Run.checkpoints() opens either. Whether a
+checkpoint reads as it was saved (fingerprints, formats) is fingerprints.py's. A save that fails (a full
+disk, no access to a bucket), a checkpoint that cannot be read or that does not fit the model: a
+RunError, one line in the user's terms, never orbax's or tensorstore's tracebacks.
 """
 from __future__ import annotations
 
@@ -30,10 +31,8 @@ import shutil
 import sys
 import tempfile
 import time
-import typing
 
-import numpy as np
-
+import fingerprints as fingerprints_lib
 import formats
 import storage
 from errors import RunError
@@ -41,44 +40,23 @@ from errors import RunError
 CHECKPOINTS = "checkpoints"
 DAMAGED = "checkpoints-damaged"
 DELETING = ".deleting"  # inside RUN/checkpoints
-FINGERPRINTS = "fingerprints"  # the key of a checkpoint's custom metadata that holds them
-TOKENS = "tokens"  # ... and the one of the tokens trained up to it (context and batch may change on resume)
+SAID_UNVERIFIED: set = set()  # (directory, step) of the format 1 checkpoints a reader has said so of
 STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's file of a checkpoint's own metadata, ours among it
-METADATA = "#metadata"  # the fingerprint, among the arrays', of the rest of the metadata (format, tokens)
 
 
 class Checkpoints:
-    """The checkpoints of one run directory (`run`, a storage.RunDir), and the orbax CheckpointManager
-    behind them, opened at the first save, restore or load and closed by close() (or `with`).
+    """The checkpoints of one run directory (`run`, a storage.RunDir), read, and the orbax
+    CheckpointManager behind them, opened at the first read and closed by close() (or `with`). Saving,
+    restoring (which moves damaged checkpoints aside) and rotating are a Saver's."""
 
-    A writer (`write=True`: train.py, an import; only the holder of the run's lock) keeps `keep`
-    checkpoints, saves asynchronously if `async_save`, clears what killed saves and deletions left on
-    opening, and on close waits for its last save (a RunError if it failed) and finishes deleting what
-    rotation retired. A reader only reads."""
-
-    def __init__(self, run: storage.RunDir, keep: int | None = None, async_save: bool = False, *,
-                 write: bool = False):
+    def __init__(self, run: storage.RunDir):
         self.run, self.dir = run, run.checkpoint_dir()  # a resolved local path, or the URL (orbax opens gs://)
-        if write and not run.remote:
-            own = pathlib.Path(run.location).absolute() / "checkpoints"
-            if own.is_symlink():  # a resume would write, rotate and delete inside whatever it points to
-                raise RunError(f"{own} is a symbolic link (to {os.readlink(own)}); a run's checkpoints must be "
-                               f"its own directory: move the link away and the checkpoints into its place")
-        self.keep, self.async_save, self.write = keep, async_save, write
-        self.pending = None  # the step of the save in flight
         self.mngr = None
 
     def __enter__(self) -> Checkpoints:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.write:
-            try:
-                self.run.check_fence()
-            except RunError:  # this process lost the run (paused past its lease): a save it still had in
-                # flight is abandoned, and its writes, failing as the new holder replaces what they wrote,
-                # are not this process's to report ("Future exception was never retrieved", each a traceback)
-                logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         self.close()
 
     def manager(self):
@@ -94,34 +72,18 @@ class Checkpoints:
         absl.setLevel(logging.ERROR)  # in the user's terms ("Metadata file does not exist" was a WARNING line)
         if SAVE_ERRORS not in absl.filters:  # orbax's own reports of a failed save or read: kept for our one line
             absl.addFilter(SAVE_ERRORS)
-        if not self.write:  # a reader: its item's handler reads the checkpoint's description of its arrays
-            self.mngr = ocp.CheckpointManager(self.dir, item_handlers=ocp.StandardCheckpointHandler())
-            return self.mngr
-        self.purge_deleted(unfinished=True)
-        _small_arrays_written_whole()
-        self.mngr = ocp.CheckpointManager(
-            self.dir,
-            options=ocp.CheckpointManagerOptions(max_to_keep=self.keep, enable_async_checkpointing=self.async_save,
-                                                 todelete_subdir=DELETING,  # object stores delete in place
-                                                 temporary_path_class=fenced_commit(self.run.check_fence)
-                                                 if self.run.remote else None),
-            item_handlers=ocp.StandardCheckpointHandler(),  # so that a checkpoint's tree can be read before restoring
-        )
+        self.mngr = self.opened(ocp)
         return self.mngr
 
+    def opened(self, ocp):
+        """A reader's manager: its item's handler reads the checkpoint's description of its arrays."""
+        return ocp.CheckpointManager(self.dir, item_handlers=ocp.StandardCheckpointHandler())
+
     def close(self) -> None:
-        """A writer: wait for the save in flight (a RunError if it failed), then delete what rotation
-        retired. Either: close the manager."""
-        if self.mngr is None:
-            return
-        try:
-            if self.write:
-                self.wait()
-        finally:
+        """Close the manager (if one was opened)."""
+        if self.mngr is not None:
             self.mngr.close()
             self.mngr = None
-        if self.write:
-            self.purge_deleted()
 
     def steps(self) -> list[int]:
         """The steps of the complete checkpoints, oldest first ([] when there are none), as orbax counts
@@ -136,7 +98,7 @@ class Checkpoints:
         """The tokens trained up to checkpoint `step`, as saved with it: fingerprinted with the rest of its
         metadata from format 3 on (restore and load check it); None for a checkpoint without them (format 1)
         or with a value that cannot be a count of tokens (an unverifiable format 2 one): the caller counts."""
-        tokens = self.custom_metadata(step).get(TOKENS)
+        tokens = self.custom_metadata(step).get(fingerprints_lib.TOKENS)
         return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= step else None
 
     def custom_metadata(self, step: int) -> dict:
@@ -156,8 +118,106 @@ class Checkpoints:
             raise ValueError(f"its metadata ({STEP_METADATA}) has no custom metadata, as every checkpoint has")
         return custom
 
-    # ------------------------------------------------------------------------------------------
-    # Saving
+    def load(self, step: int | None = None) -> tuple[dict, int]:
+        """(state, step) of a checkpoint, the last one by default, as saved (dict keys as strings), its
+        fingerprints checked: for readers, which have no abstract state to restore into."""
+        import orbax.checkpoint as ocp
+
+        steps = self.steps()
+        if not steps:
+            raise RunError(f"no checkpoint in {self.dir}")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise RunError(f"no checkpoint for step {step} in {self.dir}; saved steps: {', '.join(map(str, steps))}")
+        mngr = self.manager()
+        try:
+            custom = self.custom_metadata(step)
+        except ValueError as e:
+            raise RunError(f"checkpoint {step} in {self.dir} cannot be read: {e}") from None
+        newer = formats.too_new(f"checkpoint {step} in {self.dir}", custom)
+        if newer:
+            raise RunError(newer)
+        try:
+            number = fingerprints_lib.checkpoint_format(custom)
+        except ValueError as e:
+            raise RunError(f"checkpoint {step} in {self.dir} is corrupt: {e}") from None
+        try:
+            state = mngr.restore(step, args=ocp.args.StandardRestore(host_arrays(mngr, step)))
+            corrupt = (fingerprints_lib.fingerprint_problem(custom, number, state)
+                       or fingerprints_lib.step_problem(state, step))
+        except Exception as e:  # a damaged checkpoint
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
+            raise RunError(f"checkpoint {step} in {self.dir} cannot be read: {checkpoint_problem(e)}") from None
+        if corrupt:
+            raise RunError(f"checkpoint {step} in {self.dir} is corrupt: {corrupt}")
+        if number == 1 and (self.dir, step) not in SAID_UNVERIFIED:
+            SAID_UNVERIFIED.add((self.dir, step))
+            print(fingerprints_lib.unverified(step, self.dir), file=sys.stderr, flush=True)
+        return state, step
+
+    def saved_fingerprints(self, step: int) -> dict[str, str]:
+        """The array fingerprints saved with checkpoint `step`, by leaf name ({} if it has none): what `load`
+        checks the arrays it reads against, so after a load they describe what it returned."""
+        saved = self.custom_metadata(step).get(fingerprints_lib.FINGERPRINTS)
+        return {k: v for k, v in saved.items() if k != fingerprints_lib.METADATA} if isinstance(saved, dict) else {}
+
+    def damaged_dir(self) -> str:
+        """RUN/checkpoints-damaged, as a local path or URL (where restore moves what it cannot read)."""
+        if self.run.remote:
+            return f"{self.run.location}/{DAMAGED}"
+        return str(pathlib.Path(self.dir).parent / DAMAGED)
+
+
+class Saver(Checkpoints):
+    """The checkpoints of a run directory written, by the holder of the run's lock (train.py, an import):
+    `keep` checkpoints kept, saved asynchronously if `async_save`; what killed saves and deletions left is
+    cleared on opening; on close the last save is waited for (a RunError if it failed) and what rotation
+    retired is deleted. A resume restores through it (damaged checkpoints are moved aside)."""
+
+    def __init__(self, run: storage.RunDir, keep: int | None = None, async_save: bool = False):
+        super().__init__(run)
+        if not run.remote:
+            own = pathlib.Path(run.location).absolute() / "checkpoints"
+            if own.is_symlink():  # a resume would write, rotate and delete inside whatever it points to
+                raise RunError(f"{own} is a symbolic link (to {os.readlink(own)}); a run's checkpoints must be "
+                               f"its own directory: move the link away and the checkpoints into its place")
+        self.keep, self.async_save = keep, async_save
+        self.pending = None  # the step of the save in flight
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.run.check_fence()
+        except RunError:  # this process lost the run (paused past its lease): a save it still had in
+            # flight is abandoned, and its writes, failing as the new holder replaces what they wrote,
+            # are not this process's to report ("Future exception was never retrieved", each a traceback)
+            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        self.close()
+
+    def opened(self, ocp):
+        """A writer's manager, once what killed saves and deletions left is cleared: it keeps `keep`
+        checkpoints, saves asynchronously if so opened, and commits a save in a bucket behind the fence."""
+        self.purge_deleted(unfinished=True)
+        _small_arrays_written_whole()
+        return ocp.CheckpointManager(
+            self.dir,
+            options=ocp.CheckpointManagerOptions(max_to_keep=self.keep, enable_async_checkpointing=self.async_save,
+                                                 todelete_subdir=DELETING,  # object stores delete in place
+                                                 temporary_path_class=fenced_commit(self.run.check_fence)
+                                                 if self.run.remote else None),
+            item_handlers=ocp.StandardCheckpointHandler(),  # so that a checkpoint's tree can be read before restoring
+        )
+
+    def close(self) -> None:
+        """Wait for the save in flight (a RunError if it failed), close the manager, then delete what
+        rotation retired."""
+        if self.mngr is None:
+            return
+        try:
+            self.wait()
+        finally:
+            super().close()
+        self.purge_deleted()
 
     def save(self, step: int, state, tokens: int | None = None) -> None:
         """Save `state` as checkpoint `step` (asynchronously if so opened), with the fingerprint of every
@@ -171,7 +231,8 @@ class Checkpoints:
         self.pending = step
         SAVE_ERRORS.messages.clear()  # what is reported from here on is this save's
         try:
-            mngr.save(step, args=ocp.args.StandardSave(state), force=True, custom_metadata=metadata(state, tokens))
+            mngr.save(step, args=ocp.args.StandardSave(state), force=True,
+                      custom_metadata=fingerprints_lib.metadata(state, tokens))
         except Exception as e:  # a synchronous save that failed
             SAVE_ERRORS.messages.append(str(e))
             self.wait()
@@ -224,9 +285,6 @@ class Checkpoints:
                         self.run.fs.rm(f"{self.run.root}/{CHECKPOINTS}/{name}", recursive=True)
             forget_listings(self.dir)
 
-    # ------------------------------------------------------------------------------------------
-    # Restoring
-
     def restore(self, abstract_state, say):
         """(state, step) from the newest checkpoint that restores. Damaged newer ones are moved aside to
         checkpoints-damaged/ (never deleted), saying which and why; a checkpoint whose tree differs from
@@ -253,18 +311,19 @@ class Checkpoints:
             if newer:  # not damage: moved nowhere
                 raise RunError(newer)
             try:
-                number = checkpoint_format(custom)
+                number = fingerprints_lib.checkpoint_format(custom)
             except ValueError as e:
                 damaged.append((step, str(e)))
                 continue
-            mismatch = tree_mismatch(saved, abstract_state)
+            mismatch = fingerprints_lib.tree_mismatch(saved, abstract_state)
             if mismatch:
                 logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # as below: the caller exits
                 raise RunError(f"checkpoint {step} in {self.dir} does not fit this run's model and optimizer "
                                f"({mismatch}); resume with the run's own model settings")
             try:
                 state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
-                corrupt = fingerprint_problem(custom, number, state) or step_problem(state, step)
+                corrupt = (fingerprints_lib.fingerprint_problem(custom, number, state)
+                           or fingerprints_lib.step_problem(state, step))
             except Exception as e:  # a damaged checkpoint: a file missing, an array unreadable
                 logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # its other reads' "never retrieved"
                 damaged.append((step, checkpoint_problem(e)))
@@ -288,61 +347,12 @@ class Checkpoints:
                     f"({'; '.join(f'{d}: {why}' for d, why in damaged)}); moved to {self.damaged_dir()}; "
                     f"resuming from checkpoint {step}, the newest intact one")
             if number == 1:
-                say(unverified(step, self.dir))
+                say(fingerprints_lib.unverified(step, self.dir))
             return state, step
         logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
         step, why = damaged[0]
         raise RunError(f"checkpoint {step} in {self.dir} cannot be restored: {why}" +
                        (f"; nor can the {len(damaged) - 1} older one(s)" if len(damaged) > 1 else ""))
-
-    def load(self, step: int | None = None) -> tuple[dict, int]:
-        """(state, step) of a checkpoint, the last one by default, as saved (dict keys as strings), its
-        fingerprints checked: for readers, which have no abstract state to restore into."""
-        import orbax.checkpoint as ocp
-
-        steps = self.steps()
-        if not steps:
-            raise RunError(f"no checkpoint in {self.dir}")
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            raise RunError(f"no checkpoint for step {step} in {self.dir}; saved steps: {', '.join(map(str, steps))}")
-        mngr = self.manager()
-        try:
-            custom = self.custom_metadata(step)
-        except ValueError as e:
-            raise RunError(f"checkpoint {step} in {self.dir} cannot be read: {e}") from None
-        newer = formats.too_new(f"checkpoint {step} in {self.dir}", custom)
-        if newer:
-            raise RunError(newer)
-        try:
-            number = checkpoint_format(custom)
-        except ValueError as e:
-            raise RunError(f"checkpoint {step} in {self.dir} is corrupt: {e}") from None
-        try:
-            state = mngr.restore(step, args=ocp.args.StandardRestore(host_arrays(mngr, step)))
-            corrupt = fingerprint_problem(custom, number, state) or step_problem(state, step)
-        except Exception as e:  # a damaged checkpoint
-            logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # "Future exception was never retrieved"
-            raise RunError(f"checkpoint {step} in {self.dir} cannot be read: {checkpoint_problem(e)}") from None
-        if corrupt:
-            raise RunError(f"checkpoint {step} in {self.dir} is corrupt: {corrupt}")
-        if number == 1 and (self.dir, step) not in SAID_UNVERIFIED:
-            SAID_UNVERIFIED.add((self.dir, step))
-            print(unverified(step, self.dir), file=sys.stderr, flush=True)
-        return state, step
-
-    def saved_fingerprints(self, step: int) -> dict[str, str]:
-        """The array fingerprints saved with checkpoint `step`, by leaf name ({} if it has none): what `load`
-        checks the arrays it reads against, so after a load they describe what it returned."""
-        saved = self.custom_metadata(step).get(FINGERPRINTS)
-        return {k: v for k, v in saved.items() if k != METADATA} if isinstance(saved, dict) else {}
-
-    def damaged_dir(self) -> str:
-        """RUN/checkpoints-damaged, as a local path or URL (where restore moves what it cannot read)."""
-        if self.run.remote:
-            return f"{self.run.location}/{DAMAGED}"
-        return str(pathlib.Path(self.dir).parent / DAMAGED)
 
     def move_aside(self, step: int) -> str:
         """Move checkpoint `step` whole into RUN/checkpoints-damaged/ as <step> (<step>.1, .2, ... when an
@@ -387,15 +397,6 @@ def forget_listings(url) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # What is wrong with a checkpoint, in the user's terms
-
-
-def named_leaves(tree) -> list[tuple[str, typing.Any]]:
-    """(path/of/the/leaf, leaf) of a state tree; block indices read the same as ints or as orbax's strings."""
-    import jax
-
-    name = lambda k: getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))  # noqa: E731  (dict, list, attr)
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return [("/".join(str(name(k)) for k in path), leaf) for path, leaf in flat]
 
 
 @functools.cache
@@ -446,131 +447,6 @@ def _small_arrays_written_whole() -> None:
         absl.setLevel(level)
 
 
-def fingerprints(tree) -> dict[str, str]:
-    """A 64-bit fingerprint of every array of a state, as 16 hex digits by leaf name.
-
-    For an array whose elements, read as unsigned integers of their width (widened to uint32; an
-    8-byte element as two), are u_i at row-major position i, it is the pair of uint32 sums (mod 2**32)
-        sum_i u_i * (2*i*0x9E3779B1 + 1)      and      sum_i rotl(u_i, 13) * (2*i*0x85EBCA77 + 0x27D4EB2F)
-    Every multiplier is odd, so any one flipped bit changes both sums; the weights depend on the
-    position, so moved elements change them too. It is computed where the arrays are (a sharded
-    state on its devices, by every process alike), one read of the state, and never gathers an
-    array onto one host."""
-    import jax
-
-    names, leaves = zip(*named_leaves(tree)) if jax.tree.leaves(tree) else ((), ())
-    sums = jax.device_get(_fingerprint_fn()(list(leaves)))
-    return {n: f"{int(a):08x}{int(b):08x}" for n, (a, b) in zip(names, sums)}
-
-
-@functools.cache
-def _fingerprint_fn():
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    def one(x):
-        x = jnp.asarray(x)
-        if x.dtype == jnp.bool_:
-            u = x.astype(jnp.uint32)
-        else:
-            width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-            u = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)  # 8 bytes: a last axis of 2
-        i = jnp.zeros(u.shape, jnp.uint32)  # the row-major position, without reshaping a sharded array
-        for axis, size in enumerate(u.shape):
-            i = i * np.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, u.shape, axis)
-        a = jnp.sum(u * (i * np.uint32(2 * 0x9E3779B1 % 2**32) + np.uint32(1)), dtype=jnp.uint32)
-        r = (u << np.uint32(13)) | (u >> np.uint32(19))
-        b = jnp.sum(r * (i * np.uint32(2 * 0x85EBCA77 % 2**32) + np.uint32(0x27D4EB2F)), dtype=jnp.uint32)
-        return jnp.stack([a, b])
-
-    return jax.jit(lambda leaves: [one(x) for x in leaves])
-
-
-def metadata(state, tokens: int | None) -> dict:
-    """The custom metadata a checkpoint of `state` is saved with: this code's format, the tokens trained up
-    to it, and the fingerprints of every array and of that metadata itself (METADATA)."""
-    custom = {**formats.record(), **({TOKENS: int(tokens)} if tokens is not None else {})}
-    return {**custom, FINGERPRINTS: {**fingerprints(state), METADATA: metadata_fingerprint(custom)}}
-
-
-def metadata_fingerprint(custom: dict) -> str:
-    """16 hex digits of the sha256 of a checkpoint's metadata other than its fingerprints."""
-    import hashlib
-    import json
-
-    rest = {k: v for k, v in custom.items() if k != FINGERPRINTS}
-    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def checkpoint_format(custom: dict) -> int:
-    """The format a checkpoint was written in (formats.py), from its metadata: as recorded there, or for one
-    from before formats were recorded, by what the metadata holds: fingerprints (format 2) or nothing of
-    this project's at all (format 1). A ValueError saying why when it is neither: damaged metadata."""
-    number = custom.get("format")
-    if number is not None:  # recorded from format 3 on: any smaller number is damage, not age
-        if not isinstance(number, int) or isinstance(number, bool) or number < formats.FIRST_RECORDED:
-            raise ValueError(f"its format in _CHECKPOINT_METADATA ({number!r}) is none this project has recorded "
-                             f"(an integer from {formats.FIRST_RECORDED} on): the file was altered or damaged")
-        return number
-    if FINGERPRINTS in custom or METADATA in custom:
-        return 2
-    if not custom:
-        return 1
-    raise ValueError("its array fingerprints (in _CHECKPOINT_METADATA) are missing or unreadable, so what was "
-                     "read cannot be checked against what was saved")
-
-
-SAID_UNVERIFIED: set = set()  # (directory, step) of the format 1 checkpoints a reader has said so of
-
-
-def unverified(step: int, directory) -> str:
-    """The one line said of a format 1 checkpoint when it is read."""
-    return (f"checkpoint {step} in {directory} was written before checkpoints carried fingerprints (format 1, "
-            f"before {formats.SINCE[2]}): read as it is, without checking it against what was saved; the "
-            f"checkpoints saved from now on are checked")
-
-
-def fingerprint_problem(custom: dict, number: int, state) -> str | None:
-    """Which arrays of a restored checkpoint of format `number`, with the metadata `custom`, differ from the
-    fingerprints saved with it; None only when every array has its fingerprint and all agree, and the
-    metadata's own fingerprint (from format 3 on) agrees too. From format 2 on every checkpoint carries
-    them, so missing or unreadable ones are a problem: the check fails closed, never open. A checkpoint of
-    format 1 has none to check (None)."""
-    if number == 1:
-        return None
-    saved = custom.get(FINGERPRINTS)
-    if not isinstance(saved, dict) or not all(isinstance(v, str) for v in saved.values()):
-        return ("its array fingerprints (in _CHECKPOINT_METADATA) are missing or unreadable, so what was read "
-                "cannot be checked against what was saved")
-    if (number >= 3 or METADATA in saved) and saved.get(METADATA) != metadata_fingerprint(custom):
-        return ("its metadata (_CHECKPOINT_METADATA: format, tokens trained) reads back other than saved (its "
-                "fingerprint differs): the file was altered or damaged")
-    now = fingerprints(state)
-    unchecked = sorted(now.keys() - saved.keys())
-    if unchecked:
-        return (f"array {unchecked[0]}" + (f" and {len(unchecked) - 1} more" if len(unchecked) > 1 else "") +
-                " has no fingerprint in _CHECKPOINT_METADATA, so it cannot be checked against what was saved")
-    bad = sorted(name for name in now if saved[name] != now[name])
-    if not bad:
-        return None
-    return (f"array {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") +
-            " read back other than saved (its fingerprint differs): the files were altered or damaged")
-
-
-def step_problem(state, step: int) -> str | None:
-    """A checkpoint whose directory names another step than the state it holds (renamed or copied
-    under another number): not to be trusted as that step. None when they agree (or the state holds no
-    step, as an import's parameters alone)."""
-    held = state.get("step") if isinstance(state, dict) else None
-    if held is None:
-        return None
-    held = int(np.asarray(held))
-    if held == step:
-        return None
-    return f"it holds the state of step {held}, not {step}: its directory was renamed or copied under another step"
-
-
 def saved_tree(mngr, step: int):
     """Checkpoint `step`'s own description of its arrays (orbax's metadata tree), None where it has none."""
     saved = mngr.item_metadata(step)
@@ -590,27 +466,6 @@ def host_arrays(mngr, step: int):
         raise ValueError("its description of the arrays (_METADATA) is missing or unreadable")
     # a numpy leaf is restored as numpy (its shape and dtype, as saved): a broadcast zero takes no memory
     return jax.tree.map(lambda m: np.broadcast_to(np.zeros((), m.dtype), m.shape), saved)
-
-
-def tree_mismatch(saved, abstract_state) -> str | None:
-    """How a checkpoint's tree (its metadata) and this run's state differ: keys on one side only and
-    arrays of another shape, the first few of each; None when they agree."""
-    def shapes(tree) -> dict[str, tuple | None]:
-        return {name: getattr(leaf, "shape", None) for name, leaf in named_leaves(tree)}
-
-    def show(names) -> str:  # the parameters first: they say what differs in the model
-        first = sorted(names, key=lambda n: (not n.startswith("params/"), n))[:4]
-        return ", ".join(first) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
-    there, here = shapes(saved), shapes(abstract_state)
-    resized = [f"{k} {tuple(there[k])} there, {tuple(here[k])} here" for k in sorted(
-        there.keys() & here.keys(), key=lambda n: (not n.startswith("params/"), n))
-        if None not in (there[k], here[k]) and tuple(there[k]) != tuple(here[k])]
-    parts = ([f"only in the checkpoint: {show(there.keys() - here.keys())}"] if there.keys() - here.keys() else []) + \
-            ([f"only in this run: {show(here.keys() - there.keys())}"] if here.keys() - there.keys() else []) + \
-            ([f"other shapes: {', '.join(resized[:3])}" + (f" and {len(resized) - 3} more" if len(resized) > 3 else "")]
-             if resized else [])
-    return "; ".join(parts) or None
 
 
 def checkpoint_problem(error: BaseException) -> str:

@@ -12,7 +12,7 @@ naming the version that reads it (a downgrade under a run).
                           a fingerprint of that metadata (tokens trained included)
 
 A run directory written before format 3 has no RUN/format.json; a checkpoint written before it has no
-`format` in its metadata, and is told by what it holds (checkpoints.checkpoint_format). A checkpoint of
+`format` in its metadata, and is told by what it holds (fingerprints.checkpoint_format). A checkpoint of
 format 1 cannot be verified (it has no fingerprints): it is read with one line saying so. One of format
 2 or later must carry its fingerprints: missing or unreadable ones are damage, refused.
 

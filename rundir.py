@@ -1,44 +1,37 @@
-"""The run directory: every file of a run, wherever it lives, and loading what a run holds.
+"""The run directory: every file of a run, wherever it lives, and who owns each.
 
-    RUN/config.yaml             the effective config (config.py's dataclasses, the model fully resolved)
-    RUN/format.json             the format the run was last written in (formats.py; none before format 3)
+    RUN/config.yaml             the effective config (config.py's dataclasses, the model fully resolved)  Record
+    RUN/format.json             the format the run was last written in (formats.py; none before format 3) Record
     RUN/data.json               the data it trained on: dir, index, tokenizer and its sha256, vocab_size, kind
-    RUN/tokenizer.json          a copy of the data's tokenizer, so the run decodes without the corpus
-    RUN/metrics.jsonl           one JSON object per logged step
-    RUN/summary.json            where training ended
-    RUN/loss.png                the training and validation loss by step (drawn at each evaluation)
-    RUN/.lock                   who writes the run now (train.py, an import): one writer at a time
-    RUN/wandb_id.txt            the W&B run id: a resume and eval.py log into the same W&B run
-    RUN/lora_base.json          a LoRA run's frozen base: training.init_from, its checkpoint step, a fingerprint
-    RUN/eval/step<N>.json       eval.py's results for checkpoint N
-    RUN/checkpoints/            orbax checkpoints of the state (checkpoints.py: saving, restoring past
-    RUN/checkpoints-damaged/    damaged ones, which are moved aside, fingerprints)
+    RUN/tokenizer.json          a copy of the data's tokenizer, so the run decodes without the corpus     Record
+    RUN/metrics.jsonl           one JSON object per logged step                                           Run
+    RUN/summary.json            where training ended                                                      Run
+    RUN/loss.png                the training and validation loss by step (drawn at each evaluation)       Run
+    RUN/wandb_id.txt            the W&B run id: a resume and eval.py log into the same W&B run            Run
+    RUN/eval/step<N>.json       eval.py's results for checkpoint N                                        Run
+    RUN/.lock                   who writes the run now: one writer at a time              runlock.Locked
+    RUN/lora_base.json          a LoRA run's frozen base: init_from, its checkpoint step  weights.Weights
+    RUN/checkpoints/            orbax checkpoints of the state, and                       checkpoints.py
+    RUN/checkpoints-damaged/    damaged ones, moved aside
 
-`Run` is a storage.RunDir (a local path, or a URL such as gs://bucket/runs/x, whose files go
-through fsspec and whose checkpoints orbax writes itself) that knows these files. train.py writes a
-run; eval.py, sample.py and convert_torch.py read it through `Run.config`, `Run.load_model`,
-`Run.load_params` and `Run.tokenizer`; convert_torch.py's import writes one with `Run.save_params`.
-Every checkpoint is saved, restored and loaded through one owner, `Run.checkpoints()`, a
-checkpoints.Checkpoints.
-
-A LoRA run (training.lora) checkpoints its adapters only; `Run.load_params` gives its merged model (the
-base that lora_base.json names, checked to be the same weights, with the adapters folded in), so the
-readers above need not know LoRA.
+`Run` is a storage.RunDir (a local path, or a URL such as gs://bucket/runs/x, whose files go through
+fsspec and whose checkpoints orbax writes itself) made of parts that can each be read alone: `Record`
+(what the run is, and the checks of a resume), weights.Weights (its parameters, a LoRA run's adapters
+and base, the model), runlock.Locked (the writer's lock or bucket lease), and its own logs and results.
+train.py writes a run; eval.py, sample.py and convert_torch.py read it through `Run.config`,
+`Run.load_model`, `Run.load_params` and `Run.tokenizer`; convert_torch.py's import writes one with
+`Run.save_params`. Every checkpoint is saved, restored and loaded through one owner, `Run.checkpoints()`,
+a checkpoints.Checkpoints to read or a checkpoints.Saver to write.
 
 A run directory a user points at that is not one, a checkpoint that cannot be read (its arrays,
-its metadata) or that does not fit the model: a RunError, one line in the user's terms.
+its metadata) or that does not fit the model: a RunError, one line in the user's terms. Knows nothing
+of how a model computes (model.py is read by weights.py, lazily).
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
-import math
-import os
 import pathlib
-import socket
-import threading
-import time
 import typing
 
 import yaml
@@ -46,9 +39,10 @@ import yaml
 import checkpoints as checkpoints_lib
 import config as config_lib
 import formats
-import multihost
+import runlock
 import shards
 import storage
+import weights
 from errors import RunError, UserError
 
 CONFIG = "config.yaml"
@@ -57,96 +51,7 @@ TOKENIZER = "tokenizer.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 WANDB_ID = "wandb_id.txt"
-LORA_BASE = "lora_base.json"
-LOCK = ".lock"
-LEASE_RENEW = 10.0  # seconds between a lease's heartbeats (a run directory in an object store)
-LEASE_TTL = 60.0  # a lease whose heartbeat is older than this is free: its holder is gone
-LEASE_TTL_ENV = "GPT_LEASE_TTL"  # seconds, instead of LEASE_TTL; the lease is then renewed every sixth of it
-LEASE_SETTLE = 1.0  # seconds between writing a lease and reading it back
-
-
-def lease_times() -> tuple[float, float]:
-    """(seconds a lease lasts, seconds between its heartbeats): LEASE_TTL and LEASE_RENEW, or with
-    GPT_LEASE_TTL=SECONDS set that and a sixth of it. A shorter lease lets a resume after a kill go ahead
-    sooner; at least 6 s, as a bucket takes about one write of an object per second."""
-    text = os.environ.get(LEASE_TTL_ENV, "").strip()
-    if not text:
-        return LEASE_TTL, LEASE_RENEW
-    try:
-        ttl = float(text)
-    except ValueError:
-        ttl = math.nan
-    if not (math.isfinite(ttl) and ttl >= 6):
-        raise RunError(f"{LEASE_TTL_ENV}={text}: the seconds a run directory's lease in a bucket lasts, a number "
-                       f"of at least 6 (it is renewed every sixth of them); unset, {LEASE_TTL:.0f}")
-    return ttl, ttl / 6
-
-
-class _Lease:
-    """A held lease on RUN/.lock in an object store: renewed every `every` seconds by a thread, each
-    renewal conditional on the generation written last (where the store has generations). `check`
-    (the run's fence) raises a RunError once the lease is lost: a renewal refused because another
-    process holds the lock now, or, when no renewal has gone through for two periods (this process
-    was paused), a look at the lock that finds another generation there."""
-
-    def __init__(self, run: Run, holder: dict, generation: int | None, every: float):
-        self.run, self.holder, self.generation, self.every = run, holder, generation, every
-        self.confirmed = time.monotonic()  # when the lease was last known to be ours
-        self.lost: str | None = None  # why it was lost
-        self.guard = threading.Lock()
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._renew_loop, name="run-dir-lease", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join()
-
-    def _content(self) -> bytes:
-        return (json.dumps({**self.holder, "heartbeat": time.time()}) + "\n").encode()
-
-    def _renew_loop(self) -> None:
-        while not self.stopping.wait(self.every) and not self.lost:
-            try:
-                self.renew()
-            except storage.StorageError:
-                pass  # the store unreachable: the next renewal tries again (check() looks if it drags on)
-
-    def renew(self) -> None:
-        with self.guard:
-            if self.lost:
-                return
-            try:
-                generation = storage.Versions(self.run).write_if(LOCK, self._content(), self.generation)
-            except storage.Conflict:
-                self._lost_to_whoever_holds_it()
-                return
-            self.generation, self.confirmed = generation, time.monotonic()
-
-    def _lost_to_whoever_holds_it(self) -> None:
-        """A conditional renewal failed: lost, unless the lock holds our own token (our last write went
-        through but its answer did not reach us), whose generation is then adopted."""
-        try:
-            generation, raw = storage.Versions(self.run).versioned(LOCK)
-        except storage.StorageError:
-            generation, raw = None, b""
-        lock = self.run._parse_lock(raw) or {}
-        if lock.get("token") == self.holder["token"]:
-            self.generation, self.confirmed = generation, time.monotonic()
-            return
-        self.lost = f"{self.run._holder(raw)} holds it now" if lock else "its lock was deleted"
-
-    def check(self) -> None:
-        """The run's fence: called before every write of the run."""
-        if not self.lost and self.generation is not None and time.monotonic() - self.confirmed > 2 * self.every:
-            self.renew()  # renewals stopped for a while (this process paused?): is the lease still ours?
-        if self.lost:
-            raise RunError(f"this process lost the lease on {self.run} ({self.lost}: it was paused or cut off "
-                           f"longer than the lease lasts); it stops without writing anything more into the run")
-
-
+LORA_BASE = weights.LORA_BASE
 def eval_results_name(step: int) -> str:
     """eval.py's results file for checkpoint `step`."""
     return f"eval/step{step}.json"
@@ -172,13 +77,16 @@ def results_problem(results) -> str | None:
     return None
 
 
-class Run(storage.RunDir):
-    """A run directory and the files in it (see the module docstring)."""
-
-    LOSS_PLOT = "loss.png"
+class Record(storage.RunDir):
+    """What a run is: its effective config (config.yaml) with the rules of a resume, the format it was
+    written in (format.json), the data it trained on (data.json, tokenizer.json) and the checks of both
+    against what a resume is given."""
 
     # ------------------------------------------------------------------------------------------
     # config.yaml
+
+    def has_config(self) -> bool:
+        return self.is_file(CONFIG)
 
     def config(self, overrides: typing.Sequence[str] = ()) -> config_lib.Config:
         """The run's effective config (with `overrides`), for resume, eval, sample and convert; a run
@@ -256,7 +164,7 @@ class Run(storage.RunDir):
     def check_format(self) -> None:
         """A RunError (one line) when the run directory is in a format newer than this code reads, or its
         format.json is damaged. A run from before format 3 has none: every older format is read."""
-        recorded = self._json_object(formats.FILE)
+        recorded = self.json_object(formats.FILE)
         if recorded is None:
             return
         newer = formats.too_new(f"run directory {self}", recorded)
@@ -267,159 +175,6 @@ class Run(storage.RunDir):
             raise RunError(f"{self.show(formats.FILE)} records no format this project has written (an integer from "
                            f"{formats.FIRST_RECORDED} on): it is damaged; write {json.dumps(formats.record())} into it "
                            f"if this version wrote the run")
-
-    def check_new(self) -> None:
-        """A new run may start here: nothing is in the directory yet (but perhaps a lock)."""
-        if not set(self.names()) - {LOCK}:
-            return
-        holder = self.held_by()
-        if holder:
-            raise RunError(f"run directory {self} is in use by {holder}; one process writes a run at a time "
-                           f"(wait for it to end, or stop it first)")
-        if self.is_file(CONFIG) and not self.checkpoints().steps():
-            raise RunError(f"run directory {self} holds a run stopped before its first checkpoint; continue it "
-                           f"with --resume (from step 0, with its saved config), or remove the directory to start anew")
-        raise RunError(f"run directory {self} already exists; continue it with --resume, "
-                       f"or start a new run elsewhere with run_dir=PATH")
-
-    # ------------------------------------------------------------------------------------------
-    # The lock: one writer at a time
-
-    @contextlib.contextmanager
-    def writer(self, purpose: str, new: bool = False):
-        """Hold RUN/.lock while writing the run (`purpose` names the writer to a second one, which gets
-        a RunError naming the first). The directory must exist. `new`: a new run starts here, so the
-        directory must hold nothing else (check_new, under the lock: no other run started meanwhile).
-
-        On a local disk it is an flock, which the system drops when its process ends however it ends,
-        so a killed run never blocks its resume. In an object store, which has no locks, it is a lease:
-        RUN/.lock names its holder and a heartbeat renewed every LEASE_RENEW seconds, and is taken by
-        writing it and reading it back; a holder whose heartbeat has stopped (a killed process) is
-        waited out for at most LEASE_TTL seconds, a live one is refused (see lease_times)."""
-        holder = {"host": socket.gethostname(), "pid": os.getpid(), "purpose": purpose,
-                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        release = self._lease(holder) if self.remote else self._flock(holder)
-        try:
-            if new:
-                self.check_new()
-            yield
-        finally:
-            release()
-
-    def _flock(self, holder: dict):
-        import fcntl
-
-        path = pathlib.Path(self.root) / LOCK
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # less the umask, as every other file
-        except OSError as e:
-            raise RunError(f"cannot lock the run directory {self}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            other = self._holder(os.pread(fd, 4096, 0))
-            os.close(fd)
-            raise RunError(f"run directory {self} is in use by {other}; one process writes a run at a time "
-                           f"(wait for it to end, or stop it first)") from None
-        before = os.pread(fd, 4096, 0)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-
-        def release():  # the flock goes with the descriptor; the file stays (no unlink race), as it was before
-            if before:  # (its content names the holder only while the flock is held)
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, before, 0)
-            os.close(fd)
-        return release
-
-    def _lease(self, holder: dict):
-        """Take the run's lease in an object store (see `writer`); returns its release. In Google Cloud
-        Storage the lease is fenced: taking it is one conditional write (ifGenerationMatch: absent, or the
-        expired generation that was read), every renewal replaces only the generation this process wrote
-        last, and before every write of the run (`fence`) a holder whose renewals stopped for a while (a
-        paused process: SIGSTOP, a VM stall, a closed laptop lid) checks that the lease is still its own.
-        One that lost it stops with a RunError before writing anything more."""
-        ttl, every = lease_times()
-        holder = {**holder, "token": os.urandom(8).hex()}
-        waited = 0.0
-        while True:
-            try:
-                generation, raw = storage.Versions(self).versioned(LOCK)
-            except storage.StorageError:
-                generation, raw = None, b""  # deleted meanwhile by its holder: free
-            other = self._parse_lock(raw)
-            if other and other.get("token") != holder["token"]:
-                age = time.time() - float(other.get("heartbeat", 0))
-                if age < ttl:
-                    if age < 2 * every or waited >= ttl:  # alive: it renews its heartbeat
-                        raise RunError(f"run directory {self} is in use by {self._holder(raw)}; one process writes "
-                                       f"a run at a time (wait for it to end, or stop it first)")
-                    print(f"{self.show(LOCK)}: held by {self._holder(raw)}, whose heartbeat stopped "
-                          f"{age:.0f}s ago; waiting up to {ttl - age:.0f}s for it to expire", flush=True)
-                    time.sleep(min(every, ttl - age + 0.1))
-                    waited += min(every, ttl - age + 0.1)
-                    continue
-            content = (json.dumps({**holder, "heartbeat": time.time()}) + "\n").encode()
-            try:
-                mine = storage.Versions(self).write_if(LOCK, content, generation)
-            except storage.Conflict:
-                continue  # another writer took or renewed it between our read and our write: look again
-            if mine is not None:
-                break  # the store made the write conditional: the lease is ours, atomically
-            time.sleep(LEASE_SETTLE)  # no generations here: a writer racing us has written by now, the last wins
-            if (self._parse_lock(self.read_bytes(LOCK)) or {}).get("token") == holder["token"]:
-                break
-        lease = _Lease(self, holder, mine, every)
-        self.fence = lease.check
-        lease.start()
-
-        def release():
-            forget()
-            self.fence = None
-            lease.stop()
-            try:
-                if not lease.lost:
-                    storage.Versions(self).delete_if(LOCK, lease.generation)
-            except (storage.StorageError, storage.Conflict):
-                pass  # taken meanwhile, or it expires by itself
-        forget = multihost.at_end(release)  # also when another process ends the run: a resume need not wait
-        return release
-
-    def held_by(self) -> str | None:
-        """Who holds the run's lock now, in words (see _holder), or None when no live process does: a
-        local flock that can be taken, or a lease whose heartbeat is older than the lease lasts."""
-        if not self.is_file(LOCK):
-            return None
-        if self.remote:
-            raw = self.read_bytes(LOCK)
-            lock = self._parse_lock(raw) or {}
-            ttl, _ = lease_times()
-            return self._holder(raw) if lock and time.time() - float(lock.get("heartbeat", 0)) < ttl else None
-        import fcntl
-
-        fd = os.open(pathlib.Path(self.root) / LOCK, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return self._holder(os.pread(fd, 4096, 0))
-        finally:
-            os.close(fd)  # a shared lock taken here goes with the descriptor
-        return None
-
-    @staticmethod
-    def _parse_lock(raw: bytes) -> dict | None:
-        try:
-            lock = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return None
-        return lock if isinstance(lock, dict) else None
-
-    def _holder(self, raw: bytes) -> str:
-        """The holder of a lock, in words, from the lock file's content."""
-        lock = self._parse_lock(raw) or {}
-        if not lock:
-            return "another process"
-        return f"{lock.get('purpose', 'a process')} (pid {lock.get('pid')} on {lock.get('host')}, since {lock.get('since')})"
 
     # ------------------------------------------------------------------------------------------
     # The data: data.json and tokenizer.json
@@ -484,7 +239,7 @@ class Run(storage.RunDir):
 
         return hashlib.sha256(self.read_bytes(TOKENIZER)).hexdigest() if self.is_file(TOKENIZER) else None
 
-    def _json_object(self, name: str) -> dict | None:
+    def json_object(self, name: str) -> dict | None:
         """The run's JSON file `name` as a dict (None where there is none); anything else is one RunError line."""
         if not self.is_file(name):
             return None
@@ -498,7 +253,7 @@ class Run(storage.RunDir):
 
     def data(self) -> dict:
         """data.json ({} for a run without one, e.g. an import)."""
-        return self._json_object(DATA) or {}
+        return self.json_object(DATA) or {}
 
     def is_finetuned(self) -> bool:
         """Whether the run trained on prompt/completion pairs."""
@@ -515,6 +270,27 @@ class Run(storage.RunDir):
         except Exception as e:  # a damaged file
             reason = storage.one_line(e)
             raise RunError(f"cannot load {self.show(TOKENIZER)}: {reason}") from None
+
+class Run(Record, weights.Weights, runlock.Locked):
+    """A run directory and the files in it (see the module docstring): what the run is (Record), its
+    weights (weights.Weights), its writer's lock (runlock.Locked), and here its logs, eval.py's results and
+    the owner of its checkpoints."""
+
+    LOSS_PLOT = "loss.png"
+
+    def check_new(self) -> None:
+        """A new run may start here: nothing is in the directory yet (but perhaps a lock)."""
+        if not set(self.names()) - {runlock.LOCK}:
+            return
+        holder = self.held_by()
+        if holder:
+            raise RunError(f"run directory {self} is in use by {holder}; one process writes a run at a time "
+                           f"(wait for it to end, or stop it first)")
+        if self.is_file(CONFIG) and not self.checkpoints().steps():
+            raise RunError(f"run directory {self} holds a run stopped before its first checkpoint; continue it "
+                           f"with --resume (from step 0, with its saved config), or remove the directory to start anew")
+        raise RunError(f"run directory {self} already exists; continue it with --resume, "
+                       f"or start a new run elsewhere with run_dir=PATH")
 
     # ------------------------------------------------------------------------------------------
     # Logs
@@ -582,108 +358,7 @@ class Run(storage.RunDir):
                     write: bool = False) -> checkpoints_lib.Checkpoints:
         """RUN/checkpoints: to read, or (`write`, for the holder of the run's lock) to save and restore,
         keeping `keep` checkpoints, saving asynchronously if `async_save`."""
-        return checkpoints_lib.Checkpoints(self, keep, async_save, write=write)
-
-    def load_params(self, step: int | None = None) -> tuple[dict, int]:
-        """(params, step) of a checkpoint, the last one by default: a pure dict of numpy arrays with
-        integer block indices, as `nnx.to_pure_dict` gives them (orbax hands dict keys back as strings).
-        For init_from, export, eval and sampling. A LoRA run's are its base's with the adapters merged in."""
-        params, step, _ = self.load_weights(step)
-        return params, step
-
-    def load_adapters(self, step: int | None = None) -> tuple[dict, int]:
-        """(adapters, step) of a LoRA run's checkpoint, the last by default: its `lora_a` and `lora_b` leaves
-        as load_params gives parameters (lora.split's tree), not merged into any base; the base they
-        were trained on must be there, as for load_params (load_lora_base), or a RunError names it."""
-        cfg = self.config()
-        if cfg.training.lora is None:
-            raise RunError(f"{self} is not a LoRA run (its training.lora is null), so it has no adapters")
-        params, step, _ = self.load_weights(step, adapters_only=True)
-        load_lora_base(self.lora_base().get("init_from") or cfg.training.init_from, self)  # the base they adapt
-        return params, step
-
-    def load_weights(self, step: int | None = None, adapters_only: bool = False) -> tuple[dict, int, str]:
-        """(params, step, fingerprint) as load_params, with a fingerprint of the parameters: the sha256 of
-        the checkpoint's saved array fingerprints (which the load checked the arrays against); for a LoRA
-        run, of its base's fingerprint, its adapters' and their shape (rank, alpha, targets). A LoRA run's
-        params are its adapters alone with `adapters_only` (and the fingerprint theirs)."""
-        import hashlib
-
-        import numpy as np
-
-        with self.checkpoints() as saved:
-            state, step = saved.load(step)
-            # a format 1 checkpoint saved none: those of what it holds, the numbers a save would have kept
-            saved_fingerprints = saved.saved_fingerprints(step) or checkpoints_lib.fingerprints(state)
-
-        def numpy_tree(tree):
-            if not isinstance(tree, dict):
-                return np.asarray(tree)
-            return {int(k) if isinstance(k, str) and k.isdigit() else k: numpy_tree(v) for k, v in tree.items()}
-
-        def sha256(obj) -> str:
-            return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-        params = numpy_tree(state["params"])
-        fingerprint = sha256({k: v for k, v in saved_fingerprints.items() if k.startswith("params/")})
-        cfg = self.config() if self.is_file(CONFIG) else None
-        lora = cfg.training.lora if cfg is not None else None
-        if lora is None or adapters_only:
-            return params, step, fingerprint
-        import lora as lora_lib
-        import model as model_lib
-
-        base, record = load_lora_base(self.lora_base().get("init_from") or cfg.training.init_from, self)
-        merged = lora_lib.merge(lora_lib.join(base, params), model_lib.adapted_kernels(cfg.model, lora))
-        shape = {k: getattr(lora, k) for k in lora.SHAPE_FIELDS}
-        return numpy_tree(merged), step, sha256({"base": record["fingerprint"], "adapters": fingerprint, "lora": shape})
-
-    def lora_base(self) -> dict:
-        """lora_base.json: {init_from, step, fingerprint} of a LoRA run's frozen base ({} without one)."""
-        record = self._json_object(LORA_BASE)
-        if record is None:
-            return {}
-        if not (isinstance(record.get("fingerprint"), str)
-                and isinstance(record.get("init_from"), str) and isinstance(record.get("step"), int)):
-            raise RunError(f"{self.show(LORA_BASE)} does not record a base (init_from, step and fingerprint)")
-        return record
-
-    def save_lora_base(self, record: dict) -> None:
-        self.write_text(LORA_BASE, json.dumps(record, indent=2) + "\n")
-
-    def save_params(self, params: dict, step: int = 0) -> None:
-        """A checkpoint holding only parameters (an import), saved at once: what init_from, eval, sample
-        and export read."""
-        import jax
-        import numpy as np
-
-        state = {"params": jax.tree.map(np.asarray, params), "step": np.asarray(step, np.int32)}
-        with self.checkpoints(write=True) as saver:
-            saver.save(step, state)
-
-    def load_model(self, step: int | None = None, attention: str | None = None):
-        """(the run's model.GPT with the checkpoint's parameters, the checkpoint step). `attention`: the
-        implementation to run it with instead of its config's (attention.attention_here chooses one that runs
-        on this machine); the parameters do not depend on it."""
-        import dataclasses
-
-        import jax
-        import jax.numpy as jnp
-        from flax import nnx
-
-        from model import GPT
-
-        cfg = self.config().model
-        if attention is not None:
-            cfg = dataclasses.replace(cfg, attention=attention)
-        params, step = self.load_params(step)
-        abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(params=0)))  # shapes only, nothing computed
-        graphdef, state = nnx.split(abstract)
-        try:
-            nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
-        except (KeyError, ValueError) as e:
-            raise RunError(f"checkpoint {step} of {self} does not fit its config.yaml: {e}") from None
-        return nnx.merge(graphdef, state), step
+        return checkpoints_lib.Saver(self, keep, async_save) if write else checkpoints_lib.Checkpoints(self)
 
 
 def check_wandb(cfg: config_lib.Config) -> None:
@@ -763,38 +438,6 @@ def check_init_from(location, mcfg, index: dict) -> None:
     if diffs:
         raise RunError(f"training.init_from={location}: its model differs from this run's ({'; '.join(diffs)}); "
                        f"set the same model (and prepare the data with its tokenizer)")
-
-
-def base_location(location) -> str:
-    """training.init_from as lora_base.json records it: a local path made absolute (so that sample.py and
-    eval.py find the base from any directory), a URL as it is."""
-    location = storage.local_path(str(location))
-    return location if storage.is_url(location) else os.path.abspath(location)
-
-
-def load_lora_base(location, run: Run | None = None) -> tuple[dict, dict]:
-    """(params, record) of a LoRA run's frozen base at training.init_from `location`: its parameters (numpy,
-    float32) and the record lora_base.json keeps of it, {init_from, step, fingerprint}. With `run` (the LoRA
-    run: a resume, or a reader of its model), the base must be the one the run records: at the recorded
-    location, the recorded checkpoint step is loaded; anywhere, its fingerprint must be the recorded one.
-    Otherwise a RunError in one line naming both."""
-    recorded = run.lora_base() if run is not None else {}
-    if run is not None and not recorded:
-        raise RunError(f"{run} is a LoRA run but has no {LORA_BASE}, so the base its adapters belong to is "
-                       f"unknown; it cannot be checked nor loaded")
-    where = base_location(location)
-    step = recorded.get("step") if recorded.get("init_from") == where else None
-    try:
-        params, step, fingerprint = open_run(location).load_weights(step)
-    except UserError as e:
-        raise RunError(f"the base model (training.init_from={location}) of this LoRA run: {e}") from None
-    record = {"init_from": where, "step": step, "fingerprint": fingerprint}
-    if recorded and recorded["fingerprint"] != fingerprint:
-        raise RunError(f"training.init_from={location} (checkpoint {step}, fingerprint {fingerprint[:16]}) is not "
-                       f"the base this LoRA run's adapters were trained on: {run.show(LORA_BASE)} records "
-                       f"{recorded['init_from']} checkpoint {recorded['step']} (fingerprint "
-                       f"{recorded['fingerprint'][:16]}); point training.init_from at that base")
-    return params, record
 
 
 def load_init_params(location, shardings):

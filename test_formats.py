@@ -17,9 +17,9 @@ import pytest
 import torch
 import transformers
 
-import checkpoints
 import convert_torch
 import eval as eval_lib
+import fingerprints
 import formats
 import loader
 import rundir
@@ -71,7 +71,7 @@ def test_an_old_run_resumes_with_the_losses_it_would_have_had(old_run, capsys):
     assert [r["tokens"] for r in got] == [r["tokens"] for r in reference]
     assert json.loads((run / formats.FILE).read_text()) == formats.record()
     with rundir.Run(run).checkpoints() as saved:
-        assert checkpoints.checkpoint_format(saved.custom_metadata(8)) == formats.FORMAT
+        assert fingerprints.checkpoint_format(saved.custom_metadata(8)) == formats.FORMAT
         assert saved.tokens(8) == reference[-1]["tokens"]
 
 

@@ -27,6 +27,7 @@ import data
 from conftest import uncached_env
 import outputs
 import rundir
+import runlock
 import shards
 import train
 from test_train import WORDS, deterministic, tiny
@@ -439,7 +440,7 @@ def test_a_run_in_a_bucket_stopped_by_sigterm_then_killed_resumes_exactly(journe
     bucket, straight, params, cwd = journey
     run = f"{bucket}/killed"
     ttl = 8  # seconds: the lease is renewed every 8/6 s, and a holder two renewals late is taken for dead
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", rundir.LEASE_TTL_ENV: str(ttl)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", runlock.LEASE_TTL_ENV: str(ttl)}
     command = [sys.executable, str(REPO / "train.py")]
 
     first = subprocess.Popen([*command, *tiny(run, f"{bucket}/data")], cwd=cwd, env=uncached_env(**env),
@@ -475,12 +476,12 @@ def test_a_run_in_a_bucket_stopped_by_sigterm_then_killed_resumes_exactly(journe
     assert second.returncode == -signal.SIGKILL
     gcs_refusals.lift()
     left = remote_files(run)
-    lease = json.loads(left[rundir.LOCK])
+    lease = json.loads(left[runlock.LOCK])
     assert lease["pid"] == second.pid and lease["purpose"] == "train.py --resume"
     assert "checkpoints/8/commit_success.txt" not in left and any(n.startswith("checkpoints/8/") for n in left)
     assert checkpoints(run) == [1, 4]
 
-    monkeypatch.setenv(rundir.LEASE_TTL_ENV, str(ttl))
+    monkeypatch.setenv(runlock.LEASE_TTL_ENV, str(ttl))
     while time.time() - lease["heartbeat"] < 2 * ttl / 6 + 0.2:  # no longer renewed as a live holder's is
         time.sleep(0.1)
     capsys.readouterr()
@@ -496,7 +497,7 @@ def test_a_run_in_a_bucket_stopped_by_sigterm_then_killed_resumes_exactly(journe
     resumed, step = rundir.Run(run).load_params()
     assert step == 8
     jax.tree.map(np.testing.assert_array_equal, resumed, params)
-    assert rundir.LOCK not in remote_files(run)  # released
+    assert runlock.LOCK not in remote_files(run)  # released
 
 
 def test_the_tools_read_and_write_a_run_in_the_bucket(journey, tmp_path, capsys, monkeypatch):
@@ -563,7 +564,7 @@ def test_a_lease_time_that_is_not_one_is_one_line(value, journey, capsys, monkey
     line naming it, before the run directory is touched."""
     run = f"{journey[0]}/run"
     before = remote_files(run)
-    monkeypatch.setenv(rundir.LEASE_TTL_ENV, value)
+    monkeypatch.setenv(runlock.LEASE_TTL_ENV, value)
     capsys.readouterr()
     assert train.cli(["--resume", f"run_dir={run}", "training.steps=9"]) == 2
     assert capsys.readouterr().err == (f"error: GPT_LEASE_TTL={value}: the seconds a run directory's lease in a bucket "
@@ -579,7 +580,7 @@ def test_a_paused_holder_that_lost_its_lease_writes_nothing_more(journey, capsys
     bucket, _, _, cwd = journey
     run = f"{bucket}/paused"
     ttl = 6  # seconds: renewed every second
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", rundir.LEASE_TTL_ENV: str(ttl)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", runlock.LEASE_TTL_ENV: str(ttl)}
     command = [sys.executable, str(REPO / "train.py")]
     args = tiny(run, f"{bucket}/data", "training.steps=24", "checkpoint.every=4", "training.eval_every=4")
     first = subprocess.Popen([*command, *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
@@ -604,7 +605,7 @@ def test_a_paused_holder_that_lost_its_lease_writes_nothing_more(journey, capsys
     steps = [r["step"] for r in metrics(run)]
     assert steps == list(range(1, 25))  # each step once: nothing of the first after the takeover
     assert json.loads(store().cat_file(f"{run}/summary.json"))["steps"] == 24
-    assert rundir.LOCK not in remote_files(run)
+    assert runlock.LOCK not in remote_files(run)
 
 
 def test_a_holder_paused_inside_its_save_never_commits_it(journey, gcs_refusals):
@@ -616,7 +617,7 @@ def test_a_holder_paused_inside_its_save_never_commits_it(journey, gcs_refusals)
     bucket, _, _, cwd = journey
     run = f"{bucket}/paused-save"
     ttl = 6
-    env = {**os.environ, rundir.LEASE_TTL_ENV: str(ttl)}
+    env = {**os.environ, runlock.LEASE_TTL_ENV: str(ttl)}
     command = [sys.executable, str(REPO / "train.py")]
     args = tiny(run, f"{bucket}/data", "training.steps=24", "checkpoint.every=4", "training.eval_every=4")
     gcs_refusals(f"{run}/checkpoints/8/default/", status=503)  # its arrays: retried while the store is busy

@@ -37,6 +37,7 @@ import loss as loss_lib
 import lora as lora_lib
 import model
 import rundir
+import runlock
 import sample
 import sharding
 import shards
@@ -358,8 +359,8 @@ def lora_run(corpus, tmp_path_factory):  # noqa: F811
 
 def test_training_checkpoints_adapters_over_an_untouched_base(lora_run, corpus):  # noqa: F811
     base, hf, run, before = lora_run
-    assert {p: p.read_bytes() for p in base.rglob("*") if p.is_file() and p.name != rundir.LOCK} == \
-        {p: b for p, b in before.items() if p.name != rundir.LOCK}
+    assert {p: p.read_bytes() for p in base.rglob("*") if p.is_file() and p.name != runlock.LOCK} == \
+        {p: b for p, b in before.items() if p.name != runlock.LOCK}
     record = json.loads((run / rundir.LORA_BASE).read_text())
     assert (record["init_from"], record["step"]) == (str(base), 0)
     # the first loss is the base model's: transformers' on the same batch
@@ -472,7 +473,7 @@ def test_another_base_or_other_adapters_are_refused_on_resume(lora_run, other_ba
     other = other_base  # the same model, other weights
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
-    kept = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != rundir.LOCK}
+    kept = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != runlock.LOCK}
     capsys.readouterr()
     for overrides, words in [([f"training.init_from={other}"], [str(other), str(base), "is not the base"]),
                              (["training.lora.rank=8"], ["cannot change training.lora", "rank 4", "rank 8"]),
@@ -480,7 +481,7 @@ def test_another_base_or_other_adapters_are_refused_on_resume(lora_run, other_ba
         assert train.cli(["--resume", f"run_dir={copy}", "training.steps=9", *overrides]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), err
-    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != rundir.LOCK} == kept
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != runlock.LOCK} == kept
 
 
 def test_every_reader_refuses_a_run_whose_base_was_replaced_or_is_gone(lora_run, other_base, corpus,  # noqa: F811
@@ -506,13 +507,13 @@ def test_every_reader_refuses_a_run_whose_base_was_replaced_or_is_gone(lora_run,
         shutil.rmtree(moved)
         if state == "replaced":
             shutil.copytree(other, moved)
-        kept = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != rundir.LOCK}
+        kept = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != runlock.LOCK}
         for reader, read in readers.items():
             capsys.readouterr()
             assert read() == 2, (state, reader)
             err = capsys.readouterr().err
             assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), (reader, err)
-        assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != rundir.LOCK} == kept
+        assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != runlock.LOCK} == kept
         assert not (tmp_path / "hf").exists() and not (tmp_path / "peft").exists()
     # a model without a transformers layout (LLaMA's, with a LayerNorm after the embedding)
     saved = yaml.safe_load((copy / "config.yaml").read_text())

@@ -20,6 +20,7 @@ import pytest
 
 import multihost
 import rundir
+import runlock
 import train
 from conftest import xla_flags
 from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
@@ -284,7 +285,7 @@ def last_line(err: str) -> str:
     ("during restore", "import checkpoints\n"
      "def failing(self, *args, **kwargs):\n"
      "    raise RuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB')\n"
-     "checkpoints.Checkpoints.restore = failing",
+     "checkpoints.Saver.restore = failing",
      "RuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB"),
 ])
 def test_an_exception_on_one_process_ends_every_process_within_seconds(corpus, tmp_path, where, patch, why):  # noqa: F811
@@ -337,7 +338,7 @@ def test_a_lost_lease_ends_every_process(corpus, tmp_path, gcs_bucket):  # noqa:
     fs = fsspec.filesystem("gs")
     run = f"{gcs_bucket}/run"
     args = tiny(run, corpus, "training.steps=100000", "checkpoint.every=2", "training.eval_every=100000")
-    with killed_at_exit(two_processes(args, env={rundir.LEASE_TTL_ENV: "6"})) as procs:
+    with killed_at_exit(two_processes(args, env={runlock.LEASE_TTL_ENV: "6"})) as procs:
         deadline = time.time() + 180
         while time.time() < deadline and all(p.poll() is None for p in procs):
             fs.invalidate_cache()
@@ -347,10 +348,10 @@ def test_a_lost_lease_ends_every_process(corpus, tmp_path, gcs_bucket):  # noqa:
         assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
         taker = {"host": "elsewhere", "pid": 1, "purpose": "train.py --resume", "since": "now", "token": "taker",
                  "heartbeat": time.time() + 3600}
-        fs.pipe(f"{run}/{rundir.LOCK}", json.dumps(taker).encode())
+        fs.pipe(f"{run}/{runlock.LOCK}", json.dumps(taker).encode())
         outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [2, 2], outs
     lost = last_line(outs[0][1])
     assert lost.startswith(f"error: this process lost the lease on {run} (train.py --resume (pid 1 on elsewhere"), lost
     assert last_line(outs[1][1]) == f"error: process 0 failed: {lost.removeprefix('error: ')}; process 1 stops too"
-    assert json.loads(fs.cat_file(f"{run}/{rundir.LOCK}"))["token"] == "taker"
+    assert json.loads(fs.cat_file(f"{run}/{runlock.LOCK}"))["token"] == "taker"

@@ -24,6 +24,7 @@ import data
 import finetune_data
 import loader
 import rundir
+import runlock
 import shards
 import storage
 import train
@@ -376,12 +377,12 @@ def test_a_run_directory_in_the_object_store_has_one_writer(bucket, monkeypatch,
     """An object store has no locks: RUN/.lock is a lease with a heartbeat. A live holder is refused;
     a holder whose heartbeat stopped (a killed process) is waited out until the lease expires; an
     expired one is taken at once; the lease is renewed while held and removed on release."""
-    monkeypatch.setattr(rundir, "LEASE_RENEW", 0.2)
-    monkeypatch.setattr(rundir, "LEASE_TTL", 1.5)
-    monkeypatch.setattr(rundir, "LEASE_SETTLE", 0.05)
+    monkeypatch.setattr(runlock, "LEASE_RENEW", 0.2)
+    monkeypatch.setattr(runlock, "LEASE_TTL", 1.5)
+    monkeypatch.setattr(runlock, "LEASE_SETTLE", 0.05)
     run = rundir.Run(f"{bucket}/run")
     fs, root = fsspec.core.url_to_fs(f"{bucket}/run")
-    lock = f"{root}/{rundir.LOCK}"
+    lock = f"{root}/{runlock.LOCK}"
     with run.writer("train.py"):
         first = json.loads(fs.cat_file(lock))
         time.sleep(0.5)

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 import checkpoints
+import fingerprints
 import config
 from conftest import uncached_env, xla_flags
 import data
@@ -285,7 +286,7 @@ def test_no_intact_checkpoint_is_one_error_line(finished_run, tmp_path):
 
 
 def test_fingerprints_follow_their_formula_on_any_placement():
-    """checkpoints.fingerprints against the formula written out in numpy, for every dtype a state holds, and
+    """fingerprints.fingerprints against the formula written out in numpy, for every dtype a state holds, and
     the same for an array sharded over the 8 devices as for the whole array."""
     def formula(x: np.ndarray) -> str:
         u = (x if x.dtype == bool else x.view(f"u{x.dtype.itemsize}")).astype(np.uint64).reshape(-1)
@@ -303,17 +304,17 @@ def test_fingerprints_follow_their_formula_on_any_placement():
         "rng": rng.integers(0, 2**32, size=(2,), dtype=np.uint32),
         "mask": rng.random(size=(7,)) > 0.5,
     }
-    got = checkpoints.fingerprints(tree)
+    got = fingerprints.fingerprints(tree)
     assert got == {name: formula(np.asarray(x)) for name, x in tree.items()}
     mesh = jax.make_mesh((8,), ("d",))
     sharded = jax.device_put(tree["w"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
-    assert checkpoints.fingerprints({"w": sharded}) == {"w": got["w"]}
+    assert fingerprints.fingerprints({"w": sharded}) == {"w": got["w"]}
     flipped = tree["w"].copy()
     flipped.view(np.uint32)[3, 7] ^= 1 << 31  # one bit: the sign of one element
-    assert checkpoints.fingerprints({"w": flipped})["w"] != got["w"]
+    assert fingerprints.fingerprints({"w": flipped})["w"] != got["w"]
     swapped = tree["w"].copy()
     swapped[[0, 1]] = swapped[[1, 0]]  # the same numbers in other places
-    assert checkpoints.fingerprints({"w": swapped})["w"] != got["w"]
+    assert fingerprints.fingerprints({"w": swapped})["w"] != got["w"]
 
 
 def flip_bits(run_dir: pathlib.Path, step: int, trials: int, seed: int = 0):
@@ -436,7 +437,7 @@ def test_old_checkpoints_leave_by_one_rename(tmp_path, monkeypatch):
     """Rotation renames a retired checkpoint into checkpoints/.deleting/ in one step and deletes it
     there, so a kill during a deletion never leaves half a checkpoint under a step's name."""
     run = rundir.Run(tmp_path / "run")
-    monkeypatch.setattr(checkpoints.Checkpoints, "purge_deleted", lambda self, unfinished=False: None)  # see what rotation left
+    monkeypatch.setattr(checkpoints.Saver, "purge_deleted", lambda self, unfinished=False: None)  # see what rotation left
     with run.checkpoints(keep=1, write=True) as saver:
         for step in (1, 2):  # the state of that step, as train.py saves it
             saver.save(step, {"params": {"w": np.arange(6, dtype=np.float32)}, "step": np.asarray(step, np.int32)})

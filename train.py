@@ -201,7 +201,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     say(fns.description, flush=True)
     frozen = ()  # LoRA: the frozen base, an argument of every step beside the adapters' state
     if t.lora is not None:  # loaded once; a resume checks that it is the base the run records
-        base_params, base_record = rundir.load_lora_base(t.init_from, run_dir if args.resume else None)
+        base_params, base_record = run_dir.frozen_base(t.init_from, check=args.resume)
         frozen = (fns.place_base(base_params),)
         del base_params
         adapters = sum(a.size for a in jax.tree.leaves(fns.abstract_state["params"]))
