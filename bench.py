@@ -7,7 +7,7 @@
     python bench.py attention [--impls xla,cudnn,pallas,pallas:128x64x8] [--batch B] [--seq T] [--heads H]
                               [--head-dim D]
 
-`train` and `attention` are in bench_train.py: tokens/s, MFU and peak memory of train.py's step,
+`train` is in bench_train.py (its profile in bench_profile.py) and `attention` in bench_attention.py: tokens/s, MFU and peak memory of train.py's step,
 with the same model in PyTorch (and GPT2LMHeadModel for learned positions) on the same device and
 batch; and the attention implementations alone (error against the reference, compiled temporary
 memory, time of forward + backward), to choose the fastest correct one on a GPU.
@@ -329,9 +329,10 @@ TRAIN_LIBRARIES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax
 
 def _bench_step(kind: str, args, argv: list[str]) -> int:
     """`train` or `attention`: run bench_train.py's benchmark, print its rows, record it under --out."""
+    import bench_attention as attention_lib
     import bench_train as train_lib
 
-    results, rows, summary = (train_lib.run if kind == "train" else train_lib.run_attention)(args)
+    results, rows, summary = (train_lib.run if kind == "train" else attention_lib.run_attention)(args)
     _print_rows(rows)
     path = _record(kind, pathlib.Path(args.out), argv, results, summary, TRAIN_LIBRARIES)
     print(f"\n-> {path}, {pathlib.Path(args.out) / 'RESULTS.md'}")

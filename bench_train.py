@@ -34,13 +34,13 @@ takes 75% of GPU memory when it starts (XLA_PYTHON_CLIENT_MEM_FRACTION changes t
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import statistics
 import time
 
 import numpy as np
 
+import bench_profile
 from errors import TrainBenchError
 
 
@@ -147,7 +147,7 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
     if getattr(args, "profile", None):  # after the timed steps, so the trace never skews them
         # dispatched back to back as train.py runs them: the trace's gaps are then the step's own, not the host's
         read = lambda out: losses.append(float(out[1]["loss"]))  # noqa: E731
-        profile = profile_steps(lambda: time_pipelined(one_step, read, args.profile_steps), args.profile_steps,
+        profile = bench_profile.profile_steps(lambda: time_pipelined(one_step, read, args.profile_steps), args.profile_steps,
                                 args.profile, hlo=hlo)
     if not all(np.isfinite(losses)):
         raise TrainBenchError(f"the JAX step's loss is not finite: {losses}")
@@ -172,175 +172,6 @@ def packed_rows(batch: int, seq: int, examples: int) -> dict:
     completion = (np.arange(seq) - starts) >= (ends - starts) * 7 // 8
     return {"weights": np.broadcast_to(completion.astype(np.float32), (batch, seq)).copy(),
             "segments": np.broadcast_to(segments.astype(np.int32), (batch, seq)).copy()}
-
-
-def profile_steps(run, steps: int, directory, top: int = 30, hlo: str | None = None) -> dict:
-    """Runs run(), which runs `steps` steps, under jax.profiler (a Perfetto trace under `directory`, for
-    ui.perfetto.dev) and sums the trace's device time per operation: {"trace", "devices": {thread:
-    {"total_us", "top": [[name, us, share], ...]}}}, per device thread (on a GPU: the CUDA streams, the
-    kernels). On the CPU, the host's XLA threads. With `hlo`, the compiled step's HLO text, also
-    "by_scope": the same time summed by what each operation computes (`attribute`)."""
-    import collections
-    import gzip
-    import json
-    import pathlib
-
-    import jax
-
-    directory = pathlib.Path(directory)
-    with jax.profiler.trace(str(directory), create_perfetto_trace=True):
-        run()
-    traces = sorted(directory.rglob("perfetto_trace.json.gz"), key=lambda f: f.stat().st_mtime)
-    if not traces:
-        return {"trace": None, "devices": {}}
-    with gzip.open(traces[-1]) as f:
-        events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    names = [e for e in events if e.get("ph") == "M"]  # metadata: the names of processes and threads
-    processes = {e["pid"]: e["args"]["name"] for e in names if e.get("name") == "process_name"}
-    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in names if e.get("name") == "thread_name"}
-    on_device = any(name.startswith("/device:") for name in processes.values())
-    sums: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    timed = []  # (the operation's HLO name where the trace gives it, the event's name, microseconds per step)
-    intervals = []  # (start, end) of every timed event, microseconds
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        process, thread = processes.get(e["pid"], ""), threads.get((e["pid"], e.get("tid")), "")
-        if (process.startswith("/device:") if on_device else thread.startswith("tf_XLA")):
-            us = float(e.get("dur", 0.0)) / steps
-            sums[f"{process} {thread}".strip()][e["name"]] += us
-            timed.append(((e.get("args") or {}).get("hlo_op"), e["name"], us))
-            intervals.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
-    devices = {}
-    for thread, ops in sums.items():
-        total = sum(ops.values())
-        devices[thread] = {"total_us": total,
-                           "top": [[name, us, us / total] for name, us in ops.most_common(top)]}
-    out = {"trace": str(traces[-1]), "steps": steps, "per": "step", "devices": devices, **busy(intervals, steps)}
-    if hlo is not None:
-        out.update(attribute(timed, hlo_operations(hlo)))
-    return out
-
-
-def busy(intervals, steps: int) -> dict:
-    """{"span_us": first start to last end, "busy_us": the time at least one of `intervals` (start, end)
-    runs, each per step}: span - busy is the time the device waits between kernels."""
-    if not intervals:
-        return {"span_us": 0.0, "busy_us": 0.0}
-    covered, reach = 0.0, None
-    for start, end in sorted(intervals):
-        if reach is None or start > reach:
-            covered, reach = covered + end - start, end
-        elif end > reach:
-            covered, reach = covered + end - reach, end
-    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
-    return {"span_us": span / steps, "busy_us": covered / steps}
-
-
-# model.py's and step.py's named scopes (jax.named_scope), which the compiled step's operations carry
-# in their op_name metadata: a profile is summed by them
-SCOPES = ("embed", "block", "ln_1", "attn", "qkv", "attention", "out", "ln_2", "mlp", "fc", "activation",
-          "proj", "ln_f", "loss", "optimizer")
-
-
-def hlo_operations(hlo: str) -> dict[str, tuple[str, str]]:
-    """{instruction name: (where it comes from, what kind of work it is)} for every instruction of an
-    HLO module's text (jax's Compiled.as_text()), fused computations and loop bodies included.
-
-    Where: "forward", "backward" (autodiff's transpose) or "recompute" (remat's second forward pass) and
-    the named scopes of its op_name, e.g. "backward block/mlp/activation", "update optimizer"; the loss
-    is "loss" alone, since the chunked loss computes its gradients in its forward pass. Kind: matmul, attention (cuDNN), Pallas kernel,
-    reduction, elementwise, copy, collective, or the HLO opcode; None for a loop or call, whose body's
-    operations are timed on their own."""
-    import re
-
-    ops = {}
-    for line in hlo.splitlines():
-        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = (.*)", line)
-        if not m:
-            continue
-        name, rest = m.groups()
-        op_name = re.search(r'op_name="([^"]*)"', rest)
-        op_name = op_name.group(1).split(";")[0] if op_name else ""
-        scopes = [word for word in re.findall(r"\w+", op_name) if word in SCOPES]
-        scopes = [w for i, w in enumerate(scopes) if i == 0 or scopes[i - 1] != w]
-        if "loss" in scopes:
-            where = "loss"
-        elif "optimizer" in scopes:
-            where = "update optimizer"
-        elif "rematted_computation" in op_name:  # a block's forward pass again, under remat, for its backward
-            where = f"recompute {'/'.join(scopes) or '(unscoped)'}"
-        else:
-            where = f"{'backward' if 'transpose(' in op_name else 'forward'} {'/'.join(scopes) or '(unscoped)'}"
-        ops[name] = (where, _operation_kind(name, rest))
-    return ops
-
-
-def _operation_kind(name: str, rest: str) -> str | None:
-    import re
-
-    opcode = re.search(r" ([a-z][a-z0-9\-]*)\(", " " + rest)
-    opcode = opcode.group(1) if opcode else "?"
-    if opcode in ("while", "call", "conditional"):
-        return None  # what runs inside is timed on its own (the CPU's trace times the loop too)
-    text = rest.lower()
-    if opcode == "custom-call":
-        target = re.search(r'custom_call_target="([^"]*)"', rest)
-        target = target.group(1).lower() if target else ""
-        if "fmha" in target:
-            return "attention (cuDNN)"
-        if "cudnn$norm" in target:
-            return "norm (cuDNN)"
-        if "cudnn" in target:
-            return "cuDNN"
-        if "gemm" in target or "cublas" in target or "matmul" in target:
-            return "matmul"
-        if "triton" in target or "mosaic" in target or "pallas" in target:
-            return "Pallas kernel"
-        return "custom call"
-    if opcode == "fusion":
-        if "kind=kcustom" in text:
-            if "gemm" in text or "gemm" in name:
-                return "matmul"
-            if "fmha" in text:
-                return "attention (cuDNN)"
-            if "cudnn" in text:
-                return "cuDNN fusion"
-            return "Triton fusion" if "triton" in text else "custom fusion"
-        if "kind=kinput" in text:  # reductions, and XLA's scatters and transposes, which it emits alike
-            return "scatter" if "scatter" in name else "copy" if "transpose" in name else "reduction"
-        if "kind=koutput" in text:
-            return "matmul"
-        return "elementwise"
-    if opcode in ("dot", "convolution"):
-        return "matmul"
-    if opcode in ("copy", "transpose", "copy-start", "copy-done"):
-        return "copy"
-    if opcode.startswith(("all-", "reduce-scatter", "collective")):
-        return "collective"
-    return opcode
-
-
-def attribute(timed, operations: dict) -> dict:
-    """Device time per (where, kind) from `timed`, (HLO name or None, event name, microseconds) per
-    trace event, and `hlo_operations`' table. An event is named by its HLO operation where the trace
-    says it (GPU kernels carry "hlo_op"), else by its own name (XLA's kernels are named after their
-    fusion, with "_" for "."); a loop's own event is left out. {"by_scope": [[where, kind, us, share],
-    ...] largest first, "attributed_us", "unattributed_us"}."""
-    import collections
-    import re
-
-    sums, unattributed = collections.Counter(), 0.0
-    for hlo_op, name, us in timed:
-        key = next((k for k in (hlo_op, name, re.sub(r"_(\d+)$", r".\1", name or "")) if k in operations), None)
-        if key is None:
-            unattributed += us
-        elif operations[key][1] is not None:
-            sums[operations[key]] += us
-    total = sum(sums.values())
-    return {"by_scope": [[where, kind, us, us / total] for (where, kind), us in sums.most_common()],
-            "attributed_us": total, "unattributed_us": unattributed}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -685,127 +516,4 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
                + "".join(f"; {results[f'ratio_vs_{w}']:.2f}x {w}" for w in ran)
                + "".join(f"; {w}: {others[w]['error']}" for w in others if w not in ran)
                + ("" if ours["platform"] == "gpu" else " (CPU smoke test: no GPU figures)"))
-    return results, rows, summary
-
-
-# ---------------------------------------------------------------------------------------------
-# python bench.py attention: the attention implementations alone, forward and backward
-
-IMPLS = ("xla", "dot_product", "cudnn", "pallas", "splash")
-
-
-def pallas_settings(impl: str) -> dict:
-    """An --impls entry -> flash_alibi keyword arguments: {} for a plain name, and for
-    `pallas:FWDxBWD[xWARPS[xSTAGES]]` the block sizes (and warps per program, and pipelining stages)."""
-    name, _, settings = impl.partition(":")
-    if name not in IMPLS:
-        raise TrainBenchError(f"unknown --impls entry {impl!r}; choose from {', '.join(IMPLS)} "
-                              f"(pallas also as pallas:FWDxBWD[xWARPS[xSTAGES]], e.g. pallas:128x64x8)")
-    if not settings:
-        return {}
-    parts = settings.split("x")
-    if name != "pallas" or len(parts) not in (2, 3, 4) or not all(p.isdigit() for p in parts):
-        raise TrainBenchError(f"--impls entry {impl!r}: only pallas takes settings, as pallas:FWDxBWD[xWARPS[xSTAGES]] "
-                              f"(block sizes and warps powers of two, stages >= 1, e.g. pallas:128x64x8x3)")
-    import flash_alibi
-
-    kwargs = dict(zip(("block_fwd", "block_bwd", "num_warps", "num_stages"), map(int, parts)))
-    try:
-        flash_alibi.check_settings(**{"num_warps": flash_alibi.NUM_WARPS, **kwargs})
-    except ValueError as e:
-        raise TrainBenchError(f"--impls entry {impl!r}: {e}") from None
-    return kwargs
-
-
-def run_attention(args) -> tuple[dict, list[tuple[str, str]], str]:
-    """Each implementation's forward + backward of causal ALiBi attention at (B, T, H, D): its error
-    against the XLA reference (computed in float32 from the same inputs), its compiled temporary
-    memory, and its median time. (results, table rows, summary)."""
-    import jax
-    import jax.numpy as jnp
-
-    import attention as attention_lib
-    import model as model_lib
-
-    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    if not impls:
-        raise TrainBenchError(f"--impls names no implementation; choose from {', '.join(IMPLS)}")
-    kernel_settings = {impl: pallas_settings(impl) for impl in impls}
-    B, T, H, D = args.batch, args.seq, args.heads, args.head_dim
-    if min(B, T, H, D, args.steps, args.warmup) < 1:
-        raise TrainBenchError("--batch, --seq, --heads, --head-dim, --steps and --warmup must be at least 1")
-    if args.dtype not in model_lib.DTYPES:
-        raise TrainBenchError(f"--dtype must be one of {', '.join(model_lib.DTYPES)}, got {args.dtype!r}")
-    dtype = model_lib.DTYPES[args.dtype]
-    keys = jax.random.split(jax.random.key(0), 4)
-    q, k, v, g = (jax.random.normal(key, (B, T, H, D), jnp.float32) for key in keys)  # g: the output gradient
-    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
-    if not 0 <= args.packed <= T:
-        raise TrainBenchError(f"--packed must be between 0 and --seq ({T})")
-    mask = None
-    if args.packed:  # N examples a row: attention stays inside each (attention.Masking, O(T))
-        segments = jnp.asarray(packed_rows(B, T, args.packed)["segments"])
-        mask = attention_lib.Masking(segments, segments)
-
-    def config(impl, to=args.dtype):
-        return model_lib.GPTConfig(num_head=H, embedding_dim=H * D, attention=impl, alibi_attn=args.alibi, dtype=to)
-
-    def fwd_bwd(impl, to=dtype):
-        """jit of (q, k, v, g) -> ((sum(y * g), y), (dq, dk, dv)), attention computed in dtype `to`."""
-        cfg = config(impl.split(":")[0], jnp.dtype(to).name)
-        attend = functools.partial(attention_lib.attention, cfg=cfg, mask=mask)
-        if kernel_settings.get(impl):  # pallas:FWDxBWD[xWARPS[xSTAGES]]: the kernel itself, with these settings
-            import flash_alibi
-
-            slopes = attention_lib.alibi_slopes(H) if args.alibi else None
-            segments = None if mask is None else (mask.q_segments, mask.kv_segments)
-            attend = functools.partial(flash_alibi.flash_alibi_attention, slopes=slopes, segments=segments,
-                                       **kernel_settings[impl])
-
-        def loss(q, k, v, g):
-            y = attend(q.astype(to), k.astype(to), v.astype(to))
-            return jnp.sum(y.astype(jnp.float32) * g), y
-
-        # g is an argument: captured, it would be a (B, T, H, D) constant that XLA spends seconds folding
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-
-    (_, y_ref), grads_ref = fwd_bwd("xla", jnp.float32)(q, k, v, g)  # the reference
-    results = {"batch": B, "seq": T, "heads": H, "head_dim": D, "dtype": args.dtype, "alibi": args.alibi,
-               "device_kind": jax.devices()[0].device_kind, "platform": jax.default_backend(),
-               "error": "max |ours - reference| / max |reference|, reference: XLA in float32 on the same inputs",
-               "impls": {}}
-    results["packed"] = args.packed
-    rows = [("shape", f"B={B} T={T} H={H} D={D} {args.dtype}, causal{' + ALiBi' if args.alibi else ''}"
-                      + (f", {args.packed} examples packed a row" if args.packed else "")),
-            ("device", f"{results['device_kind']} ({results['platform']})")]
-    for impl in impls:
-        try:
-            attention_lib.check_attention_backend(config(impl.split(":")[0]))  # and GPTConfig's own checks
-        except ValueError as e:
-            results["impls"][impl] = {"unavailable": str(e)}
-            rows.append((impl, f"unavailable here: {e}"))
-            continue
-        step = fwd_bwd(impl)
-        memory = step.lower(q, k, v, g).compile().memory_analysis()
-        (_, y), grads = step(q, k, v, g)
-        rel = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b).max() / jnp.abs(b).max())  # noqa: E731
-        errors = {"out": rel(y, y_ref), **{f"d{n}": rel(a, b) for n, a, b in zip("qkv", grads, grads_ref)}}
-        timing = time_steps(lambda: step(q, k, v, g), jax.block_until_ready, args.warmup, args.steps)
-        entry = {**timing, **{f"error_{n}": e for n, e in errors.items()},
-                 "temp_bytes": getattr(memory, "temp_size_in_bytes", None)}
-        resolved = attention_lib.resolve_attention(config(impl.split(":")[0]), masked=mask is not None, length=T)
-        entry["runs_as"] = resolved
-        results["impls"][impl] = entry
-        temp = "n/a" if entry["temp_bytes"] is None else f"{entry['temp_bytes'] / 2**20:.1f} MiB"
-        shown = impl if resolved == impl.split(":")[0] else f"{impl} ({resolved})"
-        rows.append((shown, f"fwd+bwd {timing['step_s_median'] * 1e3:.2f} ms median of {args.steps}, temporaries "
-                           f"{temp}, max rel. error " + ", ".join(f"{n} {e:.1e}" for n, e in errors.items())))
-    timed = {i: r for i, r in results["impls"].items() if "step_s_median" in r}
-    fastest = min(timed, key=lambda i: timed[i]["step_s_median"]) if timed else None
-    results["fastest"] = fastest
-    summary = f"B={B} T={T} H={H} D={D} {args.dtype}{f' packed {args.packed}' if args.packed else ''}: " + ", ".join(
-        f"{i} {r['step_s_median'] * 1e3:.2f} ms / {r['temp_bytes'] / 2**20:.0f} MiB"
-        if r.get("temp_bytes") is not None else f"{i} {r['step_s_median'] * 1e3:.2f} ms" for i, r in timed.items())
-    if results["platform"] != "gpu":
-        summary += " (CPU; pallas in interpret mode: its time means nothing, its memory does)"
     return results, rows, summary

@@ -17,6 +17,7 @@ from flax import nnx
 
 import attention as A
 import bench
+import bench_profile
 import bench_train
 import config
 import errors
@@ -298,8 +299,8 @@ def test_bench_train_profile_records_device_time_per_operation(tmp_path, capsys,
 def test_busy_time_is_the_union_of_the_kernels_intervals():
     """busy: the time covered by at least one interval, per step, against the first start to the last end."""
     intervals = [(10.0, 20.0), (15.0, 25.0), (30.0, 31.0), (12.0, 14.0), (40.0, 50.0)]  # 10..25, 30..31, 40..50
-    assert bench_train.busy(intervals, 2) == {"span_us": (50 - 10) / 2, "busy_us": (15 + 1 + 10) / 2}
-    assert bench_train.busy([], 3) == {"span_us": 0.0, "busy_us": 0.0}
+    assert bench_profile.busy(intervals, 2) == {"span_us": (50 - 10) / 2, "busy_us": (15 + 1 + 10) / 2}
+    assert bench_profile.busy([], 3) == {"span_us": 0.0, "busy_us": 0.0}
 
 
 def test_profile_attribution_names_kernels_by_their_hlo_operations():
@@ -324,7 +325,7 @@ def test_profile_attribution_names_kernels_by_their_hlo_operations():
         'metadata={op_name="jit(train_step)/transpose(jvp(embed))/scatter-add"}',
         '  ROOT %dot.5 = f32[8]{0} dot(f32[8]{0} %a, f32[8]{0} %a), metadata={op_name="jit(train_step)/jvp(loss)/btd,vd->btv/dot_general"}',
         '}'])
-    ops = bench_train.hlo_operations(hlo)
+    ops = bench_profile.hlo_operations(hlo)
     assert ops["loop_tanh_fusion.2"] == ("forward block/mlp/activation", "elementwise")
     assert ops["tanh.3"] == ("forward block/mlp/activation", "tanh")
     assert ops["custom-call.7"] == ("backward block/mlp/fc", "matmul")
@@ -335,7 +336,7 @@ def test_profile_attribution_names_kernels_by_their_hlo_operations():
     timed = [("custom-call.7", "nvjet_sm90_tst_192x192", 5.0), (None, "loop_tanh_fusion_2", 2.0),
              (None, "input_reduce_fusion", 1.0), (None, "while.4", 9.0), (None, "dot.5", 2.0),
              (None, "end: dot.5", 0.5), ("custom-call.7", "cutlass_kernel", 1.0)]
-    out = bench_train.attribute(timed, ops)
+    out = bench_profile.attribute(timed, ops)
     assert out["by_scope"] == [["backward block/mlp/fc", "matmul", 6.0, 6.0 / 11],
                                ["forward block/mlp/activation", "elementwise", 2.0, 2.0 / 11],
                                ["loss", "matmul", 2.0, 2.0 / 11], ["update optimizer", "reduction", 1.0, 1.0 / 11]]
