@@ -1,4 +1,4 @@
-"""The README's commands, so that none can drift from the code: every command line of its ```bash
+"""The README's commands (and docs/'s), so that none can drift from the code: every command line of its ```bash
 blocks is run or checked, its Python snippet runs against real exports, the plan it prints and its
 table of plans are what `train.py --plan` prints now, and `python gcs_emulator.py` gives a bucket.
 
@@ -16,7 +16,7 @@ redirections split off, leading `NAME=value` settings dropped) is checked by wha
                             pytest, git, gcloud, srun, nohup, cd lines: allowed external tools, with the
                             command inside `gcloud ... --command` and after `srun`/`nohup` checked as above
 
-Placeholders (the README says so at the top of its reference part): the words in PLACEHOLDERS are
+Placeholders (docs/reference.md says so at its top): the words in PLACEHOLDERS are
 the user's to fill in; each is replaced by its value here, and a word in CAPITALS left over is an
 undocumented placeholder, which fails.
 """
@@ -134,7 +134,8 @@ def anchor(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-TEXT = README.read_text()
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]  # the front door, and the reference it links to
+TEXT = "\n".join(doc.read_text() for doc in DOCS)
 BLOCKS = blocks(TEXT)
 BASH_LINES = [line for lang, body in BLOCKS if lang == "bash" for line in command_lines(body)]
 
@@ -332,7 +333,7 @@ def plan_row(model: str, device: str, batch: int, micro: int) -> str:
 def stale_rows(heading: str, row_now, at_least: int) -> list[str]:
     """The rows of the README's table under `heading` that differ from what `row_now(cells)` makes now,
     as it makes them."""
-    section = TEXT.split(f"### {heading}")[1].split("\n### ")[0]
+    section = re.split(r"\n#{1,3} ", TEXT.split(f"### {heading}")[1])[0]  # up to the next heading, in any file
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     assert len(rows) >= at_least
     now = [row_now([c.strip() for c in row.strip("|").split("|")]) for row in rows]
@@ -370,10 +371,19 @@ def test_the_lora_plan_table_is_what_the_plan_prints():
     assert not stale, "rows of the README's LoRA plan table are stale; they print now:\n" + "\n".join(stale)
 
 
-def test_the_contents_links_reach_headings_and_the_test_command_is_ci():
-    headings = {anchor(h) for h in re.findall(r"^#{2,4} (.+)$", TEXT, flags=re.M)}
-    links = re.findall(r"\]\(#([^)]+)\)", TEXT)
-    assert links and not set(links) - headings, set(links) - headings
+def test_the_links_reach_files_and_headings_and_the_test_command_is_ci():
+    """Every link of the README and docs/ to a file of the repository reaches it, and one to a heading
+    (#anchor, in the same file or another) reaches the heading."""
+    headings = {doc.resolve(): {anchor(h) for h in re.findall(r"^#{1,4} (.+)$", doc.read_text(), flags=re.M)}
+                for doc in DOCS}
+    broken, checked = [], 0
+    for doc in DOCS:
+        for target, fragment in re.findall(r"\]\((?!https?:)([^)#\s]*)(?:#([^)\s]+))?\)", doc.read_text()):
+            path = (doc.parent / target).resolve() if target else doc.resolve()
+            checked += 1
+            if not path.exists() or (fragment and fragment not in headings.get(path, set())):
+                broken.append(f"{doc.name}: {target}#{fragment}")
+    assert checked > 20 and not broken, broken
     ci = [line for line in (REPO / ".ci/run").read_text().splitlines() if line and not line.startswith(("#", "set", "cd"))]
     assert ci and ci[-1] in BASH_LINES  # .ci/run runs the README's test command exactly as written
 
