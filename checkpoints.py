@@ -226,8 +226,8 @@ class Saver(Checkpoints):
         import orbax.checkpoint as ocp
 
         mngr = self.manager()
-        self.wait()
-        self.run.check_fence()  # a holder that lost the run's lease writes no checkpoint
+        self.run.check_fence()  # a holder that lost the run's lease writes no checkpoint, nor waits for the
+        self.wait()  # one in flight (never committed now; with several processes its barriers wait for ever)
         self.pending = step
         SAVE_ERRORS.messages.clear()  # what is reported from here on is this save's
         try:

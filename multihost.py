@@ -21,6 +21,7 @@ is read with the standard library, before JAX loads).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import socket
@@ -31,6 +32,7 @@ import urllib.error
 import urllib.request
 from typing import Callable, NamedTuple
 
+import errors
 from errors import RunError, ShardingError, UserError
 
 TPU_COORDINATOR_PORT = 8482  # the port JAX's own Cloud TPU detection uses for the coordinator
@@ -335,6 +337,21 @@ def fail(error: BaseException, line: str, status: int, out: int = 2, traceback: 
     except Exception:  # another process ended the run first: its end stands, this one says its own
         pass
     end_here(client, me, line, status, out)
+
+
+@contextlib.contextmanager
+def ends_every_process(passes: type | tuple = ()):
+    """With several processes, an exception inside (but of the `passes` types: stops all processes agreed
+    on) ends every process at once (`fail`), before anything of the block unwinds: closing a checkpoint
+    saver, say, would wait in a collective for processes that are leaving. One process: nothing."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, passes):
+            raise
+        said = errors.describe(e)
+        fail(e, *(said or (f"error: {type(e).__name__}: {e}".splitlines()[0], 1)), traceback=said is None)
+        raise
 
 
 def finished() -> None:

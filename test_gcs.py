@@ -380,7 +380,7 @@ def test_a_step_damaged_twice_keeps_both(where, gcs_bucket, tmp_path):
         for name, raw in files.items():
             store().pipe_file(f"{location}/{name}", raw)
         listing = lambda: remote_files(location)  # noqa: E731
-    assert rundir.Run(location).checkpoints().move_aside(8) == "8.1"
+    assert rundir.Run(location).checkpoints(write=True).move_aside(8) == "8.1"
     assert listing() == {"checkpoints/4/a": b"intact", "checkpoints-damaged/8/a": b"first",
                          "checkpoints-damaged/8.1/a": b"second", "checkpoints-damaged/8.1/d/b": b"second b"}
 

@@ -91,15 +91,8 @@ def main(argv=None) -> int:
     with progress.Stop(expect_several=multihost.launched_several()) as stop:
         try:
             with contextlib.ExitStack() as held:  # the run directory's lock and checkpoints, however run() ends
-                try:
+                with multihost.ends_every_process(passes=progress.Interrupted):  # several processes: one line each
                     return run(args, stop, held)
-                except progress.Interrupted:
-                    raise
-                except Exception as e:  # with several processes: every one ends now, each with one line
-                    said = errors.describe(e)
-                    multihost.fail(e, *(said or (f"error: {type(e).__name__}: {e}".splitlines()[0], 1)),
-                                   traceback=said is None)
-                    raise
         except progress.Interrupted as e:
             print(stop.stopped_line(e.signum), flush=True)
             return 128 + e.signum
@@ -293,7 +286,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
                            t_start=t_start, metrics_file=metrics_file, wandb_run=wandb_run, last_ckpt=last_ckpt,
                            run_dir=run_dir)
     batches = train_loader.iterate(start_step)
-    with steps, contextlib.closing(batches), ckpts:  # closed in reverse: the last save completes, even on an error
+    # closed in reverse: the last save completes, even on an error (but one of one process among several)
+    with steps, contextlib.closing(batches), ckpts, multihost.ends_every_process():
         while steps.step < t.steps:
             state, metrics = fns.train_step(state, place_batch(next(batches)), *frozen)
             stop.starting = False  # compiled and dispatched: from here a signal saves a checkpoint
