@@ -101,6 +101,7 @@ import attention as attention_lib
 import data
 import harness
 import loader
+import plots
 import rundir
 import sample
 import shards
@@ -223,37 +224,6 @@ def scored(row: dict) -> str:
         return (f"{row['windows']} of {(row['split_tokens'] - 1) // row['length']} windows, spread over the split "
                 f"({amount(row)})")
     return amount(row)
-
-
-def plot_perplexity(series: dict[str, list[dict]], train_len: int, title: str) -> bytes:
-    """A PNG of perplexity against evaluation length (log2 axis), one line per {label: rows}, the training
-    context marked."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    for label, rows in series.items():
-        rows = sorted(rows, key=lambda r: r["length"])
-        ax.plot([r["length"] for r in rows], [r["ppl"] for r in rows], marker="o", label=label)
-    ax.axvline(train_len, color="grey", linestyle="--", label=f"training context ({train_len})")
-    ax.set_xscale("log", base=2)
-    lengths = sorted({r["length"] for rows in series.values() for r in rows})
-    ax.set_xticks(lengths, labels=[str(n) for n in lengths])
-    ax.minorticks_off()
-    ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("perplexity")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png")
-    plt.close(fig)
-    return png.getvalue()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,7 +377,7 @@ def main(argv=None) -> int:
         new = {measured(n) + (n["length"],) for n in new_rows}
         kept = [str(r["length"]) for r in saved["rows"] if measured(r) in written and measured(r) + (r["length"],) not in new]
         others = sum(measured(r) not in written for r in saved["rows"])
-        png = plot_perplexity(series, train_len, f"{run.name} step {step}, split {args.split!r}")
+        png = plots.perplexity(series, train_len, f"{run.name} step {step}, split {args.split!r}")
         run.write_bytes(f"eval/step{step}-perplexity.png", png)
         print(f"-> {run.show(results_name)}: lengths {', '.join(map(str, lengths))} written"
               + (f"; {', '.join(kept)} kept from earlier runs measured the same way" if kept else "")

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 import errors
 import model as model_lib
+import plots
 import shards
 import step as step_lib
 from errors import Diverged
@@ -354,7 +355,7 @@ class Steps:
         """Process 0: RUN/loss.png, the training and validation loss so far (after each evaluation, and at
         the end of the loop)."""
         if self.metrics_file is not None and self.history:
-            self.run_dir.write_bytes(self.run_dir.LOSS_PLOT, loss_plot(self.history, f"{self.run_dir.name}: loss"))
+            self.run_dir.write_bytes(self.run_dir.LOSS_PLOT, plots.losses(self.history, f"{self.run_dir.name}: loss"))
 
     def summary(self, index: dict, n_params: int, val_windows: int, val_tokens: int, val_of: int, ckpt_dir) -> dict:
         """summary.json: where training ended, with the unigram baseline of the tokens the loss counts
@@ -395,32 +396,6 @@ def sample_words(summary: dict) -> str:
         return f"the whole validation split ({n:,} {rows}, {tokens:,} tokens)"
     return (f"{n:,} of the validation split's {of:,} {rows}, spread evenly over it ({tokens:,} tokens; "
             "python eval.py measures the whole split)")
-
-
-def loss_plot(rows: list[dict], title: str) -> bytes:
-    """A PNG of the training loss of each logged step and the validation loss of each evaluation, by step."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", linewidth=1)
-    val = [r for r in rows if "val_loss" in r]
-    if val:
-        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], marker="o", label="validation loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats per token)")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png")
-    plt.close(fig)
-    return png.getvalue()
 
 
 def report(summary: dict) -> str:

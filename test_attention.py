@@ -397,8 +397,7 @@ def large_arrays(compiled_text: str, length: int) -> list[str]:
 ON_GPU = jax.default_backend() == "gpu"
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas", "splash",
-                                  pytest.param("cudnn", marks=pytest.mark.skipif(not ON_GPU, reason="needs cuDNN"))])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "splash", *(["cudnn"] if ON_GPU else [])])  # cudnn: a GPU's
 def test_finetuning_step_holds_no_t_by_t_array(impl):
     """train.py's step on a prompt/completion batch of packed examples with forgetful causal masking,
     compiled: with a fused kernel no array has two dimensions as long as the context (the reference,

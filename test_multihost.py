@@ -68,6 +68,16 @@ def two_processes(train_args, devices=2, env=None, failing=None):
             for i in range(2)]
 
 
+def training(run, procs, steps: int = 3) -> None:
+    """Waits until the processes have logged `steps` steps of `run`, all still running."""
+    deadline = time.time() + 180
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if (run / "metrics.jsonl").exists() and len(rows(run)) >= steps:
+            break
+        time.sleep(0.2)
+    assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+
+
 def injected(code: str) -> tuple[str, ...]:
     """The python arguments that run `code` (a patch of a project module: the failure under test), then
     train.py as the command line does."""
@@ -138,12 +148,7 @@ def test_a_signal_to_one_process_stops_every_process_at_one_step_with_a_checkpoi
     run = tmp_path / "run"
     long_run = tiny(run, corpus, "training.steps=100000", "checkpoint.every=100000", "training.eval_every=100000")
     with killed_at_exit(two_processes(long_run)) as procs:
-        deadline = time.time() + 180
-        while time.time() < deadline and all(p.poll() is None for p in procs):
-            if (run / "metrics.jsonl").exists() and len(rows(run)) >= 3:
-                break
-            time.sleep(0.2)
-        assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+        training(run, procs)
         procs[1].send_signal(signal.SIGINT)
         outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [128 + signal.SIGTERM, 128 + signal.SIGINT], outs
@@ -255,12 +260,7 @@ def test_a_tpu_vm_pod_joins_through_its_metadata_and_stops_together(corpus, tmp_
         long_run = tiny(run, corpus, "training.steps=100000", "checkpoint.every=100000", "training.eval_every=100000")
         env = lambda i: {"GCE_METADATA_IP": hosts[i], multihost.PORT_ENV: str(port)}  # noqa: E731
         with killed_at_exit(two_processes(long_run, env=env)) as procs:
-            deadline = time.time() + 180
-            while time.time() < deadline and all(p.poll() is None for p in procs):
-                if (run / "metrics.jsonl").exists() and len(rows(run)) >= 3:
-                    break
-                time.sleep(0.2)
-            assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+            training(run, procs)
             for p in procs:
                 p.send_signal(signal.SIGTERM)
             outs = [p.communicate(timeout=120) for p in procs]
