@@ -147,7 +147,8 @@ def gce_tpu_pod() -> Launch | None:
     if index >= len(workers):
         raise ShardingError(f"the GCE metadata names this TPU worker {index}, but lists {len(workers)} workers")
     return Launch({"coordinator_address": f"{workers[0]}:{port}", "num_processes": len(workers),
-                   "process_id": index}, f"a Cloud TPU VM pod (worker {index} of {len(workers)}, from the GCE metadata)")
+                   "process_id": index},
+                  f"a Cloud TPU VM pod (worker {index} of {len(workers)}, from the GCE metadata)")
 
 
 def launched_several() -> bool:

@@ -36,7 +36,7 @@ def perplexity(loss: float) -> float:
 
 
 class Interrupted(Exception):
-    """A stop signal (SIGTERM, SIGINT, SIGHUP) arrived before the first training step: nothing was trained or saved."""
+    """A stop signal (SIGTERM, SIGINT, SIGHUP) arrived before the first training step: nothing trained or saved."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -45,7 +45,8 @@ class Interrupted(Exception):
 
 class Stop:
     """`with Stop() as stop`: SIGTERM, SIGINT and SIGHUP handlers (on the main thread only) for as long as
-    the run lasts (SIGHUP, a closed terminal, also sends the output meant for that terminal to /dev/null). The first signal sets `stop.signal`: the loop saves a checkpoint of its step and ends, or
+    the run lasts (SIGHUP, a closed terminal, also sends the output meant for that terminal to /dev/null).
+    The first signal sets `stop.signal`: the loop saves a checkpoint of its step and ends, or
     before the first step `check()` raises Interrupted. A second one stops the process at once, with
     128 + N, not through orbax's and the loader's threads: the newest complete checkpoint is the one to
     resume from (a save in flight never appears as a step), and the run directory's lock goes with the
@@ -92,6 +93,10 @@ class Stop:
     def __exit__(self, *exc) -> None:
         for s in self.handlers:  # the run is over (trained, stopped or failed): a signal now ends nothing more
             signal.signal(s, self.after_the_end)
+        if self.pipe is not None:
+            read, write, previous = self.pipe
+            signal.set_wakeup_fd(previous)
+            os.close(write)  # the watcher's read ends
 
     def ended(self) -> str | None:
         """The run has trained its last step: a signal from now on is only said (after_the_end). Returns the
@@ -100,10 +105,6 @@ class Stop:
         if self.signal is not None:
             return f"{signal.Signals(self.signal).name} arrived as the run ended: it is complete, nothing was lost"
         return None
-        if self.pipe is not None:
-            read, write, previous = self.pipe
-            signal.set_wakeup_fd(previous)
-            os.close(write)  # the watcher's read ends
 
     def _watch(self, read: int) -> None:
         while True:
@@ -294,9 +295,6 @@ class Steps:
         row.update(val)
         if self.metrics_file is not None:  # process 0 reports; the others' logs stay quiet
             self.bar.write(f"step {row['step']}: val loss {val['val_loss']:.4f}, val ppl {val['val_ppl']:.2f}")
-            self.history.append(row)  # (logged just after: drawn with it below, then kept once)
-            self.plot()
-            self.history.pop()
 
     def log(self, row: dict) -> None:
         """One line of metrics.jsonl (and W&B), with tokens/s and MFU since the last logged step."""
@@ -309,6 +307,8 @@ class Steps:
         if self.metrics_file is not None:
             self.metrics_file.append(row)
             self.history.append(row)
+            if "val_loss" in row:  # an evaluation: the loss curve drawn anew
+                self.plot()
             if self.wandb_run is not None:
                 self.wandb_run.log(row, step=s)
         postfix = {"loss": f"{row['loss']:.3f}"}
@@ -355,7 +355,8 @@ class Steps:
         """Process 0: RUN/loss.png, the training and validation loss so far (after each evaluation, and at
         the end of the loop)."""
         if self.metrics_file is not None and self.history:
-            self.run_dir.write_bytes(self.run_dir.LOSS_PLOT, plots.losses(self.history, f"{self.run_dir.name}: loss"))
+            png = plots.losses(self.history, f"{self.run_dir.name}: loss")
+            self.run_dir.write_bytes(self.run_dir.LOSS_PLOT, png)
 
     def summary(self, index: dict, n_params: int, val_windows: int, val_tokens: int, val_of: int, ckpt_dir) -> dict:
         """summary.json: where training ended, with the unigram baseline of the tokens the loss counts

@@ -256,4 +256,5 @@ class Locked(storage.RunDir):
         lock = self._parse_lock(raw) or {}
         if not lock:
             return "another process"
-        return f"{lock.get('purpose', 'a process')} (pid {lock.get('pid')} on {lock.get('host')}, since {lock.get('since')})"
+        return (f"{lock.get('purpose', 'a process')} (pid {lock.get('pid')} on {lock.get('host')}, "
+                f"since {lock.get('since')})")
