@@ -154,12 +154,13 @@ def gce_tpu_pod() -> Launch | None:
 def launched_several() -> bool:
     """Whether the environment says this process is one of several, read without any network request
     (for the first moments of a command, while modules load): a signal then waits for the processes to
-    agree instead of ending this one alone."""
+    agree instead of ending this one alone. On any GCE VM it may be (a TPU pod is told by its metadata,
+    read later): a signal there ends the start once JAX has loaded, a few seconds later."""
     env = os.environ
     counts = [env.get("SLURM_NTASKS", ""), env.get("OMPI_COMM_WORLD_SIZE", ""), env.get("JAX_NUM_PROCESSES", "")]
     return (bool(env.get("JAX_COORDINATOR_ADDRESS")) or any(c.isdigit() and int(c) > 1 for c in counts)
             or len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1
-            or bool(env.get("GCE_METADATA_IP")))
+            or bool(env.get("GCE_METADATA_IP")) or on_gce())  # (a TPU VM pod's workers are GCE VMs)
 
 
 def initialize() -> bool:
