@@ -30,6 +30,7 @@ Added to the emulator as shipped, as the real service behaves:
   service drops a stalled connection, instead of holding the one-at-a-time server for good; one that
   hangs up before its answer is sent is dropped without a word (no BrokenPipeError traceback), and a
   read of a missing object is a 404 without the emulator's "Resource not found" lines.
+- an upload with an empty body makes a zero-byte object (the emulator fails on it).
 - nothing is kept of deleted objects (the emulator keeps them "soft-deleted" by default) and no
   metadata file is rewritten on every change: a memory store needs neither, and both grow with a session.
 
@@ -158,6 +159,8 @@ def _answer(handler, request, response, storage, *args, **kwargs):
         response.json({"error": {"code": rule["status"],
                                  "message": message if rule["status"] == 403 else response.status.phrase}})
         return None
+    if request.method == "POST" and request.query.get("uploadType") == ["media"] and request.data is None:
+        request._data = b""  # an empty body: a zero-byte object, which the emulator fails to make
     result = handler(request, response, storage, *args, **kwargs)
     media = request.method == "GET" and (handler is emulator.objects.download or
                                          request.query.get("alt") == ["media"])

@@ -89,23 +89,25 @@ class Lease:
         with self.guard:
             if self.lost:
                 return
-            try:
+            sent = time.monotonic()  # the lease holds from when the renewal was sent, not from its answer,
+            try:  # which a process paused meanwhile (past the lease) reads only once it is taken
                 generation = storage.Versions(self.run).write_if(LOCK, self._content(), self.generation)
             except storage.Conflict:
                 self._lost_to_whoever_holds_it()
                 return
-            self.generation, self.confirmed = generation, time.monotonic()
+            self.generation, self.confirmed = generation, sent
 
     def _lost_to_whoever_holds_it(self) -> None:
         """A conditional renewal failed: lost, unless the lock holds our own token (our last write went
         through but its answer did not reach us), whose generation is then adopted."""
+        asked = time.monotonic()
         try:
             generation, raw = storage.Versions(self.run).versioned(LOCK)
         except storage.StorageError:
             generation, raw = None, b""
         lock = self.run._parse_lock(raw) or {}
         if lock.get("token") == self.holder["token"]:
-            self.generation, self.confirmed = generation, time.monotonic()
+            self.generation, self.confirmed = generation, asked
             return
         self.lost = f"{self.run._holder(raw)} holds it now" if lock else "its lock was deleted"
 

@@ -394,8 +394,10 @@ class JsonLines:
         kept = [(row, line) for row, line in parsed if keep(row)]
         self.rows = [row for row, _ in kept]  # the rows kept, in order
         self.lines = [line + "\n" for _, line in kept]
-        run.write_text(name, "".join(self.lines))
-        self.uploaded = time.monotonic()
+        self.generation = None  # in an object store, the generation of the file this process wrote last
+        if run.remote:
+            self.generation = Versions(run).versioned(name)[0]
+        self._write()
         self.file = None if run.remote else open(pathlib.Path(run.root) / name, "a")
 
     def append(self, row: dict) -> None:
@@ -410,8 +412,24 @@ class JsonLines:
 
     def flush(self) -> None:
         if self.file is None:
-            self.run.write_text(self.name, "".join(self.lines))
-            self.uploaded = time.monotonic()
+            self._write()
+
+    def _write(self) -> None:
+        """The whole file: locally replaced; in an object store only while it is the generation this process
+        wrote (or read) last, so that a writer paused between the run's fence and its upload (past its lease,
+        the run taken over meanwhile) cannot put its rows back over the new holder's."""
+        content = "".join(self.lines)
+        if not self.run.remote:
+            self.run.write_text(self.name, content)
+            return
+        self.run.check_fence()
+        try:
+            self.generation = Versions(self.run).write_if(self.name, content.encode(), self.generation)
+        except Conflict:
+            self.run.check_fence()  # the lease's own line when it is lost, which it then is
+            raise StorageError(f"{self.run.show(self.name)} was replaced by another process meanwhile: this "
+                               f"process no longer writes the run") from None
+        self.uploaded = time.monotonic()
 
     def close(self) -> None:
         if self.file is not None:

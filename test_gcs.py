@@ -4,6 +4,7 @@ in one, exporting and importing there, and a bucket that does not exist; then wh
 in its bucket: a damaged checkpoint, a save the store refuses, SIGTERM and SIGKILL, and the tools that
 read the run, write beside it and start from it.
 """
+import contextlib
 import gzip
 import hashlib
 import json
@@ -29,7 +30,9 @@ import outputs
 import rundir
 import runlock
 import shards
+import storage
 import train
+from errors import RunError
 from test_train import WORDS, deterministic, tiny
 
 REPO = pathlib.Path(__file__).resolve().parent
@@ -606,6 +609,51 @@ def test_a_paused_holder_that_lost_its_lease_writes_nothing_more(journey, capsys
     assert steps == list(range(1, 25))  # each step once: nothing of the first after the takeover
     assert json.loads(store().cat_file(f"{run}/summary.json"))["steps"] == 24
     assert runlock.LOCK not in remote_files(run)
+
+
+def test_a_log_upload_after_the_run_was_taken_does_not_replace_the_new_holders(gcs_bucket):
+    """A holder paused between the run's fence and its upload of metrics.jsonl (which an object store
+    replaces whole) must not put its rows back over those of the process that took the run meanwhile:
+    each upload is conditional on the generation the holder wrote last, and a replaced file stops it."""
+    run = storage.RunDir(f"{gcs_bucket}/taken")
+    first = storage.JsonLines(run, "metrics.jsonl")
+    for step in (1, 2, 3):
+        first.append({"step": step})
+    first.flush()
+    second = storage.JsonLines(run, "metrics.jsonl", keep=lambda row: row["step"] <= 2)  # resumed from step 2
+    second.append({"step": 3, "by": "second"})
+    second.flush()
+    first.append({"step": 4})
+    with pytest.raises(storage.StorageError, match="metrics.jsonl was replaced by another process meanwhile"):
+        first.flush()
+    assert [json.loads(line) for line in run.read_text("metrics.jsonl").splitlines()] == [
+        {"step": 1}, {"step": 2}, {"step": 3, "by": "second"}]
+
+
+def test_a_renewal_answered_after_a_pause_does_not_extend_the_lease(gcs_bucket, monkeypatch):
+    """A lease renewal whose answer comes back only after a pause longer than the lease (the process stopped
+    with its request in flight, and the run taken over meanwhile) counts from when it was sent: the fence
+    then looks again, and stops the holder, rather than trusting the late answer for two more periods."""
+    monkeypatch.setenv(runlock.LEASE_TTL_ENV, "6")
+    ttl, every = runlock.lease_times()
+    first, taker = runlock.Locked(f"{gcs_bucket}/late"), runlock.Locked(f"{gcs_bucket}/late")
+    first.mkdir()
+    real = storage.Versions.write_if
+    with contextlib.ExitStack() as held:
+        held.enter_context(first.writer("train.py"))
+        lease = first.fence.__self__
+        lease.stop()  # its renewals made by hand below, in this thread
+
+        def late(self, name, content, generation):
+            out = real(self, name, content, generation)  # the store takes the renewal...
+            monkeypatch.setattr(storage.Versions, "write_if", real)
+            time.sleep(ttl + 1)  # ...but the process is paused before its answer arrives,
+            held.enter_context(taker.writer("train.py --resume"))  # and the run is taken over meanwhile
+            return out
+        monkeypatch.setattr(storage.Versions, "write_if", late)
+        lease.renew()
+        with pytest.raises(RunError, match=f"this process lost the lease on {first} "):
+            first.check_fence()
 
 
 def test_a_holder_paused_inside_its_save_never_commits_it(journey, gcs_refusals):
