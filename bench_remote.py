@@ -51,13 +51,13 @@ def _server(latency_ms: float, bandwidth_mbs: float) -> tuple[subprocess.Popen, 
 def _directory(work: pathlib.Path, shards_wanted: int, shard_tokens: int) -> dict:
     """work/data: a directory prepared by data.py from a small corpus (its tokenizer and index), its train
     split then replaced by `shards_wanted` shards of `shard_tokens` random ids, written as data.py writes
-    them (shards.ShardWriter). Returns the index."""
+    them (shard_writer.ShardWriter). Returns the index."""
     import json
 
     import numpy as np
 
     import data
-    import shards
+    import shard_writer
 
     rng = random.Random(0)
     (work / "src").mkdir()
@@ -66,7 +66,7 @@ def _directory(work: pathlib.Path, shards_wanted: int, shard_tokens: int) -> dic
     index = data.prepare([str(work / "src")], work / "data", vocab_size=512, val_fraction=0.0, progress=False)
     for shard in index["splits"]["train"]["shards"]:
         (work / "data" / shard["file"]).unlink()
-    writer = shards.ShardWriter(work / "data", "train", index["dtype"], shard_tokens, index["vocab_size"])
+    writer = shard_writer.ShardWriter(work / "data", "train", index["dtype"], shard_tokens, index["vocab_size"])
     ids = np.random.default_rng(0)
     for _ in range(shards_wanted):
         tokens = ids.integers(0, index["vocab_size"], shard_tokens)

@@ -16,7 +16,7 @@ token itself is encoded as that token, as the `tokenizers` library does. Without
 byte-level BPE is trained on the train documents.
 
 A directory is built in the sibling DIR.tmp-<pid> and swapped into place when complete
-(shards.Staged, outputs.StagedDir), so an interrupted or failed run never leaves an index naming
+(shard_writer.Staged, outputs.StagedDir), so an interrupted or failed run never leaves an index naming
 missing or partial shards, nor loses the directory it replaces. --out is checked before anything is
 written (outputs.check_out): never the current or home directory or one holding them, and with
 --overwrite only a data directory (one with index.json) or an empty one is replaced.
@@ -48,6 +48,7 @@ from typing import Callable, Iterator
 
 import corpus
 import finetune_data
+import shard_writer
 import shards
 import storage
 from corpus import default_corpus_files
@@ -80,12 +81,12 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
              runner: str = "local", beam_options: list[str] | None = None) -> dict:
     """Prepares `sources` into `out`, documents held out by is_val (which holds out about val_fraction of
     them), plus the one of corpus.held_out_extra where is_val held out none. `out` may be a URL
-    (gs://bucket/dir): the directory is built on the local disk and uploaded (shards.Staged)."""
+    (gs://bucket/dir): the directory is built on the local disk and uploaded (shard_writer.Staged)."""
     if shard_tokens < 1:
         raise DataError(f"shard tokens must be positive, got {shard_tokens}")
     if tokenizer is None:
-        shards.check_trained_vocab(vocab_size)
-    shards.check_out(out, overwrite, [location for kind, location, _ in sources if kind != "hf"])
+        shard_writer.check_trained_vocab(vocab_size)
+    shard_writer.check_out(out, overwrite, [location for kind, location, _ in sources if kind != "hf"])
     if runner not in ("local", "beam"):
         raise DataError(f"unknown runner {runner!r} (choose local or beam)")
     if runner == "beam" and storage.is_url(out):  # its workers write into the directory being built
@@ -122,7 +123,7 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
     try:
         # tokenizer: the tokenizers library's thread pool honours RAYON_NUM_THREADS until it first starts
         os.environ.setdefault("RAYON_NUM_THREADS", str(workers))
-        with shards.Staged(out, overwrite) as staged:
+        with shard_writer.Staged(out, overwrite) as staged:
             vocab_fields, splits, tally = build(staged.path, is_val)
             extra = corpus.held_out_extra(tally, splits["train"]["documents"], splits["val"]["documents"],
                                           val_fraction)
@@ -157,7 +158,7 @@ def _obtain_tokenizer(sources, tmp: pathlib.Path, tokenizer, vocab_size, is_val,
     documents; either way saved as tmp/tokenizer.json. Both runners get theirs here."""
     from tqdm import tqdm
     if tokenizer is not None:
-        return shards.install_tokenizer(tokenizer, tmp)
+        return shard_writer.install_tokenizer(tokenizer, tmp)
     if workers == 1:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     reader = corpus.Reader(sources, text_field, strict)
@@ -170,7 +171,7 @@ def _obtain_tokenizer(sources, tmp: pathlib.Path, tokenizer, vocab_size, is_val,
                 bar.update(reader.tally.files - bar.n)
                 if not is_val(key):  # held-out text stays unseen by the tokenizer too
                     yield text
-        tok = shards.train_tokenizer(train_docs(), vocab_size)
+        tok = shard_writer.train_tokenizer(train_docs(), vocab_size)
     if not seen:
         raise DataError(_empty(sources, reader.tally))
     tok.save(str(tmp / "tokenizer.json"))
@@ -183,7 +184,7 @@ def _tokenize_local(sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, 
     """The in-process runner: documents in input order, encoded by a thread pool, written in order.
     Returns ({split: summary}, what the reading came to)."""
     from tqdm import tqdm
-    writers = {s: shards.ShardWriter(tmp, s, dtype, shard_tokens, vocab_size) for s in ("train", "val")}
+    writers = {s: shard_writer.ShardWriter(tmp, s, dtype, shard_tokens, vocab_size) for s in ("train", "val")}
     # chunks of documents go to `workers` threads (encode_batch releases the GIL), each encoding
     # single-threaded; results are written in order, at most 2 * workers chunks in flight
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -206,8 +207,8 @@ def _tokenize_local(sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, 
                                     f"{done_bytes / 1e6 / (time.perf_counter() - start):.1f} MB/s")
 
         try:
-            for split, texts in shards.chunks(reader, is_val):
-                pending.append((split, pool.submit(shards.encode_texts, tok, texts, eot, vocab_size, dtype)))
+            for split, texts in shard_writer.chunks(reader, is_val):
+                pending.append((split, pool.submit(shard_writer.encode_texts, tok, texts, eot, vocab_size, dtype)))
                 drain(2 * workers)
             drain(0)
         except BaseException:  # stop at once: chunks not yet started are dropped
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
     if args.vocab_size is not None:  # 0 must not read as "the default"
-        shards.check_trained_vocab(args.vocab_size, "--vocab-size")
+        shard_writer.check_trained_vocab(args.vocab_size, "--vocab-size")
     if args.workers is not None and args.workers < 1:  # 0 or -3 must not read as "the default" or as 1
         raise DataError(f"--workers must be >= 1 (default: the {usable_cpus()} CPUs this process may use), "
                         f"got {args.workers}")

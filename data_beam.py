@@ -7,17 +7,17 @@ data.py does everything before and after the pipeline in the launching process, 
 default runner: the checks, the staging directory DIR.tmp-<pid>, the tokenizer (the given one, or a
 byte-level BPE trained on the train documents by the same function, which reads every train document
 on the launching machine: for a corpus that needs a cluster, pass --tokenizer), the index, and the
-swap into place (shards.Staged). The pipeline in between does the heavy part:
+swap into place (shard_writer.Staged). The pipeline in between does the heavy part:
 
     sources (input order) ─Reshuffle─▶ tokenize one source ─▶ DIR.tmp-<pid>/pieces/<source>.<split>.{bin,ends}
         │ all pieces' token counts (one small list)
         ▼ plan: shard j of a split = stream[j*S : (j+1)*S], S = --shard-tokens, as (piece, start, stop) ranges
-    ─Reshuffle─▶ write shard j with shards.ShardWriter ─▶ DIR.tmp-<pid>/<split>_<j>.bin
+    ─Reshuffle─▶ write shard j with shard_writer.ShardWriter ─▶ DIR.tmp-<pid>/<split>_<j>.bin
         │ shard entries, token frequencies summed per split
         ▼ DIR.tmp-<pid>/beam_manifest.json, written once every shard is complete
 
 What is guaranteed: the same tokenizer, documents (corpus.Reader on each source), split decision
-(the same is_val), encoding (shards.encode_texts) and shard writer as the default runner, and a split's
+(the same is_val), encoding (shard_writer.encode_texts) and shard writer as the default runner, and a split's
 stream ordered by input order (sources as corpus.expand lists them, records in file order). So each
 split's token stream, its shard files (same boundaries, every --shard-tokens tokens) and every index
 field are the same as the default runner's, byte for byte; only the Beam runner's work is spread over
@@ -25,7 +25,7 @@ workers, one input file per task (a single huge file is one task).
 
 Workers read the inputs and write into DIR.tmp-<pid>, so --out and the inputs must be on a file
 system that the launcher and every worker see at the same paths (NFS, Filestore, a FUSE mount), and
-the workers must be able to import this file, corpus.py, shards.py, outputs.py, storage.py and errors.py (e.g. a
+the workers must be able to import this file, corpus.py, shards.py, shard_writer.py, outputs.py, storage.py and errors.py (e.g. a
 worker image holding the checkout). Files are written under temporary names and renamed when complete, so a retried task
 never leaves half a file; the launcher writes the index only after checking every shard's size.
 An input error (a corrupt file with --strict, a missing text field) is carried to the launcher as
@@ -45,7 +45,7 @@ import uuid
 import numpy as np
 
 import corpus
-import shards
+import shard_writer
 from errors import DataError
 
 _root = logging.getLogger()
@@ -82,7 +82,7 @@ def _tokenize_source(item: tuple[int, tuple], tmp: pathlib.Path, tok, eot: int, 
     little = np.dtype(dtype).newbyteorder("<")
 
     def flush(split: str, texts: list[str]) -> None:
-        ids, ends, nbytes = shards.encode_texts(tok, texts, eot, vocab_size, dtype)
+        ids, ends, nbytes = shard_writer.encode_texts(tok, texts, eot, vocab_size, dtype)
         if split not in files:
             files[split] = [open(_piece(tmp, number, split, f"{s}.{tag}"), "wb") for s in ("bin", "ends")]
         files[split][0].write(ids.astype(little).tobytes())
@@ -93,7 +93,7 @@ def _tokenize_source(item: tuple[int, tuple], tmp: pathlib.Path, tok, eot: int, 
 
     error = None
     try:
-        for split, texts in shards.chunks(reader, is_val):
+        for split, texts in shard_writer.chunks(reader, is_val):
             flush(split, texts)
     except DataError as e:  # the user's to fix: carried to the launcher, which reports it
         error = str(e)
@@ -152,12 +152,12 @@ def plan_shards(results: list[dict], shard_tokens: int):
 # Step 3: one shard, written by the default runner's shard writer
 
 def write_shard(task, tmp: pathlib.Path, dtype: str, shard_tokens: int, vocab_size: int):
-    """Copies a shard's piece ranges through shards.ShardWriter; returns (split, j, shard entry, frequencies)."""
+    """Copies a shard's piece ranges through shard_writer.ShardWriter; returns (split, j, shard entry, frequencies)."""
     split, j, ranges = task
     little = np.dtype(dtype).newbyteorder("<")
     part = tmp / f"{split}_{j:05d}.{uuid.uuid4().hex}"  # written apart, then renamed into place
     part.mkdir()
-    writer = shards.ShardWriter(part, split, dtype, shard_tokens, vocab_size, first_shard=j)
+    writer = shard_writer.ShardWriter(part, split, dtype, shard_tokens, vocab_size, first_shard=j)
     for source, start, stop in ranges:
         tokens = np.fromfile(_piece(tmp, source, split, "bin"), little, count=stop - start,
                              offset=start * little.itemsize)
@@ -256,7 +256,7 @@ def tokenize(sources, tmp: pathlib.Path, tok, *, eot, vocab_size, dtype, is_val,
             if shard["file"] != f"{split}_{j:05d}.bin" or size != shard["tokens"] * itemsize:
                 raise DataError(f"beam pipeline left shard {shard['file']} incomplete ({size} bytes)")
         counts = np.asarray(manifest["counts"].get(split, np.zeros(vocab_size, np.int64)), np.int64)
-        splits[split] = shards.split_summary(files, counts, sum(p["bytes"] for p in pieces))
+        splits[split] = shard_writer.split_summary(files, counts, sum(p["bytes"] for p in pieces))
         if (splits[split]["tokens"], splits[split]["documents"]) != \
                 (sum(p["tokens"] for p in pieces), sum(p["documents"] for p in pieces)):
             raise DataError(f"beam pipeline: the {split} shards do not hold every tokenized document")

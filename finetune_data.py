@@ -30,6 +30,7 @@ from typing import Iterator
 import numpy as np
 
 import corpus
+import shard_writer
 import shards
 from errors import DataError
 from shards import COMPLETION, END, PROMPT
@@ -84,19 +85,19 @@ def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in
     summary}, tally)."""
     from tqdm import tqdm
     if tokenizer is not None:
-        tok = shards.install_tokenizer(tokenizer, tmp)
+        tok = shard_writer.install_tokenizer(tokenizer, tmp)
     else:
         texts = (text for name, p, c in _records(sources, in_field, out_field, corpus.Tally()) if not is_val(name)
                  for text in (p, c))
-        tok = shards.train_tokenizer(texts, vocab_size)
+        tok = shard_writer.train_tokenizer(texts, vocab_size)
         tok.save(str(tmp / "tokenizer.json"))
     eot = shards.eot_id_of(tok)
     vocab = max(tok.get_vocab().values()) + 1
     dtype = shards.dtype_for(vocab)
     counts = {s: {"skipped": 0, "truncated": 0} for s in ("train", "val")}
     in_loss = {s: np.zeros(vocab, np.int64) for s in ("train", "val")}  # frequencies of the tokens the loss counts
-    writers = {s: (shards.ShardWriter(tmp, s, dtype, shard_tokens, vocab),
-                   shards.ShardWriter(tmp, f"{s}_mask", "uint8", shard_tokens, 3)) for s in ("train", "val")}
+    writers = {s: (shard_writer.ShardWriter(tmp, s, dtype, shard_tokens, vocab),
+                   shard_writer.ShardWriter(tmp, f"{s}_mask", "uint8", shard_tokens, 3)) for s in ("train", "val")}
     chunks = {s: ([], []) for s in ("train", "val")}
 
     def flush(split):
@@ -129,7 +130,7 @@ def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in
         summary["examples"] = summary["documents"]
         summary["completion_tokens"] = int(mask.counts[COMPLETION] + mask.counts[END])
         # the unigram baseline of the loss, which counts these tokens only (the completions and their end-of-text)
-        summary["loss_unigram_entropy"] = shards.unigram_entropy(in_loss[split])
+        summary["loss_unigram_entropy"] = shard_writer.unigram_entropy(in_loss[split])
         summary["mask_shards"] = mask.shards
         summary.update(truncated=counts[split]["truncated"], skipped=counts[split]["skipped"])
         splits[split] = summary
@@ -153,13 +154,13 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
     if not 0 <= val_fraction < 1:
         raise DataError(f"val fraction must be in [0, 1), got {val_fraction}")
     if tokenizer is None:
-        shards.check_trained_vocab(vocab_size)
+        shard_writer.check_trained_vocab(vocab_size)
     sources = corpus.expand(inputs)
-    shards.check_out(out, overwrite, [location for _, location, _ in sources])
+    shard_writer.check_out(out, overwrite, [location for _, location, _ in sources])
     is_val = lambda name: corpus.in_val(name, val_fraction)  # noqa: E731
     options = dict(tokenizer=tokenizer, vocab_size=vocab_size, in_field=in_field, out_field=out_field,
                    seq_len=seq_len, shard_tokens=shard_tokens, progress=progress)
-    with shards.Staged(out, overwrite) as staged:
+    with shard_writer.Staged(out, overwrite) as staged:
         vocab_fields, splits, bad = _write(sources, staged.path, is_val, **options)
         assigned = {s: splits[s]["examples"] + splits[s]["skipped"] for s in splits}  # valid records
         extra = None

@@ -34,6 +34,7 @@ import hf_layouts
 import loader
 import model
 import rundir
+import shard_writer
 import shards
 import torch_gpt
 import train
@@ -389,7 +390,7 @@ def gpt2_runs(tmp_path_factory):
     """ROOT/gpt2-a, gpt2-b: transformers GPT-2 directories of different weights (about 500 kB, more than the
     full disk's 256 KiB) with a tokenizer; ROOT/run-a, run-b: the run directories imported from them."""
     root = tmp_path_factory.mktemp("gpt2-runs")
-    tok = shards.train_tokenizer(iter(["the cat sat on the mat"] * 10), 300)
+    tok = shard_writer.train_tokenizer(iter(["the cat sat on the mat"] * 10), 300)
     for seed, name in [(0, "a"), (1, "b")]:
         random_gpt2(root / f"gpt2-{name}", seed=seed, n_embd=64)
         tok.save(str(root / f"gpt2-{name}" / "tokenizer.json"))

@@ -21,6 +21,7 @@ import pytest
 
 import data
 import loader
+import shard_writer
 import shards
 import train
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture: a prepared directory train.py runs on)
@@ -570,15 +571,15 @@ def test_existing_directory_needs_overwrite_and_inputs_are_never_touched(tmp_pat
 
 def test_interrupted_prepare_leaves_nothing_and_a_rerun_completes(tmp_path, monkeypatch):
     write_text_files(tmp_path / "c", make_docs(30, seed=6))
-    real_write, calls = shards.ShardWriter.write, []
+    real_write, calls = shard_writer.ShardWriter.write, []
 
     def failing_write(self, tokens, ends):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt  # as if the user pressed Ctrl-C midway
         real_write(self, tokens, ends)
-    monkeypatch.setattr(shards.ShardWriter, "write", failing_write)
-    monkeypatch.setattr(shards, "CHUNK_BYTES", 500)  # many chunks, so the failure lands midway
+    monkeypatch.setattr(shard_writer.ShardWriter, "write", failing_write)
+    monkeypatch.setattr(shard_writer, "CHUNK_BYTES", 500)  # many chunks, so the failure lands midway
     with pytest.raises(KeyboardInterrupt):
         prep([tmp_path / "c"], tmp_path / "out", shard_tokens=100)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]

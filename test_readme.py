@@ -403,11 +403,11 @@ def exports(tmp_path_factory):
     import convert_torch
     import lora as lora_lib
     import model
-    import shards
+    import shard_writer
 
     root = tmp_path_factory.mktemp("readme")
     docs = [f"def main(argv): return {i} + {i * i}  # the cat sat on the mat\n" for i in range(200)]
-    tok = shards.train_tokenizer(iter(docs), 300)
+    tok = shard_writer.train_tokenizer(iter(docs), 300)
     tok.save(str(root / "tokenizer.json"))
     cfg = dataclasses.replace(config.load_config(overrides=["model=test"]).model, vocab_size=tok.get_vocab_size())
     shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: model.GPT(cfg, rngs=nnx.Rngs(params=0)))))
