@@ -57,18 +57,13 @@ from flax import nnx
 
 import fp8
 import lora as lora_lib
+import remat as remat_lib
 from attention import (ATTENTION_IMPLS, Masking, apply_rotary, attention, cached_attention, cudnn_dtype_problem,
                        dropout, rotary_angles, segment_positions)
 from logical_axes import activation_sharding_of, logical_constraint
 from loss import PADDED_LOGIT, chunk_layout, chunked_cross_entropy, cross_entropy, tied_logits
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-REMAT_POLICIES = {
-    "none": None,  # keep every activation: fastest, most memory
-    "full": jax.checkpoint_policies.nothing_saveable,  # keep only block inputs, recompute the rest
-    # keep the outputs of weight matmuls, recompute attention scores and elementwise ops
-    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding and logits matmuls tile well
 
 
@@ -155,8 +150,9 @@ class GPTConfig:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"model.remat must be one of {', '.join(REMAT_POLICIES)}, got {self.remat!r}")
+        if self.remat not in remat_lib.REMAT_POLICIES:
+            raise ValueError(f"model.remat must be one of {', '.join(remat_lib.REMAT_POLICIES)}, "
+                             f"got {self.remat!r}")
         if self.attention not in ATTENTION_IMPLS:
             raise ValueError(f"model.attention must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention!r}")
         if self.fp8 and self.dtype not in fp8.COMPUTE_DTYPES:
@@ -402,54 +398,6 @@ class Block(nnx.Module):
         return self._residual(x, h, y, None), k_cache, v_cache
 
 
-def _block_forward(block: Block, x: jax.Array, rope, dropout_key, mask=None):
-    return block(x, rope, dropout_key, mask)
-
-
-def _rematerialised(policy, block: Block, x: jax.Array, rope, dropout_key, mask=None):
-    """block(x, ...) under jax.checkpoint(policy), with its backward pass pinned in place.
-
-    Remat saves memory only if the compiler recomputes a block when the backward pass reaches it and
-    finishes the block's gradients before moving on; a scheduler is free to do otherwise (XLA's CPU
-    scheduler, left free, recomputes blocks ahead and defers their bias and norm gradients'
-    reductions, keeping most of what remat drops). Two optimization barriers leave it no choice: what
-    the recomputation starts from (the block's input and what the policy saved) waits for the
-    cotangent of the block's output, and the cotangent of its input leaves together with all of the
-    block's gradients. The weights stay out of the first barrier, so a sharded block's weights can
-    still be gathered ahead. Values and gradients are jax.checkpoint's; forward-mode autodiff
-    (jax.jvp) of a rematerialised model is not supported.
-
-    The GPU compiler keeps barriers until it has scheduled; the CPU compiler drops them before,
-    unless told otherwise as test_plan.py does. The second barrier also holds the earlier block's
-    backward pass until this block's gradients are reduced over the data-parallel devices: the cost
-    of that in communication is still to be measured on a multi-device GPU or TPU.
-    """
-    graphdef, state = nnx.split(block)
-    layout = {}  # set by the forward pass for the backward: the residuals' tree, and which are activations
-
-    def forward(state, x, rope, dropout_key, mask):
-        return nnx.merge(graphdef, state)(x, rope, dropout_key, mask)
-
-    pinned = jax.custom_vjp(forward)
-
-    def pinned_forward(state, *args):
-        y, backward = jax.vjp(jax.checkpoint(forward, policy=policy), state, *args)
-        residuals, layout["tree"] = jax.tree.flatten(backward)
-        ids = {id(leaf) for leaf in jax.tree.leaves(state)}
-        layout["activations"] = [i for i, r in enumerate(residuals) if id(r) not in ids]
-        return y, residuals
-
-    def pinned_backward(residuals, dy):
-        residuals, at = list(residuals), layout["activations"]
-        pinned_residuals, dy = jax.lax.optimization_barrier(([residuals[i] for i in at], dy))
-        for i, r in zip(at, pinned_residuals):
-            residuals[i] = r
-        return jax.lax.optimization_barrier(jax.tree.unflatten(layout["tree"], residuals)(dy))
-
-    pinned.defvjp(pinned_forward, pinned_backward)
-    return pinned(state, x, rope, dropout_key, mask)
-
-
 class GPT(nnx.Module):
     """The model of `config`; with `lora` (a config.LoRAConfig) its chosen projections carry low-rank adapters
     (Dense), the leaves `lora_a` and `lora_b` beside their kernels (`split_lora`, `merge_lora`)."""
@@ -468,8 +416,7 @@ class GPT(nnx.Module):
         self.lm_head = nnx.Param(init((cfg.padded_vocab_size, d)), axes=("vocab", "embed")) if untied else None
         self.head_bias = nnx.Param(jnp.zeros(cfg.padded_vocab_size, jnp.float32), axes=("vocab",)) \
             if cfg.head_bias else None
-        policy = REMAT_POLICIES[cfg.remat]
-        self._block_forward = _block_forward if cfg.remat == "none" else functools.partial(_rematerialised, policy)
+        self._block_forward = remat_lib.forward(cfg.remat)  # the blocks called as they are, or rematerialised
 
     def __call__(self, tokens: jax.Array, *, dropout_key: jax.Array | None = None, mask: Masking | None = None,
                  segment_ids: jax.Array | None = None) -> jax.Array:

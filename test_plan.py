@@ -23,7 +23,7 @@ GiB = 2**30
 # device compiler would; its memory-minimising scheduler (the kind GPU and TPU compilers run) is
 # the one whose figures the plan is compared with. It also drops optimization barriers before it
 # schedules, where the GPU compiler drops them after: kept, they pin remat's recomputation and a
-# block's gradients in place (model._rematerialised) as they are on a GPU.
+# block's gradients in place (remat.pinned) as they are on a GPU.
 MEMORY_SCHEDULER = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
                     "xla_disable_hlo_passes": "cse_barrier_expander"}
 
