@@ -38,14 +38,14 @@ temporary directory first) of any of those six families into a run directory who
 checkpoint holds the parameters (the embedding padded with zero rows), reading the architecture
 from config.json as transformers reads it and refusing, with the reasons, what model.py cannot
 express (post-LayerNorm OPT, scaled rotary embeddings, ...). A field of config.json that is not
-what it must be (hf_layouts.HF_FIELDS), or a tokenizer that does not load, is one error line
+what it must be (hf_configs.HF_FIELDS), or a tokenizer that does not load, is one error line
 naming it, before anything is written. `training.init_from=RUN_DIR` starts a
 fine-tuning run from it. Every config.json we write also carries the JAX model's config under
 `gpt_jax`, so JAX -> PyTorch (either format) -> JAX returns the identical config and parameters
 (the embedding's padding rows, which no logit depends on, as zeros).
 
-Every tensor is mapped exactly once in both directions (hf_layouts.py: the layouts, config.json
-both ways); missing, unexpected and mis-shaped keys are listed in the error. The PyTorch module,
+Every tensor is mapped exactly once in both directions (hf_layouts.py: the layouts; hf_configs.py:
+config.json both ways); missing, unexpected and mis-shaped keys are listed in the error. The PyTorch module,
 torch_gpt.py, reproduces model.py and follows the same switches; it imports nothing of the project,
 so a copy of that file alone next to an export is all that `GPT.from_pretrained` needs (with torch,
 numpy and safetensors installed). `from convert_torch import GPT`
@@ -112,8 +112,8 @@ import shard_writer
 import shards
 import storage
 from errors import ConvertError, DataError
-from hf_layouts import (config_from_hf, embedding_key, from_torch_tensors, head_key, hf_config, hf_format,
-                        lora_tensors, to_torch_tensors)
+from hf_configs import config_from_hf, hf_config
+from hf_layouts import embedding_key, from_torch_tensors, head_key, hf_format, lora_tensors, to_torch_tensors
 from model import GPTConfig
 from torch_gpt import CONFIG_NAME, GPT, WEIGHTS_NAME  # GPT: `from convert_torch import GPT` as before torch_gpt.py
 

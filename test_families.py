@@ -27,7 +27,7 @@ from flax import nnx
 
 import config
 import convert_torch as ct
-import hf_layouts
+import hf_configs
 import loader
 import loss as loss_lib
 import model
@@ -298,7 +298,7 @@ def test_named_sizes_are_the_real_models(name):
     """`model=NAME` gives the architecture the import reads from the real config.json, and as many
     parameters as transformers builds for it (on the meta device: no memory)."""
     named = config.load_config(overrides=[f"model={name}"]).model
-    imported, layout = hf_layouts.config_from_hf(REAL[name], name)
+    imported, layout = hf_configs.config_from_hf(REAL[name], name)
     for field in model.GPTConfig.PARAMETER_FIELDS:
         assert getattr(named, field) == getattr(imported, field), field
     meta = {k: v for k, v in REAL[name].items() if k != "model_type"}
