@@ -25,7 +25,7 @@ and in the same run, first, the same step without FP8: both tokens/s, their rati
 which the process-wide peak cannot give for the second of two steps).
 
 MFU = tokens/s x (6 N + 6 L d T) / peak FLOP/s (model.flops_per_token; N parameters, L blocks,
-width d, context T), with the peak from the device kind (step.PEAK_FLOPS: 989 TFLOP/s dense bf16
+width d, context T), with the peak from the device kind (devices.PEAK_FLOPS: 989 TFLOP/s dense bf16
 for an H100 or H200 SXM) or --peak-tflops. On the CPU there is no peak and no MFU unless given.
 Peak memory: the device's peak bytes in use (JAX memory_stats; torch.cuda.max_memory_allocated),
 where the backend reports it. PyTorch runs first and frees its cache before JAX starts, since JAX
@@ -41,6 +41,7 @@ import time
 import numpy as np
 
 import bench_profile
+import devices
 from errors import TrainBenchError
 
 
@@ -151,7 +152,7 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
                                 args.profile, hlo=hlo)
     if not all(np.isfinite(losses)):
         raise TrainBenchError(f"the JAX step's loss is not finite: {losses}")
-    peak = peak_override or step_lib.peak_flops(device.device_kind)
+    peak = peak_override or devices.peak_flops(device.device_kind)
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     result = _throughput(timing, batch * seq, model_lib.flops_per_token(mcfg, seq, adapters), peak)
     result.update({"device_kind": device.device_kind, "adapters": adapters, "platform": device.platform, "peak_flops": peak,
@@ -392,12 +393,10 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     peak_override = args.peak_tflops * 1e12 if args.peak_tflops else None
     others = {}
     if args.torch:
-        import step as step_lib
-
         torch_peak = peak_override
         if torch_peak is None:
             if torch.cuda.is_available():
-                torch_peak = step_lib.peak_flops(torch.cuda.get_device_name())
+                torch_peak = devices.peak_flops(torch.cuda.get_device_name())
         which = ["torch"] + ([] if mcfg.alibi_attn else ["hf"])
         for w in which:
             print(f"{w}: {args.warmup} warm-up + {args.steps} steps", flush=True)

@@ -22,11 +22,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+import devices
 import errors
 import model as model_lib
 import plots
 import shards
-import step as step_lib
 from errors import Diverged
 
 
@@ -230,7 +230,7 @@ class Steps:
         self.step = self.start_step = start_step
         self.tokens_before, self.tokens_per_step = tokens_before, t.batch_size * cfg.seq_len
         self.flops_per_token = model_lib.flops_per_token(cfg.model, cfg.seq_len)
-        self.peak = step_lib.peak_flops(jax.local_devices()[0].device_kind)
+        self.peak = devices.peak_flops(jax.local_devices()[0].device_kind)
         self.metrics_file, self.wandb_run = metrics_file, wandb_run
         self.history = list(metrics_file.rows) if metrics_file is not None else []  # for the loss curve
         self.last_ckpt, self.run_dir = last_ckpt, run_dir

@@ -34,37 +34,6 @@ import lora as lora_lib
 import model as model_lib
 import sharding as sharding_lib
 
-# Peak dense bf16 FLOP/s per chip, for MFU; matched against jax.devices()[0].device_kind (per device: peak_flops).
-# Devices not listed (the CPU) show no MFU.
-PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,  # SXM; the PCIe part is lower (756e12)
-    "A100": 312e12,
-    "L4": 121e12,
-    "TPU v5p": 459e12,
-    "TPU v5 lite": 197e12,  # v5e
-    "TPU v5e": 197e12,
-    "TPU v6 lite": 918e12,  # Trillium
-    "TPU v4": 275e12,
-    "TPU v3": 123e12,
-    "TPU v2": 45e12,
-}
-
-
-# JAX devices per chip where a chip's TensorCores are devices of their own (TPU v2, v3); a v4 or
-# v5p chip's two cores are one device (megacore), and the other chips have one core
-DEVICES_PER_CHIP = {"TPU v2": 2, "TPU v3": 2}
-
-
-def peak_flops(device_kind: str) -> float | None:
-    """Dense bfloat16 peak FLOP/s of one JAX device of this kind (a TPU v2 or v3 core is half a chip), or
-    None for a kind not in PEAK_FLOPS. MFU divides by this times the device count."""
-    for name, flops in PEAK_FLOPS.items():
-        if name.lower() in device_kind.lower():
-            return flops / DEVICES_PER_CHIP.get(name, 1)
-    return None
-
-
 def lr_schedule(t):
     """Linear warm-up to t.lr over warmup_steps, then cosine decay to t.min_lr at t.steps.
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import config
+import devices
 import fp8
 import loader
 import model
@@ -237,7 +238,7 @@ def test_plan_counts_the_float8_copies_on_a_gpu(remat, dtype):
     fields = {"dtype": dtype, "remat": remat, "attention": "xla"}
     plain, fp8_cfg = (cfg_of({**STEP_CASES[2][0], **fields, "fp8": on}, size="x", batch=8, loss_chunk=0)
                       for on in (False, True))
-    m, gpu = plain.model, plan.target("H100")
+    m, gpu = plain.model, devices.target("H100")
     d, F, N, BT = m.embedding_dim, m.ffn_dim, m.N, 8 * plain.seq_len
     c = {"float32": 4, "bfloat16": 2}[dtype]
     weights = 3 * d * d + d * d + 2 * d * F  # q/k/v, attention output, MLP in and out, per block

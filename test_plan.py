@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import config
+import devices
 import model
 import plan
 import sharding
@@ -36,7 +37,7 @@ def cfg_of(model_fields=None, *, size="test", batch=16, micro=1, mesh=(-1, 1, 1)
 
 
 def cpus(n):
-    return plan.Target(f"{n} CPU devices", 2**40, n, "cpu", None)
+    return devices.Target(f"{n} CPU devices", 2**40, n, "cpu", None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,7 +260,7 @@ def test_remat_terms_match_autodiff_residuals(fields, dtype):
 # Target devices
 
 
-@pytest.mark.parametrize("name, devices, memory", [
+@pytest.mark.parametrize("name, count, memory", [
     # v2, v3: slices name TensorCores, 2 per chip, each a JAX device; 8 and 16 GiB per core
     ("v2-8", 8, 8 * GiB), ("v3-32", 32, 16 * GiB),
     # v4, v5p: slices name TensorCores, 2 per chip seen as one JAX device; 32 and 95 GiB per chip
@@ -269,17 +270,17 @@ def test_remat_terms_match_autodiff_residuals(fields, dtype):
     ("H100", 1, 80 * GiB), ("h200", 1, 141e9), ("A100-40", 1, 40 * GiB), ("a100 80GB", 1, 80 * GiB),
     ("24GiB", 1, 24 * GiB),
 ])
-def test_device_names(name, devices, memory):
-    dev = plan.target(name)
-    assert (dev.count, dev.memory) == (devices, memory)
+def test_device_names(name, count, memory):
+    dev = devices.target(name)
+    assert (dev.count, dev.memory) == (count, memory)
 
 
 def test_tpu_peak_is_per_jax_device():
-    """step.PEAK_FLOPS holds a chip's peak; a v3 chip is two JAX devices, a v4 chip one."""
-    assert plan.target("v3-8").peak_flops == step.PEAK_FLOPS["TPU v3"] / 2
-    assert plan.target("v4-8").peak_flops == step.PEAK_FLOPS["TPU v4"]
-    assert step.peak_flops("TPU v2") == 45e12 / 2 and step.peak_flops("TPU v3") == 123e12 / 2
-    assert step.peak_flops("TPU v4") == 275e12 and step.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    """devices.PEAK_FLOPS holds a chip's peak; a v3 chip is two JAX devices, a v4 chip one."""
+    assert devices.target("v3-8").peak_flops == devices.PEAK_FLOPS["TPU v3"] / 2
+    assert devices.target("v4-8").peak_flops == devices.PEAK_FLOPS["TPU v4"]
+    assert devices.peak_flops("TPU v2") == 45e12 / 2 and devices.peak_flops("TPU v3") == 123e12 / 2
+    assert devices.peak_flops("TPU v4") == 275e12 and devices.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
 
 
 @pytest.mark.parametrize("kind, devices, chips, chip_peak", [("TPU v3", 8, 4, 123e12), ("TPU v4", 4, 4, 275e12)])
@@ -312,8 +313,8 @@ def test_auto_loss_chunk_takes_the_whole_logits_where_memory_is_plentiful():
     mesh = sharding.abstract_mesh(-1, 1, 1, n=1)
     for memory, want in ((8 * logits, 0), (8 * logits - 1, 4096), (None, 0)):
         assert step.loss_chunk(cfg.model, cfg.training, mesh, memory=memory) == want, memory
-    assert plan.estimate(cfg, plan.target("H200")).notes["logits and loss"].startswith("(16, 1024")  # whole
-    assert "4096 tokens' logits at a time" in plan.estimate(cfg, plan.target("24GiB")).notes["logits and loss"]
+    assert plan.estimate(cfg, devices.target("H200")).notes["logits and loss"].startswith("(16, 1024")  # whole
+    assert "4096 tokens' logits at a time" in plan.estimate(cfg, devices.target("24GiB")).notes["logits and loss"]
     fixed = config.load_config(overrides=["model=124m", "training.batch_size=16", "training.loss_chunk=2048"])
     assert step.loss_chunk(fixed.model, fixed.training, mesh, memory=10**15) == 2048  # a number is itself
     with pytest.raises(config.ConfigError, match="training.loss_chunk must be auto or an integer >= 0"):
