@@ -21,6 +21,7 @@ import pytest
 
 import data
 import loader
+import permutation
 import shard_writer
 import shards
 import train
@@ -332,12 +333,12 @@ def test_a_bpe_short_of_the_requested_vocabulary_says_so_and_records_its_own_siz
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 1000, 4097])
 def test_permutation_is_a_bijection_that_changes_with_the_epoch(n):
-    first = loader.permute(np.arange(n), n, seed=7, epoch=0)
+    first = permutation.permute(np.arange(n), n, seed=7, epoch=0)
     assert sorted(first.tolist()) == list(range(n))
-    assert sorted(loader.permute(np.arange(n), n, seed=7, epoch=1).tolist()) == list(range(n))
+    assert sorted(permutation.permute(np.arange(n), n, seed=7, epoch=1).tolist()) == list(range(n))
     if n >= 64:
-        assert not np.array_equal(first, loader.permute(np.arange(n), n, seed=7, epoch=1))
-        assert not np.array_equal(first, loader.permute(np.arange(n), n, seed=8, epoch=0))
+        assert not np.array_equal(first, permutation.permute(np.arange(n), n, seed=7, epoch=1))
+        assert not np.array_equal(first, permutation.permute(np.arange(n), n, seed=8, epoch=0))
         assert not np.array_equal(first, np.arange(n))
 
 

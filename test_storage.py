@@ -23,6 +23,7 @@ import convert_torch
 import data
 import finetune_data
 import loader
+import permutation
 import rundir
 import runlock
 import shards
@@ -133,7 +134,7 @@ def test_a_failed_remote_read_is_one_line_naming_the_file(prepared, bucket, monk
 
     monkeypatch.setattr(MemoryFileSystem, "cat_ranges", broken)
     # the 8 batches of one request (one row each): the shards their 17 tokens lie in
-    windows = loader.permute(np.arange(8), remote.num_windows, 3, 0)
+    windows = permutation.permute(np.arange(8), remote.num_windows, 3, 0)
     names = [s["file"] for s in remote.index["splits"]["train"]["shards"]]
     starts = np.cumsum([0] + [s["tokens"] for s in remote.index["splits"]["train"]["shards"]])
     shard = lambda token: names[int(np.searchsorted(starts, token, side="right")) - 1]  # noqa: E731
