@@ -213,7 +213,7 @@ class Staged(outputs.StagedDir):
     """The sibling directory DIR.tmp-<pid> a data directory is built in, swapped into place when complete
     (outputs.StagedDir: the old DIR is replaced in one step, and only with overwrite=True).
 
-        with shards.Staged(out, overwrite) as staged:   # a fresh, empty staged.path (dead runs' leftovers settled)
+        with shard_writer.Staged(out, overwrite) as staged:   # a fresh, empty staged.path (dead runs' leftovers settled)
             ... write staged.path / files ...
             staged.commit(index)                         # index.json written last, then the swap into place
 
