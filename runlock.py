@@ -60,9 +60,9 @@ class Lease:
     process holds the lock now, or, when no renewal has gone through for two periods (this process
     was paused), a look at the lock that finds another generation there."""
 
-    def __init__(self, run: Locked, holder: dict, generation: int | None, every: float):
+    def __init__(self, run: Locked, holder: dict, generation: int | None, every: float, taken: float):
         self.run, self.holder, self.generation, self.every = run, holder, generation, every
-        self.confirmed = time.monotonic()  # when the lease was last known to be ours
+        self.confirmed = taken  # when the lease was last known to be ours: when its last write was sent
         self.lost: str | None = None  # why it was lost
         self.guard = threading.Lock()
         self.stopping = threading.Event()
@@ -199,6 +199,7 @@ class Locked(storage.RunDir):
                     waited += min(every, ttl - age + 0.1)
                     continue
             content = (json.dumps({**holder, "heartbeat": time.time()}) + "\n").encode()
+            taken = time.monotonic()
             try:
                 mine = storage.Versions(self).write_if(LOCK, content, generation)
             except storage.Conflict:
@@ -208,7 +209,7 @@ class Locked(storage.RunDir):
             time.sleep(LEASE_SETTLE)  # no generations here: a writer racing us has written by now, the last wins
             if (self._parse_lock(self.read_bytes(LOCK)) or {}).get("token") == holder["token"]:
                 break
-        lease = Lease(self, holder, mine, every)
+        lease = Lease(self, holder, mine, every, taken)
         self.fence = lease.check
         lease.start()
 
