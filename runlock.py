@@ -99,15 +99,15 @@ class Lease:
 
     def _lost_to_whoever_holds_it(self) -> None:
         """A conditional renewal failed: lost, unless the lock holds our own token (our last write went
-        through but its answer did not reach us), whose generation is then adopted."""
-        asked = time.monotonic()
+        through but its answer did not reach us), whose generation is then adopted; the lease is then still
+        counted from the renewal before (the heartbeat there dates from a send we did not time)."""
         try:
             generation, raw = storage.Versions(self.run).versioned(LOCK)
         except storage.StorageError:
             generation, raw = None, b""
         lock = self.run._parse_lock(raw) or {}
         if lock.get("token") == self.holder["token"]:
-            self.generation, self.confirmed = generation, asked
+            self.generation = generation
             return
         self.lost = f"{self.run._holder(raw)} holds it now" if lock else "its lock was deleted"
 

@@ -292,9 +292,9 @@ class RunDir:
 
 class Versions:
     """Conditional operations on one file of a run directory in an object store, for the lease of the run
-    (rundir.py). Google Cloud Storage answers generation preconditions (ifGenerationMatch: 0 creates only an
-    absent object, G replaces or deletes only generation G), which make taking, renewing and releasing the
-    lease atomic. Other stores have no generations (None): there each operation is unconditional, and the
+    (runlock.py) and its log (JsonLines). Google Cloud Storage answers generation preconditions
+    (ifGenerationMatch: 0 creates only an absent object, G replaces or deletes only generation G), which
+    make taking, renewing and releasing the lease atomic. Other stores have no generations (None): there each operation is unconditional, and the
     lease falls back to write-then-read."""
 
     def __init__(self, run: RunDir):
@@ -376,12 +376,32 @@ class JsonLines:
 
     Locally each row is appended and flushed at once. An object store has no appends: the rows are
     kept in memory and the whole file is uploaded by flush() (train.py calls it at each evaluation and
-    checkpoint), at least every FLUSH_SECONDS while rows come in, and by close().
+    checkpoint), at least every FLUSH_SECONDS while rows come in, and by close(). Where the store has
+    generations (Google Cloud Storage) each upload replaces only the generation this process wrote or read
+    last (see _write).
     """
 
     def __init__(self, run: RunDir, name: str, keep=lambda row: True):
         self.run, self.name = run, name
-        old = [line for line in (run.read_text(name).splitlines() if run.is_file(name) else []) if line.strip()]
+        self.generation = None  # in an object store, the generation of the file this process wrote or read last
+        for attempt in range(3):
+            try:
+                self._start(keep)
+                break
+            except Conflict:  # replaced between our read and our write (a writer that lost the run): read again
+                if attempt == 2:
+                    self._replaced()
+        self.file = None if run.remote else open(pathlib.Path(run.root) / name, "a")
+
+    def _start(self, keep) -> None:
+        """Read the file (with its generation, in an object store), keep the rows `keep` accepts, write them."""
+        run, name = self.run, self.name
+        if run.remote:
+            self.generation, raw = Versions(run).versioned(name)
+            text = raw.decode()
+        else:
+            text = run.read_text(name) if run.is_file(name) else ""
+        old = [line for line in text.splitlines() if line.strip()]
         parsed = []  # (row, its line as written)
         self.torn = None  # a last line cut off by a kill during its write: dropped, and said by the caller
         for number, line in enumerate(old, 1):
@@ -394,11 +414,7 @@ class JsonLines:
         kept = [(row, line) for row, line in parsed if keep(row)]
         self.rows = [row for row, _ in kept]  # the rows kept, in order
         self.lines = [line + "\n" for _, line in kept]
-        self.generation = None  # in an object store, the generation of the file this process wrote last
-        if run.remote:
-            self.generation = Versions(run).versioned(name)[0]
-        self._write()
-        self.file = None if run.remote else open(pathlib.Path(run.root) / name, "a")
+        self._upload()
 
     def append(self, row: dict) -> None:
         line = json.dumps(row) + "\n"
@@ -412,24 +428,38 @@ class JsonLines:
 
     def flush(self) -> None:
         if self.file is None:
-            self._write()
+            try:
+                self._upload()
+            except Conflict:
+                self._replaced()
 
-    def _write(self) -> None:
+    def _upload(self) -> None:
         """The whole file: locally replaced; in an object store only while it is the generation this process
         wrote (or read) last, so that a writer paused between the run's fence and its upload (past its lease,
-        the run taken over meanwhile) cannot put its rows back over the new holder's."""
-        content = "".join(self.lines)
+        the run taken over meanwhile) cannot put its rows back over the new holder's: Conflict then. A write
+        of ours whose answer was lost (the client retried it, and the retry found our own write there) is
+        no conflict: the file holds what we wrote."""
+        content = "".join(self.lines).encode()
         if not self.run.remote:
-            self.run.write_text(self.name, content)
+            self.run.write_bytes(self.name, content)
             return
         self.run.check_fence()
+        versions = Versions(self.run)
         try:
-            self.generation = Versions(self.run).write_if(self.name, content.encode(), self.generation)
+            self.generation = versions.write_if(self.name, content, self.generation)
         except Conflict:
-            self.run.check_fence()  # the lease's own line when it is lost, which it then is
-            raise StorageError(f"{self.run.show(self.name)} was replaced by another process meanwhile: this "
-                               f"process no longer writes the run") from None
+            generation, there = versions.versioned(self.name)
+            if there != content:
+                raise
+            self.generation = generation
         self.uploaded = time.monotonic()
+
+    def _replaced(self):
+        """Another process replaced the file: stop with the lease's own line when it is lost (which it then
+        is, for a run's log), else with this one."""
+        self.run.check_fence()
+        raise StorageError(f"{self.run.show(self.name)} was replaced by another process meanwhile: this "
+                           f"process no longer writes the run") from None
 
     def close(self) -> None:
         if self.file is not None:

@@ -4,7 +4,6 @@ in one, exporting and importing there, and a bucket that does not exist; then wh
 in its bucket: a damaged checkpoint, a save the store refuses, SIGTERM and SIGKILL, and the tools that
 read the run, write beside it and start from it.
 """
-import contextlib
 import gzip
 import hashlib
 import json
@@ -630,30 +629,73 @@ def test_a_log_upload_after_the_run_was_taken_does_not_replace_the_new_holders(g
         {"step": 1}, {"step": 2}, {"step": 3, "by": "second"}]
 
 
-def test_a_renewal_answered_after_a_pause_does_not_extend_the_lease(gcs_bucket, monkeypatch):
-    """A lease renewal whose answer comes back only after a pause longer than the lease (the process stopped
-    with its request in flight, and the run taken over meanwhile) counts from when it was sent: the fence
-    then looks again, and stops the holder, rather than trusting the late answer for two more periods."""
-    monkeypatch.setenv(runlock.LEASE_TTL_ENV, "6")
-    ttl, every = runlock.lease_times()
-    first, taker = runlock.Locked(f"{gcs_bucket}/late"), runlock.Locked(f"{gcs_bucket}/late")
-    first.mkdir()
-    real = storage.Versions.write_if
-    with contextlib.ExitStack() as held:
-        held.enter_context(first.writer("train.py"))
-        lease = first.fence.__self__
-        lease.stop()  # its renewals made by hand below, in this thread
+def test_a_log_upload_retried_or_overtaken_at_start_goes_on(gcs_bucket, monkeypatch):
+    """What is no takeover does not stop the run: an upload of metrics.jsonl whose answer was lost, retried by
+    the client and refused (412) because our own write is there, is taken as written; and a stale writer's
+    upload landing between the new holder's read of the log and its first write makes the new holder read
+    it again (dropping the rows past its step) rather than stop."""
+    run = storage.RunDir(f"{gcs_bucket}/retried")
+    real_write, real_read = storage.Versions.write_if, storage.Versions.versioned
+    log = storage.JsonLines(run, "metrics.jsonl")
+    log.append({"step": 1})
 
-        def late(self, name, content, generation):
-            out = real(self, name, content, generation)  # the store takes the renewal...
-            monkeypatch.setattr(storage.Versions, "write_if", real)
-            time.sleep(ttl + 1)  # ...but the process is paused before its answer arrives,
-            held.enter_context(taker.writer("train.py --resume"))  # and the run is taken over meanwhile
-            return out
+    def retried(self, name, content, generation):
+        real_write(self, name, content, generation)  # stored, but the answer lost: the retry finds it there
+        monkeypatch.setattr(storage.Versions, "write_if", real_write)
+        raise storage.Conflict(name)
+
+    monkeypatch.setattr(storage.Versions, "write_if", retried)
+    log.flush()
+    log.append({"step": 2})
+    log.flush()
+    assert run.read_text("metrics.jsonl") == '{"step": 1}\n{"step": 2}\n'
+
+    def overtaken(self, name):
+        read = real_read(self, name)
+        monkeypatch.setattr(storage.Versions, "versioned", real_read)
+        run.write_text(name, '{"step": 1}\n{"step": 2}\n{"step": 3, "by": "stale"}\n')  # lands after our read
+        return read
+
+    monkeypatch.setattr(storage.Versions, "versioned", overtaken)
+    resumed = storage.JsonLines(run, "metrics.jsonl", keep=lambda row: row["step"] <= 2)
+    resumed.append({"step": 3})
+    resumed.flush()
+    assert run.read_text("metrics.jsonl") == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+
+
+@pytest.mark.parametrize("late_write", ["take", "renewal"])
+def test_a_lease_write_answered_after_a_pause_does_not_extend_the_lease(late_write, gcs_bucket, monkeypatch):
+    """A lease write (its taking, or a renewal) whose answer comes back only after a pause (the process stopped
+    with its request in flight) during which another process took the run, counts from when it was sent: the
+    fence then looks at the lock again and stops the holder, rather than trusting the late answer for two
+    more renewal periods."""
+    every = 0.1  # seconds between renewals: the fence looks again once none went through for 0.2 s
+    monkeypatch.setattr(runlock, "lease_times", lambda: (6.0, every))
+    monkeypatch.setattr(runlock.Lease, "start", lambda self: None)  # no renewal thread: only the writes below
+    monkeypatch.setattr(runlock.Lease, "stop", lambda self: None)
+    run = runlock.Locked(f"{gcs_bucket}/late-{late_write}")
+    run.mkdir()
+    real = storage.Versions.write_if
+    taker = json.dumps({"host": "elsewhere", "pid": 1, "purpose": "train.py --resume", "token": "theirs",
+                        "since": "2026-11-27 12:00:00", "heartbeat": time.time()}).encode()
+
+    def late(self, name, content, generation):
+        out = real(self, name, content, generation)  # the store takes the write...
+        monkeypatch.setattr(storage.Versions, "write_if", real)
+        time.sleep(3 * every)  # ...but its answer arrives after a pause,
+        real(self, runlock.LOCK, taker, out)  # during which another process took the run
+        return out
+
+    if late_write == "take":
         monkeypatch.setattr(storage.Versions, "write_if", late)
-        lease.renew()
-        with pytest.raises(RunError, match=f"this process lost the lease on {first} "):
-            first.check_fence()
+    with run.writer("train.py"):
+        if late_write == "renewal":
+            monkeypatch.setattr(storage.Versions, "write_if", late)
+            run.fence.__self__.renew()
+        said = f"this process lost the lease on {run} (train.py --resume (pid 1 on elsewhere, since 2026-11-27"
+        with pytest.raises(RunError, match=re.escape(said)):
+            run.check_fence()
+    assert run.read_bytes(runlock.LOCK) == taker  # the taker's lock stays
 
 
 def test_a_holder_paused_inside_its_save_never_commits_it(journey, gcs_refusals):
