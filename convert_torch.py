@@ -108,7 +108,6 @@ from safetensors.numpy import load_file, save_file
 import config as config_lib
 import outputs
 import rundir
-import shard_writer
 import shards
 import storage
 from errors import ConvertError, DataError
@@ -177,7 +176,7 @@ def read_hf_tokenizer(hf_dir: pathlib.Path):
     is), else a byte-level BPE tokenizers.Tokenizer built from vocab.json and merges.txt, else None."""
     if (hf_dir / TOKENIZER_NAME).is_file():
         try:
-            shard_writer.load_tokenizer_file(hf_dir / TOKENIZER_NAME)
+            shards.load_tokenizer_file(hf_dir / TOKENIZER_NAME)
         except DataError as e:
             raise ConvertError(f"{e}; the tokenizers library cannot read it: fix it, or remove it and import "
                                f"without a tokenizer") from None
@@ -214,7 +213,7 @@ def _eot(tokenizer_path: pathlib.Path) -> tuple[int | None, str | None]:
     """(id, text) of a tokenizer.json's end-of-text token, (None, None) without one."""
     if not tokenizer_path.is_file():
         return None, None
-    tok = shard_writer.load_tokenizer_file(tokenizer_path)
+    tok = shards.load_tokenizer_file(tokenizer_path)
     eot_id = shards.eot_id_of(tok)
     return (None, None) if eot_id is None else (eot_id, tok.id_to_token(eot_id))
 

@@ -80,7 +80,7 @@ policy): -16% to +13% against the CPU's compiled step, which runs the products o
 where the same configurations without FP8 are -17% to +19%; the GPU's FP8 GEMMs are still to be
 measured. The model assumes a memory-minimising accelerator schedule:
 each block recomputed and its activations freed as the backward pass reaches it (under remat
-model.py pins this with optimization barriers, which the GPU compiler keeps until it has scheduled
+remat.py pins this with optimization barriers, which the GPU compiler keeps until it has scheduled
 and the CPU compiler drops before; TPUs unmeasured), and the gradients reduced (at ZeRO stages 2
 and 3 scattered) as they are made (in a configuration dominated by parameters rather than
 activations, the CPU compiler was measured holding the whole unreduced gradient at stages 2 and 3,

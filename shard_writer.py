@@ -7,7 +7,8 @@ directory is built in, swapped into place only when complete (outputs.StagedDir)
 preparation never leaves an index naming missing or partial shards, nor loses the old DIR; `check_out`
 says before anything is written whether DIR may be written at all.
 
-Used by data.py, data_beam.py and finetune_data.py; loading reads the result through shards.py alone.
+Used by data.py, data_beam.py and finetune_data.py (and bench.py's remote-data benchmark); loading reads
+the result through shards.py alone.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import numpy as np
 import outputs
 import storage
 from errors import DataError
-from shards import EOT_TOKEN, eot_id_of
+from shards import EOT_TOKEN, eot_id_of, load_tokenizer_file
 
 CHUNK_BYTES = 1 << 20  # text per encode_batch call: large enough to amortise, small enough to bound memory
 # the largest BPE vocabulary trained here: the tokenizers library reserves ~66 bytes an entry up front (2**30
@@ -51,16 +52,6 @@ def check_trained_vocab(vocab_size: int, what: str = "vocab size") -> None:
     if not 258 <= vocab_size <= MAX_TRAINED_VOCAB:
         raise DataError(f"{what} must be between 258 (256 byte symbols and the end-of-text token) and "
                         f"{MAX_TRAINED_VOCAB:,} (2**24) for a byte-level BPE, got {vocab_size:,}")
-
-
-def load_tokenizer_file(path: str | os.PathLike):
-    """A tokenizers Tokenizer from tokenizer.json; a missing or malformed file is a DataError."""
-    from tokenizers import Tokenizer
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the library raises a bare Exception for both missing and malformed files
-        reason = "file not found" if not os.path.exists(path) else str(e).splitlines()[0][:200]
-        raise DataError(f"cannot load tokenizer {path}: {reason}")
 
 
 def tokenizer_path(tokenizer) -> pathlib.Path:

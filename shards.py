@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import pathlib
 from typing import NamedTuple
 
@@ -50,6 +51,16 @@ PROMPT_COMPLETION = "prompt_completion"  # index["kind"] of prompt/completion da
 ENTROPY_FIELDS = ("unigram_entropy", "loss_unigram_entropy")  # of the index and of each split: numbers or absent
 PROMPT, COMPLETION, END = 0, 1, 2  # loss-mask byte values of prompt/completion data
 BATCHING = ("packing", "padding")  # how the loader fills rows with prompt/completion examples (data.batching)
+
+
+def load_tokenizer_file(path: str | os.PathLike):
+    """A tokenizers Tokenizer from tokenizer.json; a missing or malformed file is a DataError."""
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises a bare Exception for both missing and malformed files
+        reason = "file not found" if not os.path.exists(path) else str(e).splitlines()[0][:200]
+        raise DataError(f"cannot load tokenizer {path}: {reason}")
 
 
 def eot_id_of(tokenizer) -> int | None:
