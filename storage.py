@@ -378,7 +378,7 @@ class JsonLines:
     kept in memory and the whole file is uploaded by flush() (train.py calls it at each evaluation and
     checkpoint), at least every FLUSH_SECONDS while rows come in, and by close(). Where the store has
     generations (Google Cloud Storage) each upload replaces only the generation this process wrote or read
-    last (see _write).
+    last (see _upload).
     """
 
     def __init__(self, run: RunDir, name: str, keep=lambda row: True):
