@@ -24,7 +24,7 @@ memory, time of forward + backward), to choose the fastest correct one on a GPU.
 """
 from __future__ import annotations
 
-import errors  # light: nothing but the standard library
+from core import errors  # light: nothing but the standard library
 
 if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
@@ -44,8 +44,8 @@ import time
 import numpy as np
 
 import data  # imports no tokenizer yet: the library's thread pool starts at the first batch encoding
-import loader as loader_lib
-from errors import BenchError
+from core.errors import BenchError
+from tokendata import loader as loader_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent
 PREP_RATIO_TARGET = 0.8  # of the tokenizers library's own batch encoding
@@ -240,12 +240,11 @@ def _prefetch_wait(directory: pathlib.Path, batch: int, seq: int, step_ms: float
 def bench_data(args, argv: list[str]) -> int:
     args.seq = args.seq if args.seq is not None else 1024 if args.remote else 128
     if args.remote:  # bench_remote.py: the loader against an object store
-        import bench_remote
-
+        from benchmarks import bench_remote
         if args.latency_ms < 0 or args.bandwidth_mbs <= 0 or min(args.shards, args.shard_tokens, args.remote_steps) < 1:
             raise BenchError("--latency-ms must be >= 0, --bandwidth-mbs positive, --shards, --shard-tokens and "
                              "--remote-steps at least 1")
-        results, rows, summary = bench_remote.run(args)
+        results, rows, summary = bench_remote.run(args, data.prepare)
         _print_rows(rows)
         path = _record("data-remote", pathlib.Path(args.out), argv, results, summary,
                        ("numpy", "fsspec", "gcsfs", "gcp-storage-emulator"))
@@ -329,9 +328,8 @@ TRAIN_LIBRARIES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax
 
 def _bench_step(kind: str, args, argv: list[str]) -> int:
     """`train` or `attention`: run bench_train.py's benchmark, print its rows, record it under --out."""
-    import bench_attention as attention_lib
-    import bench_train as train_lib
-
+    from benchmarks import bench_attention as attention_lib
+    from benchmarks import bench_train as train_lib
     results, rows, summary = (train_lib.run if kind == "train" else attention_lib.run_attention)(args)
     _print_rows(rows)
     path = _record(kind, pathlib.Path(args.out), argv, results, summary, TRAIN_LIBRARIES)

@@ -134,6 +134,7 @@ def offline_user(tmp_path):
 import sys  # noqa: E402
 import uuid  # noqa: E402
 
+
 @pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory):
     """The server's URL, http://127.0.0.1:PORT, with the clients pointed at it; stopped at the end."""
@@ -177,8 +178,7 @@ def _new_bucket():
 @pytest.fixture
 def gcs_bucket(gcs_server, tmp_path, monkeypatch):
     """gs://BUCKET, a fresh bucket on the test GCS server, with no memory of earlier checks of data there."""
-    import shards
-
+    from tokendata import shards
     shards.forget_checked()
     with _new_bucket() as bucket:
         yield bucket
@@ -187,8 +187,7 @@ def gcs_bucket(gcs_server, tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def gcs_module_bucket(gcs_server, tmp_path_factory):
     """gs://BUCKET for a whole test module (a journey several tests look at)."""
-    import shards
-
+    from tokendata import shards
     shards.forget_checked()
     with _new_bucket() as bucket:
         yield bucket

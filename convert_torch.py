@@ -6,7 +6,7 @@
 Export writes `model.safetensors`, `config.json` and the run's `tokenizer.json` (no pickles).
 `--format torch` (the default) is read by the `GPT` module of torch_gpt.py:
 
-    from torch_gpt import GPT
+    from torch_gpt import GPT               # interop/torch_gpt.py, copied beside or on sys.path
     model = GPT.from_pretrained(DIR)          # torch and safetensors only; no JAX needed
 
 `--format hf` writes the transformers layout of the model's family, for
@@ -60,7 +60,7 @@ Exporting needs numpy and safetensors only; the GPT module and reading pytorch_m
 """
 from __future__ import annotations
 
-import errors  # light: nothing but the standard library
+from core import errors  # light: nothing but the standard library
 
 if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX, torch and the rest load: one line, no traceback
@@ -105,16 +105,19 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-import config as config_lib
-import outputs
-import rundir
-import shards
-import storage
-from errors import ConvertError, DataError
-from hf_configs import config_from_hf, hf_config
-from hf_layouts import embedding_key, from_torch_tensors, head_key, hf_format, lora_tensors, to_torch_tensors
+from core import outputs, storage
+from core.errors import ConvertError, DataError
+from interop.hf_configs import config_from_hf, hf_config
+from interop.hf_layouts import embedding_key, from_torch_tensors, head_key, hf_format, lora_tensors, to_torch_tensors
+from interop.torch_gpt import (  # GPT: `from convert_torch import GPT` as before torch_gpt.py
+    CONFIG_NAME,
+    GPT,
+    WEIGHTS_NAME,
+)
 from model import GPTConfig
-from torch_gpt import CONFIG_NAME, GPT, WEIGHTS_NAME  # GPT: `from convert_torch import GPT` as before torch_gpt.py
+from store import rundir
+from tokendata import shards
+from training import config as config_lib
 
 __all__ = ["ConvertError", "export", "export_adapter", "import_hf", "read_run", "fetch_hf_dir", "read_hf_tensors", "read_hf_tokenizer",
            "main", "cli", "GPT", "WEIGHTS_NAME", "CONFIG_NAME", "TOKENIZER_NAME"]
@@ -308,8 +311,8 @@ def export_adapter(adapters: dict, gpt_config, lora, out, overwrite: bool = Fals
     (hf_layouts.lora_tensors): adapter_model.safetensors and adapter_config.json (r, lora_alpha,
     lora_dropout, target_modules; PEFT's scale lora_alpha / r is the run's alpha / rank). `base`: what
     base_model_name_or_path names. Returns the layout (the transformers model_type)."""
-    import lora as lora_lib
     import model as model_lib
+    from layers import lora as lora_lib
 
     c = gpt_config if isinstance(gpt_config, GPTConfig) else GPTConfig(**dict(gpt_config))
     layout = hf_format(c, adapters=True)

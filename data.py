@@ -32,7 +32,7 @@ streams each file; the loader reads a URL by byte ranges, each process its own r
 """
 from __future__ import annotations
 
-import errors  # light: nothing but the standard library
+from core import errors  # light: nothing but the standard library
 
 if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
@@ -46,13 +46,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
-import corpus
-import finetune_data
-import shard_writer
-import shards
-import storage
-from corpus import default_corpus_files
-from errors import DataError
+from core import storage
+from core.errors import DataError
+from tokendata import corpus, finetune_data, shard_writer, shards
+from tokendata.corpus import default_corpus_files
 
 DEFAULT_DATA_DIR = pathlib.Path(__file__).resolve().parent / "data" / "pystdlib"
 
@@ -94,7 +91,7 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
                         f"({out}); prepare into such a directory and copy it, or use the local runner")
     if runner == "beam":
         try:
-            import data_beam  # apache-beam is optional: imported only for this runner
+            from tokendata import data_beam  # apache-beam is optional: imported only for this runner
         except ImportError as e:
             raise DataError(f"--runner beam needs apache-beam ({e}); pip install apache-beam")
     if workers is not None and workers < 1:

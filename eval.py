@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import sys
 
-import errors  # light: nothing but the standard library
+from core import errors  # light: nothing but the standard library
 
 if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
@@ -97,18 +97,14 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-import attention as attention_lib
 import data
-import harness
-import loader
-import plots
-import rundir
-import sample
-import shards
-import storage
-from errors import DataError, EvalError
-
-
+from core import storage
+from core.errors import DataError, EvalError
+from inference import decoding, harness
+from layers import attention as attention_lib
+from store import rundir
+from tokendata import loader, shards
+from training import plots
 
 # ----------------------------------------------------------------------------------------------
 # Perplexity against evaluation length
@@ -192,12 +188,12 @@ def check_max_tokens(max_tokens: int | None, lengths: Sequence[int]) -> None:
 def check_batch_tokens(batch_tokens: int, model_cfg) -> None:
     """--batch-tokens whose scoring batch's float32 logits (batch_tokens x the padded vocabulary) fit the
     device, or an EvalError naming the most that do, before anything is allocated."""
-    memory, what = sample.device_memory()
+    memory, what = decoding.device_memory()
     per_token = model_cfg.padded_vocab_size * 4
     if batch_tokens * per_token > memory:
         raise EvalError(f"--batch-tokens {batch_tokens:,}: a scoring batch's logits alone take "
-                        f"{batch_tokens * per_token / sample.GiB:,.1f} GiB ({model_cfg.padded_vocab_size:,} float32 "
-                        f"logits a token), more than the {memory / sample.GiB:,.1f} GiB of {what}; at most "
+                        f"{batch_tokens * per_token / decoding.GiB:,.1f} GiB ({model_cfg.padded_vocab_size:,} float32 "
+                        f"logits a token), more than the {memory / decoding.GiB:,.1f} GiB of {what}; at most "
                         f"--batch-tokens {memory // per_token:,}")
 
 

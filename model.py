@@ -55,13 +55,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import fp8
-import lora as lora_lib
-import remat as remat_lib
-from attention import (ATTENTION_IMPLS, Masking, apply_rotary, attention, cached_attention, cudnn_dtype_problem,
-                       dropout, rotary_angles, segment_positions)
-from logical_axes import activation_sharding_of, logical_constraint
-from loss import PADDED_LOGIT, chunk_layout, chunked_cross_entropy, cross_entropy, tied_logits
+from layers import fp8
+from layers import lora as lora_lib
+from layers import remat as remat_lib
+from layers.attention import (
+    ATTENTION_IMPLS,
+    Masking,
+    apply_rotary,
+    attention,
+    cached_attention,
+    cudnn_dtype_problem,
+    dropout,
+    rotary_angles,
+    segment_positions,
+)
+from layers.logical_axes import activation_sharding_of, logical_constraint
+from layers.loss import PADDED_LOGIT, chunk_layout, chunked_cross_entropy, cross_entropy, tied_logits
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 VOCAB_MULTIPLE = 128  # pad the vocabulary so the embedding and logits matmuls tile well

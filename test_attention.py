@@ -12,12 +12,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import alibi_dims
-import attention as A
-import config
 import model as M
 import sharding
-import step
+from layers import alibi_dims
+from layers import attention as A
+from training import config, step
 
 B, T, H, K, D = 2, 200, 4, 2, 32  # T: not a whole number of any kernel's blocks; K < H: grouped heads
 
@@ -157,8 +156,7 @@ def forms(q, k, v):
     ALiBi: the bias form (xla, dot_product, pallas: the bias added to each scaled float32 score) and the
     two kernels that carry it as head dimensions, with alibi_dims' real columns: cudnn (q . k accumulated
     in float32 with the columns, then scaled) and splash (q scaled by splash.scaled_query, a scale of 1)."""
-    import splash
-
+    from layers import splash
     T, scale = q.shape[1], 1 / np.sqrt(LONG_D)
     i, j = jnp.arange(T - LONG_ROWS, T)[:, None], jnp.arange(T)[None, :]
     rows = lambda x: x[:, -LONG_ROWS:]  # noqa: E731

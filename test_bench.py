@@ -15,19 +15,15 @@ import pytest
 import torch
 from flax import nnx
 
-import attention as A
 import bench
-import bench_profile
-import bench_train
-import config
-import errors
-import flash_alibi
-import logical_axes
-import loss
 import model as M
 import sharding
-import step
 import train
+from benchmarks import bench_profile, bench_train
+from core import errors
+from layers import attention as A
+from layers import flash_alibi, logical_axes, loss
+from training import config, step
 
 ON_GPU = jax.default_backend() == "gpu"
 

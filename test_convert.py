@@ -25,21 +25,18 @@ import yaml
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-import attention
-import config
 import convert_torch as ct
 import data
 import eval as E
-import hf_layouts
-import loader
 import model
-import rundir
-import shard_writer
-import shards
-import torch_gpt
 import train
+from interop import hf_layouts, torch_gpt
+from layers import attention
+from store import rundir
 from test_data import PLACES, bad_place, kill_at_random_moments, make_docs, one_error_line, write_text_files
 from test_train import corpus, restore, rows, tiny  # noqa: F401  (corpus is a fixture)
+from tokendata import loader, shard_writer, shards
+from training import config
 
 REPO = pathlib.Path(__file__).resolve().parent
 TOL = 1e-4
@@ -539,7 +536,9 @@ def test_overwrite_killed_at_random_moments_keeps_the_old_or_the_new_output(gpt2
 STOPPED_AT = """
 import gc, os, runpy, signal, sys
 moment = sys.argv.pop(1)
-import outputs, rundir, safetensors.numpy
+from core import outputs
+from store import rundir
+import safetensors.numpy
 
 def ctrl_c():
     os.kill(os.getpid(), signal.SIGINT)  # a real SIGINT, its Python handler run at the next line of Python
@@ -620,7 +619,7 @@ def test_help_and_export_need_no_torch(tmp_path):
             assert e.code == 0, e.code
         import numpy as np
         import convert_torch as ct
-        import hf_layouts
+        from interop import hf_layouts
         params = hf_layouts.unflatten(dict(np.load(f"{tmp}/params.npz")))
         ct.export(params, json.load(open(f"{tmp}/config.json")), f"{tmp}/hf", fmt="hf")
     """)
@@ -816,7 +815,7 @@ def test_torch_gpt_alone_beside_an_export_needs_nothing_of_the_repository(tmp_pa
     JAX model's logits."""
     fresh = tmp_path / "elsewhere"
     fresh.mkdir()
-    shutil.copyfile(REPO / "torch_gpt.py", fresh / "torch_gpt.py")
+    shutil.copyfile(REPO / "interop" / "torch_gpt.py", fresh / "torch_gpt.py")
     m, params = jax_model(alibi_attn=True, embed_norm=True, norm="rmsnorm", activation="swiglu", num_kv_head=2,
                           residual="parallel", tie_embeddings=False, head_bias=True, mlp_dim=48)
     ct.export(params, m.config, fresh / "export")
@@ -827,7 +826,7 @@ def test_torch_gpt_alone_beside_an_export_needs_nothing_of_the_repository(tmp_pa
         for project in ("model", "errors", "hf_layouts", "convert_torch"):  # the repository is out of sight
             assert importlib.util.find_spec(project) is None, (project, sys.path)
         import numpy as np, torch
-        from torch_gpt import GPT
+        from interop.torch_gpt import GPT
         model = GPT.from_pretrained("export")
         with torch.no_grad():
             np.save("logits.npy", model(torch.from_numpy(np.load("tokens.npy"))).numpy())

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-import corpus
+from tokendata import corpus
 
 
 def test_names_are_relative_to_the_patterns_fixed_directories_and_survive_a_move(tmp_path):

@@ -20,12 +20,9 @@ import numpy as np
 import pytest
 
 import data
-import loader
-import permutation
-import shard_writer
-import shards
 import train
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture: a prepared directory train.py runs on)
+from tokendata import loader, permutation, shard_writer, shards
 
 DATA_PY = pathlib.Path(__file__).resolve().parent / "data.py"
 WORDS = ["the", "data", "loader", "token", "shard", "résumé", "naïve", "über", "日本語", "✓", "def", "return",
@@ -660,7 +657,7 @@ def kill_at_random_moments(argv, cwd, staging, window: float, kills: int, reset,
 
 KILLED_AFTER_THE_OLD_MOVES_ASIDE = """
 import os, runpy, signal, sys
-import outputs
+from core import outputs
 outputs.exchange = lambda a, b: False  # as where renameat2 is unavailable: the old moves aside, then the new in
 out, real_rename = os.path.abspath(sys.argv[-1]), os.rename
 def rename(a, b):
@@ -991,7 +988,7 @@ def pairs_data(tmp_path_factory, prepared):
     rng = np.random.default_rng(5)
     pairs = [{"in_text": " ".join(rng.choice(WORDS, 4)), "out_text": " ".join(rng.choice(WORDS, 3))} for _ in range(60)]
     (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    import finetune_data
+    from tokendata import finetune_data
     finetune_data.prepare([str(root / "pairs.jsonl")], root / "data", seq_len=64, val_fraction=0.2, progress=False,
                           tokenizer=str(prepared[0] / "tokenizer.json"))
     return root / "data"

@@ -7,11 +7,9 @@ import pathlib
 import numpy as np
 import pytest
 
-import corpus
 import data
-import loader
-import shards
 from test_data import assert_one_line_error, make_docs, run_cli, split_stream
+from tokendata import corpus, loader, shards
 
 SHARD_TOKENS = 300  # small, so splits have several shards and shards cut through documents
 
@@ -163,7 +161,7 @@ def test_corrupt_input_is_skipped_like_the_default_runner_or_fatal_with_strict(m
 
 
 def test_failed_pipeline_leaves_no_index_and_keeps_the_old_directory(mixed, both, tmp_path, monkeypatch):
-    import data_beam
+    from tokendata import data_beam
     root, _ = mixed
     old = {p.name: p.read_bytes() for p in both[1].iterdir()}
     out = tmp_path / "out"

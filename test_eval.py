@@ -24,14 +24,14 @@ from flax import nnx
 from lm_eval.api.instance import Instance
 
 import eval as E
-import harness
-import rundir
 import sample
-import shards
 import train
 from conftest import xla_flags
-from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
+from inference import decoding, harness
+from store import rundir
 from test_sample import assert_help_shows_defaults
+from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
+from tokendata import shards
 
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
 
@@ -202,8 +202,8 @@ def test_generate_until_matches_sample_generation(loaded):
     got = lm.generate_until([Instance("generate_until", {}, (c, dict(kwargs)), i) for i, c in enumerate(contexts)])
     for context, text in zip(contexts, got):
         ids = tokenizer.encode(context).ids
-        new = sample.generate(model, np.asarray([ids]), 12, temperature=0.0, eot_id=eot)[0]
-        want = tokenizer.decode(sample.truncate(new, eot))
+        new = decoding.generate(model, np.asarray([ids]), 12, temperature=0.0, eot_id=eot)[0]
+        want = tokenizer.decode(decoding.truncate(new, eot))
         want = want[:want.find("theta")] if "theta" in want else want
         assert text == want
     assert got[0] == got[2]

@@ -25,21 +25,20 @@ import torch
 import transformers
 from flax import nnx
 
-import config
 import convert_torch as ct
-import hf_configs
-import loader
-import loss as loss_lib
 import model
-import rundir
-import sample
 import sharding
-import torch_gpt
 import train
+from inference import decoding
+from interop import hf_configs, torch_gpt
+from layers import loss as loss_lib
+from store import rundir
 from test_convert import TOL, jax_model, tokens
 from test_model import check_chunked_loss
 from test_sharding import one_step
 from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
+from tokendata import loader
+from training import config
 
 V = 300  # the vocabulary of test_train's corpus tokenizer
 # family -> (transformers config class, its small shapes, what model.py's config should read from it)
@@ -154,7 +153,7 @@ def test_import_gives_transformers_logits_at_full_context_and_with_a_kv_cache(tm
     # greedy decoding through the KV cache (sample.py's path) chooses what recomputing the whole
     # sequence chooses, and those are transformers' logits at every generated position
     prompt = toks[:, :4]
-    cached = sample.generate(m, prompt, 28, temperature=0.0)
+    cached = decoding.generate(m, prompt, 28, temperature=0.0)
     np.testing.assert_array_equal(cached, greedy_by_recomputation(m, prompt, 28))
     full = np.concatenate([prompt, cached], axis=1)
     np.testing.assert_allclose(np.asarray(m(full))[..., :V], hf_logits(hf, full), atol=TOL, rtol=0)

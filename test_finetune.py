@@ -15,18 +15,17 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer
 
-import config
 import data
-import finetune_data
-import loader
-import attention as attention_lib
-import loss as loss_lib
 import model as model_lib
-import rundir
 import sample
-import shards
 import train
+from inference import decoding
+from layers import attention as attention_lib
+from layers import loss as loss_lib
+from store import rundir
 from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
+from tokendata import finetune_data, loader, shards
+from training import config
 
 REPO = pathlib.Path(__file__).resolve().parent
 WORDS = "red blue green cat dog sun moon tree".split()
@@ -287,8 +286,8 @@ def test_finetuned_model_reverses_held_out_lists(reversal, tmp_path, capsys):
     tok = rundir.Run(run_dir).tokenizer()
     eot = tok.token_to_id(shards.EOT_TOKEN)
     prompts = np.asarray([tok.encode(p["in_text"], add_special_tokens=False).ids for p in held])  # (40, 4)
-    out = sample.generate(model, prompts, 6, temperature=0, eot_id=eot)  # greedy, one batch
-    right = sum(tok.decode(sample.truncate(row, eot)) == p["out_text"] for row, p in zip(out, held))
+    out = decoding.generate(model, prompts, 6, temperature=0, eot_id=eot)  # greedy, one batch
+    right = sum(tok.decode(decoding.truncate(row, eot)) == p["out_text"] for row, p in zip(out, held))
     assert right >= 0.8 * len(held), f"{right}/{len(held)} held-out lists reversed"
 
     # the summary compares the validation loss with the unigram entropy of the tokens it counts, the

@@ -19,12 +19,10 @@ import transformers
 
 import convert_torch
 import eval as eval_lib
-import fingerprints
-import formats
-import loader
-import rundir
 import sample
 import train
+from store import fingerprints, formats, rundir
+from tokendata import loader
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "runs"
 MADE = sorted(p.name for p in FIXTURES.iterdir() if (p / "made.json").is_file())

@@ -12,18 +12,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import config
-import devices
-import fp8
-import loader
 import model
-import plan
-import rundir
 import sharding
-import step as step_lib
 import train
+from layers import fp8
+from store import rundir
 from test_plan import STEP_CASES, cfg_of, cpus, xla_temp_bytes
 from test_train import corpus, deterministic, restore, rows, tiny  # noqa: F401  (corpus is a fixture)
+from tokendata import loader
+from training import config, devices, plan
+from training import step as step_lib
 
 FMAX = {"e4m3": 448.0, "e5m2": 57344.0}  # the formats' largest finite values (OCP FP8: 1.75 x 2^8, 1.75 x 2^15)
 FORMATS = {"e4m3": (jnp.float8_e4m3fn, ml_dtypes.float8_e4m3fn), "e5m2": (jnp.float8_e5m2, ml_dtypes.float8_e5m2)}

@@ -24,15 +24,13 @@ import pytest
 
 import convert_torch
 import data
-from conftest import uncached_env
-import outputs
-import rundir
-import runlock
-import shards
-import storage
 import train
-from errors import RunError
+from conftest import uncached_env
+from core import outputs, storage
+from core.errors import RunError
+from store import rundir, runlock
 from test_train import WORDS, deterministic, tiny
+from tokendata import shards
 
 REPO = pathlib.Path(__file__).resolve().parent
 

@@ -28,24 +28,23 @@ import transformers
 import yaml
 from flax import nnx
 
-import config
 import convert_torch as ct
 import eval as eval_lib
-import hf_layouts
-import loader
-import loss as loss_lib
-import lora as lora_lib
 import model
-import rundir
-import runlock
 import sample
 import sharding
-import shards
-import step as step_lib
 import train
+from inference import decoding
+from interop import hf_layouts
+from layers import lora as lora_lib
+from layers import loss as loss_lib
+from store import rundir, runlock
 from test_convert import TOL, tokens
 from test_families import SMALL, SWITCHES, V, hf_logits, random_hf
 from test_train import corpus, deterministic, restore, rows, tiny  # noqa: F401  (corpus is a fixture)
+from tokendata import loader, shards
+from training import config
+from training import step as step_lib
 
 GPT2 = SMALL  # the fused q/k/v weight (d, 3, H, D), learned positions
 LLAMA = {**SMALL, **SWITCHES["llama"]}  # separate q (d, H, D) and k/v (d, 2, K, D) weights, SwiGLU's gate
@@ -420,7 +419,7 @@ def test_sample_eval_and_export_read_a_lora_run(lora_run, windows, corpus, tmp_p
     capsys.readouterr()
     assert sample.cli(["--checkpoint", str(run), "--prompt", prompt, "--temperature", "0",
                        "--max-new-tokens", "4"]) == 0
-    new = sample.truncate(np.asarray(greedy(cfg.model, merged, ids, 4, windows[:, :-1])), shards.eot_id_of(tok))
+    new = decoding.truncate(np.asarray(greedy(cfg.model, merged, ids, 4, windows[:, :-1])), shards.eot_id_of(tok))
     assert capsys.readouterr().out.splitlines()[1] == tok.decode(ids + list(new))
     # eval.py: the merged model's loss on those windows
     assert eval_lib.cli(["--checkpoint", str(run), "--data", str(corpus), "--lengths", "32",

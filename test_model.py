@@ -12,10 +12,10 @@ import pytest
 import yaml
 from flax import nnx
 
-import attention as A
-import logical_axes
-import loss as loss_lib
 import model as M
+from layers import attention as A
+from layers import logical_axes
+from layers import loss as loss_lib
 
 TINY = M.GPTConfig(vocab_size=200, block_size=16, embedding_dim=32, num_head=4, N=2)
 

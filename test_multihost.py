@@ -18,12 +18,11 @@ import time
 import numpy as np
 import pytest
 
-import multihost
-import rundir
-import runlock
 import train
 from conftest import xla_flags
+from store import rundir, runlock
 from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
+from training import multihost
 
 REPO = pathlib.Path(__file__).resolve().parent
 
@@ -276,13 +275,13 @@ def last_line(err: str) -> str:
 
 
 @pytest.mark.parametrize("where, patch, why", [
-    ("mid-training", "import progress\n"
+    ("mid-training", "from training import progress\n"
      "dispatched = progress.Steps.dispatched\n"
      "def failing(self, metrics):\n"
      "    if self.step == 4: raise ValueError('injected failure after step 4')\n"
      "    return dispatched(self, metrics)\n"
      "progress.Steps.dispatched = failing", "ValueError: injected failure after step 4"),
-    ("during restore", "import checkpoints\n"
+    ("during restore", "from store import checkpoints\n"
      "def failing(self, *args, **kwargs):\n"
      "    raise RuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB')\n"
      "checkpoints.Saver.restore = failing",

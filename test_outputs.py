@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-import outputs
-from errors import StorageError
+from core import outputs
+from core.errors import StorageError
 
 REPO = pathlib.Path(__file__).resolve().parent
 
@@ -68,7 +68,7 @@ def test_a_staged_directory_replaces_the_old_one_whole(tmp_path, monkeypatch, sw
 KILLED_BETWEEN_RENAMES = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
-import outputs
+from core import outputs
 outputs.exchange = lambda a, b: False  # the fallback: old -> aside, new -> place
 print(os.getpid(), flush=True)
 real_rename, calls = os.rename, []

@@ -11,13 +11,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-import config
-import devices
 import model
-import plan
 import sharding
-import step
 import train
+from training import config, devices, plan, step
 
 GiB = 2**30
 # XLA's CPU compiler schedules for concurrency by default, keeping buffers alive far longer than a
@@ -289,8 +286,7 @@ def test_training_mfu_counts_chips_not_cores(monkeypatch, kind, devices, chips, 
     the 4 chips' peak, as on a v4-8 (4 chips, 4 devices): JAX counting cores must not halve it."""
     import types
 
-    import progress
-
+    from training import progress
     cfg = cfg_of()
     monkeypatch.setattr(jax, "local_devices", lambda: [types.SimpleNamespace(device_kind=kind)])
     monkeypatch.setattr(jax, "device_count", lambda: devices)

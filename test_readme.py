@@ -198,8 +198,8 @@ class Checker:
     # the scripts, each through its own parser
 
     def script_train(self, args, line):
-        import config
         import train
+        from training import config
 
         parsed = train.parse_args(args)
         path = REPO / parsed.config if parsed.config else config.DEFAULT_CONFIG
@@ -399,12 +399,11 @@ def exports(tmp_path_factory):
     import numpy as np
     from flax import nnx
 
-    import config
     import convert_torch
-    import lora as lora_lib
     import model
-    import shard_writer
-
+    from layers import lora as lora_lib
+    from tokendata import shard_writer
+    from training import config
     root = tmp_path_factory.mktemp("readme")
     docs = [f"def main(argv): return {i} + {i * i}  # the cat sat on the mat\n" for i in range(200)]
     tok = shard_writer.train_tokenizer(iter(docs), 300)
@@ -429,13 +428,14 @@ def test_the_pytorch_snippet_runs_and_its_install_lines_name_what_it_imports(exp
     (snippet,) = [body for lang, body in BLOCKS if lang == "python" and "torch_gpt" in body]
     checkout = tmp_path / "checkout"  # the README's convert_torch.py commands wrote export/default and -hf in it
     shutil.copytree(exports / "export", checkout / "export")
-    shutil.copyfile(REPO / "torch_gpt.py", checkout / "torch_gpt.py")
+    (checkout / "interop").mkdir()
+    shutil.copyfile(REPO / "interop" / "torch_gpt.py", checkout / "interop" / "torch_gpt.py")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "torch_gpt")
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(REPO))])
     names = {"__name__": "readme_snippet"}
     exec(compile(snippet.replace("path/to/gpt-jax", str(checkout)), "README.md's snippet", "exec"), names)
-    assert sys.modules["torch_gpt"].__file__ == str(checkout / "torch_gpt.py")
+    assert sys.modules["torch_gpt"].__file__ == str(checkout / "interop" / "torch_gpt.py")
     assert capsys.readouterr().out.startswith("def main(")  # the prompt and its continuation
 
     # every package the snippet and torch_gpt.py import is in the install lines before it
@@ -444,7 +444,7 @@ def test_the_pytorch_snippet_runs_and_its_install_lines_name_what_it_imports(exp
                 for argv in commands(line) if argv[:2] == ["pip", "install"]]
     named = {a for argv in installs for a in argv[2:] if not a.startswith("-") and "://" not in a}
     imported = set()
-    for source in (snippet, (REPO / "torch_gpt.py").read_text()):
+    for source in (snippet, (REPO / "interop" / "torch_gpt.py").read_text()):
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Import):
                 imported |= {alias.name.split(".")[0] for alias in node.names}
@@ -524,7 +524,7 @@ def test_the_local_bucket_of_the_readme(tmp_path):
         code = ("import logging; logging.basicConfig(); "  # libraries' warnings shown, as train.py's logging shows them
                 "import gcsfs; fs = gcsfs.GCSFileSystem(); print(fs.ls('local')); "
                 "fs.pipe('local/dir/a.txt', b'hello'); print(fs.cat('local/dir/a.txt').decode()); "
-                "import numpy as np, rundir; run = rundir.Run('gs://local/run'); "  # orbax, tensorstore's arrays
+                "import numpy as np; from store import rundir; run = rundir.Run('gs://local/run'); "  # orbax, tensorstore's arrays
                 "run.save_params({'w': np.arange(3.0)}); print(run.load_params()[0]['w'].tolist()); "
                 "fs.rm('local/run/checkpoints/0/_CHECKPOINT_METADATA'); "  # a damaged checkpoint: one line, no noise
                 "exec('try: run.load_params()\\nexcept rundir.RunError as e: print(str(e).split(\\': \\', 1)[1])'); "

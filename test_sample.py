@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import attention as A
-import loss as loss_lib
 import model as M
-import rundir
 import sample
 import train
+from inference import decoding
+from layers import attention as A
+from layers import loss as loss_lib
+from store import rundir
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 
 REPO = pathlib.Path(__file__).resolve().parent
@@ -100,7 +101,7 @@ def test_greedy_generation_equals_argmax_of_recomputation(alibi):
     m = sharp_model(cfg, seed=3)
     prompt = prompts(2, 5, seed=4)
     n = 35 if alibi else 11  # ALiBi: to 40 tokens with block_size 16; learned positions: to exactly 16
-    got = sample.generate(m, prompt, n, temperature=0.0)
+    got = decoding.generate(m, prompt, n, temperature=0.0)
     assert got.shape == (2, n)
     np.testing.assert_array_equal(got, greedy_by_recomputation(m, prompt, n, cfg.vocab_size))
 
@@ -155,13 +156,13 @@ def test_padded_vocabulary_is_never_sampled():
     m = sharp_model(TINY, seed=7)
     m.wte[...] = jnp.asarray(m.wte[...]).at[TINY.vocab_size:].set(
         5.0 * jax.random.normal(jax.random.key(0), (TINY.padded_vocab_size - TINY.vocab_size, TINY.embedding_dim)))
-    out = sample.generate(m, np.tile(prompts(1, 3), (64, 1)), 20, temperature=10.0, seed=1)
+    out = decoding.generate(m, np.tile(prompts(1, 3), (64, 1)), 20, temperature=10.0, seed=1)
     assert out.min() >= 0 and out.max() < TINY.vocab_size
     assert len(np.unique(out)) > 100  # a high temperature does spread over the real vocabulary
     # and directly: padded logits far above the rest, greedy and sampled alike
     logits = jnp.concatenate([jnp.zeros((500, 200)), jnp.full((500, 56), 100.0)], axis=1)
     for t in (0.0, 1.0, 50.0):
-        tok = sample.sample_logits(logits, jax.random.key(2), vocab_size=200, temperature=t)
+        tok = decoding.sample_logits(logits, jax.random.key(2), vocab_size=200, temperature=t)
         assert int(tok.max()) < 200
 
 
@@ -169,7 +170,7 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     # probabilities 0.5, 0.3, 0.15, 0.05 over a vocabulary of 4 (padded to 8)
     p = np.array([0.5, 0.3, 0.15, 0.05])
     logits = jnp.tile(jnp.asarray(np.concatenate([np.log(p), np.zeros(4)]), jnp.float32), (20000, 1))
-    draw = lambda **kw: np.asarray(sample.sample_logits(logits, jax.random.key(0), vocab_size=4, **kw))  # noqa: E731
+    draw = lambda **kw: np.asarray(decoding.sample_logits(logits, jax.random.key(0), vocab_size=4, **kw))  # noqa: E731
     cases = [(dict(top_p=0.7), [0, 1]),  # 0.5 < 0.7, 0.5 + 0.3 reaches it
              (dict(top_p=0.85), [0, 1, 2]),
              (dict(top_p=0.5), [0]),  # the first token alone reaches 0.5
@@ -190,11 +191,11 @@ def test_top_k_and_top_p_keep_the_right_tokens():
 def test_top_k_1_is_greedy_and_seeds_are_reproducible():
     m = sharp_model(TINY, seed=8)
     prompt = np.tile(prompts(1, 4, seed=9), (4, 1))
-    greedy = sample.generate(m, prompt, 20, temperature=0.0)
-    np.testing.assert_array_equal(sample.generate(m, prompt, 20, temperature=1.5, top_k=1, seed=3), greedy)
-    a = sample.generate(m, prompt, 20, temperature=1.0, seed=11)
-    b = sample.generate(m, prompt, 20, temperature=1.0, seed=11)
-    c = sample.generate(m, prompt, 20, temperature=1.0, seed=12)
+    greedy = decoding.generate(m, prompt, 20, temperature=0.0)
+    np.testing.assert_array_equal(decoding.generate(m, prompt, 20, temperature=1.5, top_k=1, seed=3), greedy)
+    a = decoding.generate(m, prompt, 20, temperature=1.0, seed=11)
+    b = decoding.generate(m, prompt, 20, temperature=1.0, seed=11)
+    c = decoding.generate(m, prompt, 20, temperature=1.0, seed=12)
     np.testing.assert_array_equal(a, b)
     assert (a != c).any()
     assert len({tuple(row) for row in a}) > 1  # the samples of one batch differ from each other
@@ -203,14 +204,14 @@ def test_top_k_1_is_greedy_and_seeds_are_reproducible():
 def test_generation_stops_at_end_of_text():
     m = sharp_model(TINY, seed=10)
     prompt = prompts(3, 4, seed=11)
-    free = sample.generate(m, prompt, 12, temperature=0.0)
+    free = decoding.generate(m, prompt, 12, temperature=0.0)
     eot = int(free[0, 4])  # pretend the token greedy decoding produces 5th in row 0 is end-of-text
-    out = sample.generate(m, prompt, 12, temperature=0.0, eot_id=eot)
+    out = decoding.generate(m, prompt, 12, temperature=0.0, eot_id=eot)
     for free_row, row in zip(free, out):
         cut = list(free_row).index(eot) if eot in free_row else len(free_row)
         np.testing.assert_array_equal(row[:cut + 1], free_row[:cut + 1])
         assert (row[cut:] == eot).all()
-        assert sample.truncate(row, eot) == list(free_row[:cut])
+        assert decoding.truncate(row, eot) == list(free_row[:cut])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,7 +310,7 @@ def test_a_generation_larger_than_memory_is_refused_naming_what_fits(runs, capsy
         return 2 * 2 * samples * (prompt + new - 1) * 4 * 8 * 4 + samples * prompt * vocab * 4 + samples * new * 4
 
     memory = need(3, 40) + 100
-    monkeypatch.setattr(sample, "device_memory", lambda: (memory, "this machine's memory"))
+    monkeypatch.setattr(decoding, "device_memory", lambda: (memory, "this machine's memory"))
     rc, _, err = run_cli(capsys, "--checkpoint", run_dir, "--prompt", "the", "--max-new-tokens", 10**9,
                          "--num-samples", 3, "--temperature", 0)
     assert need(1, 10**9) > memory  # not even one sample of 1e9 tokens: only the length is named

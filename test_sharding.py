@@ -23,20 +23,21 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import config
-import logical_axes
-import loss as loss_lib
 import model
-import rundir
 import sharding
-import step as step_lib
 import train
 from conftest import xla_flags
+from layers import logical_axes
+from layers import loss as loss_lib
+from store import rundir
 from test_model import largest_array
 from test_multihost import finish, run_subprocess
 from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
+from training import config
+from training import step as step_lib
 
 REPO = pathlib.Path(__file__).resolve().parent
 Z = ("data", "fsdp")  # the ZeRO / data-parallel axes as a PartitionSpec entry

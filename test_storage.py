@@ -21,15 +21,11 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 import convert_torch
 import data
-import finetune_data
-import loader
-import permutation
-import rundir
-import runlock
-import shards
-import storage
 import train
+from core import storage
+from store import rundir, runlock
 from test_train import WORDS, deterministic, tiny
+from tokendata import finetune_data, loader, permutation, shards
 
 
 @pytest.fixture(scope="module")
@@ -348,6 +344,7 @@ def test_a_remote_finetuned_run_samples_only_the_completion(bucket, tmp_path, mo
     """A run in the store that fine-tuned on prompt/completion pairs is used as it was trained: sample.py
     prints the completion alone, as greedy decoding of the model (a second code path) gives it."""
     import sample
+    from inference import decoding
 
     records = [{"in_text": " " + " ".join(random.Random(i).choices(WORDS, k=4)) + " =",
                 "out_text": " " + " ".join(random.Random(-i).choices(WORDS, k=3))} for i in range(60)]
@@ -366,12 +363,12 @@ def test_a_remote_finetuned_run_samples_only_the_completion(bucket, tmp_path, mo
     model, _ = run.load_model()
     tok = run.tokenizer()
     eot = tok.token_to_id(shards.EOT_TOKEN)
-    out = sample.generate(model, [tok.encode(prompt, add_special_tokens=False).ids], 5, temperature=0, eot_id=eot)
+    out = decoding.generate(model, [tok.encode(prompt, add_special_tokens=False).ids], 5, temperature=0, eot_id=eot)
     capsys.readouterr()
     assert sample.cli(["--checkpoint", run_url, "--prompt", prompt, "--temperature", "0",
                        "--max-new-tokens", "5"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert printed == ["---------- sample 1/1 ----------", tok.decode(sample.truncate(out[0], eot))]
+    assert printed == ["---------- sample 1/1 ----------", tok.decode(decoding.truncate(out[0], eot))]
 
 
 def test_a_run_directory_in_the_object_store_has_one_writer(bucket, monkeypatch, capsys):

@@ -24,17 +24,14 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 
-import checkpoints
-import fingerprints
-import config
-from conftest import uncached_env, xla_flags
 import data
-import errors
 import model
-import progress
-import rundir
-import shards
 import train
+from conftest import uncached_env, xla_flags
+from core import errors
+from store import checkpoints, fingerprints, rundir
+from tokendata import shards
+from training import config, progress
 
 REPO = pathlib.Path(__file__).resolve().parent
 WORDS = ("the cat dog sat on a mat and ran to big small red green house tree river over under with "
@@ -359,7 +356,7 @@ def test_a_run_trained_on_eight_devices_is_read_on_one(finished_run, tmp_path):
     """The readers (eval, sample, export, init_from) take a checkpoint into host memory whatever the
     devices it was saved from: a run trained over 4 x 2 devices reads on a machine with one, every
     array as the 8-device process reads it."""
-    code = ("import sys, numpy as np, jax, rundir; params, step = rundir.Run(sys.argv[1]).load_params(); "
+    code = ("import sys, numpy as np, jax; from store import rundir; params, step = rundir.Run(sys.argv[1]).load_params(); "
             "np.savez(sys.argv[2], step=step, **{jax.tree_util.keystr(p): x for p, x in "
             "jax.tree_util.tree_flatten_with_path(params)[0]})")
     env = {**os.environ, "XLA_FLAGS": xla_flags(devices=1)}
@@ -524,8 +521,7 @@ def test_weight_decay_mask():
     from flax import nnx
 
     import model
-    import step
-
+    from training import step
     cfg = config.load_config(overrides=["model=test", "model.alibi_attn=false"])
     params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: model.GPT(cfg.model, rngs=nnx.Rngs(0)))))
     for decay_embeddings in (False, True):
@@ -756,7 +752,7 @@ def test_help_and_argument_mistakes_are_answered_before_jax_loads(script, args):
 def test_an_older_python_is_one_line():
     """Every entry point imports errors.py first; on a Python older than 3.11 it stops with one line."""
     p = subprocess.run([sys.executable, "-c", "import sys; sys.version_info = (3, 10, 14, 'final', 0); "
-                        "sys.version = '3.10.14 (main)'; import errors"], cwd=REPO, capture_output=True, text=True)
+                        "sys.version = '3.10.14 (main)'; from core import errors"], cwd=REPO, capture_output=True, text=True)
     assert p.returncode == 1 and p.stderr == ("error: Python 3.11 or newer is needed, this is 3.10.14; make the "
                                               "virtual environment with python3.11 -m venv .venv (or newer)\n")
 
@@ -1057,7 +1053,7 @@ def test_wandb_online_without_a_login_is_one_line_before_anything_is_written(fin
     assert not (tmp_path / "new").exists() and contents(finished_run) == before
     # with a key (never checked with the server) the check passes; in a fresh process (W&B keeps the
     # settings it read first) without the variables W&B set here (its service's address among them)
-    check = "import config, rundir; rundir.check_wandb(config.load_config(overrides=['wandb.mode=online']))"
+    check = "from store import rundir; from training import config; rundir.check_wandb(config.load_config(overrides=['wandb.mode=online']))"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"WANDB_API_KEY": "k" * 40}
     result = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, env=env,
                             stdin=subprocess.DEVNULL)
@@ -1107,7 +1103,7 @@ def test_the_reads_a_failed_restore_leaves_behind_end_quietly():
         import gc, sys
         import jax, numpy as np, tensorstore as ts
         from orbax.checkpoint._src.serialization import limits, serialization
-        import checkpoints
+        from store import checkpoints
         t = ts.open({"driver": "zarr", "kvstore": "memory://", "metadata": {"shape": [4], "dtype": "<f4"}},
                     create=True).result()
         read = serialization._read_array_index_and_device_put(

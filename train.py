@@ -20,8 +20,8 @@ may be a URL too.
 """
 from __future__ import annotations
 
-import errors  # light: nothing but the standard library
-import multihost  # light too: JAX loads when a distributed start needs it
+from core import errors  # light: nothing but the standard library
+from training import multihost  # light too: JAX loads when a distributed start needs it
 
 if __name__ == "__main__":  # a Ctrl-C while JAX and the rest load: one line, no traceback (several processes:
     errors.stop_at_once_while_loading(defer=multihost.launched_several())  # kept, to stop all together)
@@ -62,18 +62,17 @@ import time
 import jax
 import numpy as np
 
-import attention as attention_lib
-import config as config_lib
 import data
-import loader
 import model as model_lib
-import progress
-import rundir
-import shards
 import sharding as sharding_lib
-import step as step_lib
-import storage
-from errors import RunError
+from core import storage
+from core.errors import RunError
+from layers import attention as attention_lib
+from store import rundir
+from tokendata import loader, shards
+from training import config as config_lib
+from training import progress
+from training import step as step_lib
 
 
 def main(argv=None) -> int:
@@ -85,9 +84,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.config = args.config or config_lib.DEFAULT_CONFIG
     if args.plan:  # before any device, data or run directory
-        import plan
-
-        return plan.run(args)
+        from training import plan
+        return plan.run(args, rundir.new_config)
     with progress.Stop(expect_several=multihost.launched_several()) as stop:
         try:
             with contextlib.ExitStack() as held:  # the run directory's lock and checkpoints, however run() ends

@@ -1,0 +1,523 @@
+"""Run directories and data directories on a local disk or in an object store (gs://, s3://, any fsspec URL).
+
+    run directory RUN   config.yaml, data.json, tokenizer.json, metrics.jsonl, summary.json: through RunDir
+                        (fsspec; a local path stays a local path). RUN/checkpoints goes to orbax as it is,
+                        which reaches gs:// itself (etils.epath for its files, tensorstore for the arrays).
+    data directory DIR  read where it is, by shards.Source: a local path memory-mapped, a URL by byte
+                        ranges (nothing copied); `filesystem` gives the fsspec filesystem of a URL.
+
+gs:// needs `pip install gcsfs` (prepareTPUVM.sh installs it), s3:// `pip install s3fs`.
+
+A gs:// URL whose bucket does not exist is one line naming the bucket (`filesystem`). A failed write
+names the operating system's reason (`os_problem`). Output directories written whole (a data
+directory, an export, an imported run) are outputs.py's.
+
+Knows nothing of the data format or of models; imports nothing of the project but errors.py.
+"""
+from __future__ import annotations
+
+import errno
+import glob
+import json
+import os
+import pathlib
+import re
+import shutil
+import time
+
+from core.errors import StorageError
+
+COPY_CHUNK = 1 << 24  # bytes per read while streaming a file (RunDir.chunks)
+FLUSH_SECONDS = 30.0  # a remote metrics.jsonl is uploaded at least this often while training logs
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def one_line(e: BaseException) -> str:
+    """An error's first line, at most 200 characters (its type's name where it has no text): for a message
+    that quotes a library's error, which may run to many lines."""
+    return (str(e).splitlines() or [type(e).__name__])[0][:200]
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (this process counts as gone: what an earlier, failed write of its own
+    left is settled like a dead writer's)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a live process of another user
+        return True
+    except (OverflowError, ValueError):  # no such pid can exist
+        return False
+    return True
+
+
+def is_url(location) -> bool:
+    """True for `gs://bucket/dir` and other URLs; False for local paths (and file://, used as a local path)."""
+    text = str(location)
+    return bool(_URL.match(text)) and not text.startswith("file://")
+
+
+def local_path(location) -> str:
+    """A file:// URL as the local path it names; anything else as it is."""
+    text = str(location)
+    return text[len("file://"):] if text.startswith("file://") else text
+
+
+def filesystem(url: str, error=StorageError):
+    """(fsspec filesystem, path inside it) of a URL; a missing package, a bad URL or a gs:// bucket that
+    does not exist is one line."""
+    if is_url(url) or str(url).endswith(":"):  # "gs:" is what a trailing-slash strip leaves of "gs://"
+        _check_names_a_place(url, error)
+    try:
+        import fsspec  # here: a local run never needs it
+
+        fs, path = fsspec.core.url_to_fs(url)
+    except ImportError as e:  # fsspec names the package: "Please install gcsfs to access Google Storage"
+        raise error(f"{url}: {e}") from None
+    except Exception as e:  # an unknown protocol, a malformed URL, missing credentials
+        raise error(f"{url}: {one_line(e)}") from None
+    _check_bucket(fs, url, path, error)
+    return fs, path
+
+
+def _check_names_a_place(url, error=StorageError) -> None:
+    """A URL with nothing after its scheme (gs://) is one line, not fsspec's ValueError."""
+    scheme, _, rest = str(url).partition(":")
+    if not rest.strip("/"):
+        raise error(f"{url}: names no bucket or host; give one, e.g. {scheme}://my-bucket/runs/exp1")
+
+
+_BUCKETS_FOUND: set[str] = set()  # gs:// buckets this process has seen to exist
+
+
+def _check_bucket(fs, url: str, path: str, error) -> None:
+    """A gs:// URL whose bucket does not exist is one line naming the bucket (the store's own error names
+    only the request that failed, an upload or download URL). The bucket counts as missing only when
+    listing it says so (404); without the permission to list, or without a network, the operation that
+    follows says why it fails."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    bucket = path.split("/", 1)[0]
+    if "gs" not in protocols or not bucket or bucket in _BUCKETS_FOUND:
+        return
+    try:
+        fs.ls(bucket, detail=False, max_results=1)  # one request, whatever the bucket holds
+    except FileNotFoundError:
+        raise error(f"{url}: bucket '{bucket}' does not exist") from None
+    except Exception:
+        return
+    _BUCKETS_FOUND.add(bucket)
+
+
+# ----------------------------------------------------------------------------------------------
+# Run directories
+
+
+class Conflict(Exception):
+    """A conditional write or delete whose condition failed: the object is not the generation it named."""
+
+
+class RunDir:
+    """The files of a run directory by name, wherever it is. Writes replace a whole file at once.
+
+    In an object store, a failure (no access, no network) is a StorageError naming the file.
+
+    `fence`, when set (by the holder of the run's lease in an object store), is called before every
+    write, move and delete: it raises when this process no longer holds the run."""
+
+    fence = None
+
+    def __init__(self, location):
+        self.remote = is_url(location)
+        try:
+            str(location).encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes that are no UTF-8, carried as surrogates: orbax cannot save there
+            bad = str(location)[e.start:e.end].encode("utf-8", "surrogateescape")
+            raise StorageError(f"{str(location).encode('utf-8', 'surrogateescape')!r}: a run directory's path must "
+                               f"be UTF-8 text (it holds the byte {bad[:1]!r}), which the checkpoints' storage "
+                               f"needs; choose or rename it") from None
+        if self.remote:
+            _check_names_a_place(location)
+        self.location = str(location).rstrip("/") if self.remote else local_path(location)
+        self.fs, self.root = filesystem(self.location if self.remote else os.path.abspath(self.location))
+
+    def __str__(self) -> str:
+        return self.location
+
+    @property
+    def name(self) -> str:
+        return self.location.rstrip("/").rsplit("/", 1)[-1]
+
+    def _path(self, name: str = "") -> str:
+        return f"{self.root}/{name}" if name else self.root
+
+    def show(self, name: str) -> str:
+        """How a file of the run is named in messages: RUN/name (the path as given, or the URL)."""
+        return f"{self.location}/{name}" if self.remote else str(pathlib.Path(self.location) / name)
+
+    def _do(self, name: str, action, *args):
+        try:
+            return action(*args)
+        except OSError as e:  # a local path under a file, without permission, on a full disk
+            if self.remote:
+                raise StorageError(f"{self.show(name) if name else self.location}: {one_line(e)}") from None
+            raise StorageError(f"{self.show(name) if name else self.location}: {e.strerror or one_line(e)}") from None
+        except Exception as e:
+            if not self.remote:
+                raise
+            raise StorageError(f"{self.show(name) if name else self.location}: {one_line(e)}") from None
+
+    def is_file(self, name: str) -> bool:
+        return self._do(name, self.fs.isfile, self._path(name))
+
+    def names(self, sub: str = "") -> list[str]:
+        """The names in the directory, or in RUN/sub ([] when there is none)."""
+        path = self._path(sub)
+        self.fs.invalidate_cache(path)  # what others wrote meanwhile (orbax, tensorstore) is listed too
+        return self._do(sub, lambda: [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
+                        if self.fs.isdir(path) else [])
+
+    def move(self, src: str, dst: str) -> None:
+        """Move the directory RUN/src whole to RUN/dst. Locally one rename; an object store, which has no
+        folders and no rename, gets a copy of every object under src (made by the store itself), then the
+        originals are deleted: a stop in between leaves both, never neither."""
+        self.check_fence()
+        if not self.remote:
+            def move():
+                target = pathlib.Path(self.root) / dst
+                target.parent.mkdir(parents=True, exist_ok=True)
+                (pathlib.Path(self.root) / src).rename(target)
+
+            self._do(dst, move)
+            return
+        objects = self._do(src, self.fs.find, self._path(src))
+        for path in objects:
+            self._do(dst, self.fs.copy, path, self._path(dst) + path[len(self._path(src)):])
+        self._do(src, self.fs.rm, objects)
+        self.fs.invalidate_cache(self.root)
+
+    def delete(self, name: str) -> None:
+        """Remove RUN/name (a file); nothing when it is not there."""
+        self.check_fence()
+        if self.is_file(name):
+            self._do(name, self.fs.rm_file, self._path(name))
+
+    def begin_new(self):
+        """mkdir for a new run, returning the undo of its start (progress.Stop.undo): () -> a line; it
+        removes every file written into the run since, and the directory itself if this made it."""
+        existed = not self.remote and os.path.isdir(self.root)
+        self.mkdir()
+
+        def undo() -> str:
+            try:
+                if self.remote:
+                    if self.fs.exists(self.root):
+                        self.fs.rm(self.root, recursive=True)
+                elif existed:
+                    for child in pathlib.Path(self.root).iterdir():
+                        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+                else:
+                    shutil.rmtree(self.root)
+            except Exception as e:  # said rather than raised: the process is ending
+                return f"could not remove what it wrote in {self} ({one_line(e)}): remove it by hand"
+            return f"removed what it wrote in {self}, as it was before" if existed else f"removed the run directory {self} it had made"
+        return undo
+
+    def mkdir(self) -> None:
+        """Create the directory (and its parents); a place where none can be made is a StorageError."""
+        try:
+            self._do("", self.fs.makedirs, self.root, True)  # object stores have no directories: a no-op there
+        except StorageError as e:
+            raise StorageError(f"cannot create the run directory {e}") from None
+
+    def read_bytes(self, name: str) -> bytes:
+        return self._do(name, self.fs.cat_file, self._path(name))
+
+    def check_fence(self) -> None:
+        """Raise (the fence's error) when this process may no longer write the run; see `fence`."""
+        if self.fence is not None:
+            self.fence()
+
+    def read_text(self, name: str) -> str:
+        return self.read_bytes(name).decode()
+
+    def size(self, name: str) -> int | None:
+        """The bytes in RUN/name; None when it is not a file."""
+        def size():
+            try:
+                info = self.fs.info(self._path(name))
+            except FileNotFoundError:
+                return None
+            return info["size"] if info["type"] == "file" else None
+
+        return self._do(name, size)
+
+    def chunks(self, name: str):
+        """RUN/name's bytes in pieces of at most COPY_CHUNK, streamed (an object store's through fsspec)."""
+        with self._do(name, self.fs.open, self._path(name), "rb") as f:
+            while chunk := self._do(name, f.read, COPY_CHUNK):
+                yield chunk
+
+    def write_bytes(self, name: str, content: bytes) -> None:
+        """Replace RUN/name at once: an object store writes whole objects; locally a temporary file
+        NAME.tmp-PID is renamed, and those that killed writers left (their process gone) are deleted first."""
+        self.check_fence()
+        if self.remote:
+            self._do(name, self.fs.pipe_file, self._path(name), content)
+            return
+        path = pathlib.Path(self.root) / name
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+
+        def write():
+            for stale in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):
+                pid = stale.name.rsplit("-", 1)[-1]
+                if pid.isdigit() and not process_alive(int(pid)):
+                    stale.unlink(missing_ok=True)
+            tmp.write_bytes(content)
+            tmp.replace(path)
+
+        self._do(name, write)
+
+    def write_text(self, name: str, text: str) -> None:
+        self.write_bytes(name, text.encode())
+
+    def checkpoint_dir(self):
+        """RUN/checkpoints for orbax: a resolved local path, or the URL (orbax opens gs:// itself)."""
+        if self.remote:
+            return f"{self.location}/checkpoints"
+        return (pathlib.Path(self.location) / "checkpoints").resolve()
+
+
+class Versions:
+    """Conditional operations on one file of a run directory in an object store, for the lease of the run
+    (runlock.py) and its log (JsonLines). Google Cloud Storage answers generation preconditions
+    (ifGenerationMatch: 0 creates only an absent object, G replaces or deletes only generation G), which
+    make taking, renewing and releasing the lease atomic. Other stores have no generations (None): there each operation is unconditional, and the
+    lease falls back to write-then-read."""
+
+    def __init__(self, run: RunDir):
+        self.run = run
+
+    def _gcs(self, name: str):
+        """(filesystem, bucket, key) of RUN/name when the store is Google Cloud Storage (gcsfs), else None."""
+        fs = self.run.fs
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        if not self.run.remote or "gs" not in protocols or not hasattr(fs, "call"):
+            return None
+        bucket, key = self.run._path(name).split("/", 1)
+        return fs, bucket, key
+
+    def versioned(self, name: str) -> tuple[int | None, bytes]:
+        """(generation, content) of RUN/name read together ((None, b"") when absent); the generation is
+        None too where the store has none (not GCS)."""
+        gcs = self._gcs(name)
+        if gcs is None:
+            return None, (self.run.read_bytes(name) if self.run.is_file(name) else b"")
+        fs, bucket, key = gcs
+        from urllib.parse import quote
+
+        media = f"{fs._location}/download/storage/v1/b/{quote(bucket, safe='')}/o/{quote(key, safe='')}"
+        while True:
+            try:
+                generation = int(fs.call("GET", "b/{}/o/{}", bucket, key, json_out=True)["generation"])
+                _, content = fs.call("GET", media, alt="media", ifGenerationMatch=str(generation))
+            except FileNotFoundError:  # absent (or deleted between the two requests)
+                return None, b""
+            except FileExistsError:  # 412: replaced between the two requests: read the new one
+                continue
+            except Exception as e:
+                raise StorageError(f"{self.run.show(name)}: {one_line(e)}") from None
+            return generation, content
+
+    def write_if(self, name: str, content: bytes, generation: int | None) -> int | None:
+        """Write RUN/name only if it is still `generation` (None: only if absent): its new generation, or
+        Conflict. Where the store has no generations (not GCS) it writes unconditionally (None back)."""
+        gcs = self._gcs(name)
+        if gcs is None:
+            self.run._do(name, self.run.fs.pipe_file, self.run._path(name), content)
+            return None
+        fs, bucket, key = gcs
+        from urllib.parse import quote
+
+        try:
+            out = fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket)}/o", uploadType="media",
+                          name=key, ifGenerationMatch=str(generation or 0), data=content, json_out=True)
+        except FileExistsError:  # 412: another writer's generation is there now
+            raise Conflict(name) from None
+        except Exception as e:
+            raise StorageError(f"{self.run.show(name)}: {one_line(e)}") from None
+        fs.invalidate_cache(self.run._path(name))
+        return int(out["generation"])
+
+    def delete_if(self, name: str, generation: int | None) -> None:
+        """Delete RUN/name only if it is still `generation` (Conflict otherwise); unconditionally where the
+        store has no generations."""
+        gcs = self._gcs(name)
+        if gcs is None or generation is None:
+            if self.run.is_file(name):
+                self.run._do(name, self.run.fs.rm_file, self.run._path(name))
+            return
+        fs, bucket, key = gcs
+        try:
+            fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=str(generation))
+        except FileExistsError:
+            raise Conflict(name) from None
+        except FileNotFoundError:
+            return
+        except Exception as e:
+            raise StorageError(f"{self.run.show(name)}: {one_line(e)}") from None
+        fs.invalidate_cache(self.run._path(name))
+
+
+class JsonLines:
+    """A run's JSON Lines log (metrics.jsonl), restarted with the rows `keep` accepts.
+
+    Locally each row is appended and flushed at once. An object store has no appends: the rows are
+    kept in memory and the whole file is uploaded by flush() (train.py calls it at each evaluation and
+    checkpoint), at least every FLUSH_SECONDS while rows come in, and by close(). Where the store has
+    generations (Google Cloud Storage) each upload replaces only the generation this process wrote or read
+    last (see _upload).
+    """
+
+    def __init__(self, run: RunDir, name: str, keep=lambda row: True):
+        self.run, self.name = run, name
+        self.generation = None  # in an object store, the generation of the file this process wrote or read last
+        for attempt in range(3):
+            try:
+                self._start(keep)
+                break
+            except Conflict:  # replaced between our read and our write (a writer that lost the run): read again
+                if attempt == 2:
+                    self._replaced()
+        self.file = None if run.remote else open(pathlib.Path(run.root) / name, "a")
+
+    def _start(self, keep) -> None:
+        """Read the file (with its generation, in an object store), keep the rows `keep` accepts, write them."""
+        run, name = self.run, self.name
+        if run.remote:
+            self.generation, raw = Versions(run).versioned(name)
+            text = raw.decode()
+        else:
+            text = run.read_text(name) if run.is_file(name) else ""
+        old = [line for line in text.splitlines() if line.strip()]
+        parsed = []  # (row, its line as written)
+        self.torn = None  # a last line cut off by a kill during its write: dropped, and said by the caller
+        for number, line in enumerate(old, 1):
+            try:
+                parsed.append((json.loads(line), line))
+            except json.JSONDecodeError:
+                if number < len(old):
+                    raise StorageError(f"{run.show(name)}: line {number} is not JSON; repair or remove it") from None
+                self.torn = line
+        kept = [(row, line) for row, line in parsed if keep(row)]
+        self.rows = [row for row, _ in kept]  # the rows kept, in order
+        self.lines = [line + "\n" for _, line in kept]
+        self._upload()
+
+    def append(self, row: dict) -> None:
+        line = json.dumps(row) + "\n"
+        if self.file is not None:
+            self.file.write(line)
+            self.file.flush()
+            return
+        self.lines.append(line)
+        if time.monotonic() - self.uploaded > FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.file is None:
+            try:
+                self._upload()
+            except Conflict:
+                self._replaced()
+
+    def _upload(self) -> None:
+        """The whole file: locally replaced; in an object store only while it is the generation this process
+        wrote (or read) last, so that a writer paused between the run's fence and its upload (past its lease,
+        the run taken over meanwhile) cannot put its rows back over the new holder's: Conflict then. A write
+        of ours whose answer was lost (the client retried it, and the retry found our own write there) is
+        no conflict: the file holds what we wrote."""
+        content = "".join(self.lines).encode()
+        if not self.run.remote:
+            self.run.write_bytes(self.name, content)
+            return
+        self.run.check_fence()
+        versions = Versions(self.run)
+        try:
+            self.generation = versions.write_if(self.name, content, self.generation)
+        except Conflict:
+            generation, there = versions.versioned(self.name)
+            if there != content:
+                raise
+            self.generation = generation
+        self.uploaded = time.monotonic()
+
+    def _replaced(self):
+        """Another process replaced the file: stop with the lease's own line when it is lost (which it then
+        is, for a run's log), else with this one."""
+        self.run.check_fence()
+        raise StorageError(f"{self.run.show(self.name)} was replaced by another process meanwhile: this "
+                           f"process no longer writes the run") from None
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        else:
+            self.flush()
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing files: why a write failed, the mode of a new file, whether a path lies in a directory
+
+_OS_ERROR_CODE = re.compile(r"os error (\d+)|os_error_code='?(\d+)")  # Rust's io::Error, tensorstore's status
+_WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG)
+
+
+def os_problem(e: BaseException | None) -> str | None:
+    """The operating system's reason a write failed ("No space left on device"), from an OSError, from a
+    library's error that carries its code (tokenizers', safetensors', tensorstore's), or from one that
+    spells out the reason of a failed write (a failed checkpoint save, checkpoints.py); else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return e.strerror or os.strerror(e.errno)
+        text = str(e)
+        found = _OS_ERROR_CODE.search(text)
+        if found:
+            return os.strerror(int(found.group(1) or found.group(2)))
+        named = [os.strerror(code) for code in _WRITE_ERRORS if os.strerror(code) in text]
+        if named:
+            return named[0]
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def umask() -> int:
+    """The process's file-mode creation mask, read without changing it where the system shows it
+    (os.umask only swaps it, for every thread at once)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def plain_mode(path) -> None:
+    """Give a file the mode open() gives a new one, 0o666 less the umask: for a library that writes its
+    files owner-only (safetensors' save_file makes them 0600)."""
+    os.chmod(path, 0o666 & ~umask())
+
+
+def inside(path, directory) -> bool:
+    """Whether `path` lies inside `directory` (local paths resolved; URLs compared as written)."""
+    if is_url(path) or is_url(directory):
+        return is_url(path) and is_url(directory) and str(path).startswith(str(directory).rstrip("/") + "/")
+    return pathlib.Path(directory).resolve() in pathlib.Path(path).resolve().parents

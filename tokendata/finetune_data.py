@@ -1,0 +1,192 @@
+"""Prompt/completion data for fine-tuning: preparation (loader.py reads it).
+
+    python data.py --format prompt_completion --input pairs.jsonl --out data/pairs \\
+                   --tokenizer runs/base --seq-len 256 [--in-field in_text --out-field out_text]
+
+Input: JSON Lines, one {"in_text": PROMPT, "out_text": COMPLETION} object a line (field names
+configurable; .gz/.zst allowed). An example is the token sequence
+
+    encode(in_text) + encode(out_text) + [end-of-text]
+
+(each text encoded on its own, so the boundary is exact; put any separator into the texts). The
+loss counts the completion tokens and the end-of-text token, never the prompt. An example longer
+than seq_len + 1 tokens (the most one training row holds) loses tokens from the left of its
+prompt; one whose completion and end-of-text alone do not fit is skipped. Both are counted and
+printed. Records that are not objects with two string fields are skipped and counted.
+
+On-disk format (shards.py): a data directory whose index has `kind: "prompt_completion"`,
+`seq_len`, `loss_unigram_entropy` (of the train split's tokens in the loss: the baseline train.py's
+summary compares the validation loss with), and per split `mask_shards`: parallel uint8 files
+{split}_mask_NNNNN.bin, one byte per token: shards.PROMPT, COMPLETION, or END for the end-of-text
+token that closes an example (counted in the loss). Examples follow each other; an END marks where
+one ends. loader.py packs them into rows (or one a row) and checks the mask bytes when it opens a split.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Iterator
+
+import numpy as np
+
+from core.errors import DataError
+from tokendata import corpus, shard_writer, shards
+from tokendata.shards import COMPLETION, END, PROMPT
+
+CHUNK_EXAMPLES = 4096  # examples per encode_batch call
+
+
+# ---------------------------------------------------------------------------------------------
+# Preparation
+
+def _records(sources, in_field: str, out_field: str, tally: corpus.Tally) -> Iterator[tuple[str, str, str]]:
+    """(name, prompt, completion) of every valid record; the tally counts and names the invalid ones."""
+    for kind, location, name in sources:
+        if kind != "jsonl":
+            raise DataError(f"{location}: prompt/completion input must be JSON Lines (.jsonl, .ndjson)")
+        for number, record, problem in corpus.json_lines(location):
+            if problem is not None and problem.startswith(corpus.NOT_UTF8):
+                tally.skip(f"{location}:{number}", problem, record=True)
+                continue
+            if not (isinstance(record, dict) and isinstance(record.get(in_field), str)
+                    and isinstance(record.get(out_field), str)):
+                tally.skip(f"{location}:{number}", f"not a JSON object with string fields {in_field!r} and "
+                                                   f"{out_field!r}", record=True)
+                continue
+            tally.saw(f"{name}:{number}")
+            yield f"{name}:{number}", record[in_field], record[out_field]
+        tally.files += 1
+
+
+def _examples(tok, prompts: list[str], completions: list[str], eot: int, max_tokens: int, counts: dict):
+    """Encodes a chunk of pairs into (tokens, mask, example ends) arrays, truncating and skipping."""
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    tokens, mask, ends = [], [], []
+    for p, c in zip(encode(prompts, add_special_tokens=False), encode(completions, add_special_tokens=False)):
+        p, c = p.ids, c.ids
+        if len(c) + 1 > max_tokens:
+            counts["skipped"] += 1
+            continue
+        room = max_tokens - len(c) - 1  # prompt tokens that fit
+        if len(p) > room:
+            p = p[len(p) - room:] if room else []
+            counts["truncated"] += 1
+        tokens += p + c + [eot]
+        mask += [PROMPT] * len(p) + [COMPLETION] * len(c) + [END]
+        ends.append(len(tokens))
+    return np.array(tokens, np.int64), np.array(mask, np.int64), np.array(ends, np.int64)
+
+
+def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in_field: str, out_field: str,
+           seq_len: int, shard_tokens: int, progress: bool):
+    """The tokenizer and the shards into tmp, records split by is_val: ({vocab_size, eot_id, dtype}, {split:
+    summary}, tally)."""
+    from tqdm import tqdm
+    if tokenizer is not None:
+        tok = shard_writer.install_tokenizer(tokenizer, tmp)
+    else:
+        texts = (text for name, p, c in _records(sources, in_field, out_field, corpus.Tally()) if not is_val(name)
+                 for text in (p, c))
+        tok = shard_writer.train_tokenizer(texts, vocab_size)
+        tok.save(str(tmp / "tokenizer.json"))
+    eot = shards.eot_id_of(tok)
+    vocab = max(tok.get_vocab().values()) + 1
+    dtype = shards.dtype_for(vocab)
+    counts = {s: {"skipped": 0, "truncated": 0} for s in ("train", "val")}
+    in_loss = {s: np.zeros(vocab, np.int64) for s in ("train", "val")}  # frequencies of the tokens the loss counts
+    writers = {s: (shard_writer.ShardWriter(tmp, s, dtype, shard_tokens, vocab),
+                   shard_writer.ShardWriter(tmp, f"{s}_mask", "uint8", shard_tokens, 3)) for s in ("train", "val")}
+    chunks = {s: ([], []) for s in ("train", "val")}
+
+    def flush(split):
+        prompts, completions = chunks[split]
+        if prompts:
+            tokens, mask, ends = _examples(tok, prompts, completions, eot, seq_len + 1, counts[split])
+            writers[split][0].write(tokens, ends)
+            writers[split][1].write(mask, ends)
+            in_loss[split] += np.bincount(tokens[mask != PROMPT], minlength=vocab)
+            writers[split][0].bytes += sum(len(t.encode("utf-8")) for t in prompts + completions)
+        chunks[split] = ([], [])
+
+    tally = corpus.Tally()
+    bar = tqdm(desc="tokenizing", unit="example", disable=None if progress else True, leave=False)
+    with bar:
+        for name, prompt, completion in _records(sources, in_field, out_field, tally):
+            split = "val" if is_val(name) else "train"
+            chunks[split][0].append(prompt)
+            chunks[split][1].append(completion)
+            bar.update(1)
+            if len(chunks[split][0]) >= CHUNK_EXAMPLES:
+                flush(split)
+        for split in chunks:
+            flush(split)
+    splits = {}
+    for split, (tokens, mask) in writers.items():
+        tokens.close()
+        mask.close()
+        summary = tokens.summary()
+        summary["examples"] = summary["documents"]
+        summary["completion_tokens"] = int(mask.counts[COMPLETION] + mask.counts[END])
+        # the unigram baseline of the loss, which counts these tokens only (the completions and their end-of-text)
+        summary["loss_unigram_entropy"] = shard_writer.unigram_entropy(in_loss[split])
+        summary["mask_shards"] = mask.shards
+        summary.update(truncated=counts[split]["truncated"], skipped=counts[split]["skipped"])
+        splits[split] = summary
+    return {"vocab_size": vocab, "vocab_size_requested": None if tokenizer is not None else vocab_size,
+            "eot_id": eot, "dtype": dtype}, splits, tally
+
+
+def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = None, vocab_size: int = 8192,
+            in_field: str = "in_text", out_field: str = "out_text", val_fraction: float = 0.05,
+            shard_tokens: int = 2**27, overwrite: bool = False, progress: bool = True) -> dict:
+    """Prepares prompt/completion JSON Lines into DIR `out` (see the module docstring); returns its index.
+
+    Without a tokenizer, a byte-level BPE of `vocab_size` is trained on the training pairs. Records are held
+    out for validation as data.py holds out documents (corpus.in_val, and corpus.held_out_extra).
+    """
+    inputs = [inputs] if isinstance(inputs, (str, os.PathLike)) else [str(i) for i in inputs]
+    if not inputs:
+        raise DataError("no input given")
+    if seq_len < 1 or shard_tokens < 1:
+        raise DataError(f"seq_len and shard tokens must be positive, got {seq_len} and {shard_tokens}")
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"val fraction must be in [0, 1), got {val_fraction}")
+    if tokenizer is None:
+        shard_writer.check_trained_vocab(vocab_size)
+    sources = corpus.expand(inputs)
+    shard_writer.check_out(out, overwrite, [location for _, location, _ in sources])
+    is_val = lambda name: corpus.in_val(name, val_fraction)  # noqa: E731
+    options = dict(tokenizer=tokenizer, vocab_size=vocab_size, in_field=in_field, out_field=out_field,
+                   seq_len=seq_len, shard_tokens=shard_tokens, progress=progress)
+    with shard_writer.Staged(out, overwrite) as staged:
+        vocab_fields, splits, bad = _write(sources, staged.path, is_val, **options)
+        assigned = {s: splits[s]["examples"] + splits[s]["skipped"] for s in splits}  # valid records
+        extra = None
+        if assigned["train"] + assigned["val"]:  # (none at all: the error below)
+            extra = corpus.held_out_extra(bad, assigned["train"], assigned["val"], val_fraction)
+        if extra is not None:  # no record fell below the fraction: again, with the lowest-ranked one held out
+            staged.reset()
+            vocab_fields, splits, bad = _write(sources, staged.path, lambda name: name == extra or is_val(name),
+                                               **options)
+        total = sum(s["tokens"] for s in splits.values())
+        if splits["train"]["examples"] == 0:
+            raise DataError(f"no training example in {', '.join(inputs)} ({bad.skipped_records} invalid records, "
+                            f"{splits['train']['skipped']} too long for seq_len {seq_len})")
+        index = {
+            "format_version": shards.FORMAT_VERSION, "kind": shards.PROMPT_COMPLETION,
+            "tokenizer": "tokenizer.json", "tokenizer_sha256": shards.file_sha256(staged.path / "tokenizer.json"),
+            **vocab_fields, "seq_len": seq_len,
+            "in_field": in_field, "out_field": out_field,
+            "tokens": total, "documents": sum(s["documents"] for s in splits.values()),
+            "examples": sum(s["examples"] for s in splits.values()),
+            "truncated": sum(s["truncated"] for s in splits.values()),
+            "skipped": sum(s["skipped"] for s in splits.values()), "skipped_records": bad.skipped_records,
+            "skipped_inputs": bad.skipped,  # the first corpus.LISTED invalid records, with the reason
+            "bytes_per_token": sum(s["bytes"] for s in splits.values()) / max(total, 1),
+            "unigram_entropy": splits["train"]["unigram_entropy"],  # of every token, prompts included
+            "loss_unigram_entropy": splits["train"]["loss_unigram_entropy"],  # of the completions alone
+            "val_extra": extra,  # the record held out because none fell below the fraction, if one was
+            "inputs": inputs, "splits": splits,
+        }
+        staged.commit(index)
+    return index

@@ -1,0 +1,555 @@
+"""Typed configuration: YAML in conf/, dotted overrides, validation.
+
+    conf/config.yaml ──yaml.safe_load──> nested dict ──key=value overrides──> Config (dataclasses)
+    Config ──to_dict──> RUN_DIR/config.yaml (model fully resolved; rundir.Run.save_config)
+    RUN_DIR/config.yaml ──from_saved──> Config (rundir.Run.config; the size table is not read)
+
+`model` in a config file is either a named size from conf/model_config.yaml (`model: small`) or a
+mapping `{name: small, <GPTConfig field>: value, ...}` whose fields override the named size. A
+mapping whose name is not a known size must give the architecture itself (vocab_size,
+block_size, embedding_dim, num_head, N), so a typo in a name never falls back to some default.
+The effective config written into a run directory holds every GPTConfig field, so eval, sample
+and convert need nothing but that directory: reading it back (from_saved) never consults the size
+table, which may have changed since the run was made.
+
+Every user mistake (unknown key, wrong type, unknown model size, a missing file) raises
+`ConfigError` with one line that names the problem and the valid choices.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pathlib
+import stat
+import types
+import typing
+
+import yaml
+
+import sharding
+from core.errors import ConfigError
+from model import GPTConfig
+from tokendata.shards import BATCHING
+
+CONF_DIR = pathlib.Path(__file__).resolve().parent.parent / "conf"
+DEFAULT_CONFIG = CONF_DIR / "config.yaml"
+MODEL_SIZES = CONF_DIR / "model_config.yaml"
+
+
+@dataclasses.dataclass
+class DataConfig:
+    dir: typing.Optional[str] = None  # prepared data directory; None = the built-in default corpus
+    batching: str = "packing"  # prompt/completion data: packing (several examples a row) | padding (one)
+
+
+@dataclasses.dataclass
+class LoRAConfig:
+    """Low-rank adapters (Hu et al. 2021) on the frozen weights of training.init_from's model: each chosen
+    projection W becomes W + (alpha / rank) * A @ B, with A (in, rank) and B (rank, out) the only trained
+    parameters; B starts at zero, so step 0 is the base model exactly."""
+    rank: int = 8  # r, the inner dimension of A @ B
+    alpha: float = 16.0  # the update is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout)
+    targets: typing.List[str] = dataclasses.field(default_factory=lambda: ["q", "v"])  # of TARGETS
+    base_dtype: typing.Optional[str] = None  # the frozen weights held in: float32 (None) | bfloat16 | float16
+
+    # (class attributes, not fields) the projections an adapter may sit on: attention's query, key, value
+    # and output projections, and every weight of the MLP
+    TARGETS = ("q", "k", "v", "o", "mlp")
+    BASE_DTYPES = ("float32", "bfloat16", "float16")
+    # what the adapters' parameters depend on: a resume may not change these (the dropout and the base's dtype
+    # say how the run computes, and may)
+    SHAPE_FIELDS = ("rank", "alpha", "targets")
+
+
+@dataclasses.dataclass
+class TrainingConfig:
+    steps: int = 3000
+    batch_size: int = 32  # global, in sequences
+    micro_batches: int = 1  # gradient accumulation: batch_size is split into this many pieces
+    seq_len: typing.Optional[int] = None  # None = model.block_size
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: typing.Optional[float] = 1.0  # None = no clipping
+    log_every: int = 10
+    eval_every: int = 250
+    eval_windows: int = 256
+    init_from: typing.Optional[str] = None  # a run directory whose last checkpoint's params start this run
+    fcm_max_ratio: float = 0.0  # forgetful causal masking: hide up to this fraction of past tokens; 0 = off
+    # the loss over at most this many tokens per device at a time; 0 = the whole logits; auto = the whole
+    # logits where they fit in 1/8 of a device's memory, else 4096 (loss.resolve_chunk)
+    loss_chunk: typing.Union[int, str] = "auto"
+    lora: typing.Optional[LoRAConfig] = None  # low-rank adapters on init_from's frozen model; None: train every weight
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every: int = 500
+    keep: int = 3
+    async_save: bool = True
+
+
+@dataclasses.dataclass
+class ShardingConfig:
+    data: int = -1  # data-parallel mesh axis size; -1 = the devices the other axes leave
+    fsdp: int = 1  # second data-parallel axis, nearer devices (stage-3 gathers); -1 allowed
+    tensor: int = 1  # tensor-parallel axis: heads, MLP width and vocabulary split; -1 allowed
+    zero_stage: int = 0  # 0 replicated | 1 optimizer state | 2 + gradients | 3 + parameters sharded
+
+
+@dataclasses.dataclass
+class WandbConfig:
+    mode: str = "disabled"  # disabled | offline | online
+    project: str = "gpt-jax"
+    entity: typing.Optional[str] = None
+    name: typing.Optional[str] = None
+
+
+@dataclasses.dataclass
+class Config:
+    run_dir: str = "runs/default"
+    seed: int = 0
+    model_name: str = "small"  # the named size (or label) the model came from
+    model: GPTConfig = dataclasses.field(default_factory=GPTConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+
+    @property
+    def seq_len(self) -> int:
+        return self.training.seq_len or self.model.block_size
+
+
+SECTIONS = {"data": DataConfig, "training": TrainingConfig, "checkpoint": CheckpointConfig,
+            "sharding": ShardingConfig, "wandb": WandbConfig}
+TOP_LEVEL_KEYS = ("run_dir", "seed", "model", *SECTIONS)
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+# ----------------------------------------------------------------------------------------------
+# Typed values
+
+
+def _fields(cls) -> dict[str, typing.Any]:
+    """Field name -> resolved type annotation (the modules use `from __future__ import annotations`)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _type_name(tp) -> str:
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping of {', '.join(_fields(tp))}"
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(args[0])}"
+    if type(None) in args:
+        return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_value(key: str, value, tp):
+    """`value` converted to the field type `tp`, or a ConfigError naming the key and the type."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _check_value(key, value, inner[0]) if value is not None else _bad(key, value, tp)
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif dataclasses.is_dataclass(tp):  # a nested section, e.g. training.lora
+        return _build(tp, value, key)
+    elif origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, list):
+            return [_check_value(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    else:
+        return value
+    _bad(key, value, tp)
+
+
+def _bad(key, value, tp):
+    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _mapping(raw, cls, prefix: str) -> dict:
+    """A copy of the section `raw` of dataclass `cls` ({} for an absent one), or a ConfigError naming it."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix} must be a mapping of {', '.join(_fields(cls))}, got {raw!r}")
+    return dict(raw)
+
+
+def _build(cls, raw, prefix: str):
+    """A dataclass `cls` from the mapping `raw`; unknown keys and wrong types are ConfigErrors."""
+    raw = _mapping(raw, cls, prefix)
+    fields = _fields(cls)
+    unknown = [k for k in raw if k not in fields]
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}.{unknown[0]}; valid keys of {prefix}: {', '.join(fields)}")
+    return cls(**{k: _check_value(f"{prefix}.{k}", v, fields[k]) for k, v in raw.items()})
+
+
+# ----------------------------------------------------------------------------------------------
+# Model sizes
+
+
+def load_model_sizes(path=None) -> dict[str, dict]:
+    """The named sizes of conf/model_config.yaml (or `path`): name -> {GPTConfig field: value}."""
+    path = pathlib.Path(MODEL_SIZES if path is None else path)
+    if not path.is_file():
+        raise ConfigError(f"model size table {path} not found")
+    try:
+        sizes = load_yaml(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(sizes, dict):
+        raise ConfigError(f"{path} must map size names to GPTConfig fields")
+    return {str(k): v for k, v in sizes.items()}
+
+
+def resolve_model(spec, sizes: dict[str, dict]) -> tuple[str, GPTConfig]:
+    """(name, GPTConfig) from `model: NAME` or `model: {name: NAME, field: value, ...}`."""
+    if isinstance(spec, str):
+        spec = {"name": spec}
+    if not isinstance(spec, dict):
+        raise ConfigError(f"model must be a size name ({', '.join(sizes)}) or a mapping, got {spec!r}")
+    spec = dict(spec)
+    name = spec.pop("name", None)
+    if name is not None and not isinstance(name, str):
+        name = str(name)  # e.g. `model: {name: 760m}` is a string already; `name: 125` is not
+    if name in sizes:
+        base = dict(sizes[name])
+    elif all(k in spec for k in GPTConfig.REQUIRED_FIELDS):
+        base, name = {}, name or "custom"
+    elif not sizes:  # a run's saved config (from_saved), which names no size but gives the model whole
+        raise ConfigError(f"model {name!r} is not given whole: a run's config.yaml sets every model field "
+                          f"({', '.join(GPTConfig.REQUIRED_FIELDS)} at least)")
+    else:
+        raise ConfigError(
+            f"unknown model size {name!r}; valid sizes: {', '.join(sizes)} "
+            f"(or a mapping that sets {', '.join(GPTConfig.REQUIRED_FIELDS)})"
+        )
+    try:
+        model = _build(GPTConfig, {**base, **spec}, "model")
+    except ValueError as e:  # GPTConfig.__post_init__ checks ranges and choices
+        raise ConfigError(str(e)) from None
+    return name, model
+
+
+# ----------------------------------------------------------------------------------------------
+# Overrides: key=value on the command line
+
+
+def parse_override(text: str) -> tuple[list[str], typing.Any]:
+    """`training.lr=3e-4` -> (['training', 'lr'], 3e-4); the value is read as YAML."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. training.batch_size=64)")
+    try:
+        parsed = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.split("."), parsed
+
+
+def _nested_section(tp):
+    """The dataclass of a field typed as one (or as an optional one), else None."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
+
+
+def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
+    """A copy of the raw config dict with the dotted overrides applied (checked later by from_dict)."""
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for text in overrides:
+        path, value = parse_override(text)
+        top = path[0]
+        if top not in TOP_LEVEL_KEYS:
+            raise ConfigError(f"unknown key {top!r} in override {text!r}; valid keys: {', '.join(TOP_LEVEL_KEYS)}")
+        if top == "model":
+            if len(path) == 1:
+                if isinstance(value, dict):
+                    raw["model"] = value
+                elif isinstance(raw.get("model"), dict):  # replace the name, keep the field overrides
+                    raw["model"] = {**raw["model"], "name": value}
+                else:
+                    raw["model"] = value
+            elif len(path) == 2:
+                model = raw.get("model")
+                model = dict(model) if isinstance(model, dict) else {"name": model}
+                model[path[1]] = value
+                raw["model"] = model
+            else:
+                raise ConfigError(f"override {text!r}: model takes one level (model.FIELD=VALUE)")
+        elif top in SECTIONS:
+            fields = _fields(SECTIONS[top])
+            nested = _nested_section(fields.get(path[1])) if len(path) > 1 else None
+            # a section the file gives as something else (`training: 5`) is refused, never replaced
+            if len(path) == 3 and nested is not None:  # one key of a nested section: training.lora.rank=16
+                section = _mapping(raw.get(top), SECTIONS[top], top)
+                inner = _mapping(section.get(path[1]), nested, f"{top}.{path[1]}")
+                section[path[1]] = {**inner, path[2]: value}
+                raw[top] = section
+                continue
+            if len(path) != 2:
+                valid = ", ".join(f"{top}.{k}" for k in fields)
+                raise ConfigError(f"override {text!r} must name one key of {top}; valid keys: {valid}")
+            raw[top] = {**_mapping(raw.get(top), SECTIONS[top], top), path[1]: value}
+        else:
+            if len(path) != 1:
+                raise ConfigError(f"override {text!r}: {top} has no sub-keys")
+            raw[top] = value
+    return raw
+
+
+# ----------------------------------------------------------------------------------------------
+# Config from a dict or a file
+
+
+def from_dict(raw: dict, *, sizes: dict[str, dict] | None = None) -> Config:
+    """A validated Config from a raw nested dict (as read from YAML)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config must be a mapping with keys {', '.join(TOP_LEVEL_KEYS)}")
+    unknown = [k for k in raw if k not in TOP_LEVEL_KEYS]
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]!r}; valid keys: {', '.join(TOP_LEVEL_KEYS)}")
+    top = _fields(Config)
+    cfg = Config(
+        run_dir=_check_value("run_dir", raw.get("run_dir", Config.run_dir), top["run_dir"]),
+        seed=_check_value("seed", raw.get("seed", Config.seed), top["seed"]),
+        **{name: _build(cls, raw.get(name), name) for name, cls in SECTIONS.items()},
+    )
+    cfg.model_name, cfg.model = resolve_model(raw.get("model", "small"), load_model_sizes() if sizes is None else sizes)
+    # paths a user types as `key=~/x`, where the shell leaves the ~ alone: the home directory, as the shell would
+    cfg.run_dir = _home(cfg.run_dir)
+    cfg.data.dir = _home(cfg.data.dir)
+    cfg.training.init_from = _home(cfg.training.init_from)
+    validate(cfg)
+    return cfg
+
+
+def _home(path: str | None) -> str | None:
+    """`~` or `~user` at the start of a local path expanded (os.path.expanduser); URLs and None as they are."""
+    return os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
+
+
+def from_saved(raw: dict) -> Config:
+    """A run directory's config.yaml (with any overrides applied): its model section holds every field
+    (to_dict wrote it so), which is read as it is. This checkout's size table (conf/model_config.yaml) is
+    never consulted: its entry under the run's model_name may have changed, gone, or gained fields since."""
+    return from_dict(raw, sizes={})
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that a single type check cannot make."""
+    t, c = cfg.training, cfg.checkpoint
+    if not -2**63 <= cfg.seed < 2**63:  # JAX's keys and the loader's permutation take a 64-bit seed
+        raise ConfigError(f"seed must be a 64-bit integer (between -2**63 and 2**63 - 1), got {cfg.seed}")
+    # counts the step computes with (as int32 on the device): at least 1, below 2**31
+    for section, key in [("training", k) for k in ("steps", "batch_size", "micro_batches", "log_every",
+                                                  "eval_every", "eval_windows")] + [("checkpoint", "every"),
+                                                                                    ("checkpoint", "keep")]:
+        value = getattr(getattr(cfg, section), key)
+        if not 1 <= value < 2**31:
+            raise ConfigError(f"{section}.{key} must be >= 1 and below 2**31, got {value}")
+    if not 0 <= t.warmup_steps < 2**31:
+        raise ConfigError(f"training.warmup_steps must be >= 0 and below 2**31, got {t.warmup_steps}")
+    if isinstance(t.loss_chunk, int) and t.loss_chunk >= 2**31:
+        raise ConfigError(f"training.loss_chunk must be below 2**31, got {t.loss_chunk}")
+    if t.batch_size % t.micro_batches:
+        raise ConfigError(
+            f"training.batch_size ({t.batch_size}) must be divisible by training.micro_batches ({t.micro_batches})"
+        )
+    if t.seq_len is not None and not 1 <= t.seq_len <= cfg.model.block_size:
+        raise ConfigError(f"training.seq_len must be in 1..model.block_size ({cfg.model.block_size}), got {t.seq_len}")
+    if not (math.isfinite(t.lr) and t.lr >= 0):  # 0: no updates (e.g. to measure a starting point)
+        raise ConfigError(f"training.lr must be a number >= 0, got {t.lr}")
+    if not 0.0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"training.min_lr ({t.min_lr}) must be in [0, training.lr ({t.lr})]")
+    try:
+        sharding.check_sizes(cfg.sharding.data, cfg.sharding.fsdp, cfg.sharding.tensor)
+        sharding.check_zero_stage(cfg.sharding.zero_stage)
+    except sharding.ShardingError as e:
+        raise ConfigError(str(e)) from None
+    if t.grad_clip is not None and not (math.isfinite(t.grad_clip) and t.grad_clip > 0):
+        raise ConfigError(f"training.grad_clip must be a positive gradient norm, or null for no clipping; "
+                          f"got {t.grad_clip}")
+    for key in ("b1", "b2"):  # AdamW's decay rates of the moments
+        if not 0.0 <= getattr(t, key) < 1.0:
+            raise ConfigError(f"training.{key} must be in [0, 1), got {getattr(t, key)}")
+    if not (math.isfinite(t.eps) and t.eps > 0):
+        raise ConfigError(f"training.eps must be a positive number, got {t.eps}")
+    if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
+        raise ConfigError(f"training.weight_decay must be >= 0, got {t.weight_decay}")
+    if not 0.0 <= t.fcm_max_ratio < 1.0:
+        raise ConfigError(f"training.fcm_max_ratio must be in [0, 1), got {t.fcm_max_ratio}")
+    if t.loss_chunk != "auto" and (not isinstance(t.loss_chunk, int) or isinstance(t.loss_chunk, bool)
+                                   or t.loss_chunk < 0):
+        raise ConfigError(f"training.loss_chunk must be auto or an integer >= 0 (0: the loss over the whole "
+                          f"logits), got {t.loss_chunk!r}")
+    eps = cfg.model.layer_norm_epsilon  # added to the variance: NaN or <= 0 would surface as a NaN loss at step 1
+    if not (math.isfinite(eps) and eps > 0):
+        raise ConfigError(f"model.layer_norm_epsilon must be a positive number, got {eps}")
+    if t.lora is not None:
+        check_lora(t.lora, t.init_from, cfg.model)
+    if cfg.data.batching not in BATCHING:
+        raise ConfigError(f"data.batching must be one of {', '.join(BATCHING)}, got {cfg.data.batching!r}")
+    if cfg.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"wandb.mode must be one of {', '.join(WANDB_MODES)}, got {cfg.wandb.mode!r}")
+
+
+def lora_shapes(m: GPTConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of the weight each LoRA target adapts, as model.py's Dense sees it: q (d, H*D), k and v
+    (d, K*D), o (H*D, d); mlp each of the MLP's weights, (d, F) and (F, d), whose narrower side is the same."""
+    d, heads, kv = m.embedding_dim, m.num_head * m.head_dim, m.kv_heads * m.head_dim
+    return {"q": (d, heads), "k": (d, kv), "v": (d, kv), "o": (heads, d), "mlp": (d, m.ffn_dim)}
+
+
+def check_lora(lora: LoRAConfig, init_from: str | None, model: GPTConfig | None = None) -> None:
+    """training.lora's values, and the base it needs (training.init_from); with `model` (the base's), a
+    rank below the narrowest side of every adapted weight."""
+    if not init_from:
+        raise ConfigError("training.lora needs training.init_from: the run directory (or import) whose model the "
+                          "adapters sit on, frozen")
+    if not 1 <= lora.rank < 2**31:
+        raise ConfigError(f"training.lora.rank must be >= 1, got {lora.rank}")
+    if not (math.isfinite(lora.alpha) and lora.alpha > 0):
+        raise ConfigError(f"training.lora.alpha must be a positive number, got {lora.alpha}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"training.lora.dropout must be in [0, 1), got {lora.dropout}")
+    unknown = [x for x in lora.targets if x not in LoRAConfig.TARGETS]
+    if unknown or not lora.targets or len(set(lora.targets)) != len(lora.targets):
+        what = f"unknown target {unknown[0]!r}" if unknown else "no target" if not lora.targets else "a target twice"
+        raise ConfigError(f"training.lora.targets: {what}; a list of distinct ones of {', '.join(LoRAConfig.TARGETS)}"
+                          f" (attention's query, key, value and output projections, the MLP)")
+    if lora.base_dtype is not None and lora.base_dtype not in LoRAConfig.BASE_DTYPES:
+        raise ConfigError(f"training.lora.base_dtype must be null or one of {', '.join(LoRAConfig.BASE_DTYPES)}, "
+                          f"got {lora.base_dtype!r}")
+    if model is not None:  # a rank of min(in, out) or more is a full-rank update, with more parameters than W
+        shapes = lora_shapes(model)
+        target = min(lora.targets, key=lambda x: min(shapes[x]))
+        narrowest = min(shapes[target])
+        if lora.rank >= narrowest:
+            n_in, n_out = shapes[target]
+            raise ConfigError(f"training.lora.rank {lora.rank} is at or above min(in, out) = {narrowest} of the "
+                              f"adapted {target} weight ({n_in} x {n_out}): the largest useful rank is {narrowest - 1}")
+
+
+def read_yaml(path) -> dict:
+    path = pathlib.Path(path)
+    if not path.is_file():
+        if not path.exists():
+            raise ConfigError(f"config file {path} not found")
+        raise ConfigError(f"config file {path} is not a regular file but {_file_kind(path)}; give a YAML file")
+    try:
+        return parse_yaml(path.read_bytes(), path)
+    except OSError as e:  # unreadable: a permission, an I/O error
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
+
+
+def _file_kind(path: pathlib.Path) -> str:
+    """What a path that exists but is no regular file is, in words (read without opening it: a FIFO
+    would wait for a writer, /dev/zero never end)."""
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "another kind of file")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, but a key given twice in one mapping is an error: YAML would keep the last
+    silently (a second `training:` block replacing the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
+                    f"the second would silently replace the first")
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str | bytes):
+    """yaml.safe_load, refusing a key given twice in one mapping (yaml.YAMLError)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def parse_yaml(text: str | bytes, path) -> dict:
+    """The mapping of a config file's text (bytes: UTF-8 or UTF-16, as YAML allows); `path` names it in
+    errors, among them bytes that are no text (yaml's ReaderError) and a key given twice."""
+    try:
+        raw = load_yaml(text)
+    except yaml.reader.ReaderError as e:  # bytes that are not text, or a control character
+        what = f"byte 0x{e.character:02x}" if isinstance(e.character, int) else f"character {e.character!r}"
+        raise ConfigError(f"{path} is not UTF-8 text ({what} at offset {e.position})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping with keys {', '.join(TOP_LEVEL_KEYS)}")
+    return raw
+
+
+def run_dir_of(path=DEFAULT_CONFIG, overrides: typing.Sequence[str] = ()) -> str:
+    """The run_dir that a config file with `overrides` names, the rest unchecked: for --resume, whose
+    overrides apply to (and are checked against) the run's own saved config, not this file's."""
+    raw = apply_overrides(read_yaml(path), overrides)
+    return _home(_check_value("run_dir", raw.get("run_dir", Config.run_dir), _fields(Config)["run_dir"]))
+
+
+def load_config(path=DEFAULT_CONFIG, overrides: typing.Sequence[str] = (), *, model: dict | None = None) -> Config:
+    """The Config of a YAML file with `key=value` overrides applied; `model` (a model section, e.g.
+    training.init_from's) replaces the file's, the overrides' model.FIELD=VALUE applied on top."""
+    raw = read_yaml(path)
+    if model is not None:
+        raw = {**raw, "model": model}
+    return from_dict(apply_overrides(raw, overrides))
+
+
+def names_model(overrides: typing.Sequence[str]) -> bool:
+    """Whether the overrides choose a model as a whole (`model=NAME`), not only some of its fields."""
+    return any(text.partition("=")[0] == "model" for text in overrides)
+
+
+def to_dict(cfg: Config) -> dict:
+    """The effective config as plain YAML-able data, the model fully resolved."""
+    return {
+        "run_dir": cfg.run_dir,
+        "seed": cfg.seed,
+        "model": {"name": cfg.model_name, **dataclasses.asdict(cfg.model)},
+        **{name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS},
+    }
