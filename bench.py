@@ -46,6 +46,7 @@ import numpy as np
 import data  # imports no tokenizer yet: the library's thread pool starts at the first batch encoding
 from core.errors import BenchError
 from tokendata import loader as loader_lib
+from tokendata import shards
 
 ROOT = pathlib.Path(__file__).resolve().parent
 PREP_RATIO_TARGET = 0.8  # of the tokenizers library's own batch encoding
@@ -178,7 +179,7 @@ def _loader_throughput(directory: pathlib.Path, shapes: list[tuple[int, int]], s
     try:
         results = {}
         for batch, seq in shapes:
-            loader = loader_lib.TextLoader(directory, "train", seq, batch, seed=0)
+            loader = loader_lib.TextLoader(shards.open_data(directory), "train", seq, batch, seed=0)
             for step in range(20):  # warm the page cache and the permutation's per-epoch keys
                 loader.get_batch(step)
             times, step, deadline = [], 0, time.perf_counter() + seconds
@@ -215,7 +216,7 @@ def _calibrated_step(step_ms: float):
 
 
 def _prefetch_wait(directory: pathlib.Path, batch: int, seq: int, step_ms: float, steps: int) -> dict:
-    loader = loader_lib.TextLoader(directory, "train", seq, batch, seed=0)
+    loader = loader_lib.TextLoader(shards.open_data(directory), "train", seq, batch, seed=0)
     train_step = _calibrated_step(step_ms)
     batches = loader.iterate(0, prefetch=2)
     waits, step_times = [], []

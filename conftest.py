@@ -177,9 +177,7 @@ def _new_bucket():
 
 @pytest.fixture
 def gcs_bucket(gcs_server, tmp_path, monkeypatch):
-    """gs://BUCKET, a fresh bucket on the test GCS server, with no memory of earlier checks of data there."""
-    from tokendata import shards
-    shards.forget_checked()
+    """gs://BUCKET, a fresh bucket on the test GCS server."""
     with _new_bucket() as bucket:
         yield bucket
 
@@ -187,8 +185,6 @@ def gcs_bucket(gcs_server, tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def gcs_module_bucket(gcs_server, tmp_path_factory):
     """gs://BUCKET for a whole test module (a journey several tests look at)."""
-    from tokendata import shards
-    shards.forget_checked()
     with _new_bucket() as bucket:
         yield bucket
 

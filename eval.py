@@ -147,7 +147,7 @@ def window_loss(scorer, windows: Iterable[np.ndarray], rows: int, total: int | N
     return nll, n
 
 
-def perplexity_table(scorer, data_dir, lengths: Sequence[int], train_len: int, *, split: str = "val",
+def perplexity_table(scorer, data: shards.DataDir, lengths: Sequence[int], train_len: int, *, split: str = "val",
                      batch_tokens: int = 16384, max_tokens: int | None = None, progress: bool = True) -> list[dict]:
     """One row per length: {length, multiple, tokens, windows, loss, ppl, split_tokens, max_tokens}.
 
@@ -161,9 +161,9 @@ def perplexity_table(scorer, data_dir, lengths: Sequence[int], train_len: int, *
         rows = max(1, batch_tokens // length)
         max_windows = None if max_tokens is None else max_tokens // length
         try:
-            split_tokens = shards.load_index(data_dir)["splits"].get(split, {}).get("tokens", 0)
+            split_tokens = data.splits.get(split, {}).get("tokens", 0)
             all_windows = (split_tokens - 1) // length
-            batches = loader.eval_windows(data_dir, split, length, rows, max_windows=max_windows)
+            batches = loader.eval_windows(data, split, length, rows, max_windows=max_windows)
             nll, n = window_loss(scorer, batches, rows, total=min(all_windows, max_windows or all_windows),
                                  desc=f"ppl @ {length}" if progress else None)
         except DataError as e:
@@ -226,21 +226,23 @@ def scored(row: dict) -> str:
 # Command line
 
 
-def run_data_dir(run: rundir.Run, cfg, override: str | None) -> str:
-    """The prepared data to score: --data, else the directory the run trained on, with the run's tokenizer."""
+def run_data(run: rundir.Run, cfg, override: str | None) -> shards.DataDir:
+    """The prepared data to score, opened: --data, else the directory the run trained on, with the run's
+    tokenizer. A local one is named by its absolute path."""
     recorded = run.data()
     location = str(override or recorded.get("dir") or cfg.data.dir or data.DEFAULT_DATA_DIR)
+    location = location if storage.is_url(location) else str(pathlib.Path(storage.local_path(location)).resolve())
     try:
-        index = shards.load_index(location)
+        corpus = shards.open_data(location)
     except DataError as e:
         raise EvalError(f"{e} (point --data at the run's prepared data)") from None
-    if index.get("kind", "text") != "text":
-        raise EvalError(f"{location} holds {index['kind']} data, not running text: train.py's validation loss "
+    if corpus.kind != "text":
+        raise EvalError(f"{location} holds {corpus.kind} data, not running text: train.py's validation loss "
                         "scores it; give --data a text corpus for perplexity, or --no-perplexity")
-    if recorded.get("tokenizer_sha256") and index.get("tokenizer_sha256") != recorded["tokenizer_sha256"]:
+    if recorded.get("tokenizer_sha256") and corpus.tokenizer_sha256 != recorded["tokenizer_sha256"]:
         raise EvalError(f"{location} was tokenized with another tokenizer than {run}'s; its perplexity would "
                         "mean nothing")
-    return location if storage.is_url(location) else str(pathlib.Path(location).resolve())
+    return corpus
 
 
 def merge_perplexity(section: dict | None, rows: list[dict], train_len: int) -> dict:
@@ -314,8 +316,8 @@ def main(argv=None) -> int:
 
     lengths = []
     if not args.no_perplexity:
-        data_dir = run_data_dir(run, cfg, args.data)
-        splits = shards.load_index(data_dir).get("splits", {})
+        corpus = run_data(run, cfg, args.data)
+        data_dir, splits = str(corpus), corpus.splits
         if args.split not in splits:  # before the model loads, not in the middle of a progress bar
             raise EvalError(f"{data_dir}: no split {args.split!r} (has: {', '.join(splits)})")
         lengths = parse_lengths(args.lengths or DEFAULT_LENGTHS, train_len)
@@ -351,7 +353,7 @@ def main(argv=None) -> int:
     if lengths:
         t0 = time.perf_counter()
         new_rows = [{"data": data_dir, "split": args.split, **r} for r in perplexity_table(
-            harness.make_scorer(model), data_dir, lengths, train_len, split=args.split, batch_tokens=args.batch_tokens,
+            harness.make_scorer(model), corpus, lengths, train_len, split=args.split, batch_tokens=args.batch_tokens,
             max_tokens=args.max_tokens)]
         split_tokens = new_rows[0]["split_tokens"]
         print(f"\nperplexity of {data_dir} split {args.split!r} ({split_tokens:,} tokens), step {step} "

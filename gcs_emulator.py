@@ -43,6 +43,11 @@ with backoff) with the service's JSON error body, until the next POST replaces t
 A rule sees requests by the name they write: simple, multipart and resumable uploads (the request that
 starts one), copies and rewrites (their destination), deletes and metadata updates; not the parts of a
 batch request.
+
+And a request log, to count what a client asks: `GET /_emulator/requests` gives every request answered
+since the server started or since the last `DELETE /_emulator/requests`, in order, as
+`{"method", "bucket", "object", "media"}` (`object` the object's name or null for a listing or a
+bucket; `media` true for a download of an object's bytes).
 """
 from __future__ import annotations
 
@@ -93,6 +98,7 @@ NETWORK = {"latency_s": 0.0, "bytes_per_s": None}  # what --latency-ms and --ban
 
 
 _RULES: list[dict] = []  # the writes refused (POST /_emulator/refusals)
+_REQUESTS: list[dict] = []  # every request answered (GET /_emulator/requests), until DELETE empties it
 
 
 def _written(request) -> tuple[str, str] | None:
@@ -129,8 +135,20 @@ def _rules(request, response, storage, *args, **kwargs):
     response.json(_RULES)
 
 
+def _requests(request, response, storage, *args, **kwargs):
+    """GET: the requests answered, in order; DELETE: forget them."""
+    if request.method == "DELETE":
+        _REQUESTS.clear()
+    response.json(list(_REQUESTS))
+
+
 def _guarded(handler):
     def handle(request, response, storage, *args, **kwargs):
+        params = request.params or {}
+        _REQUESTS.append({"method": request.method, "bucket": params.get("bucket_name"),
+                          "object": params.get("object_id"),
+                          "media": request.method == "GET" and (handler is emulator.objects.download
+                                                                or request.query.get("alt") == ["media"])})
         if request.method == "GET" and NETWORK["latency_s"]:
             time.sleep(NETWORK["latency_s"])
         try:
@@ -174,6 +192,7 @@ def _answer(handler, request, response, storage, *args, **kwargs):
 
 # the routing table holds the handlers themselves: each is wrapped in place
 emulator.HANDLERS = ((r"^/_emulator/refusals$", {"GET": _rules, "POST": _rules}),
+                     (r"^/_emulator/requests$", {"GET": _requests, "DELETE": _requests}),
                      *((pattern, {method: _guarded(handler) for method, handler in handlers.items()})
                        for pattern, handlers in emulator.HANDLERS))
 

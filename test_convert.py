@@ -900,7 +900,7 @@ def test_the_fine_tuning_commands_the_import_prints_run_as_printed(corpus, tmp_p
             "training.warmup_steps=0", "training.eval_windows=8")
         tuned = tmp_path / "runs" / name
         assert rundir.Run(tuned).config().model == imported  # not the config file's `small`
-        batch = loader.TextLoader(data_dir, "train", 32, 8, seed=rundir.Run(tuned).config().seed).get_batch(0)
+        batch = loader.TextLoader(shards.open_data(data_dir), "train", 32, 8, seed=rundir.Run(tuned).config().seed).get_batch(0)
         with torch.no_grad():  # the batch's 32 inputs, and their next tokens as targets
             ids = torch.tensor(batch, dtype=torch.long)
             logits = hf(input_ids=ids[:, :-1]).logits
@@ -932,12 +932,12 @@ def test_imported_gpt2_gives_transformers_loss_in_training_and_eval(corpus, tmp_
         return float(out.loss)
 
     # (a) training: the loss logged at step 1 is that of the first batch, before any update
-    first = loader.TextLoader(corpus, "train", 32, 8, seed=rundir.Run(run).config().seed).get_batch(0)
+    first = loader.TextLoader(shards.open_data(corpus), "train", 32, 8, seed=rundir.Run(run).config().seed).get_batch(0)
     assert rows(run)[0]["step"] == 1 and rows(run)[0]["loss"] == pytest.approx(hf_loss(first), abs=1e-4)
     # (b) eval.py: perplexity at length 32 over 8 windows spread over the validation split: k * n // 8
     assert E.cli(["--checkpoint", str(run), "--lengths", "32", "--max-tokens", "256", "--batch-tokens", "256"]) == 0
     table = json.loads((run / "eval" / "step1.json").read_text())["perplexity"]["rows"]
-    index = shards.load_index(corpus)
+    index = shards.open_data(corpus).index
     val = np.concatenate([np.fromfile(corpus / s["file"], dtype=np.dtype(index["dtype"]).newbyteorder("<"))
                           for s in index["splits"]["val"]["shards"]]).astype(np.int64)
     n = (len(val) - 1) // 32

@@ -113,7 +113,7 @@ def test_round_trip_and_index(prepared):
     assert train == [d for d in docs if d in set(train)] and val == [d for d in docs if d in set(val)]
     assert 0 < len(val) < len(docs) // 2
 
-    index = shards.load_index(out)
+    index = shards.open_data(out).index
     from tokenizers import Tokenizer
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     assert index["eot_id"] == tokenizer.token_to_id("<|endoftext|>")
@@ -139,7 +139,7 @@ def test_split_is_deterministic_and_given_tokenizer_is_kept(prepared, tmp_path):
     write_text_files(tmp_path / "corpus", docs)
     again = prep([tmp_path / "corpus" / "*.txt"], tmp_path / "again", tokenizer=str(out / "tokenizer.json"))
     assert (tmp_path / "again" / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
-    assert again["splits"]["val"]["documents"] == shards.load_index(out)["splits"]["val"]["documents"]
+    assert again["splits"]["val"]["documents"] == shards.open_data(out).index["splits"]["val"]["documents"]
     for split in ("train", "val"):  # same tokenizer, same documents held out: the same streams
         np.testing.assert_array_equal(split_stream(tmp_path / "again", split), split_stream(out, split))
 
@@ -288,7 +288,7 @@ def test_cli_prepares_and_summarises(tmp_path):
                      cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "20 documents" in result.stdout and "unigram entropy" in result.stdout
-    assert shards.load_index(tmp_path / "out")["documents"] == 20
+    assert shards.open_data(tmp_path / "out").index["documents"] == 20
 
 
 @pytest.mark.parametrize("kind", ["text", "prompt_completion"])
@@ -312,7 +312,7 @@ def test_a_bpe_short_of_the_requested_vocabulary_says_so_and_records_its_own_siz
     assert out[-1] == (f"note: vocab {actual:,} instead of the 16,384 requested: the corpus is too small for more "
                        f"BPE merges (every word in it is already one token); the data directory records "
                        f"{actual:,}, which train.py sizes the model by")
-    index = shards.load_index(tmp_path / "out")
+    index = shards.open_data(tmp_path / "out").index
     assert index["vocab_size"] == actual and index["vocab_size_requested"] == 16384
     if kind == "text":
         # the reason given holds: every word of the documents the BPE learnt from is one token
@@ -322,7 +322,7 @@ def test_a_bpe_short_of_the_requested_vocabulary_says_so_and_records_its_own_siz
     # a vocabulary filled as asked: no such line
     assert data.cli([*argv, "--out", str(tmp_path / "full"), "--vocab-size", "260", "--workers", "1"]) == 0
     assert "note:" not in capsys.readouterr().out
-    assert shards.load_index(tmp_path / "full")["vocab_size"] == 260
+    assert shards.open_data(tmp_path / "full").index["vocab_size"] == 260
 
 
 # ------------------------------------------------------------------------------------------------
@@ -345,7 +345,7 @@ def test_an_epoch_visits_every_window_once(prepared):
     stream = split_stream(out, "train")
     n = (len(stream) - 1) // seq_len
     expected = sorted(stream[i * seq_len:i * seq_len + seq_len + 1].tobytes() for i in range(n))
-    train_loader = loader.TextLoader(out, "train", seq_len, batch, seed=3)
+    train_loader = loader.TextLoader(shards.open_data(out), "train", seq_len, batch, seed=3)
     assert train_loader.num_windows == n and train_loader.local_batch_size == batch
     steps = -(-2 * n // batch)  # two epochs
     rows = np.concatenate([train_loader.get_batch(s) for s in range(steps)]).astype(np.int64)
@@ -357,20 +357,20 @@ def test_an_epoch_visits_every_window_once(prepared):
 
 def test_fresh_loaders_agree_and_seeds_differ(prepared):
     out, _ = prepared
-    a, b = loader.TextLoader(out, "train", 32, 4, seed=1), loader.TextLoader(out, "train", 32, 4, seed=1)
+    a, b = loader.TextLoader(shards.open_data(out), "train", 32, 4, seed=1), loader.TextLoader(shards.open_data(out), "train", 32, 4, seed=1)
     for step in (0, 1, 17, 10_000):
         batch = a.get_batch(step)
         assert batch.dtype == np.int32 and batch.shape == (4, 33)
         np.testing.assert_array_equal(batch, b.get_batch(step))
-    assert not np.array_equal(a.get_batch(0), loader.TextLoader(out, "train", 32, 4, seed=2).get_batch(0))
+    assert not np.array_equal(a.get_batch(0), loader.TextLoader(shards.open_data(out), "train", 32, 4, seed=2).get_batch(0))
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_resume_at_step_s_equals_uninterrupted_iteration(prepared, prefetch):
     out, _ = prepared
-    straight = list(itertools.islice(loader.TextLoader(out, "train", 16, 4, seed=5).iterate(0, prefetch), 12))
+    straight = list(itertools.islice(loader.TextLoader(shards.open_data(out), "train", 16, 4, seed=5).iterate(0, prefetch), 12))
     for s in (0, 5, 11):
-        resumed = loader.TextLoader(out, "train", 16, 4, seed=5).iterate(start_step=s, prefetch=prefetch)
+        resumed = loader.TextLoader(shards.open_data(out), "train", 16, 4, seed=5).iterate(start_step=s, prefetch=prefetch)
         np.testing.assert_array_equal(next(resumed), straight[s])
         np.testing.assert_array_equal(next(resumed), straight[s + 1]) if s + 1 < 12 else None
         resumed.close()
@@ -379,8 +379,8 @@ def test_resume_at_step_s_equals_uninterrupted_iteration(prepared, prefetch):
 @pytest.mark.parametrize("processes", [2, 4])
 def test_process_slices_concatenate_to_the_global_batch(prepared, processes):
     out, _ = prepared
-    whole = loader.TextLoader(out, "train", 8, 8, seed=9)
-    parts = [loader.TextLoader(out, "train", 8, 8, seed=9, process_index=p, process_count=processes)
+    whole = loader.TextLoader(shards.open_data(out), "train", 8, 8, seed=9)
+    parts = [loader.TextLoader(shards.open_data(out), "train", 8, 8, seed=9, process_index=p, process_count=processes)
              for p in range(processes)]
     assert all(p.local_batch_size == 8 // processes for p in parts)
     for step in (0, 3, 250):
@@ -393,7 +393,7 @@ def prefetchers() -> list[threading.Thread]:
 
 def test_prefetch_thread_stops_when_the_consumer_stops(prepared):
     out, _ = prepared
-    train_loader = loader.TextLoader(out, "train", 16, 4)
+    train_loader = loader.TextLoader(shards.open_data(out), "train", 16, 4)
     batches = train_loader.iterate(prefetch=3)
     next(batches)
     assert len(prefetchers()) == 1
@@ -412,14 +412,14 @@ def test_eval_batches_cover_the_split_in_order(prepared, seq_len):
     stream = split_stream(out, "val")
     n = (len(stream) - 1) // seq_len
     expected = np.stack([stream[i * seq_len:i * seq_len + seq_len + 1] for i in range(n)])
-    batches = list(loader.eval_windows(out, "val", seq_len, 5))
+    batches = list(loader.eval_windows(shards.open_data(out), "val", seq_len, 5))
     assert all(b.dtype == np.int32 and len(b) == 5 for b in batches[:-1]) and 1 <= len(batches[-1]) <= 5
     np.testing.assert_array_equal(np.concatenate(batches), expected)
     # a sample of 3 stands for the whole split: windows 0, n/3 and 2n/3 (rounded down), not the first 3
-    limited = np.concatenate(list(loader.eval_windows(out, "val", seq_len, 5, max_windows=3)))
+    limited = np.concatenate(list(loader.eval_windows(shards.open_data(out), "val", seq_len, 5, max_windows=3)))
     assert n > 6
     np.testing.assert_array_equal(limited, expected[[0, n // 3, 2 * n // 3]])
-    np.testing.assert_array_equal(np.concatenate(list(loader.eval_windows(out, "val", seq_len, 5, max_windows=n))),
+    np.testing.assert_array_equal(np.concatenate(list(loader.eval_windows(shards.open_data(out), "val", seq_len, 5, max_windows=n))),
                                   expected)
 
 
@@ -495,7 +495,7 @@ def test_token_id_that_does_not_fit_the_dtype(tmp_path, monkeypatch):
     # a damaged uint32 id past 2^31 is a negative int32 in a batch: the vocabulary check still catches it
     overwrite_token(tmp_path / "out" / "train_00000.bin", 1, 2**32 - 16, "<u4")
     with pytest.raises(data.DataError, match=r"train_00000\.bin: token 1 \(at byte 4\) is id 4294967280, outside"):
-        loader.TextLoader(tmp_path / "out", "train", 1, 3).get_batch(0)  # the batch holds all three windows
+        loader.TextLoader(shards.open_data(tmp_path / "out"), "train", 1, 3).get_batch(0)  # the batch holds all three windows
 
 
 def test_bad_tokenizer_file(tmp_path):
@@ -512,45 +512,45 @@ def test_missing_corrupt_or_mismatched_index(prepared, tmp_path):
     out = tmp_path / "d"
     shutil.copytree(prepared[0], out)
     with pytest.raises(data.DataError, match="not found"):
-        shards.load_index(tmp_path)
+        shards.open_data(tmp_path).index
     shard = out / json.loads((out / "index.json").read_text())["splits"]["train"]["shards"][1]["file"]
     shard.write_bytes(shard.read_bytes()[:-2])  # one token short
     with pytest.raises(data.DataError, match=f"{shard.name}: expected 514 bytes .*found 512 bytes"):
-        loader.TextLoader(out, "train", 8, 2)
+        loader.TextLoader(shards.open_data(out), "train", 8, 2)
     shard.write_bytes(shard.read_bytes() + b"\0\0\0\0")  # one token long
     with pytest.raises(data.DataError, match=rf"{shard.name}: expected 514 bytes \(257 uint16 tokens\), found 516"):
-        loader.eval_windows(out, "val", 8, 2).__next__()
+        loader.eval_windows(shards.open_data(out), "val", 8, 2).__next__()
     shard.unlink()
     with pytest.raises(data.DataError, match=f"{shard.name}.*missing"):
-        shards.load_index(out)
+        shards.open_data(out).index
     shutil.rmtree(out)
     shutil.copytree(prepared[0], out)
     with open(out / "tokenizer.json", "a") as f:
         f.write(" ")
     with pytest.raises(data.DataError, match="sha256"):
-        shards.load_index(out)
+        shards.open_data(out).index
     (out / "index.json").write_text('{"format_version": 1, "dtype": ')
     with pytest.raises(data.DataError, match="corrupt"):
-        loader.eval_windows(out, "val", 8, 2).__next__()
+        loader.eval_windows(shards.open_data(out), "val", 8, 2).__next__()
     index = json.loads((prepared[0] / "index.json").read_text())
     index["splits"]["train"]["tokens"] = 1e400  # JSON's number past any float: infinity
     (out / "index.json").write_text(json.dumps(index).replace("Infinity", "1e400"))
     with pytest.raises(data.DataError, match=r"index.json is corrupt \(OverflowError"):
-        shards.load_index(out)
+        shards.open_data(out).index
     with pytest.raises(data.DataError, match="no split 'test'"):
-        loader.TextLoader(prepared[0], "test", 8, 2)
+        loader.TextLoader(shards.open_data(prepared[0]), "test", 8, 2)
 
 
 def test_window_longer_than_the_split_and_bad_batch_shapes(prepared):
     out, _ = prepared
-    tokens = shards.load_index(out)["splits"]["val"]["tokens"]
+    tokens = shards.open_data(out).index["splits"]["val"]["tokens"]
     with pytest.raises(data.DataError, match=f"window of {tokens + 1} tokens is longer than the split"):
-        loader.TextLoader(out, "val", tokens, 2)
+        loader.TextLoader(shards.open_data(out), "val", tokens, 2)
     with pytest.raises(data.DataError, match="longer than the split"):
-        next(loader.eval_windows(out, "val", tokens, 2))
-    loader.TextLoader(out, "val", tokens - 1, 2)  # exactly one window
+        next(loader.eval_windows(shards.open_data(out), "val", tokens, 2))
+    loader.TextLoader(shards.open_data(out), "val", tokens - 1, 2)  # exactly one window
     with pytest.raises(data.DataError, match="batch size 6 does not divide by 4"):
-        loader.TextLoader(out, "train", 8, 6, process_index=0, process_count=4)
+        loader.TextLoader(shards.open_data(out), "train", 8, 6, process_index=0, process_count=4)
 
 
 def test_existing_directory_needs_overwrite_and_inputs_are_never_touched(tmp_path):
@@ -589,7 +589,7 @@ def test_interrupted_prepare_leaves_nothing_and_a_rerun_completes(tmp_path, monk
     (leftover / "index.json").write_text('{"format_version": 1, "splits": {"train": {"shards": [{"file"')
     prep([tmp_path / "c"], tmp_path / "out", shard_tokens=100)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "out"]
-    assert shards.load_index(tmp_path / "out")["documents"] == 30
+    assert shards.open_data(tmp_path / "out").index["documents"] == 30
     assert sorted(decode_documents(tmp_path / "out", "train") + decode_documents(tmp_path / "out", "val")) \
         == sorted(make_docs(30, seed=6))
 
@@ -617,7 +617,7 @@ def test_killed_prepare_is_cleaned_up_by_the_next_run(tmp_path):
     result = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "out"]
-    assert shards.load_index(tmp_path / "out")["documents"] == 16
+    assert shards.open_data(tmp_path / "out").index["documents"] == 16
 
 
 def staging_window(argv, cwd, staging) -> float:
@@ -798,7 +798,7 @@ def test_overwrite_replaces_only_a_data_directory_or_an_empty_one(big_inputs, tm
     (tmp_path / "empty").mkdir()
     assert data.cli(writer_argv("prompt_completion", big_inputs, tmp_path / "empty", "--overwrite")) == 0
     assert data.cli(writer_argv("text", big_inputs, tmp_path / "empty", "--overwrite")) == 0  # a data directory
-    assert shards.load_index(tmp_path / "empty").get("kind") is None
+    assert shards.open_data(tmp_path / "empty").index.get("kind") is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "mine"]
 
 
@@ -887,10 +887,10 @@ def test_an_id_outside_the_vocabulary_stops_the_loaders_naming_shard_and_positio
     overwrite_token(shard, 5, 65535)
     message = rf"{shard.name}: token 5 \(at byte 10\) is id 65535, outside the vocabulary of {vocab}"
     with pytest.raises(data.DataError, match=message):
-        list(loader.eval_windows(out, "train", 16, 4))
+        list(loader.eval_windows(shards.open_data(out), "train", 16, 4))
     # the training loader meets it within an epoch, in its prefetch thread; the consumer gets the DataError
     # (pulled on a helper thread, so that a loader that hangs fails the test instead of stalling it)
-    train_loader = loader.TextLoader(out, "train", 16, 4, seed=3)
+    train_loader = loader.TextLoader(shards.open_data(out), "train", 16, 4, seed=3)
     outcome = []
 
     def consume() -> None:
@@ -1031,7 +1031,7 @@ BAD_INDEXES = {  # id: (text or prompt/completion data, the change to its index.
 def test_a_damaged_index_is_refused_alike_by_loading_and_verify(case, prepared, pairs_data, tmp_path, capsys):
     """An index.json whose kind disagrees with its files (prompt/completion data would be trained as text,
     its prompts in the loss) or whose fields have the wrong type or range: the loader, train.py's first
-    reading (load_index) and `data.py --verify` each refuse it in the same one line."""
+    opening it (open_data) and `data.py --verify` each refuse it in the same one line."""
     base, change, message = BAD_INDEXES[case]
     out = tmp_path / "d"
     shutil.copytree(pairs_data if base == "pairs" else prepared[0], out)
@@ -1039,7 +1039,7 @@ def test_a_damaged_index_is_refused_alike_by_loading_and_verify(case, prepared, 
     change(index)
     (out / "index.json").write_text(json.dumps(index))
     expected = f"{out / 'index.json'}: {message}"
-    for read in (shards.load_index, lambda d: loader.open_loader(d, "train", 8, 2), shards.verify):
+    for read in (shards.open_data, lambda d: loader.open_loader(shards.open_data(d), "train", 8, 2), shards.verify):
         with pytest.raises(data.DataError) as e:
             read(out)
         assert str(e.value).startswith(expected), str(e.value)
@@ -1050,14 +1050,14 @@ def test_an_index_of_every_earlier_version_is_read(prepared, pairs_data, tmp_pat
     """Text data has never had a kind (nor prompt/completion data a missing one): a text index without one
     reads as text; prompt/completion data without loss_unigram_entropy (written before it was kept) reads."""
     assert "kind" not in json.loads((prepared[0] / "index.json").read_text())
-    assert isinstance(loader.open_loader(prepared[0], "train", 8, 2), loader.TextLoader)
+    assert isinstance(loader.open_loader(shards.open_data(prepared[0]), "train", 8, 2), loader.TextLoader)
     out = tmp_path / "d"
     shutil.copytree(pairs_data, out)
     index = json.loads((out / "index.json").read_text())
     for fields in (index, *index["splits"].values()):
         fields.pop("loss_unigram_entropy")
     (out / "index.json").write_text(json.dumps(index))
-    assert isinstance(loader.open_loader(out, "train", 64, 2), loader.PromptCompletionLoader)
+    assert isinstance(loader.open_loader(shards.open_data(out), "train", 64, 2), loader.PromptCompletionLoader)
     assert shards.verify(out)[0] == []
 
 
@@ -1072,7 +1072,7 @@ def test_loss_masks_that_end_no_example_are_refused(pairs_data, tmp_path, capsys
         mask.write_bytes(bytes(mask.stat().st_size))  # every byte shards.PROMPT
     for split, mask in masks.items():
         with pytest.raises(data.DataError, match=rf"{mask}: the split's last loss-mask byte is not 2 .*0 examples"):
-            loader.open_loader(out, split, 64, 2)
+            loader.open_loader(shards.open_data(out), split, 64, 2)
     assert [line.split(": ")[0] for line in shards.verify(out)[0]] == [str(m) for m in masks.values()]
     index = json.loads((out / "index.json").read_text())
     for split in index["splits"].values():

@@ -74,7 +74,7 @@ def test_beam_and_default_runner_write_the_same_directory(mixed, both):
     _, named = mixed
     local_dir, beam_dir, local, beam = both
     assert beam == local  # every index field: tokens, documents, bytes, entropy, shard names and sizes
-    assert shards.load_index(beam_dir) == beam
+    assert shards.open_data(beam_dir).index == beam
     assert sorted(p.name for p in beam_dir.iterdir()) == sorted(p.name for p in local_dir.iterdir())
     for path in local_dir.iterdir():  # tokenizer.json, index.json and every shard, byte for byte
         assert (beam_dir / path.name).read_bytes() == path.read_bytes(), path.name
@@ -95,15 +95,15 @@ def test_beam_and_default_runner_write_the_same_directory(mixed, both):
 def test_loader_reads_beam_output(both):
     local_dir, beam_dir, _, _ = both
     seq_len = 16
-    from_beam = loader.TextLoader(beam_dir, "train", seq_len, 4, seed=3)
-    from_local = loader.TextLoader(local_dir, "train", seq_len, 4, seed=3)
+    from_beam = loader.TextLoader(shards.open_data(beam_dir), "train", seq_len, 4, seed=3)
+    from_local = loader.TextLoader(shards.open_data(local_dir), "train", seq_len, 4, seed=3)
     stream = split_stream(beam_dir, "train")
     windows = {tuple(stream[i * seq_len:i * seq_len + seq_len + 1]) for i in range(from_beam.num_windows)}
     for step in range(5):
         batch = from_beam.get_batch(step)
         np.testing.assert_array_equal(batch, from_local.get_batch(step))
         assert all(tuple(row) in windows for row in batch.tolist())
-    (first,) = loader.eval_windows(beam_dir, "val", seq_len, 1, max_windows=1)
+    (first,) = loader.eval_windows(shards.open_data(beam_dir), "val", seq_len, 1, max_windows=1)
     np.testing.assert_array_equal(first[0], split_stream(beam_dir, "val")[:seq_len + 1])
 
 

@@ -166,7 +166,7 @@ def test_rolling_loglikelihood_equals_the_perplexity_computation(loaded):
 
 def val_stream(corpus) -> np.ndarray:
     """The validation split's tokens, read straight from its shard files."""
-    index = shards.load_index(corpus)
+    index = shards.open_data(corpus).index
     return np.concatenate([np.fromfile(corpus / s["file"], dtype=np.dtype(index["dtype"]).newbyteorder("<"))
                            for s in index["splits"]["val"]["shards"]]).astype(np.int32)
 
@@ -183,7 +183,7 @@ def window_nll(model, stream, length: int, windows: int) -> float:
 def test_perplexity_table_scores_every_validation_token_once(run, loaded, corpus):  # noqa: F811
     model = loaded[0]
     stream = val_stream(corpus)
-    table = E.perplexity_table(harness.make_scorer(model), corpus, [32, 48], 32, batch_tokens=200, progress=False)
+    table = E.perplexity_table(harness.make_scorer(model), shards.open_data(corpus), [32, 48], 32, batch_tokens=200, progress=False)
     for row in table:
         L = row["length"]
         n_windows = (len(stream) - 1) // L
@@ -445,7 +445,7 @@ def test_results_of_several_runs_merge_by_length(run, corpus, tmp_path, capsys):
     shutil.copytree(run, run_dir, ignore=shutil.ignore_patterns("eval"))
     results, plot = run_dir / "eval" / "step40.json", run_dir / "eval" / "step40-perplexity.png"
     data_dir = str(pathlib.Path(corpus).resolve())
-    split_tokens = shards.load_index(corpus)["splits"]["val"]["tokens"]
+    split_tokens = shards.open_data(corpus).index["splits"]["val"]["tokens"]
     # a row of a file from before rows named their data or amount, and a row measured as --max-tokens 320 does
     unrecorded = {"length": 48, "multiple": 1.5, "tokens": 96, "windows": 2, "loss": 3.0, "ppl": 20.0855}
     stale = {"data": data_dir, "split": "val", "split_tokens": split_tokens, "max_tokens": 320,
@@ -679,8 +679,8 @@ def test_alibi_perplexity_at_twice_the_training_context(tmp_path, corpus):  # no
                            "checkpoint.every=100"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     model, _ = rundir.Run(run_dir).load_model()
-    one, two = E.perplexity_table(harness.make_scorer(model), corpus, [64, 128], 64, progress=False)
-    assert one["ppl"] < 0.5 * shards.load_index(corpus)["vocab_size"]  # it learned something
+    one, two = E.perplexity_table(harness.make_scorer(model), shards.open_data(corpus), [64, 128], 64, progress=False)
+    assert one["ppl"] < 0.5 * shards.open_data(corpus).index["vocab_size"]  # it learned something
     assert two["ppl"] <= 1.1 * one["ppl"], (one, two)
 
 

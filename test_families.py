@@ -37,7 +37,7 @@ from test_convert import TOL, jax_model, tokens
 from test_model import check_chunked_loss
 from test_sharding import one_step
 from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
-from tokendata import loader
+from tokendata import loader, shards
 from training import config
 
 V = 300  # the vocabulary of test_train's corpus tokenizer
@@ -213,7 +213,7 @@ def test_one_finetuning_step_from_the_import_starts_at_transformers_loss(corpus,
     args = tiny(run, corpus, "training.steps=1", "training.lr=0", "training.min_lr=0", "training.warmup_steps=0",
                 f"training.init_from={tmp_path / 'imported'}", *same_model)
     assert train.main(args) == 0
-    batch = loader.TextLoader(corpus, "train", 32, 8, seed=rundir.Run(run).config().seed).get_batch(0)  # (8, 33)
+    batch = loader.TextLoader(shards.open_data(corpus), "train", 32, 8, seed=rundir.Run(run).config().seed).get_batch(0)  # (8, 33)
     with torch.no_grad():  # the batch's 32 inputs, and their next tokens as targets
         ids = torch.tensor(batch, dtype=torch.long)
         logits = hf(input_ids=ids[:, :-1]).logits

@@ -102,15 +102,15 @@ def test_mask_covers_completion_and_end_of_text(tmp_path):
     # the loader's weights pick exactly each example's completion and end-of-text, as targets
     for batching in ("packing", "padding"):
         got = []
-        for batch in loader.eval_examples(tmp_path / "d", "train", seq_len, 4, batching=batching):
+        for batch in loader.eval_examples(shards.open_data(tmp_path / "d"), "train", seq_len, 4, batching=batching):
             for toks, w, seg in zip(batch["tokens"], batch["weights"], batch["segments"]):
                 targets, tseg = toks[1:], seg
                 for s in range(1, seg.max() + 1):
                     got.append(targets[(w > 0) & (tseg == s)].tolist())
         assert got == want_targets, batching
-    rows_padding = sum(len(b["tokens"]) for b in loader.eval_examples(tmp_path / "d", "train", seq_len, 4,
+    rows_padding = sum(len(b["tokens"]) for b in loader.eval_examples(shards.open_data(tmp_path / "d"), "train", seq_len, 4,
                                                                               batching="padding"))
-    rows_packing = sum(len(b["tokens"]) for b in loader.eval_examples(tmp_path / "d", "train", seq_len, 4))
+    rows_packing = sum(len(b["tokens"]) for b in loader.eval_examples(shards.open_data(tmp_path / "d"), "train", seq_len, 4))
     greedy, used = 1, 0  # rows when whole examples fill rows of seq_len + 1 tokens in order
     for n in np.diff(np.flatnonzero(np.asarray(want_mask) == 2), prepend=-1).tolist():
         greedy, used = (greedy + 1, n) if used + n > seq_len + 1 else (greedy, used + n)
@@ -126,7 +126,7 @@ def test_an_invalid_utf8_byte_costs_only_its_own_pair(tmp_path, capsys):
     assert data.cli(["--format", "prompt_completion", "--input", str(src), "--out", str(tmp_path / "d"),
                      "--seq-len", "32", "--vocab-size", "300", "--val-fraction", "0"]) == 0
     assert f"1 invalid records skipped ({src}:10; listed in" in capsys.readouterr().out
-    index = shards.load_index(tmp_path / "d")
+    index = shards.open_data(tmp_path / "d").index
     at = lines[9].index(b"\xe9") + 1  # only ASCII before it: its byte offset is its character position
     assert index["skipped_inputs"] == [{"input": f"{src}:10", "reason": f"not UTF-8: byte 0xe9 at character {at}"}]
     # the other 49 pairs, each as the tokenizer encodes it: prompt, completion, end-of-text
@@ -149,7 +149,7 @@ def test_a_few_pairs_always_get_a_validation_example(tmp_path):
     assert (index["splits"]["train"]["examples"], index["splits"]["val"]["examples"]) == (2, 1)
     tok = Tokenizer.from_file(str(tmp_path / "d" / "tokenizer.json"))
     held = pairs[ranks[0][1] - 1]
-    (val,) = loader.eval_examples(tmp_path / "d", "val", 32, 1)
+    (val,) = loader.eval_examples(shards.open_data(tmp_path / "d"), "val", 32, 1)
     assert tok.decode(val["tokens"][0].tolist()).startswith(held["in_text"] + held["out_text"])
     with pytest.raises(data.DataError, match="one document.*--val-fraction"):
         finetune_data.prepare([str(write_jsonl(tmp_path / "one.jsonl", pairs[:1]))], tmp_path / "e", seq_len=16,
@@ -159,15 +159,15 @@ def test_a_few_pairs_always_get_a_validation_example(tmp_path):
 
 def test_loader_is_a_function_of_the_step(reversal):
     root, _ = reversal
-    a = loader.PromptCompletionLoader(root / "data", "train", 32, 8, seed=3)
-    b = loader.PromptCompletionLoader(root / "data", "train", 32, 8, seed=3)
+    a = loader.PromptCompletionLoader(shards.open_data(root / "data"), "train", 32, 8, seed=3)
+    b = loader.PromptCompletionLoader(shards.open_data(root / "data"), "train", 32, 8, seed=3)
     later = a.get_batch(57)  # several epochs in, computed first
     for step in (0, 1, 57):
         for k, v in a.get_batch(step).items():
             np.testing.assert_array_equal(v, b.get_batch(step)[k])
     np.testing.assert_array_equal(later["tokens"], b.get_batch(57)["tokens"])
     # an epoch shows every example exactly once (one a row with padding; these examples are distinct)
-    padded = loader.PromptCompletionLoader(root / "data", "train", 32, 1, seed=3, batching="padding")
+    padded = loader.PromptCompletionLoader(shards.open_data(root / "data"), "train", 32, 1, seed=3, batching="padding")
     ex = padded.examples
     assert set(ex.lengths.tolist()) == {8}  # three words, " =", three words, end-of-text
     every = sorted(tuple(ex.stream.shards[0][s:s + 8].tolist()) for s in ex.starts)
@@ -199,23 +199,23 @@ def test_damaged_prompt_completion_data_is_named(reversal, tmp_path):
     tokens = shard_path(out, "train", 0)
     overwrite_token(tokens, 3, 65535)
     message = rf"{tokens.name}: token 3 \(at byte 6\) is id 65535, outside the vocabulary of {vocab}"
-    train_loader = loader.PromptCompletionLoader(out, "train", 32, 8, seed=0)
+    train_loader = loader.PromptCompletionLoader(shards.open_data(out), "train", 32, 8, seed=0)
     with pytest.raises(data.DataError, match=message):
         for step in range(len(train_loader.examples)):  # more than an epoch's rows
             train_loader.get_batch(step)
     with pytest.raises(data.DataError, match=message):
-        list(loader.eval_examples(out, "train", 32, 8))
+        list(loader.eval_examples(shards.open_data(out), "train", 32, 8))
 
     mask = shard_path(out, "val", 0, "mask_shards")
     mask_bytes = mask.read_bytes()
     mask.write_bytes(mask_bytes[:4] + b"\x09" + mask_bytes[5:])
     with pytest.raises(data.DataError, match=rf"{mask.name}: byte 4 is 9, not a loss-mask value"):
-        list(loader.eval_examples(out, "val", 32, 8))
+        list(loader.eval_examples(shards.open_data(out), "val", 32, 8))
     assert [line.split(":")[0] for line in shards.verify(out)[0]] == [str(tokens), str(mask)]
     mask.write_bytes(mask_bytes[:-1])
     with pytest.raises(data.DataError, match=rf"{mask.name}: expected {len(mask_bytes)} bytes "
                                              rf"\({len(mask_bytes)} loss-mask bytes\), found {len(mask_bytes) - 1}"):
-        shards.load_index(out)  # what train.py opens first: every shard's size, loss masks included
+        shards.open_data(out).index  # what train.py opens first: every shard's size, loss masks included
 
 
 def test_train_refuses_examples_longer_than_the_context(reversal, tmp_path, capsys):
@@ -395,7 +395,7 @@ def test_fcm_training_learns_and_evaluation_is_unaffected(corpus, tmp_path):  # 
     nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
     model = nnx.merge(graphdef, state)
     losses, counts = [], []
-    for tokens in loader.eval_windows(corpus, "val", cfg.seq_len, 8, max_windows=cfg.training.eval_windows):
+    for tokens in loader.eval_windows(shards.open_data(corpus), "val", cfg.seq_len, 8, max_windows=cfg.training.eval_windows):
         logits = model(jnp.asarray(tokens[:, :-1]))
         loss, n = loss_lib.cross_entropy(logits, jnp.asarray(tokens[:, 1:]))
         losses.append(float(loss) * float(n))
@@ -448,11 +448,11 @@ def test_the_largest_useful_lora_rank_is_taken():
 def test_padding_on_text_data_is_said_and_changes_nothing(corpus, capsys):  # noqa: F811
     """data.batching=padding on text data (windows of one stream: no examples to pad) is one line from the
     loader of process 0, and the batches are those of the default."""
-    padded = loader.open_loader(corpus, "train", 16, 4, seed=1, batching="padding")
+    padded = loader.open_loader(shards.open_data(corpus), "train", 16, 4, seed=1, batching="padding")
     out = capsys.readouterr().out
     assert out == (f"note: data.batching=padding applies to prompt/completion data only; {corpus} is text, read "
                    "as windows of one token stream (no examples to pad)\n")
-    packed = loader.open_loader(corpus, "train", 16, 4, seed=1)
+    packed = loader.open_loader(shards.open_data(corpus), "train", 16, 4, seed=1)
     assert all((padded.get_batch(s) == packed.get_batch(s)).all() for s in range(3))
-    loader.open_loader(corpus, "train", 16, 4, seed=1, batching="padding", process_index=1, process_count=2)
+    loader.open_loader(shards.open_data(corpus), "train", 16, 4, seed=1, batching="padding", process_index=1, process_count=2)
     assert capsys.readouterr().out == ""  # said once, by the first process

@@ -19,7 +19,7 @@ from layers import fp8
 from store import rundir
 from test_plan import STEP_CASES, cfg_of, cpus, xla_temp_bytes
 from test_train import corpus, deterministic, restore, rows, tiny  # noqa: F401  (corpus is a fixture)
-from tokendata import loader
+from tokendata import loader, shards
 from training import config, devices, plan
 from training import step as step_lib
 
@@ -158,12 +158,12 @@ def trained_losses(corpus, fp8_on: bool, steps: int = 200) -> tuple[float, float
         f"model.fp8={str(fp8_on).lower()}", "training.batch_size=8", "training.seq_len=32", f"training.steps={steps}",
         "training.warmup_steps=20", "training.lr=1e-2", "training.min_lr=1e-3"])
     fns = step_lib.build(cfg.model, cfg.training, sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]), 0)
-    state, batches = fns.init(), loader.open_loader(corpus, "train", 32, 8, seed=0)
+    state, batches = fns.init(), loader.open_loader(shards.open_data(corpus), "train", 32, 8, seed=0)
     losses = []
     for s in range(steps):
         state, metrics = fns.train_step(state, jax.device_put(batches.get_batch(s), fns.batch_sharding))
         losses.append(metrics["loss"])
-    windows = loader.open_loader(corpus, "val", 32, 64, seed=1).get_batch(0)
+    windows = loader.open_loader(shards.open_data(corpus), "val", 32, 64, seed=1).get_batch(0)
     total, count = fns.eval_step(state["params"], {"tokens": jax.device_put(windows, fns.batch_sharding),
                                                    "weights": jax.device_put(np.ones((64, 32), np.float32),
                                                                              fns.batch_sharding)})

@@ -4,6 +4,7 @@ in one, exporting and importing there, and a bucket that does not exist; then wh
 in its bucket: a damaged checkpoint, a save the store refuses, SIGTERM and SIGKILL, and the tools that
 read the run, write beside it and start from it.
 """
+import collections
 import gzip
 import hashlib
 import json
@@ -178,7 +179,7 @@ def test_an_upload_cut_short_leaves_no_directory_a_reader_takes_for_complete(cor
     left = remote_files(url)
     assert "index.json" not in left and len([n for n in left if n.endswith(".bin")]) >= 1
     with pytest.raises(data.DataError, match=rf"{url}/index.json not found"):
-        shards.load_index(url)
+        shards.open_data(url).index
     monkeypatch.setattr(outputs, "upload_file", real)
     status, err = data_cli("--input", corpus_dir, "--out", url, *PREPARE, capsys=capsys)
     assert status == 2 and err == [f"error: {url} exists; pass --overwrite to replace it"]
@@ -498,6 +499,32 @@ def test_a_run_in_a_bucket_stopped_by_sigterm_then_killed_resumes_exactly(journe
     assert step == 8
     jax.tree.map(np.testing.assert_array_equal, resumed, params)
     assert runlock.LOCK not in remote_files(run)  # released
+
+
+def test_a_start_and_a_resume_download_the_index_and_tokenizer_once(corpus_dir, gcs_server, gcs_bucket, tmp_path,
+                                                                    capsys):
+    """A data directory in a bucket is opened once per process: a training start and a resume each download
+    index.json and tokenizer.json once, as the server's request log counts them."""
+    import urllib.request
+
+    def downloads() -> collections.Counter:
+        with urllib.request.urlopen(f"{gcs_server}/_emulator/requests") as answer:
+            seen = json.loads(answer.read())
+        return collections.Counter(r["object"] for r in seen if r["media"] and r["bucket"] == gcs_bucket[5:])
+
+    def forget() -> None:
+        urllib.request.urlopen(urllib.request.Request(f"{gcs_server}/_emulator/requests", method="DELETE")).read()
+
+    assert data.cli(["--input", str(corpus_dir), "--out", f"{gcs_bucket}/data", *PREPARE]) == 0
+    run = tmp_path / "run"
+    for args in (tiny(run, f"{gcs_bucket}/data", "training.steps=2", "checkpoint.every=2", "training.eval_every=2"),
+                 ["--resume", f"run_dir={run}", "training.steps=4"]):
+        forget()
+        assert train.main(args) == 0
+        got = downloads()
+        assert (got["data/index.json"], got["data/tokenizer.json"]) == (1, 1), args
+        assert got["data/" + shards.open_data(f"{gcs_bucket}/data").splits["train"]["shards"][0]["file"]] >= 1
+    capsys.readouterr()
 
 
 def test_the_tools_read_and_write_a_run_in_the_bucket(journey, tmp_path, capsys, monkeypatch):

@@ -363,7 +363,7 @@ def test_training_checkpoints_adapters_over_an_untouched_base(lora_run, corpus):
     record = json.loads((run / rundir.LORA_BASE).read_text())
     assert (record["init_from"], record["step"]) == (str(base), 0)
     # the first loss is the base model's: transformers' on the same batch
-    batch = loader.TextLoader(corpus, "train", 32, 8, seed=0).get_batch(0)
+    batch = loader.TextLoader(shards.open_data(corpus), "train", 32, 8, seed=0).get_batch(0)
     with torch.no_grad():
         ids = torch.tensor(batch, dtype=torch.long)
         want = float(torch.nn.functional.cross_entropy(hf(input_ids=ids[:, :-1]).logits.reshape(-1, V),
@@ -385,7 +385,7 @@ def test_training_checkpoints_adapters_over_an_untouched_base(lora_run, corpus):
 def windows(corpus):  # noqa: F811
     """16 windows of 32 tokens spread over the validation split (16, 33): what eval.py --lengths 32
     --max-tokens 512 scores, and one shape for every logits compared below."""
-    (batch,) = loader.eval_windows(corpus, "val", 32, 16, max_windows=16)
+    (batch,) = loader.eval_windows(shards.open_data(corpus), "val", 32, 16, max_windows=16)
     return batch
 
 

@@ -46,9 +46,8 @@ def prepared(tmp_path_factory):
 
 @pytest.fixture
 def bucket():
-    """A fresh memory:// location, and no memory of earlier checks of its data directories."""
+    """A fresh memory:// location."""
     url = f"memory://bucket-{uuid.uuid4().hex[:8]}"
-    shards.forget_checked()
     yield url
     fs, root = fsspec.core.url_to_fs(url)
     if fs.exists(root):
@@ -98,9 +97,9 @@ def test_remote_data_is_read_by_ranges_like_the_local_directory(prepared, bucket
     upload(prepared, url)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # where a cache would go
     reads = record_reads(monkeypatch)
-    remote = loader.TextLoader(url, "train", 16, 4, seed=3, process_index=1, process_count=2)
+    remote = loader.TextLoader(shards.open_data(url), "train", 16, 4, seed=3, process_index=1, process_count=2)
     assert sorted(name for kind, name in reads) == ["index.json", "tokenizer.json"]
-    local = loader.TextLoader(prepared, "train", 16, 4, seed=3, process_index=1, process_count=2)
+    local = loader.TextLoader(shards.open_data(prepared), "train", 16, 4, seed=3, process_index=1, process_count=2)
     itemsize = np.dtype(remote.index["dtype"]).itemsize
     for step in (0, 1, 7):
         reads.clear()
@@ -113,17 +112,17 @@ def test_remote_data_is_read_by_ranges_like_the_local_directory(prepared, bucket
         np.testing.assert_array_equal(next(batches), local.get_batch(step))
     batches.close()
     text = "the cat sat"
-    assert shards.load_tokenizer(url).encode(text).ids == shards.load_tokenizer(prepared).encode(text).ids
+    assert shards.open_data(url).tokenizer().encode(text).ids == shards.open_data(prepared).tokenizer().encode(text).ids
     assert not (tmp_path / "home").exists()
     # every evaluation window of the split, in order, as locally
-    for a, b in zip(loader.eval_windows(url, "val", 16, 3), loader.eval_windows(prepared, "val", 16, 3)):
+    for a, b in zip(loader.eval_windows(shards.open_data(url), "val", 16, 3), loader.eval_windows(shards.open_data(prepared), "val", 16, 3)):
         np.testing.assert_array_equal(a, b)
 
 
 def test_a_failed_remote_read_is_one_line_naming_the_file(prepared, bucket, monkeypatch):
     url = f"{bucket}/corpus"
     upload(prepared, url)
-    remote = loader.TextLoader(url, "train", 16, 1, seed=3)
+    remote = loader.TextLoader(shards.open_data(url), "train", 16, 1, seed=3)
 
     def broken(self, paths, *args, **kwargs):
         raise ConnectionResetError("connection reset by peer")
@@ -161,8 +160,7 @@ def test_a_damaged_remote_shard_is_one_clear_error(prepared, bucket, tmp_path, c
     raw = bytearray((prepared / name).read_bytes())
     raw[6:8] = (65535).to_bytes(2, "little")  # token 3 of the shard: id 65535, outside the vocabulary of 300
     fs.pipe_file(f"{root}/{name}", bytes(raw))
-    shards.forget_checked()
-    stream = loader.Stream(url, "train")
+    stream = loader.Stream(shards.open_data(url), "train")
     first = stream.starts[1]  # the damaged shard's first token in the split's stream
     with pytest.raises(data.DataError) as e:
         stream.check(stream.read_rows([first], 8), lambda: [(first, 8)])
@@ -208,7 +206,6 @@ def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeyp
     data_fs, data_root = fsspec.core.url_to_fs(data_url)
     time.sleep(0.01)
     data_fs.pipe_file(f"{data_root}/{name}", data_fs.cat_file(f"{data_root}/{name}"))
-    shards.forget_checked()  # as a new process would list it
     before = rows()
     capsys.readouterr()
     assert train.cli(["--resume", f"run_dir={run_url}", "training.steps=10"]) == 2
@@ -229,7 +226,7 @@ def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeyp
                  sorted(jax.tree.leaves(direct), key=np.size))
 
     # sample.py's tokenizer and convert_torch.py's export, from the run in the store
-    local_tok = shards.load_tokenizer(prepared)
+    local_tok = shards.open_data(prepared).tokenizer()
     assert rundir.Run(run_url).tokenizer().encode("the cat sat").ids == local_tok.encode("the cat sat").ids
     out = tmp_path / "export"
     assert convert_torch.main(["--checkpoint", run_url, "--out", str(out)]) == 0
@@ -255,7 +252,7 @@ def test_an_index_naming_files_outside_its_directory_is_refused(prepared, bucket
     index["splits"]["train"]["shards"][0]["file"] = "../../outside.bin"
     fs.pipe_file(f"{root}/index.json", json.dumps(index).encode())
     with pytest.raises(data.DataError) as err:
-        shards.load_index(url)
+        shards.open_data(url).index
     assert str(err.value) == (f"{url}/index.json is corrupt (ValueError: file name '../../outside.bin' "
                               f"outside the directory); re-run data.py with --overwrite")
 
@@ -302,13 +299,12 @@ def test_an_index_without_shard_hashes_is_checked_by_size(prepared, bucket):
     size = index["splits"]["val"]["shards"][0]["tokens"] * np.dtype(index["dtype"]).itemsize
     fs.pipe_file(f"{root}/{name}", (prepared / name).read_bytes()[:-2])  # one token short
     with pytest.raises(data.DataError) as err:
-        shards.load_index(url)
+        shards.open_data(url).index
     tokens = index["splits"]["val"]["shards"][0]["tokens"]
     assert str(err.value) == f"{url}/{name}: expected {size} bytes ({tokens} uint16 tokens), found {size - 2} bytes"
     fs.pipe_file(f"{root}/{name}", (prepared / name).read_bytes())
-    shards.forget_checked()  # (a new process would list it again)
-    np.testing.assert_array_equal(loader.TextLoader(url, "val", 16, 2).get_batch(3),
-                                  loader.TextLoader(prepared, "val", 16, 2).get_batch(3))
+    np.testing.assert_array_equal(loader.TextLoader(shards.open_data(url), "val", 16, 2).get_batch(3),
+                                  loader.TextLoader(shards.open_data(prepared), "val", 16, 2).get_batch(3))
 
 
 def test_remote_prompt_completion_data_reads_its_loss_masks(bucket, tmp_path, monkeypatch):
@@ -326,10 +322,10 @@ def test_remote_prompt_completion_data_reads_its_loss_masks(bucket, tmp_path, mo
     url = f"{bucket}/pairs"
     upload(local, url)
     reads = record_reads(monkeypatch)
-    a = loader.PromptCompletionLoader(url, "train", 24, 4, seed=1)
+    a = loader.PromptCompletionLoader(shards.open_data(url), "train", 24, 4, seed=1)
     train_masks = [s["file"] for s in index["splits"]["train"]["mask_shards"]]
     assert sorted(name for kind, name in reads) == sorted(["index.json", "tokenizer.json", *train_masks])
-    b = loader.PromptCompletionLoader(local, "train", 24, 4, seed=1)
+    b = loader.PromptCompletionLoader(shards.open_data(local), "train", 24, 4, seed=1)
     for step in (0, 5):
         reads.clear()
         got = a.get_batch(step)

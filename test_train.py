@@ -94,7 +94,7 @@ def finished_run(corpus, tmp_path_factory):
 
 def test_end_to_end_run(finished_run, corpus):
     run_dir = finished_run
-    index = shards.load_index(corpus)
+    index = shards.open_data(corpus).index
     # metrics: one row per step, tokens counted, validation on evaluation steps
     r = rows(run_dir)
     assert [row["step"] for row in r] == list(range(1, 9))
@@ -165,6 +165,26 @@ def test_resume_is_exact(finished_run, corpus, tmp_path, capsys):
     a, b = restore(finished_run, 8), restore(crashed, 8)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_a_start_and_a_resume_read_the_data_directorys_index_and_tokenizer_once(corpus, tmp_path):
+    """The data directory is opened once per process and handed to whatever reads it (the run record, the
+    loaders, the summary): `python train.py` and `python train.py --resume` each open index.json and
+    tokenizer.json once, counted by the system calls (strace: every open of the process and its
+    threads, the tokenizer library's own included)."""
+    run_dir = tmp_path / "run"
+    starts = (tiny(run_dir, corpus, "training.steps=2", "checkpoint.every=2", "training.eval_every=2"),
+              ["--resume", f"run_dir={run_dir}", "training.steps=4"])
+    for i, args in enumerate(starts):
+        log = tmp_path / f"opens-{i}.log"
+        done = subprocess.run(["strace", "-f", "-qq", "-s", "4096", "-e", "trace=open,openat,openat2", "-o", str(log),
+                               sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        opened = collections.Counter(line.split('"')[1] for line in log.read_text().splitlines() if '"' in line)
+        assert {name: opened[str(corpus.resolve() / name)] for name in ("index.json", "tokenizer.json")} == {
+            "index.json": 1, "tokenizer.json": 1}, args
+        assert rows(run_dir)[-1]["step"] == 2 * (i + 1)  # it trained on what it read
 
 
 def test_gradient_accumulation_matches_one_big_batch(corpus, tmp_path):

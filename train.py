@@ -161,26 +161,26 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     # sample in whole batches (text windows, or prompt/completion rows with the loss on completions)
     def read_data():  # on every process (each may read its own copy); a failure on one stops them all
         cfg.data.dir = data.resolve_dir(cfg.data.dir, progress=is_main)
-        index = shards.load_index(cfg.data.dir)
+        corpus = shards.open_data(cfg.data.dir)  # index.json and the tokenizer read once, here
         if args.resume:
-            run_dir.check_data(cfg.data.dir, index)
-        if cfg.model.vocab_size != index["vocab_size"]:
-            say(f"model.vocab_size {cfg.model.vocab_size} -> {index['vocab_size']}, the vocabulary of {cfg.data.dir}")
-            cfg.model = dataclasses.replace(cfg.model, vocab_size=index["vocab_size"])
-        train_loader = loader.open_loader(cfg.data.dir, "train", cfg.seq_len, t.batch_size, seed=cfg.seed,
+            run_dir.check_data(corpus)
+        if cfg.model.vocab_size != corpus.vocab_size:
+            say(f"model.vocab_size {cfg.model.vocab_size} -> {corpus.vocab_size}, the vocabulary of {corpus}")
+            cfg.model = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size)
+        train_loader = loader.open_loader(corpus, "train", cfg.seq_len, t.batch_size, seed=cfg.seed,
                                           process_index=rows_index, process_count=rows_count,
                                           batching=cfg.data.batching)
-        if storage.is_url(cfg.data.dir):
+        if corpus.remote:
             group = train_loader.group
-            say(f"data {cfg.data.dir}: read in place, this process's rows only, {group} batch{'es' * (group > 1)} "
+            say(f"data {corpus}: read in place, this process's rows only, {group} batch{'es' * (group > 1)} "
                 f"a request, {train_loader.prefetch} ahead (nothing copied)")
-        val = loader.validation_sample(cfg.data.dir, cfg.seq_len, t.batch_size // t.micro_batches, t.eval_windows,
+        val = loader.validation_sample(corpus, cfg.seq_len, t.batch_size // t.micro_batches, t.eval_windows,
                                        cfg.data.batching)
         if t.init_from:  # its model must be this one: checked before anything is written
-            rundir.check_init_from(t.init_from, cfg.model, index)
-        return index, train_loader, val
+            rundir.check_init_from(t.init_from, cfg.model, corpus)
+        return corpus, train_loader, val
 
-    index, train_loader, (val_sample, val_windows, val_tokens, val_of) = multihost.on_every_process(
+    corpus, train_loader, (val_sample, val_windows, val_tokens, val_of) = multihost.on_every_process(
         read_data, "stopped before training (its error says why)")
     mcfg, seq_len = cfg.model, cfg.seq_len
     stop.check()  # a signal before the first step: nothing to save
@@ -209,7 +209,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
             multihost.on_process_zero(lambda: held.enter_context(run_dir.writer(writer, new=True)), stopped)
             if is_main:
                 run_dir.save_config(cfg)
-                run_dir.save_data(cfg.data.dir, index)
+                run_dir.save_data(corpus)
                 if t.lora is not None:
                     run_dir.save_lora_base(base_record)
 
@@ -316,7 +316,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         return 128 + stop.number  # not 0: `python train.py && python eval.py` must not go on
     if came := stop.ended():  # from here a signal changes nothing: the run is complete
         say(came)
-    summary = steps.summary(index, n_params, val_windows, val_tokens, val_of, ckpts.dir)
+    summary = steps.summary(corpus.index, n_params, val_windows, val_tokens, val_of, ckpts.dir)
     if is_main:
         run_dir.save_summary(summary)
         if wandb_run is not None:

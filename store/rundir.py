@@ -177,26 +177,25 @@ class Record(storage.RunDir):
     # ------------------------------------------------------------------------------------------
     # The data: data.json and tokenizer.json
 
-    def save_data(self, data_dir: str, index: dict) -> None:
-        """Record the prepared data the run trains on (`data_dir` as the config holds it: a URL or a
+    def save_data(self, data: shards.DataDir) -> None:
+        """Record the prepared data the run trains on (its location as the config holds it: a URL or a
         resolved path), with the object store's version of each of its files for a URL, and copy its
         tokenizer."""
-        source = shards.Source(data_dir)
         ref = {
-            "dir": data_dir,
-            "index": source.show("index.json"),
-            "tokenizer": source.show(index["tokenizer"]),
-            "tokenizer_sha256": index.get("tokenizer_sha256"),
-            "vocab_size": index["vocab_size"],
-            "kind": index.get("kind", "text"),  # prompt_completion: sample.py completes prompts like training
-            "content_sha256": shards.content_sha256(index),  # what check_data compares at a resume, anywhere
+            "dir": str(data),
+            "index": data.show("index.json"),
+            "tokenizer": data.show(data.index["tokenizer"]),
+            "tokenizer_sha256": data.tokenizer_sha256,
+            "vocab_size": data.vocab_size,
+            "kind": data.kind,  # prompt_completion: sample.py completes prompts like training
+            "content_sha256": shards.content_sha256(data.index),  # what check_data compares at a resume, anywhere
         }
-        if source.remote:  # what check_data compares at a resume
-            ref["versions"] = shards.versions(data_dir)
+        if data.remote:  # what check_data compares at a resume
+            ref["versions"] = data.versions
         self.write_text(DATA, json.dumps(ref, indent=2) + "\n")
-        self.write_bytes(TOKENIZER, shards.tokenizer_bytes(data_dir))
+        self.write_bytes(TOKENIZER, data.tokenizer_json)
 
-    def check_data(self, data_dir: str, index: dict) -> None:
+    def check_data(self, data: shards.DataDir) -> None:
         """A resume trains on the data it started with, wherever it now lies: a RunError (one line) when
         the data's tokenizer is not the run's tokenizer.json, when its content (shards.content_sha256: the
         tokenizer, every shard's size and sha256) differs from what data.json records (prepared again,
@@ -206,25 +205,25 @@ class Record(storage.RunDir):
         recorded = self.data()
         if not recorded:
             return  # an import: nothing trained yet, nothing to compare
-        start = f"data.dir {data_dir}"
+        start = f"data.dir {data}"
         fix = (f"resume on the data it trained on ({recorded.get('dir')}), or start a new run from it "
                f"(training.init_from={self})")
         ours = self.tokenizer_sha256()
-        if ours is not None and ours != index.get("tokenizer_sha256"):
+        if ours is not None and ours != data.tokenizer_sha256:
             raise RunError(f"{start} was tokenized with another tokenizer than this run's ({self.show(TOKENIZER)}); {fix}")
         if recorded.get("content_sha256"):
-            if recorded["content_sha256"] != shards.content_sha256(index):
+            if recorded["content_sha256"] != shards.content_sha256(data.index):
                 raise RunError(f"{start} is not the data this run trained on: its content differs from what "
                                f"{self.show(DATA)} records (prepared again, or other data); {fix}")
         elif not recorded.get("tokenizer_sha256") and ours is None:
             raise RunError(f"{self.show(DATA)} records no fingerprint of the data and {self} has no {TOKENIZER}: "
                            f"{start} cannot be checked against what the run trained on; start a new run from it "
                            f"(training.init_from={self})")
-        elif recorded.get("tokenizer_sha256") and recorded["tokenizer_sha256"] != index.get("tokenizer_sha256"):
+        elif recorded.get("tokenizer_sha256") and recorded["tokenizer_sha256"] != data.tokenizer_sha256:
             raise RunError(f"{start} was tokenized with another tokenizer than the one {self.show(DATA)} records; {fix}")
-        if recorded.get("dir") != data_dir or not isinstance(recorded.get("versions"), dict):
+        if str(recorded.get("dir")).rstrip("/") != str(data) or not isinstance(recorded.get("versions"), dict):
             return
-        now = shards.versions(data_dir) or {}
+        now = data.versions or {}
         changed = sorted(name for name, version in recorded["versions"].items() if now.get(name) != version)
         if changed:
             raise RunError(f"{start} changed since this run started: {changed[0]}"
@@ -411,9 +410,9 @@ def init_model(location) -> dict:
         raise RunError(f"training.init_from: {e}") from None
 
 
-def check_init_from(location, mcfg, index: dict) -> None:
+def check_init_from(location, mcfg, data: shards.DataDir) -> None:
     """training.init_from: a run directory with a checkpoint, this run's model and the tokenizer the data
-    (its `index`) was prepared with, or a RunError (one line)."""
+    was prepared with, or a RunError (one line)."""
     try:
         src = open_run(location)
         src_model = src.config().model
@@ -427,7 +426,7 @@ def check_init_from(location, mcfg, index: dict) -> None:
         raise RunError(f"training.init_from={location} has no {TOKENIZER}, so the data cannot be checked against "
                        f"the model's tokenizer: copy the model's {TOKENIZER} into it (the one the data was "
                        f"prepared with)")
-    if src_tokenizer != index.get("tokenizer_sha256"):
+    if src_tokenizer != data.tokenizer_sha256:
         raise RunError(f"training.init_from={location}: the data was tokenized with another tokenizer than its "
                        f"{TOKENIZER}; prepare the data with it (python data.py --tokenizer {location} ...)")
     # an ALiBi model may change its context: only the parameters' fields must agree

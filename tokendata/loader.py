@@ -1,7 +1,8 @@
 """The step-deterministic loaders: batches of a prepared data directory (shards.py) as a pure
-function of the step.
+function of the step. Each takes the directory opened once (`shards.open_data`), and reads its shards
+through it.
 
-    loader = open_loader(DIR, "train", seq_len, batch_size, seed=..., process_index=p, process_count=P)
+    loader = open_loader(shards.open_data(DIR), "train", seq_len, batch_size, seed=..., process_index=p, process_count=P)
     batches = loader.iterate(start_step)      # get_batch(start_step), get_batch(start_step + 1), ... prefetched
 
 Text data (`TextLoader`): training window i covers stream[i*T : i*T + T + 1] (inputs and targets
@@ -54,15 +55,14 @@ class Stream:
     `check` tests a batch read from it against the vocabulary: a flipped byte in a shard gives an id
     that would index the embedding out of range, so it is caught here and named, not met as a NaN loss."""
 
-    def __init__(self, data_dir, split: str, masks: bool = False):
+    def __init__(self, data: shards.DataDir, split: str, masks: bool = False):
         """`masks`: the split's loss-mask shards (prompt/completion data, one uint8 a token) instead."""
-        self.index = shards.load_index(data_dir)
-        splits = self.index["splits"]
+        self.index, splits = data.index, data.splits
         if split not in splits:
-            raise DataError(f"{data_dir}: no split {split!r} (has: {', '.join(splits)})")
-        self.split, self.vocab_size = split, int(self.index["vocab_size"])
-        self.source = shards.Source(data_dir)
-        self.dtype = np.dtype(np.uint8 if masks else self.index["dtype"]).newbyteorder("<")
+            raise DataError(f"{data}: no split {split!r} (has: {', '.join(splits)})")
+        self.split, self.vocab_size = split, data.vocab_size
+        self.source = data.source
+        self.dtype = np.dtype(np.uint8 if masks else data.dtype).newbyteorder("<")
         self.directory, self.itemsize = self.source.location, self.dtype.itemsize
         self.names, self.shards, self.starts = [], [], [0]  # shards: local memory maps, none for a URL
         for shard in splits[split]["mask_shards" if masks else "shards"]:
@@ -204,16 +204,16 @@ class Loader:
             thread.join()
 
 
-def open_loader(data_dir, split: str, seq_len: int, batch_size: int, *, seed: int = 0, process_index: int = 0,
+def open_loader(data: shards.DataDir, split: str, seq_len: int, batch_size: int, *, seed: int = 0, process_index: int = 0,
                 process_count: int = 1, batching: str = "packing") -> Loader:
     """The loader for the directory's kind: a TextLoader, or a PromptCompletionLoader (with `batching`)."""
     rows = dict(seed=seed, process_index=process_index, process_count=process_count)
-    if shards.is_prompt_completion(shards.load_index(data_dir)):
-        return PromptCompletionLoader(data_dir, split, seq_len, batch_size, batching=batching, **rows)
+    if data.is_prompt_completion:
+        return PromptCompletionLoader(data, split, seq_len, batch_size, batching=batching, **rows)
     if batching != "packing" and process_index == 0:  # said, not refused: a run saved with it still resumes
-        print(f"note: data.batching={batching} applies to prompt/completion data only; {data_dir} is text, read "
+        print(f"note: data.batching={batching} applies to prompt/completion data only; {data} is text, read "
               f"as windows of one token stream (no examples to pad)", flush=True)
-    return TextLoader(data_dir, split, seq_len, batch_size, **rows)
+    return TextLoader(data, split, seq_len, batch_size, **rows)
 
 
 class TextLoader(Loader):
@@ -223,14 +223,14 @@ class TextLoader(Loader):
     permute(g % num_windows, seed, epoch). Process p computes only rows [p*B/P, (p+1)*B/P).
     """
 
-    def __init__(self, data_dir, split: str, seq_len: int, batch_size: int, *, seed: int = 0,
+    def __init__(self, data: shards.DataDir, split: str, seq_len: int, batch_size: int, *, seed: int = 0,
                  process_index: int = 0, process_count: int = 1):
         super().__init__(seq_len, batch_size, seed=seed, process_index=process_index, process_count=process_count)
-        self.stream = Stream(data_dir, split)
+        self.stream = Stream(data, split)
         self.index = self.stream.index
         if self.stream.source.remote:
             self.group, self.prefetch = REMOTE_GROUP, 2 * REMOTE_GROUP
-        self.num_windows = self.stream.windows(seq_len, f"{data_dir} split {split!r}")
+        self.num_windows = self.stream.windows(seq_len, f"{data} split {split!r}")
 
     def get_batch(self, step: int) -> np.ndarray:
         """int32 [local_batch_size, seq_len + 1]: this process's rows of the global batch at `step`."""
@@ -253,19 +253,19 @@ def spread(n: int, m: int | None) -> np.ndarray:
     return np.arange(n) if m is None or m >= n else (np.arange(m, dtype=np.int64) * n) // m
 
 
-def split_windows(data_dir, split: str, seq_len: int) -> int:
+def split_windows(data: shards.DataDir, split: str, seq_len: int) -> int:
     """How many non-overlapping windows of seq_len (+1) tokens the split holds."""
-    return Stream(data_dir, split).windows(seq_len, f"{data_dir} split {split!r}")
+    return Stream(data, split).windows(seq_len, f"{data} split {split!r}")
 
 
-def eval_windows(data_dir, split: str, seq_len: int, batch_size: int, *,
+def eval_windows(data: shards.DataDir, split: str, seq_len: int, batch_size: int, *,
                  max_windows: int | None = None) -> Iterator[np.ndarray]:
     """The non-overlapping windows stream[i*T : i*T + T + 1] of the split, each once, in order, in
     batches: every one, or max_windows of them spread evenly over the split (`spread`)."""
     if seq_len < 1 or batch_size < 1:
         raise DataError(f"seq_len and batch_size must be positive, got {seq_len} and {batch_size}")
-    stream = Stream(data_dir, split)
-    picked = spread(stream.windows(seq_len, f"{data_dir} split {split!r}"), max_windows)
+    stream = Stream(data, split)
+    picked = spread(stream.windows(seq_len, f"{data} split {split!r}"), max_windows)
     for first in range(0, len(picked), batch_size):
         windows = picked[first:first + batch_size]
         batch = stream.read_rows(windows * seq_len, seq_len + 1)
@@ -279,17 +279,17 @@ def eval_windows(data_dir, split: str, seq_len: int, batch_size: int, *,
 class Examples:
     """One split's examples: the token stream, its mask stream, and where each example starts."""
 
-    def __init__(self, data_dir, split: str):
-        self.stream = Stream(data_dir, split)  # validates the index and the token shards
-        self.index = index = self.stream.index
-        if not shards.is_prompt_completion(index):
-            raise DataError(f"{data_dir} is not prompt/completion data (prepare it with --format prompt_completion)")
+    def __init__(self, data: shards.DataDir, split: str):
+        self.stream = Stream(data, split)  # maps (or names, at a URL) the token shards
+        self.index = data.index
+        if not data.is_prompt_completion:
+            raise DataError(f"{data} is not prompt/completion data (prepare it with --format prompt_completion)")
         # the loss masks, one byte a token, are read like the tokens; at start every shard of them is
         # read once, a shard at a time (from a URL too, kept nowhere), for the examples' bounds: the
         # packing plan needs every example's length
-        self.masks, ends = Stream(data_dir, split, masks=True), []
+        self.masks, ends = Stream(data, split, masks=True), []
         if self.masks.tokens != self.stream.tokens:
-            raise DataError(f"{data_dir}: split {split!r} has {self.masks.tokens} mask bytes for "
+            raise DataError(f"{data}: split {split!r} has {self.masks.tokens} mask bytes for "
                             f"{self.stream.tokens} tokens; re-run data.py")
         source = self.masks.source
         for i, name in enumerate(self.masks.names):
@@ -309,7 +309,7 @@ class Examples:
                             f"rest belongs to none; the loss masks are damaged, prepare the directory again")
         self.starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         self.lengths = (ends - self.starts).astype(np.int64)
-        self.eot = int(index["eot_id"])
+        self.eot = data.eot_id
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -366,12 +366,12 @@ class PromptCompletionLoader(Loader):
     row g = step * batch_size + row is row g - (rows of epochs before) of the epoch it falls in.
     """
 
-    def __init__(self, data_dir, split: str, seq_len: int, batch_size: int, *, seed: int = 0,
+    def __init__(self, data: shards.DataDir, split: str, seq_len: int, batch_size: int, *, seed: int = 0,
                  process_index: int = 0, process_count: int = 1, batching: str = "packing"):
         super().__init__(seq_len, batch_size, seed=seed, process_index=process_index, process_count=process_count)
         if batching not in BATCHING:
             raise DataError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
-        self.examples = _checked(data_dir, split, seq_len)
+        self.examples = _checked(data, split, seq_len)
         self.index = self.examples.index
         if self.examples.stream.source.remote:
             self.prefetch = 2 * REMOTE_GROUP
@@ -412,14 +412,14 @@ class PromptCompletionLoader(Loader):
         return self.examples.batch(rows, self.seq_len)
 
 
-def _checked(data_dir, split: str, seq_len: int) -> Examples:
-    examples = Examples(data_dir, split)
+def _checked(data: shards.DataDir, split: str, seq_len: int) -> Examples:
+    examples = Examples(data, split)
     if len(examples) == 0:
         hint = "; prepare with a larger --val-fraction" if split == "val" else ""
-        raise DataError(f"{data_dir}: split {split!r} has no examples{hint}")
+        raise DataError(f"{data}: split {split!r} has no examples{hint}")
     longest = int(examples.lengths.max())
     if longest > seq_len + 1:
-        raise DataError(f"{data_dir}: an example of {longest} tokens does not fit training.seq_len {seq_len} "
+        raise DataError(f"{data}: an example of {longest} tokens does not fit training.seq_len {seq_len} "
                         f"(prepared for seq_len {examples.index.get('seq_len')}); re-prepare with --seq-len {seq_len}")
     return examples
 
@@ -430,43 +430,43 @@ def empty_batch(rows: int, seq_len: int) -> dict:
             "segments": np.zeros((rows, seq_len), np.int32)}
 
 
-def eval_examples(data_dir, split: str, seq_len: int, batch_size: int, *, batching: str = "packing",
+def eval_examples(data: shards.DataDir, split: str, seq_len: int, batch_size: int, *, batching: str = "packing",
                  max_rows: int | None = None, rows: tuple | None = None) -> Iterator[dict]:
     """The split's examples once, in order, in rows as the Loader builds them, batch_size rows a batch:
     every row, or max_rows of them spread evenly over the split (`spread`). `rows`: example_rows's
     answer for these arguments, where the caller has it already."""
-    examples, bounds = rows if rows is not None else example_rows(data_dir, split, seq_len, batching)
+    examples, bounds = rows if rows is not None else example_rows(data, split, seq_len, batching)
     picked = spread(len(bounds) - 1, max_rows).tolist()
     for first in range(0, len(picked), batch_size):
         yield examples.batch([range(bounds[r], bounds[r + 1]) for r in picked[first:first + batch_size]], seq_len)
 
 
-def example_rows(data_dir, split: str, seq_len: int, batching: str = "packing") -> tuple[Examples, np.ndarray]:
+def example_rows(data: shards.DataDir, split: str, seq_len: int, batching: str = "packing") -> tuple[Examples, np.ndarray]:
     """(the split's Examples, the bounds of the rows they fill as the Loader builds them): row r holds
     examples bounds[r] to bounds[r + 1]."""
-    examples = _checked(data_dir, split, seq_len)
+    examples = _checked(data, split, seq_len)
     return examples, _plan(examples.lengths, np.arange(len(examples)), seq_len + 1, batching == "packing")
 
 
-def validation_sample(data_dir, seq_len: int, batch_size: int, max_rows: int, batching: str = "packing"):
+def validation_sample(data: shards.DataDir, seq_len: int, batch_size: int, max_rows: int, batching: str = "packing"):
     """The fixed sample train.py evaluates on: max_rows windows (text) or rows of examples
     (prompt/completion) spread evenly over the val split, or all of them when it holds no more, as
     (batches, rows, tokens counted, the split's rows). Every batch is whole (batch_size rows; the rows
     that pad the last one weigh 0), so evaluation compiles once; each is
     {tokens (B, T+1), weights (B, T)[, segments (B, T)]}."""
     batches = []
-    if shards.is_prompt_completion(shards.load_index(data_dir)):
-        rows = example_rows(data_dir, "val", seq_len, batching)  # every mask shard read once, for both
+    if data.is_prompt_completion:
+        rows = example_rows(data, "val", seq_len, batching)  # every mask shard read once, for both
         of = len(rows[1]) - 1
-        for batch in eval_examples(data_dir, "val", seq_len, batch_size, batching=batching, max_rows=max_rows,
+        for batch in eval_examples(data, "val", seq_len, batch_size, batching=batching, max_rows=max_rows,
                                    rows=rows):
             padded = empty_batch(batch_size, seq_len)  # zero weights on the rows that pad the batch
             for k, v in batch.items():
                 padded[k][: len(v)] = v
             batches.append(padded)
     else:
-        of = split_windows(data_dir, "val", seq_len)
-        for tokens in eval_windows(data_dir, "val", seq_len, batch_size, max_windows=max_rows):
+        of = split_windows(data, "val", seq_len)
+        for tokens in eval_windows(data, "val", seq_len, batch_size, max_windows=max_rows):
             padded = {"tokens": np.zeros((batch_size, seq_len + 1), np.int32),
                       "weights": np.zeros((batch_size, seq_len), np.float32)}
             padded["tokens"][: len(tokens)] = tokens

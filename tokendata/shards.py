@@ -19,14 +19,14 @@ files {split}_mask_NNNNN.bin, one byte per token (PROMPT, COMPLETION, or END for
 token that closes an example).
 
 Writing is shard_writer.py's (the tokenizer, ShardWriter, the staged directory swapped into place).
-Reading: `load_index` checks the index (its fields' types and ranges, and its kind against its files:
-loss-mask shards in every split with `kind: "prompt_completion"`, none without a kind), the
-tokenizer's sha256 and every shard's size (truncated, extended, missing); `verify` reads every file
-against its sha256. `Source` reads a directory's files where they are: memory-mapped on a local disk,
-by byte ranges from a URL (gs://...), nothing copied; at a URL, `load_index` reads index.json, the
-tokenizer and one listing of the directory, which checks every file's size and gives each one's
-version (the object store's generation and checksum), so that a resume can refuse data that changed
-underneath.
+Reading: `open_data` opens a directory once, as a `DataDir` that every reader in the process is handed:
+it checks the index (its fields' types and ranges, and its kind against its files: loss-mask shards in
+every split with `kind: "prompt_completion"`, none without a kind), the tokenizer's sha256 and every
+shard's size (truncated, extended, missing), reading index.json and the tokenizer once each; `verify`
+reads every file against its sha256. `Source` reads a directory's files where they are: memory-mapped
+on a local disk, by byte ranges from a URL (gs://...), nothing copied; at a URL one listing of the
+directory gives every file's size and version (the object store's generation and checksum), so that a
+resume can refuse data that changed underneath.
 
 Knows nothing of models or of how documents are found (corpus.py) or batched (loader.py).
 """
@@ -188,15 +188,6 @@ class Source:
             raise self._failed(what, e) from None
 
 
-_checked_remote: dict[str, dict] = {}  # URL -> its index, checked against a listing in this process
-
-
-def forget_checked() -> None:
-    """Check every data directory at a URL again at its next use, as a new process would: its index,
-    tokenizer and listing (the versions a resume compares) read anew."""
-    _checked_remote.clear()
-
-
 class IndexedFile(NamedTuple):
     """A file that index.json names, with what it records about it."""
     file: str  # its name inside the directory
@@ -284,61 +275,75 @@ def _size_problem(path, size: int | None, entry: IndexedFile) -> str | None:
                                                                           else f"{size} bytes")
 
 
-def load_index(data_dir) -> dict:
-    """The validated index of a data directory: the tokenizer matches its sha256, and every shard (loss-mask
-    shards included) exists with the recorded size; hashes of the shards are `verify`'s to check.
+class DataDir:
+    """A prepared data directory, opened once (`open_data`) and handed to whatever reads it: where it is
+    (`source`: a local path, or a URL read by byte ranges), its checked `index`, the tokenizer's bytes
+    (`tokenizer_json`) and sha256, its kind and splits, and at a URL the object store's version of each
+    file as listed when it was opened (`versions`; None for a local directory), which a run records and
+    a resume compares. str() is its location as given (a resolved path, or the URL)."""
 
-    At a URL (gs://...) the sizes come from one listing of the directory, and no shard byte is read; the
-    index is checked once per process (`versions` gives the listing's versions)."""
-    if storage.is_url(data_dir):
-        return _remote_index(str(data_dir).rstrip("/"))["index"]
-    data_dir, index, files = read_index(data_dir)
-    data_dir = pathlib.Path(data_dir.location)
-    tokenizer = data_dir / files[0].file
-    if not tokenizer.is_file():
-        raise DataError(f"{data_dir / 'index.json'}: tokenizer {tokenizer} is missing")
-    if file_sha256(tokenizer) != files[0].sha256:
-        raise DataError(f"{data_dir / 'index.json'}: {tokenizer} does not match the recorded sha256; re-run data.py")
-    for entry in files[1:]:
-        problem = _size_problem(data_dir / entry.file, _size(data_dir / entry.file), entry)
-        if problem:
-            raise DataError(problem)
-    return index
+    def __init__(self, source: Source, index: dict, tokenizer_json: bytes, versions: dict[str, dict] | None):
+        self.source, self.index, self.tokenizer_json, self.versions = source, index, tokenizer_json, versions
+        self.tokenizer_sha256: str = index["tokenizer_sha256"]
+        self.vocab_size, self.eot_id, self.dtype = int(index["vocab_size"]), int(index["eot_id"]), index["dtype"]
+        self.kind = index.get("kind", "text")
+        self.splits: dict[str, dict] = index["splits"]
+
+    def __str__(self) -> str:
+        return str(self.source)
+
+    def __repr__(self) -> str:
+        return f"DataDir({str(self)!r})"
+
+    @property
+    def location(self) -> str:
+        return self.source.location
+
+    @property
+    def remote(self) -> bool:
+        return self.source.remote
+
+    @property
+    def is_prompt_completion(self) -> bool:
+        return self.kind == PROMPT_COMPLETION
+
+    def show(self, name: str) -> str:
+        """How a file of the directory is named in messages."""
+        return self.source.show(name)
+
+    def tokenizer(self):
+        """Its tokenizers.Tokenizer, made from the bytes read when the directory was opened."""
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(self.tokenizer_json.decode())
 
 
-def _remote_index(url: str) -> dict:
-    """{"index", "versions"} of a data directory at a URL: index.json and the tokenizer read and checked,
-    every file's size checked against one listing, and the listing's versions of the files kept."""
-    if url in _checked_remote:
-        return _checked_remote[url]
-    source, index, files = read_index(url)
-    listing = source.listing()
-    tokenizer = source.read_bytes(files[0].file)
-    if hashlib.sha256(tokenizer).hexdigest() != files[0].sha256:
-        raise DataError(f"{source.show('index.json')}: {source.show(files[0].file)} does not match the recorded "
+def open_data(location) -> DataDir:
+    """A prepared data directory, checked: its index (fields, kind against its files), the tokenizer
+    against its recorded sha256, and every shard (loss-mask shards included) present with its recorded
+    size; the shards' hashes are `verify`'s to check. index.json and the tokenizer are each read once;
+    the sizes come from the file system, or at a URL from one listing of the directory (no shard byte
+    is read). Anything wrong is one DataError line."""
+    source, index, files = read_index(location)
+    tokenizer = files[0]
+    if source.remote:
+        listing = source.listing()
+        sizes = {name: entry["size"] for name, entry in listing.items()}
+    else:
+        root = pathlib.Path(source.location)
+        sizes = {f.file: _size(root / f.file) for f in files}
+    if sizes.get(tokenizer.file) is None:
+        raise DataError(f"{source.show('index.json')}: tokenizer {source.show(tokenizer.file)} is missing")
+    tokenizer_json = source.read_bytes(tokenizer.file)
+    if hashlib.sha256(tokenizer_json).hexdigest() != tokenizer.sha256:
+        raise DataError(f"{source.show('index.json')}: {source.show(tokenizer.file)} does not match the recorded "
                         f"sha256; prepare the directory again")
     for entry in files[1:]:
-        found = listing.get(entry.file)
-        problem = _size_problem(source.show(entry.file), found["size"] if found else None, entry)
+        problem = _size_problem(source.show(entry.file), sizes.get(entry.file), entry)
         if problem:
             raise DataError(problem)
-    versions = {f.file: listing[f.file]["version"] for f in files if f.file in listing}
-    _checked_remote[url] = {"index": index, "versions": versions, "tokenizer": tokenizer}
-    return _checked_remote[url]
-
-
-def versions(data_dir) -> dict[str, dict] | None:
-    """The object store's version of every file of a data directory at a URL, as first listed in this
-    process (None for a local directory): what a run records, and a resume compares."""
-    return _remote_index(str(data_dir).rstrip("/"))["versions"] if storage.is_url(data_dir) else None
-
-
-def tokenizer_bytes(data_dir) -> bytes:
-    """The tokenizer.json of a data directory, checked against index.json."""
-    if storage.is_url(data_dir):
-        return _remote_index(str(data_dir).rstrip("/"))["tokenizer"]
-    index = load_index(data_dir)
-    return (pathlib.Path(storage.local_path(str(data_dir))) / index["tokenizer"]).read_bytes()
+    versions = {f.file: listing[f.file]["version"] for f in files if f.file in listing} if source.remote else None
+    return DataDir(source, index, tokenizer_json, versions)
 
 
 def verify(data_dir) -> tuple[list[str], str]:
@@ -419,11 +424,3 @@ def _mask_problem(directory: storage.RunDir, name: str, closing: bool) -> str | 
     if closing and last is not None and last != END:
         return f"{directory.show(name)}: the last byte is {last}, not {END}: the split's last example never ends"
     return None
-
-
-def load_tokenizer(data_dir):
-    """The tokenizer of a prepared data directory (for decoding samples)."""
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_str(tokenizer_bytes(data_dir).decode())
-
