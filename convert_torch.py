@@ -115,7 +115,7 @@ from interop.torch_gpt import (  # GPT: `from convert_torch import GPT` as befor
     WEIGHTS_NAME,
 )
 from model import GPTConfig
-from store import rundir
+from store import record, rundir
 from tokendata import shards
 from training import config as config_lib
 
@@ -207,8 +207,8 @@ def read_hf_tokenizer(hf_dir: pathlib.Path):
 def read_run(run_dir, step: int | None = None):
     """(Config, params pure dict of numpy arrays, step) of a run directory's checkpoint (the last by default)."""
     run = rundir.existing(run_dir)
-    cfg = run.config()
-    params, step = run.load_params(step)
+    cfg = run.record.config()
+    params, step = run.weights.load_params(step)
     return cfg, params, step
 
 
@@ -397,18 +397,18 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     run_cfg = dataclasses.replace(base, run_dir=str(out), model_name=f"imported-{layout}", model=c,
                                   training=dataclasses.replace(base.training, seq_len=None))
     with contextlib.ExitStack() as held, \
-            outputs.StagedDir(out, replace=overwrite, hidden=True, last=rundir.CONFIG) as staged:
+            outputs.StagedDir(out, replace=overwrite, hidden=True, last=record.CONFIG) as staged:
         if out.is_dir() and any(out.iterdir()):  # --overwrite of a run: not while a process writes it
             held.enter_context(rundir.Run(out).writer("convert_torch.py --import-hf --overwrite"))
         tmp = staged.path
         run = rundir.Run(tmp)
-        run.save_config(run_cfg)
+        run.record.save_config(run_cfg)
         if isinstance(tokenizer, pathlib.Path):  # the directory's tokenizer.json, as it is
             shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
         elif tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER_NAME))
         try:
-            run.save_params(params, step=0)  # a failed write (a full disk) is a RunError with the reason
+            run.weights.save_params(params, step=0)  # a failed write (a full disk) is a RunError with the reason
         except Exception as e:  # said of --out, not of the staging directory's checkpoint
             reason = storage.os_problem(e)
             if reason is None:
@@ -427,12 +427,12 @@ def main(argv=None) -> int:
     if args.import_hf:
         import_hf(args.import_hf, args.out, args.overwrite)
         imported = rundir.Run(args.out)  # a local path or a URL
-        has_tokenizer = imported.is_file(TOKENIZER_NAME)
+        has_tokenizer = imported.dir.is_file(TOKENIZER_NAME)
         if not has_tokenizer:
             print(f"warning: {args.import_hf} has no tokenizer ({TOKENIZER_NAME}, or vocab.json and merges.txt), so "
                   f"{args.out} has none: prepare data with the model's own (python data.py --tokenizer "
                   f"PATH/{TOKENIZER_NAME}) and copy it into {args.out} for sample.py and eval.py", file=sys.stderr)
-        context = imported.config().model.block_size
+        context = imported.record.config().model.block_size
         run, name = args.out.rstrip("/"), pathlib.PurePath(args.out.rstrip("/")).name
         data_dir = f"data/{name}"
         tokenizer = run if has_tokenizer else f"PATH/{TOKENIZER_NAME}"
@@ -471,13 +471,13 @@ def main(argv=None) -> int:
 def _export_adapter(args, source) -> int:
     """--format peft: the LoRA run's adapters as a PEFT adapter, and how to load it."""
     run = rundir.existing(args.checkpoint)
-    cfg = run.config()
+    cfg = run.record.config()
     if cfg.training.lora is None:
         raise ConvertError(f"{args.checkpoint} is not a LoRA run (training.lora is null), so it has no adapters; "
                            f"export its model with --format hf")
     hf_format(cfg.model, adapters=True)  # a model no transformers layout expresses: refused before reading
-    adapters, step = run.load_adapters(args.step)
-    base = run.lora_base().get("init_from") or str(cfg.training.init_from)
+    adapters, step = run.weights.load_adapters(args.step)
+    base = run.weights.lora_base().get("init_from") or str(cfg.training.init_from)
     layout = export_adapter(adapters, cfg.model, cfg.training.lora, args.out, args.overwrite, source)
     print(f"wrote the LoRA adapters of step {step} of {args.checkpoint} to {args.out} (PEFT, {layout} layout); load "
           f"with peft.PeftModel.from_pretrained(BASE_MODEL, {shlex.quote(args.out)}), BASE_MODEL being its base in the "

@@ -102,7 +102,7 @@ from core import storage
 from core.errors import DataError, EvalError
 from inference import decoding, harness
 from layers import attention as attention_lib
-from store import rundir
+from store import record, rundir
 from tokendata import loader, shards
 from training import plots
 
@@ -229,7 +229,7 @@ def scored(row: dict) -> str:
 def run_data(run: rundir.Run, cfg, override: str | None) -> shards.DataDir:
     """The prepared data to score, opened: --data, else the directory the run trained on, with the run's
     tokenizer. A local one is named by its absolute path."""
-    recorded = run.data()
+    recorded = run.record.data()
     location = str(override or recorded.get("dir") or cfg.data.dir or data.DEFAULT_DATA_DIR)
     location = location if storage.is_url(location) else str(pathlib.Path(storage.local_path(location)).resolve())
     try:
@@ -279,9 +279,9 @@ def log_wandb(cfg, run: rundir.Run, step: int, table: list[dict] | None, tasks: 
     from PIL import Image
 
     wandb_run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, mode=cfg.wandb.mode,
-                           dir=None if run.remote else run.location, resume="allow", job_type="eval",
+                           dir=None if run.dir.remote else run.dir.location, resume="allow", job_type="eval",
                            id=run.wandb_id(),
-                           name=cfg.wandb.name or run.name)
+                           name=cfg.wandb.name or run.dir.name)
     summary = {}
     if table:  # a key per amount of data: numbers measured on different amounts never replace each other
         summary.update({f"eval/ppl@{r['length']}" + (f"/max_tokens={r['max_tokens']}" if r["max_tokens"] else ""):
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     run_dir = args.checkpoint
     run = rundir.existing(run_dir)
-    cfg = run.config()
+    cfg = run.record.config()
     try:  # an implementation this machine runs (the run's own may need another machine's GPU)
         attending, note = attention_lib.attention_here(cfg.model, args.attention)
     except ValueError as e:
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
     if note:
         print(note, file=sys.stderr)
     model_cfg, train_len = cfg.model, cfg.seq_len
-    tokenizer = run.tokenizer()
+    tokenizer = run.record.tokenizer()
     eot_id = shards.eot_id_of(tokenizer)
 
     lengths = []
@@ -335,14 +335,14 @@ def main(argv=None) -> int:
     if args.tasks is not None and not task_names:
         raise EvalError("--tasks is empty")
     if task_names and eot_id is None:
-        raise EvalError(f"{run.show(rundir.TOKENIZER)} has no end-of-text token ({', '.join(shards.EOT_CANDIDATES)}), "
+        raise EvalError(f"{run.dir.show(record.TOKENIZER)} has no end-of-text token ({', '.join(shards.EOT_CANDIDATES)}), "
                         "which lm-eval's adapter needs as its prefix token")
 
     if task_names and args.include_path is None:
         harness.check_task_data(task_names)  # offline with nothing cached: now, not after the model and lm-eval's index
-    model, step = run.load_model(args.step, attention=attending.attention)
-    if not run.remote:
-        (pathlib.Path(run.location) / "eval").mkdir(exist_ok=True)
+    model, step = run.weights.load_model(args.step, attention=attending.attention)
+    if not run.dir.remote:
+        (pathlib.Path(run.dir.location) / "eval").mkdir(exist_ok=True)
     results_name = rundir.eval_results_name(step)
     run.read_results(results_name)  # a file eval.py cannot add to stops the run before any work
     print(f"{run_dir} step {step}: {model_cfg.N} layers, d={model_cfg.embedding_dim}, "
@@ -375,13 +375,13 @@ def main(argv=None) -> int:
         new = {measured(n) + (n["length"],) for n in new_rows}
         kept = [str(r["length"]) for r in saved["rows"] if measured(r) in written and measured(r) + (r["length"],) not in new]
         others = sum(measured(r) not in written for r in saved["rows"])
-        png = plots.perplexity(series, train_len, f"{run.name} step {step}, split {args.split!r}")
-        run.write_bytes(f"eval/step{step}-perplexity.png", png)
-        print(f"-> {run.show(results_name)}: lengths {', '.join(map(str, lengths))} written"
+        png = plots.perplexity(series, train_len, f"{run.dir.name} step {step}, split {args.split!r}")
+        run.dir.write_bytes(f"eval/step{step}-perplexity.png", png)
+        print(f"-> {run.dir.show(results_name)}: lengths {', '.join(map(str, lengths))} written"
               + (f"; {', '.join(kept)} kept from earlier runs measured the same way" if kept else "")
               + (f"; {others} row{'s' * (others != 1)} measured otherwise (another --max-tokens, data or split) kept "
                  "apart" if others else ""))
-        print(f"-> {run.show(f'eval/step{step}-perplexity.png')}")
+        print(f"-> {run.dir.show(f'eval/step{step}-perplexity.png')}")
 
     tasks = None
     if task_names:
@@ -395,7 +395,7 @@ def main(argv=None) -> int:
             print(f"{column:<32} {value:>10.4f}")
         saved = run.write_results(results_name, "tasks", lambda section: {**(section or {}), **tasks})
         kept = sorted(set(saved) - set(tasks))
-        print(f"-> {run.show(results_name)}: {', '.join(sorted(tasks))} written"
+        print(f"-> {run.dir.show(results_name)}: {', '.join(sorted(tasks))} written"
               + (f"; {', '.join(kept)} kept from earlier runs" if kept else ""))
 
     if cfg.wandb.mode != "disabled" and os.environ.get("WANDB_MODE") != "disabled":

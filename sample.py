@@ -88,9 +88,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     run_dir = args.checkpoint
     run = rundir.existing(run_dir)
-    cfg = run.config().model
-    tokenizer = run.tokenizer()
-    finetuned = run.is_finetuned()
+    cfg = run.record.config().model
+    tokenizer = run.record.tokenizer()
+    finetuned = run.record.is_finetuned()
     prompt_ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
     if not prompt_ids:
         raise SampleError(f"--prompt {args.prompt!r} encodes to no tokens")
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             f"block_size {cfg.block_size} of this learned-position model")
     check_generation_size(cfg, args.num_samples, len(prompt_ids), args.max_new_tokens)
     eot_id = shards.eot_id_of(tokenizer)
-    model, step = run.load_model(args.step)
+    model, step = run.weights.load_model(args.step)
 
     graphdef, state = nnx.split(model)
     prompt = jnp.asarray(np.tile(np.asarray(prompt_ids, np.int32), (args.num_samples, 1)))  # (M, T0)

@@ -537,7 +537,7 @@ STOPPED_AT = """
 import gc, os, runpy, signal, sys
 moment = sys.argv.pop(1)
 from core import outputs
-from store import rundir
+from store import weights
 import safetensors.numpy
 
 def ctrl_c():
@@ -546,11 +546,11 @@ def ctrl_c():
         pass
 
 if moment == "reading":  # as the checkpoint starts to be read
-    load_params = rundir.Run.load_params
+    load_params = weights.Weights.load_params
     def load(*args, **kwargs):
         ctrl_c()
         return load_params(*args, **kwargs)
-    rundir.Run.load_params = load
+    weights.Weights.load_params = load
 elif moment == "gc":  # inside a garbage collector callback (JAX has one), as the export starts writing
     save_file, armed = safetensors.numpy.save_file, []
     def callback(phase, info):
@@ -770,7 +770,7 @@ def test_cli_exports_a_run_to_transformers(trained_run, tmp_path):
     assert result.returncode == 0, result.stderr
     params = restore(trained_run, 1)["params"]
     params = hf_layouts.unflatten(hf_layouts.flatten(params))
-    mcfg = model_fields(rundir.Run(trained_run).config())
+    mcfg = model_fields(rundir.Run(trained_run).record.config())
     toks = tokens(48)
     got, hf = hf_logits(out, toks)
     assert type(hf).__name__ == "BloomForCausalLM" and hf.config.vocab_size == 300
@@ -840,7 +840,7 @@ def test_a_run_directory_given_as_a_file_url(trained_run, tmp_path, capsys):
     """run_dir=file:///x trains (storage reads file:// as a local path); eval.py, sample.py and the
     export read such a run directory too, its tokenizer included."""
     url = f"file://{trained_run}"
-    assert rundir.existing(url).config() == rundir.Run(trained_run).config()
+    assert rundir.existing(url).record.config() == rundir.Run(trained_run).record.config()
     assert ct.cli(["--checkpoint", url, "--out", str(tmp_path / "export")]) == 0
     assert (tmp_path / "export" / "tokenizer.json").read_bytes() == (trained_run / "tokenizer.json").read_bytes()
     assert ct.cli(["--checkpoint", str(trained_run), "--out", str(tmp_path / "plain")]) == 0
@@ -893,20 +893,20 @@ def test_the_fine_tuning_commands_the_import_prints_run_as_printed(corpus, tmp_p
                                       + ["training.init_from=runs/base"]).training
         assert training.lr == lr < default and training.warmup_steps < training.steps, command
     run(prepare.replace("'TEXT/*.txt'", str(corpus.parent / "src")))
-    imported = rundir.Run(tmp_path / "runs" / "gpt2-base").config().model
+    imported = rundir.Run(tmp_path / "runs" / "gpt2-base").record.config().model
     data_dir = tmp_path / "data" / "gpt2-base"
     for command, name in [(finetune, "gpt2-base-tuned"), (lora, "gpt2-base-lora")]:
         run(command, "training.steps=1", "training.batch_size=8", "training.lr=0", "training.min_lr=0",
             "training.warmup_steps=0", "training.eval_windows=8")
         tuned = tmp_path / "runs" / name
-        assert rundir.Run(tuned).config().model == imported  # not the config file's `small`
-        batch = loader.TextLoader(shards.open_data(data_dir), "train", 32, 8, seed=rundir.Run(tuned).config().seed).get_batch(0)
+        assert rundir.Run(tuned).record.config().model == imported  # not the config file's `small`
+        batch = loader.TextLoader(shards.open_data(data_dir), "train", 32, 8, seed=rundir.Run(tuned).record.config().seed).get_batch(0)
         with torch.no_grad():  # the batch's 32 inputs, and their next tokens as targets
             ids = torch.tensor(batch, dtype=torch.long)
             logits = hf(input_ids=ids[:, :-1]).logits
             expected = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 300), ids[:, 1:].reshape(-1)))
         assert rows(tuned)[0]["step"] == 1 and rows(tuned)[0]["loss"] == pytest.approx(expected, abs=1e-4)
-    assert rundir.Run(tmp_path / "runs" / "gpt2-base-lora").config().training.lora.rank == 8
+    assert rundir.Run(tmp_path / "runs" / "gpt2-base-lora").record.config().training.lora.rank == 8
 
 
 def test_imported_gpt2_gives_transformers_loss_in_training_and_eval(corpus, tmp_path):  # noqa: F811
@@ -932,7 +932,7 @@ def test_imported_gpt2_gives_transformers_loss_in_training_and_eval(corpus, tmp_
         return float(out.loss)
 
     # (a) training: the loss logged at step 1 is that of the first batch, before any update
-    first = loader.TextLoader(shards.open_data(corpus), "train", 32, 8, seed=rundir.Run(run).config().seed).get_batch(0)
+    first = loader.TextLoader(shards.open_data(corpus), "train", 32, 8, seed=rundir.Run(run).record.config().seed).get_batch(0)
     assert rows(run)[0]["step"] == 1 and rows(run)[0]["loss"] == pytest.approx(hf_loss(first), abs=1e-4)
     # (b) eval.py: perplexity at length 32 over 8 windows spread over the validation split: k * n // 8
     assert E.cli(["--checkpoint", str(run), "--lengths", "32", "--max-tokens", "256", "--batch-tokens", "256"]) == 0

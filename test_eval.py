@@ -56,8 +56,8 @@ def learned_run(tmp_path_factory, corpus):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def loaded(run):
-    model, _ = rundir.Run(run).load_model()
-    tokenizer = rundir.Run(run).tokenizer()
+    model, _ = rundir.Run(run).weights.load_model()
+    tokenizer = rundir.Run(run).record.tokenizer()
     eot = next(tokenizer.token_to_id(t) for t in shards.EOT_CANDIDATES if tokenizer.token_to_id(t) is not None)
     return model, tokenizer, eot
 
@@ -269,8 +269,8 @@ def test_loglikelihoods_equal_lm_evals_hf_backend_on_the_export(layout, run, lea
 
     run_dir = {"bloom": run, "gpt2": learned_run}[layout]
     assert convert_torch.cli(["--checkpoint", str(run_dir), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
-    model, _ = rundir.Run(run_dir).load_model()
-    tokenizer = rundir.Run(run_dir).tokenizer()
+    model, _ = rundir.Run(run_dir).weights.load_model()
+    tokenizer = rundir.Run(run_dir).record.tokenizer()
     eot = tokenizer.token_to_id("<|endoftext|>")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.model_type == layout
@@ -319,7 +319,7 @@ def test_loglikelihoods_equal_lm_evals_hf_backend_on_the_export(layout, run, lea
     shutil.copytree(run_dir, tmp_path / "run")
     assert E.cli(["--checkpoint", str(tmp_path / "run"), "--no-perplexity", "--tasks", "tiny_rolling",
                   "--include-path", str(tmp_path / "tasks"), "--batch-tokens", "512"]) == 0
-    step = rundir.Run(run_dir).config().training.steps
+    step = rundir.Run(run_dir).record.config().training.steps
     got_task = json.loads((tmp_path / "run" / "eval" / f"step{step}.json").read_text())["tasks"]["tiny_rolling"]
     words, n_bytes = sum(len(re.split(r"\s+", d)) for d in docs), sum(len(d.encode()) for d in docs)
     assert got_task["samples"] == len(docs)
@@ -650,7 +650,7 @@ def test_a_run_trained_with_cudnn_is_read_where_there_is_no_gpu(run, corpus, tmp
     assert ("model.attention=cudnn needs an NVIDIA GPU (cuDNN); this JAX runs on cpu: reading this run with "
             "attention=auto (xla) instead (--attention chooses another)\n") in capsys.readouterr().err
     row, = json.loads((run_dir / "eval" / "step40.json").read_text())["perplexity"]["rows"]
-    model, _ = rundir.Run(run_dir).load_model(attention="xla")
+    model, _ = rundir.Run(run_dir).weights.load_model(attention="xla")
     assert model.config.dtype == "bfloat16" and row["windows"] == 10
     assert row["loss"] == pytest.approx(window_nll(model, val_stream(corpus), 32, 10) / row["tokens"], rel=1e-3)
 
@@ -678,7 +678,7 @@ def test_alibi_perplexity_at_twice_the_training_context(tmp_path, corpus):  # no
                            "training.warmup_steps=30", "training.eval_every=100", "training.eval_windows=8",
                            "checkpoint.every=100"], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    model, _ = rundir.Run(run_dir).load_model()
+    model, _ = rundir.Run(run_dir).weights.load_model()
     one, two = E.perplexity_table(harness.make_scorer(model), shards.open_data(corpus), [64, 128], 64, progress=False)
     assert one["ppl"] < 0.5 * shards.open_data(corpus).index["vocab_size"]  # it learned something
     assert two["ppl"] <= 1.1 * one["ppl"], (one, two)

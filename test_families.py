@@ -207,13 +207,13 @@ def test_one_finetuning_step_from_the_import_starts_at_transformers_loss(corpus,
     hf = random_hf(family, tmp_path / "hf", negative_logits=True)
     shutil.copyfile(corpus / "tokenizer.json", tmp_path / "hf" / "tokenizer.json")
     assert ct.cli(["--import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")]) == 0
-    imported = rundir.Run(tmp_path / "imported").config().model
+    imported = rundir.Run(tmp_path / "imported").record.config().model
     same_model = [f"model.{k}={json.dumps(getattr(imported, k))}" for k in model.GPTConfig.PARAMETER_FIELDS]
     run = tmp_path / "ft"
     args = tiny(run, corpus, "training.steps=1", "training.lr=0", "training.min_lr=0", "training.warmup_steps=0",
                 f"training.init_from={tmp_path / 'imported'}", *same_model)
     assert train.main(args) == 0
-    batch = loader.TextLoader(shards.open_data(corpus), "train", 32, 8, seed=rundir.Run(run).config().seed).get_batch(0)  # (8, 33)
+    batch = loader.TextLoader(shards.open_data(corpus), "train", 32, 8, seed=rundir.Run(run).record.config().seed).get_batch(0)  # (8, 33)
     with torch.no_grad():  # the batch's 32 inputs, and their next tokens as targets
         ids = torch.tensor(batch, dtype=torch.long)
         logits = hf(input_ids=ids[:, :-1]).logits

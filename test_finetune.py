@@ -282,8 +282,8 @@ def test_finetuned_model_reverses_held_out_lists(reversal, tmp_path, capsys):
                            "training.log_every=10", "training.eval_every=200", "checkpoint.every=400")) == 0
     metrics = rows(run_dir)
     assert metrics[-1]["val_loss"] < 0.05 < metrics[0]["loss"]  # completion tokens only: nearly certain
-    model, _ = rundir.Run(run_dir).load_model()
-    tok = rundir.Run(run_dir).tokenizer()
+    model, _ = rundir.Run(run_dir).weights.load_model()
+    tok = rundir.Run(run_dir).record.tokenizer()
     eot = tok.token_to_id(shards.EOT_TOKEN)
     prompts = np.asarray([tok.encode(p["in_text"], add_special_tokens=False).ids for p in held])  # (40, 4)
     out = decoding.generate(model, prompts, 6, temperature=0, eot_id=eot)  # greedy, one batch
@@ -388,8 +388,8 @@ def test_fcm_training_learns_and_evaluation_is_unaffected(corpus, tmp_path):  # 
         first[name] = rows(tmp_path / name)[0]["loss"]
     assert first["masked"] > first["plain"] + 1e-4, first
     # the validation loss is the plain model's: recomputed here without any mask
-    cfg = rundir.Run(fcm).config()
-    params, _ = rundir.Run(fcm).load_params()
+    cfg = rundir.Run(fcm).record.config()
+    params, _ = rundir.Run(fcm).weights.load_params()
     model = nnx.eval_shape(lambda: model_lib.GPT(cfg.model, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))

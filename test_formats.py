@@ -22,7 +22,7 @@ import eval as eval_lib
 import sample
 import train
 from store import fingerprints, formats, rundir
-from tokendata import loader
+from tokendata import loader, shards
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "runs"
 MADE = sorted(p.name for p in FIXTURES.iterdir() if (p / "made.json").is_file())
@@ -68,7 +68,7 @@ def test_an_old_run_resumes_with_the_losses_it_would_have_had(old_run, capsys):
         np.testing.assert_allclose([r[key] for r in got], [r[key] for r in reference], rtol=1e-5, err_msg=key)
     assert [r["tokens"] for r in got] == [r["tokens"] for r in reference]
     assert json.loads((run / formats.FILE).read_text()) == formats.record()
-    with rundir.Run(run).checkpoints() as saved:
+    with rundir.Run(run).checkpoints.read() as saved:
         assert fingerprints.checkpoint_format(saved.custom_metadata(8)) == formats.FORMAT
         assert saved.tokens(8) == reference[-1]["tokens"]
 
@@ -88,9 +88,9 @@ def test_an_old_run_evaluates_samples_exports_and_starts_a_fine_tuning(old_run, 
     transformers model gives the same logits; eval.py's loss on the validation split is the one those
     logits give; and a fine-tuning run starts from its weights."""
     run, data, reference = old_run
-    model, step = rundir.Run(run).load_model()
+    model, step = rundir.Run(run).weights.load_model()
     assert step == 4
-    batch = np.asarray(next(loader.open_loader(data, "train", 32, 8).iterate(4, prefetch=0)))  # (8, 33): step 5's
+    batch = np.asarray(next(loader.open_loader(shards.open_data(data), "train", 32, 8).iterate(4, prefetch=0)))  # (8, 33): step 5's
     logits = np.asarray(model(batch[:, :-1]))[..., :384]
     np.testing.assert_allclose(nll(logits, batch[:, 1:]).mean(), reference[0]["loss"], rtol=1e-5)
 
@@ -160,9 +160,9 @@ def test_a_fingerprinted_checkpoint_without_its_fingerprints_is_refused(tmp_path
     run = tmp_path / "run"
     run.mkdir()
     state = {"params": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, "step": np.asarray(8, np.int32)}
-    with rundir.Run(run).checkpoints(write=True) as saver:
+    with rundir.Run(run).checkpoints.write() as saver:
         saver.save(8, state, tokens=1024)
-    with rundir.Run(run).checkpoints() as saved:  # as saved, it reads
+    with rundir.Run(run).checkpoints.read() as saved:  # as saved, it reads
         np.testing.assert_array_equal(saved.load(8)[0]["params"]["w"], state["params"]["w"])
         assert saved.tokens(8) == 1024
     meta = run / "checkpoints" / "8" / "_CHECKPOINT_METADATA"
@@ -172,7 +172,7 @@ def test_a_fingerprinted_checkpoint_without_its_fingerprints_is_refused(tmp_path
         meta.unlink() if damage.endswith("gone") else meta.write_text(meta.read_text()[:40])
         with pytest.raises(rundir.RunError, match=r"^checkpoint 8 in .* cannot be read: its metadata "
                                                   r"\(_CHECKPOINT_METADATA\) is missing or unreadable"):
-            rundir.Run(run).load_params(8)
+            rundir.Run(run).weights.load_params(8)
         return
     if damage == "fingerprints gone":
         del custom["fingerprints"]
@@ -184,4 +184,4 @@ def test_a_fingerprinted_checkpoint_without_its_fingerprints_is_refused(tmp_path
         custom["format"] = 1
     meta.write_text(json.dumps(text))
     with pytest.raises(rundir.RunError, match=r"^checkpoint 8 in .* is corrupt: its (array fingerprints|metadata|format)"):
-        rundir.Run(run).load_params(8)
+        rundir.Run(run).weights.load_params(8)

@@ -203,13 +203,13 @@ def test_fp8_run_resumes_exactly(fp8_run, tmp_path):
 def test_fp8_checkpoint_is_a_plain_runs(fp8_run, tmp_path):
     """The run's config says fp8; its checkpoints hold what a run without FP8 holds, and such a run continues
     from them (--resume model.fp8=false), writing a checkpoint of the very same tree, shapes and dtypes."""
-    assert rundir.Run(fp8_run).config().model.fp8 is True
+    assert rundir.Run(fp8_run).record.config().model.fp8 is True
     plain = tmp_path / "plain"
     shutil.copytree(fp8_run, plain)
     shutil.rmtree(plain / "checkpoints" / "8")
     (plain / "summary.json").unlink()
     assert train.main(["--resume", f"run_dir={plain}", "model.fp8=false"]) == 0
-    assert rundir.Run(plain).config().model.fp8 is False
+    assert rundir.Run(plain).record.config().model.fp8 is False
     described = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)  # noqa: E731
     assert described(restore(plain, 8)) == described(restore(fp8_run, 8))
     steps = [r["loss"] for r in rows(plain)], [r["loss"] for r in rows(fp8_run)]

@@ -253,7 +253,7 @@ def journey(corpus_dir, gcs_module_bucket, tmp_path_factory):
     run = f"{bucket}/run"
     assert train.main(tiny(run, f"{bucket}/data")) == 0
     straight = metrics(run)
-    params, step = rundir.Run(run).load_params()
+    params, step = rundir.Run(run).weights.load_params()
     assert step == 8
     fs = store()
     fs.rm(f"{run.removeprefix('gs://')}/checkpoints/8", recursive=True)
@@ -275,7 +275,7 @@ def test_a_run_in_a_bucket_resumes_exactly(journey, corpus_dir, tmp_path):
     run = f"{bucket}/run"
     assert [r["step"] for r in straight] == list(range(1, 9))
     assert [deterministic(r) for r in metrics(run)] == [deterministic(r) for r in straight]
-    resumed, step = rundir.Run(run).load_params()
+    resumed, step = rundir.Run(run).weights.load_params()
     assert step == 8
     jax.tree.map(np.testing.assert_array_equal, resumed, params)
     names = set(remote_files(run))
@@ -312,10 +312,10 @@ def test_an_import_into_a_bucket_is_a_run_directory_there(journey, tmp_path, cap
     assert f"imported {hf} into run directory {url} (step 0)" in capsys.readouterr().out
     assert convert_torch.main(["--import-hf", str(hf), "--out", str(local)]) == 0
     remote, there = rundir.Run(url), rundir.Run(local)
-    assert remote.config().run_dir == url
-    assert remote.config().model == there.config().model
-    assert remote.read_bytes("tokenizer.json") == (local / "tokenizer.json").read_bytes()
-    (a, step_a), (b, step_b) = remote.load_params(), there.load_params()
+    assert remote.record.config().run_dir == url
+    assert remote.record.config().model == there.record.config().model
+    assert remote.dir.read_bytes("tokenizer.json") == (local / "tokenizer.json").read_bytes()
+    (a, step_a), (b, step_b) = remote.weights.load_params(), there.weights.load_params()
     assert step_a == step_b == 0
     jax.tree.map(np.testing.assert_array_equal, a, b)
     assert convert_torch.cli(["--import-hf", str(hf), "--out", url]) == 2
@@ -357,7 +357,7 @@ def test_a_damaged_checkpoint_in_a_bucket_is_moved_aside_and_the_run_resumes(jou
     assert "TensorStore" not in out and "<bound method" not in out
     assert remote_files(f"{run}/checkpoints-damaged") == {f"8/{name}": raw for name, raw in damaged.items()}
     assert [deterministic(r) for r in metrics(run)] == [deterministic(r) for r in straight]
-    resumed, step = rundir.Run(run).load_params()
+    resumed, step = rundir.Run(run).weights.load_params()
     assert step == 8
     jax.tree.map(np.testing.assert_array_equal, resumed, params)
     assert {name.split("/")[1] for name in remote_files(run) if name.startswith("checkpoints/")} == {"4", "8"}
@@ -381,7 +381,7 @@ def test_a_step_damaged_twice_keeps_both(where, gcs_bucket, tmp_path):
         for name, raw in files.items():
             store().pipe_file(f"{location}/{name}", raw)
         listing = lambda: remote_files(location)  # noqa: E731
-    assert rundir.Run(location).checkpoints(write=True).move_aside(8) == "8.1"
+    assert rundir.Run(location).checkpoints.write().move_aside(8) == "8.1"
     assert listing() == {"checkpoints/4/a": b"intact", "checkpoints-damaged/8/a": b"first",
                          "checkpoints-damaged/8.1/a": b"second", "checkpoints-damaged/8.1/d/b": b"second b"}
 
@@ -418,7 +418,7 @@ def test_a_save_the_bucket_refuses_stops_the_run_with_one_line(journey, gcs_refu
     gcs_refusals.lift()
     assert train.main(["--resume", f"run_dir={run}"]) == 0
     assert [deterministic(r) for r in metrics(run)] == [deterministic(r) for r in straight]
-    resumed, step = rundir.Run(run).load_params()
+    resumed, step = rundir.Run(run).weights.load_params()
     assert step == 8
     jax.tree.map(np.testing.assert_array_equal, resumed, params)
 
@@ -495,7 +495,7 @@ def test_a_run_in_a_bucket_stopped_by_sigterm_then_killed_resumes_exactly(journe
         got[0].pop(key)
     assert got == [deterministic(r) for r in straight]
     assert checkpoints(run) == [1, 4, 8]
-    resumed, step = rundir.Run(run).load_params()
+    resumed, step = rundir.Run(run).weights.load_params()
     assert step == 8
     jax.tree.map(np.testing.assert_array_equal, resumed, params)
     assert runlock.LOCK not in remote_files(run)  # released
@@ -564,7 +564,7 @@ def test_the_tools_read_and_write_a_run_in_the_bucket(journey, tmp_path, capsys,
     assert train.main(tiny(tuned, f"{bucket}/data", f"training.init_from={run}", "training.steps=1",
                            "training.lr=0", "training.min_lr=0")) == 0
     assert f"parameters from {run}" in capsys.readouterr().out
-    started, step = rundir.Run(tuned).load_params()
+    started, step = rundir.Run(tuned).weights.load_params()
     assert step == 1
     jax.tree.map(np.testing.assert_array_equal, started, params)
 
@@ -575,9 +575,9 @@ def test_the_tools_read_and_write_a_run_in_the_bucket(journey, tmp_path, capsys,
     assert f"imported {hf} into run directory {tmp_path / 'from-bucket'} (step 0)" in said
     command(convert_torch, "--import-hf", exported, "--out", tmp_path / "from-disk")
     a, b = rundir.Run(tmp_path / "from-bucket"), rundir.Run(tmp_path / "from-disk")
-    assert a.config().model == b.config().model
-    assert a.read_bytes("tokenizer.json") == b.read_bytes("tokenizer.json") == local_files(local)["tokenizer.json"]
-    jax.tree.map(np.testing.assert_array_equal, a.load_params()[0], b.load_params()[0])
+    assert a.record.config().model == b.record.config().model
+    assert a.dir.read_bytes("tokenizer.json") == b.dir.read_bytes("tokenizer.json") == local_files(local)["tokenizer.json"]
+    jax.tree.map(np.testing.assert_array_equal, a.weights.load_params()[0], b.weights.load_params()[0])
     capsys.readouterr()
     assert convert_torch.cli(["--import-hf", f"{bucket}/no-such-model", "--out", str(tmp_path / "none")]) == 2
     assert capsys.readouterr().err == (f"error: {bucket}/no-such-model is not a transformers checkpoint "
@@ -698,8 +698,8 @@ def test_a_lease_write_answered_after_a_pause_does_not_extend_the_lease(late_wri
     monkeypatch.setattr(runlock, "lease_times", lambda: (6.0, every))
     monkeypatch.setattr(runlock.Lease, "start", lambda self: None)  # no renewal thread: only the writes below
     monkeypatch.setattr(runlock.Lease, "stop", lambda self: None)
-    run = runlock.Locked(f"{gcs_bucket}/late-{late_write}")
-    run.mkdir()
+    run = runlock.Lock(storage.RunDir(f"{gcs_bucket}/late-{late_write}"))
+    run.dir.mkdir()
     real = storage.Versions.write_if
     taker = json.dumps({"host": "elsewhere", "pid": 1, "purpose": "train.py --resume", "token": "theirs",
                         "since": "2026-11-27 12:00:00", "heartbeat": time.time()}).encode()
@@ -716,11 +716,11 @@ def test_a_lease_write_answered_after_a_pause_does_not_extend_the_lease(late_wri
     with run.writer("train.py"):
         if late_write == "renewal":
             monkeypatch.setattr(storage.Versions, "write_if", late)
-            run.fence.__self__.renew()
+            run.dir.fence.__self__.renew()
         said = f"this process lost the lease on {run} (train.py --resume (pid 1 on elsewhere, since 2026-11-27"
         with pytest.raises(RunError, match=re.escape(said)):
-            run.check_fence()
-    assert run.read_bytes(runlock.LOCK) == taker  # the taker's lock stays
+            run.dir.check_fence()
+    assert run.dir.read_bytes(runlock.LOCK) == taker  # the taker's lock stays
 
 
 def test_a_holder_paused_inside_its_save_never_commits_it(journey, gcs_refusals):

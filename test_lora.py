@@ -38,7 +38,7 @@ from inference import decoding
 from interop import hf_layouts
 from layers import lora as lora_lib
 from layers import loss as loss_lib
-from store import rundir, runlock
+from store import rundir, runlock, weights
 from test_convert import TOL, tokens
 from test_families import SMALL, SWITCHES, V, hf_logits, random_hf
 from test_train import corpus, deterministic, restore, rows, tiny  # noqa: F401  (corpus is a fixture)
@@ -360,7 +360,7 @@ def test_training_checkpoints_adapters_over_an_untouched_base(lora_run, corpus):
     base, hf, run, before = lora_run
     assert {p: p.read_bytes() for p in base.rglob("*") if p.is_file() and p.name != runlock.LOCK} == \
         {p: b for p, b in before.items() if p.name != runlock.LOCK}
-    record = json.loads((run / rundir.LORA_BASE).read_text())
+    record = json.loads((run / weights.LORA_BASE).read_text())
     assert (record["init_from"], record["step"]) == (str(base), 0)
     # the first loss is the base model's: transformers' on the same batch
     batch = loader.TextLoader(shards.open_data(corpus), "train", 32, 8, seed=0).get_batch(0)
@@ -391,12 +391,12 @@ def windows(corpus):  # noqa: F811
 
 def test_readers_get_the_merged_model(lora_run, windows):
     base, _, run, _ = lora_run
-    cfg = rundir.Run(run).config()
-    base_params, _ = rundir.Run(base).load_params()
+    cfg = rundir.Run(run).record.config()
+    base_params, _ = rundir.Run(base).weights.load_params()
     adapters = jax.tree.map(np.asarray, restore(run, 8)["params"])  # as orbax saved them, block keys as strings
     adapters = {"blocks": {int(i): b for i, b in adapters["blocks"].items()}}
     want = merged_by_formula(cfg.model, cfg.training.lora, base_params, adapters)
-    params, step = rundir.Run(run).load_params()
+    params, step = rundir.Run(run).weights.load_params()
     assert step == 8 and jax.tree.structure(params) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -404,16 +404,16 @@ def test_readers_get_the_merged_model(lora_run, windows):
     merged_logits = logits(cfg.model, params, toks)
     np.testing.assert_allclose(merged_logits, logits(cfg.model, lora_lib.join(base_params, adapters), toks,
                                                      cfg.training.lora), atol=1e-5, rtol=0)
-    m, _ = rundir.Run(run).load_model()  # what sample.py and eval.py load
+    m, _ = rundir.Run(run).weights.load_model()  # what sample.py and eval.py load
     np.testing.assert_array_equal(logits(cfg.model, nnx.to_pure_dict(nnx.state(m)), toks), merged_logits)
 
 
 def test_sample_eval_and_export_read_a_lora_run(lora_run, windows, corpus, tmp_path, capsys):  # noqa: F811
     base, _, run, _ = lora_run
-    cfg = rundir.Run(run).config()
-    merged, _ = rundir.Run(run).load_params()  # checked against the formula above
+    cfg = rundir.Run(run).record.config()
+    merged, _ = rundir.Run(run).weights.load_params()  # checked against the formula above
     # sample.py: greedy decoding is the merged model's, recomputed here without a cache
-    tok = rundir.Run(run).tokenizer()
+    tok = rundir.Run(run).record.tokenizer()
     prompt = " the cat sat"
     ids = tok.encode(prompt, add_special_tokens=False).ids
     capsys.readouterr()
@@ -457,7 +457,7 @@ def test_resume_is_exact_from_the_same_base_anywhere(lora_run, tmp_path):
     assert [deterministic(r) for r in rows(crashed)] == [deterministic(r) for r in rows(run)]
     for a, b in zip(jax.tree.leaves(restore(crashed, 8)), jax.tree.leaves(restore(run, 8)), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert json.loads((crashed / rundir.LORA_BASE).read_text())["init_from"] == str(moved)
+    assert json.loads((crashed / weights.LORA_BASE).read_text())["init_from"] == str(moved)
 
 
 @pytest.fixture(scope="module")
@@ -493,8 +493,8 @@ def test_every_reader_refuses_a_run_whose_base_was_replaced_or_is_gone(lora_run,
     copy, moved = tmp_path / "run", tmp_path / "base"
     shutil.copytree(run, copy)
     shutil.copytree(base, moved)
-    record = json.loads((copy / rundir.LORA_BASE).read_text())
-    (copy / rundir.LORA_BASE).write_text(json.dumps({**record, "init_from": str(moved)}))  # its base is now there
+    record = json.loads((copy / weights.LORA_BASE).read_text())
+    (copy / weights.LORA_BASE).write_text(json.dumps({**record, "init_from": str(moved)}))  # its base is now there
     other = other_base
     readers = {"sample.py": lambda: sample.cli(["--checkpoint", str(copy), "--prompt", " the"]),
                "eval.py": lambda: eval_lib.cli(["--checkpoint", str(copy), "--data", str(corpus), "--lengths", "32"]),

@@ -306,8 +306,8 @@ def test_an_exception_on_one_process_ends_every_process_within_seconds(corpus, t
     assert last_line(outs[1][1]) == f"error: {why}" and "Traceback" in outs[1][1]
     assert last_line(outs[0][1]) == f"error: process 1 failed: {why}; process 0 stops too"
     assert "Traceback" not in outs[0][1] and took < 15, (took, outs[0][1][-2000:])
-    assert rundir.Run(run).held_by() is None
-    params, step = rundir.Run(run).load_params()  # the newest checkpoint reads, its fingerprints checked
+    assert rundir.Run(run).lock.held_by() is None
+    params, step = rundir.Run(run).weights.load_params()  # the newest checkpoint reads, its fingerprints checked
     assert step % 2 == 0 and step >= 2
 
 

@@ -525,9 +525,9 @@ def test_the_local_bucket_of_the_readme(tmp_path):
                 "import gcsfs; fs = gcsfs.GCSFileSystem(); print(fs.ls('local')); "
                 "fs.pipe('local/dir/a.txt', b'hello'); print(fs.cat('local/dir/a.txt').decode()); "
                 "import numpy as np; from store import rundir; run = rundir.Run('gs://local/run'); "  # orbax, tensorstore's arrays
-                "run.save_params({'w': np.arange(3.0)}); print(run.load_params()[0]['w'].tolist()); "
+                "run.weights.save_params({'w': np.arange(3.0)}); print(run.weights.load_params()[0]['w'].tolist()); "
                 "fs.rm('local/run/checkpoints/0/_CHECKPOINT_METADATA'); "  # a damaged checkpoint: one line, no noise
-                "exec('try: run.load_params()\\nexcept rundir.RunError as e: print(str(e).split(\\': \\', 1)[1])'); "
+                "exec('try: run.weights.load_params()\\nexcept rundir.RunError as e: print(str(e).split(\\': \\', 1)[1])'); "
                 "fs.pipe('local/big', bytes(4 << 20))")
         done = subprocess.run([sys.executable, "-c", code], env={**env, **exports, "PYTHONPATH": str(REPO)},
                               cwd=tmp_path, capture_output=True, text=True, timeout=120)

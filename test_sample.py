@@ -247,7 +247,7 @@ def test_cli_greedy_continues_the_prompt_past_the_context(runs, capsys):
     assert texts[0] == texts[1]  # greedy: both samples alike
     assert "new tokens/s" in err
     # the same text from the full forward pass recomputed at every step (64 + ... : beyond block_size 64)
-    m, _ = rundir.Run(run_dir).load_model()
+    m, _ = rundir.Run(run_dir).weights.load_model()
     tok = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
     ids = tok.encode(prompt).ids
     new = greedy_by_recomputation(m, np.asarray([ids], np.int32), 80, m.config.vocab_size,
@@ -301,9 +301,9 @@ def test_a_generation_larger_than_memory_is_refused_naming_what_fits(runs, capsy
     many runs. The device's memory is set here to what 3 samples of 40 new tokens need (plus a little), so
     the numbers do not depend on the machine."""
     run_dir = runs / "alibi"
-    cfg = rundir.Run(run_dir).config().model
+    cfg = rundir.Run(run_dir).record.config().model
     assert (cfg.N, cfg.kv_heads, cfg.head_dim, cfg.dtype) == (2, 4, 8, "float32")  # the test size
-    prompt = len(rundir.Run(run_dir).tokenizer().encode("the", add_special_tokens=False).ids)
+    prompt = len(rundir.Run(run_dir).record.tokenizer().encode("the", add_special_tokens=False).ids)
     vocab = -(-cfg.vocab_size // 128) * 128
 
     def need(samples, new):  # k and v caches, the prefill's logits, the new tokens

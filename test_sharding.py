@@ -367,7 +367,7 @@ def test_restore_onto_another_mesh_and_stage(corpus, tmp_path):  # noqa: F811
     a, b = rows(straight), rows(resumed)
     assert [r["step"] for r in b] == list(range(1, 7))
     np.testing.assert_allclose([r["loss"] for r in b[3:]], [r["loss"] for r in a[3:]], rtol=1e-5)
-    assert rundir.Run(resumed).config().sharding.zero_stage == 1  # the effective config of the resumed run
+    assert rundir.Run(resumed).record.config().sharding.zero_stage == 1  # the effective config of the resumed run
     x, y = (restore_params(d, 6) for d in (straight, resumed))
     for p, q in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
         # float rounding differs between 8 and 4 devices; Adam (eps 1e-8) turns rounding-level

@@ -215,9 +215,9 @@ def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeyp
                                        f"(training.init_from={run_url})\n")
     assert rows() == before and sorted(ckpt.iterdir()) == [ckpt / "4", ckpt / "8"]
 
-    cfg = rundir.Run(run_url).config()  # what eval, sample and convert read
+    cfg = rundir.Run(run_url).record.config()  # what eval, sample and convert read
     assert cfg.run_dir == run_url and cfg.data.dir == data_url and cfg.model.vocab_size == 300
-    params, step = rundir.Run(run_url).load_params()
+    params, step = rundir.Run(run_url).weights.load_params()
     assert step == 8
     with ocp.CheckpointManager(ckpt) as mngr:  # orbax directly, no project code
         direct = mngr.restore(8, args=ocp.args.StandardRestore())["params"]
@@ -227,7 +227,7 @@ def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeyp
 
     # sample.py's tokenizer and convert_torch.py's export, from the run in the store
     local_tok = shards.open_data(prepared).tokenizer()
-    assert rundir.Run(run_url).tokenizer().encode("the cat sat").ids == local_tok.encode("the cat sat").ids
+    assert rundir.Run(run_url).record.tokenizer().encode("the cat sat").ids == local_tok.encode("the cat sat").ids
     out = tmp_path / "export"
     assert convert_torch.main(["--checkpoint", run_url, "--out", str(out)]) == 0
     assert (out / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
@@ -353,11 +353,11 @@ def test_a_remote_finetuned_run_samples_only_the_completion(bucket, tmp_path, mo
                         lambda self: ckpt if self.remote else real_ckpt(self))
     assert train.main(tiny(run_url, tmp_path / "pairs")) == 0
     run = rundir.Run(run_url)
-    assert run.is_finetuned()
+    assert run.record.is_finetuned()
 
     prompt = records[0]["in_text"]
-    model, _ = run.load_model()
-    tok = run.tokenizer()
+    model, _ = run.weights.load_model()
+    tok = run.record.tokenizer()
     eot = tok.token_to_id(shards.EOT_TOKEN)
     out = decoding.generate(model, [tok.encode(prompt, add_special_tokens=False).ids], 5, temperature=0, eot_id=eot)
     capsys.readouterr()

@@ -130,7 +130,7 @@ def test_end_to_end_run(finished_run, corpus):
     assert said.endswith(f'python convert_torch.py --checkpoint {run_dir} --format hf --out {run_dir}-hf    '
                          f'# for transformers') and f"python eval.py --checkpoint {run_dir}" in said
     # the run directory is self-contained: config (vocabulary from the data), data reference, tokenizer
-    cfg = rundir.Run(run_dir).config()
+    cfg = rundir.Run(run_dir).record.config()
     assert cfg.model.vocab_size == index["vocab_size"] == 300
     assert (cfg.model_name, cfg.model.N, cfg.model.embedding_dim, cfg.model.dropout) == ("test", 2, 32, 0.1)
     assert cfg.training.micro_batches == 2 and pathlib.Path(cfg.data.dir) == corpus.resolve()
@@ -214,7 +214,7 @@ def test_resume_overrides_are_checked_against_the_runs_own_config(corpus, tmp_pa
     (tmp_path / "test.yaml").write_text("model: test\n")  # block_size 64
     assert train.main(["--config", str(tmp_path / "test.yaml"), "--resume", f"run_dir={run_dir}",
                        "training.seq_len=100", "training.steps=3"]) == 0
-    assert rundir.Run(run_dir).config().training.seq_len == 100 and int(restore(run_dir, 3)["step"]) == 3
+    assert rundir.Run(run_dir).record.config().training.seq_len == 100 and int(restore(run_dir, 3)["step"]) == 3
     # what a resume's override changes of the run's continuation is said in one line (training.steps aside)
     out = capsys.readouterr().out
     [said] = [line for line in out.splitlines() if line.startswith("--resume changes ")]
@@ -222,7 +222,7 @@ def test_resume_overrides_are_checked_against_the_runs_own_config(corpus, tmp_pa
                            "run would have had with its own settings (the batches are drawn anew for "
                            "training.seq_len)"), said
     # extending a run re-lays the schedule: said at the resume, with the learning rate before and after
-    tr = rundir.Run(run_dir).config().training
+    tr = rundir.Run(run_dir).record.config().training
     lr = lambda steps, s: tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * min(  # noqa: E731
         (s - tr.warmup_steps) / max(1, steps - tr.warmup_steps), 1.0)))
     assert train.main(["--resume", f"run_dir={run_dir}", "training.steps=5"]) == 0
@@ -295,9 +295,9 @@ def test_no_intact_checkpoint_is_one_error_line(finished_run, tmp_path):
     assert err.startswith("error: checkpoint 8 in") and "cannot be restored" in err and "\n" not in err
     assert "cannot be read" in err and "TensorStore" not in err and "<bound method" not in err
     assert contents(broken) == before  # nothing changed
-    # eval.py, sample.py and convert_torch.py read checkpoints through rundir.Run.load_params: the same terms
+    # eval.py, sample.py and convert_torch.py read checkpoints through weights.Weights.load_params: the same terms
     with pytest.raises(rundir.RunError) as e:
-        rundir.Run(broken).load_params()
+        rundir.Run(broken).weights.load_params()
     assert "cannot be read: array " in str(e.value) and "TensorStore" not in str(e.value)
     assert "DATA_LOSS" not in str(e.value) and "zarr" not in str(e.value)
 
@@ -349,7 +349,7 @@ def flip_bits(run_dir: pathlib.Path, step: int, trials: int, seed: int = 0):
         raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
         target.write_bytes(bytes(raw))
         try:
-            yield copy, rundir.Run(copy).load_params(step)[0]
+            yield copy, rundir.Run(copy).weights.load_params(step)[0]
         except rundir.RunError as e:
             yield copy, e
 
@@ -358,7 +358,7 @@ def test_a_checkpoint_with_flipped_bits_is_never_read_as_good(finished_run, tmp_
     """Every restore checks the fingerprints saved with the checkpoint: a flipped bit either stops the
     read with one line or reads back exactly what was saved (it hit a part that was not restored)."""
     shutil.copytree(finished_run, tmp_path / "run")
-    good = jax.tree.leaves(rundir.Run(tmp_path / "run").load_params(8)[0])
+    good = jax.tree.leaves(rundir.Run(tmp_path / "run").weights.load_params(8)[0])
     outcomes = collections.Counter()
     for copy, got in flip_bits(tmp_path / "run", 8, trials=40):
         if isinstance(got, rundir.RunError):
@@ -376,14 +376,14 @@ def test_a_run_trained_on_eight_devices_is_read_on_one(finished_run, tmp_path):
     """The readers (eval, sample, export, init_from) take a checkpoint into host memory whatever the
     devices it was saved from: a run trained over 4 x 2 devices reads on a machine with one, every
     array as the 8-device process reads it."""
-    code = ("import sys, numpy as np, jax; from store import rundir; params, step = rundir.Run(sys.argv[1]).load_params(); "
+    code = ("import sys, numpy as np, jax; from store import rundir; params, step = rundir.Run(sys.argv[1]).weights.load_params(); "
             "np.savez(sys.argv[2], step=step, **{jax.tree_util.keystr(p): x for p, x in "
             "jax.tree_util.tree_flatten_with_path(params)[0]})")
     env = {**os.environ, "XLA_FLAGS": xla_flags(devices=1)}
     p = subprocess.run([sys.executable, "-c", code, str(finished_run), str(tmp_path / "one.npz")], cwd=REPO, env=env,
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
-    params, step = rundir.Run(finished_run).load_params()
+    params, step = rundir.Run(finished_run).weights.load_params()
     here = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     with np.load(tmp_path / "one.npz") as there:
         assert int(there["step"]) == step == 8 and set(there.files) == {"step", *here}
@@ -402,7 +402,7 @@ def test_missing_or_renamed_fingerprints_fail_closed(finished_run, tmp_path, cap
     assert '"fingerprints"' in text
     meta.write_text(text.replace('"fingerprints"', '"fingerprintr"'))
     with pytest.raises(rundir.RunError, match="fingerprints .* are missing or unreadable") as e:
-        rundir.Run(run_dir).load_params(8)
+        rundir.Run(run_dir).weights.load_params(8)
     assert "\n" not in str(e.value)
     assert train.main(["--resume", f"run_dir={run_dir}"]) == 0
     out = capsys.readouterr().out
@@ -422,7 +422,7 @@ def test_a_checkpoint_under_another_step_or_another_runs_directory_is_not_truste
     shutil.copytree(finished_run, renamed)
     (renamed / "checkpoints" / "8").rename(renamed / "checkpoints" / "12")
     with pytest.raises(rundir.RunError, match="holds the state of step 8, not 12"):
-        rundir.Run(renamed).load_params(12)
+        rundir.Run(renamed).weights.load_params(12)
     assert train.main(["--resume", f"run_dir={renamed}"]) == 0
     out = capsys.readouterr().out
     assert "checkpoint 12 cannot be restored (12: it holds the state of step 8, not 12" in out
@@ -455,7 +455,7 @@ def test_old_checkpoints_leave_by_one_rename(tmp_path, monkeypatch):
     there, so a kill during a deletion never leaves half a checkpoint under a step's name."""
     run = rundir.Run(tmp_path / "run")
     monkeypatch.setattr(checkpoints.Saver, "purge_deleted", lambda self, unfinished=False: None)  # see what rotation left
-    with run.checkpoints(keep=1, write=True) as saver:
+    with run.checkpoints.write(keep=1) as saver:
         for step in (1, 2):  # the state of that step, as train.py saves it
             saver.save(step, {"params": {"w": np.arange(6, dtype=np.float32)}, "step": np.asarray(step, np.int32)})
             saver.wait()
@@ -466,9 +466,9 @@ def test_old_checkpoints_leave_by_one_rename(tmp_path, monkeypatch):
     for f in sorted((ckpt / ".deleting" / "1").rglob("*"))[::2]:
         if f.is_file():
             f.unlink()
-    assert run.checkpoints().steps() == [2] and run.load_params()[1] == 2
+    assert run.checkpoints.read().steps() == [2] and run.weights.load_params()[1] == 2
     monkeypatch.undo()
-    with run.checkpoints(keep=1, write=True) as saver:
+    with run.checkpoints.write(keep=1) as saver:
         saver.manager()  # the next writer clears it away
     assert sorted(p.name for p in ckpt.iterdir()) == ["2"]
 
@@ -567,8 +567,8 @@ def test_config_overrides_and_round_trip(tmp_path):
     # the effective config reads back to the same config
     run_dir = tmp_path / "r"
     run_dir.mkdir()
-    rundir.Run(run_dir).save_config(cfg)
-    assert rundir.Run(run_dir).config() == cfg
+    rundir.Run(run_dir).record.save_config(cfg)
+    assert rundir.Run(run_dir).record.config() == cfg
     # the example full-scale config: ~0.5M tokens per update, the reference schedule
     big = config.load_config(REPO / "conf" / "760m.yaml")
     t = big.training
@@ -593,13 +593,13 @@ def test_a_run_reads_its_own_model_whatever_the_size_table_says(finished_run, tm
         sizes.write_text(yaml.safe_dump(table))
         monkeypatch.setattr(config, "MODEL_SIZES", sizes)
         run = rundir.Run(finished_run)
-        cfg = run.config()
+        cfg = run.record.config()
         assert cfg.model_name == "test" and cfg.model == model.GPTConfig(**fields), why
-        gpt, step = run.load_model()
+        gpt, step = run.weights.load_model()
         assert step == 8 and gpt.wte[...].shape == (384, 32), why  # 300 padded to 384, width 32
         assert rundir.init_model(finished_run) == saved, why
     monkeypatch.setattr(config, "MODEL_SIZES", tmp_path / "none.yaml")  # no table at all
-    assert rundir.Run(finished_run).config().model == model.GPTConfig(**fields)
+    assert rundir.Run(finished_run).record.config().model == model.GPTConfig(**fields)
 
 
 def test_default_config_has_a_comment_on_every_key():

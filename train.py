@@ -68,7 +68,7 @@ import sharding as sharding_lib
 from core import storage
 from core.errors import RunError
 from layers import attention as attention_lib
-from store import rundir
+from store import record, rundir
 from tokendata import loader, shards
 from training import config as config_lib
 from training import progress
@@ -125,11 +125,11 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     stopped = f"stopped before training in {run_dir} (its error says why)"
     writer = "train.py --resume" if args.resume else "train.py"
     if args.resume:
-        if not run_dir.is_file(rundir.CONFIG):
-            raise RunError(f"nothing to resume: {run_dir} is not a run directory (no {rundir.CONFIG})")
-        run_dir.resume_config(args.overrides)  # refused overrides are refused before the lock is written
+        if not run_dir.dir.is_file(record.CONFIG):
+            raise RunError(f"nothing to resume: {run_dir} is not a run directory (no {record.CONFIG})")
+        run_dir.record.resume_config(args.overrides)  # refused overrides are refused before the lock is written
         multihost.on_process_zero(lambda: held.enter_context(run_dir.writer(writer)), stopped)
-        cfg = run_dir.resume_config(args.overrides)  # as it is now that no other writer can change it
+        cfg = run_dir.record.resume_config(args.overrides)  # as it is now that no other writer can change it
     else:
         run_dir.check_new()
     t, ck, sh = cfg.training, cfg.checkpoint, cfg.sharding
@@ -163,7 +163,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         cfg.data.dir = data.resolve_dir(cfg.data.dir, progress=is_main)
         corpus = shards.open_data(cfg.data.dir)  # index.json and the tokenizer read once, here
         if args.resume:
-            run_dir.check_data(corpus)
+            run_dir.record.check_data(corpus)
         if cfg.model.vocab_size != corpus.vocab_size:
             say(f"model.vocab_size {cfg.model.vocab_size} -> {corpus.vocab_size}, the vocabulary of {corpus}")
             cfg.model = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size)
@@ -192,7 +192,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     say(fns.description, flush=True)
     frozen = ()  # LoRA: the frozen base, an argument of every step beside the adapters' state
     if t.lora is not None:  # loaded once; a resume checks that it is the base the run records
-        base_params, base_record = run_dir.frozen_base(t.init_from, check=args.resume)
+        base_params, base_record = run_dir.weights.frozen_base(t.init_from, check=args.resume)
         frozen = (fns.place_base(base_params),)
         del base_params
         adapters = sum(a.size for a in jax.tree.leaves(fns.abstract_state["params"]))
@@ -205,13 +205,13 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     if not args.resume:  # a stop before the first step removes it again (progress.Stop.undo), under stop.writing
         with stop.writing:
             if is_main:
-                stop.undo.append(run_dir.begin_new())
+                stop.undo.append(run_dir.dir.begin_new())
             multihost.on_process_zero(lambda: held.enter_context(run_dir.writer(writer, new=True)), stopped)
             if is_main:
-                run_dir.save_config(cfg)
-                run_dir.save_data(corpus)
+                run_dir.record.save_config(cfg)
+                run_dir.record.save_data(corpus)
                 if t.lora is not None:
-                    run_dir.save_lora_base(base_record)
+                    run_dir.weights.save_lora_base(base_record)
 
     def place_batch(local_rows):
         """A batch (an array, or a dict of arrays with rows first) onto the devices."""
@@ -230,16 +230,16 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
 
     # ------------------------------------------------------------------------------------------
     # Checkpoint (checkpoints.py): orbax, asynchronous; a resume restores the newest intact checkpoint
-    ckpts = held.enter_context(run_dir.checkpoints(ck.keep, ck.async_save, write=True))
+    ckpts = held.enter_context(run_dir.checkpoints.write(ck.keep, ck.async_save))
     last_ckpt = (ckpts.steps() or [None])[-1]
     if args.resume and last_ckpt is not None:
         state, last_ckpt = ckpts.restore(fns.abstract_state, say)
         start_step = int(state["step"])
-        saved = run_dir.config()  # as the run was last configured
+        saved = run_dir.record.config()  # as the run was last configured
         tokens_before = ckpts.tokens(last_ckpt)  # (None: saved before tokens were kept)
         if tokens_before is None:
             tokens_before = start_step * saved.training.batch_size * saved.seq_len
-        if changes := run_dir.resume_changes(saved, cfg):
+        if changes := run_dir.record.resume_changes(saved, cfg):
             say(changes)
         if saved.training.steps != t.steps and start_step < t.steps:
             before = float(step_lib.lr_schedule(dataclasses.replace(t, steps=saved.training.steps))(start_step))
@@ -267,11 +267,11 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         with stop.writing:
             metrics_file = held.enter_context(contextlib.closing(run_dir.metrics(start_step)))
             if args.resume:  # restored and its log read: the effective config (with this command's overrides) is the run's
-                run_dir.save_config(cfg)
+                run_dir.record.save_config(cfg)
                 if t.lora is not None:  # the base as loaded now (where it lies, if it moved)
-                    run_dir.save_lora_base(base_record)
+                    run_dir.weights.save_lora_base(base_record)
         if metrics_file.torn is not None:
-            say(f"{run_dir.show(rundir.METRICS)}: its last line was cut off (a stop during its write); dropped it")
+            say(f"{run_dir.dir.show(rundir.METRICS)}: its last line was cut off (a stop during its write); dropped it")
     wandb_run = run_dir.start_wandb(cfg) if is_main and cfg.wandb.mode != "disabled" else None
     n_params = model_lib.param_count(mcfg)
     say(f"model {cfg.model_name}: {n_params / 1e6:.2f}M parameters, context {seq_len}; "

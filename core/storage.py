@@ -25,7 +25,7 @@ import re
 import shutil
 import time
 
-from core.errors import StorageError
+from core.errors import RunError, StorageError
 
 COPY_CHUNK = 1 << 24  # bytes per read while streaming a file (RunDir.chunks)
 FLUSH_SECONDS = 30.0  # a remote metrics.jsonl is uploaded at least this often while training logs
@@ -242,6 +242,19 @@ class RunDir:
 
     def read_text(self, name: str) -> str:
         return self.read_bytes(name).decode()
+
+    def json_object(self, name: str) -> dict | None:
+        """RUN/name, a JSON object, as a dict (None where there is no such file); anything else is a RunError
+        in one line."""
+        if not self.is_file(name):
+            return None
+        try:
+            recorded = json.loads(self.read_text(name))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RunError(f"{self.show(name)} is not JSON ({e})") from None
+        if not isinstance(recorded, dict):
+            raise RunError(f"{self.show(name)} is not a JSON object")
+        return recorded
 
     def size(self, name: str) -> int | None:
         """The bytes in RUN/name; None when it is not a file."""

@@ -11,8 +11,9 @@
                                 or <step>.1/, ... for a step damaged again
 
 train.py saves and restores through a `Saver` (asynchronously, rotating old ones out), an import saves
-its parameters through one (synchronously), and every reader (rundir.Run.load_params, hence init_from,
-eval, sample and export) loads through `Checkpoints`; rundir.Run.checkpoints() opens either. Whether a
+its parameters through one (synchronously), and every reader (weights.Weights.load_params, hence
+init_from, eval, sample and export) loads through `Checkpoints`; a run's one owner of them,
+`RunCheckpoints` (rundir.Run's `checkpoints`), opens either. Whether a
 checkpoint reads as it was saved (fingerprints, formats) is fingerprints.py's. A save that fails (a full
 disk, no access to a bucket), a checkpoint that cannot be read or that does not fit the model: a
 RunError, one line in the user's terms, never orbax's or tensorstore's tracebacks.
@@ -42,6 +43,26 @@ DAMAGED = "checkpoints-damaged"
 DELETING = ".deleting"  # inside RUN/checkpoints
 SAID_UNVERIFIED: set = set()  # (directory, step) of the format 1 checkpoints a reader has said so of
 STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's file of a checkpoint's own metadata, ours among it
+
+
+class RunCheckpoints:
+    """RUN/checkpoints of one run directory, the one owner of its reading and writing: `read()` opens them to
+    read (a Checkpoints), `write(keep, async_save)` to save and restore, for the holder of the run's lock
+    (a Saver). Each is closed by its user (`with`)."""
+
+    def __init__(self, directory: storage.RunDir):
+        self.dir = directory
+
+    def read(self) -> Checkpoints:
+        return Checkpoints(self.dir)
+
+    def write(self, keep: int | None = None, async_save: bool = False) -> Saver:
+        return Saver(self.dir, keep, async_save)
+
+    def steps(self) -> list[int]:
+        """The steps of the checkpoints there are."""
+        with self.read() as saved:
+            return saved.steps()
 
 
 class Checkpoints:

@@ -1,27 +1,27 @@
-"""The run directory: every file of a run, wherever it lives, and who owns each.
+"""The run directory: every file of a run, wherever it lives, and which part of `Run` owns each.
 
-    RUN/config.yaml             the effective config (config.py's dataclasses, the model fully resolved)  Record
-    RUN/format.json             the format the run was last written in (formats.py; none before format 3) Record
-    RUN/data.json               the data it trained on: dir, index, tokenizer and its sha256, vocab_size, kind
-    RUN/tokenizer.json          a copy of the data's tokenizer, so the run decodes without the corpus     Record
-    RUN/metrics.jsonl           one JSON object per logged step                                           Run
-    RUN/summary.json            where training ended                                                      Run
-    RUN/loss.png                the training and validation loss by step (drawn at each evaluation)       Run
-    RUN/wandb_id.txt            the W&B run id: a resume and eval.py log into the same W&B run            Run
-    RUN/eval/step<N>.json       eval.py's results for checkpoint N                                        Run
-    RUN/.lock                   who writes the run now: one writer at a time              runlock.Locked
-    RUN/lora_base.json          a LoRA run's frozen base: init_from, its checkpoint step  weights.Weights
-    RUN/checkpoints/            orbax checkpoints of the state, and                       checkpoints.py
-    RUN/checkpoints-damaged/    damaged ones, moved aside
+    RUN/config.yaml             the effective config (the model fully resolved)           run.record (record.py)
+    RUN/format.json             the format the run was last written in (formats.py)        run.record
+    RUN/data.json               the data it trained on                                     run.record
+    RUN/tokenizer.json          a copy of the data's tokenizer                             run.record
+    RUN/metrics.jsonl           one JSON object per logged step                            Run
+    RUN/summary.json            where training ended                                       Run
+    RUN/loss.png                the training and validation loss by step                   Run
+    RUN/wandb_id.txt            the W&B run id: a resume and eval.py log into the same W&B run  Run
+    RUN/eval/step<N>.json       eval.py's results for checkpoint N                         Run
+    RUN/.lock                   who writes the run now: one writer at a time               run.lock (runlock.py)
+    RUN/lora_base.json          a LoRA run's frozen base: init_from, its checkpoint step   run.weights (weights.py)
+    RUN/checkpoints/            orbax checkpoints of the state, and                        run.checkpoints
+    RUN/checkpoints-damaged/    damaged ones, moved aside                                  (checkpoints.py)
 
-`Run` is a storage.RunDir (a local path, or a URL such as gs://bucket/runs/x, whose files go through
-fsspec and whose checkpoints orbax writes itself) made of parts that can each be read alone: `Record`
-(what the run is, and the checks of a resume), weights.Weights (its parameters, a LoRA run's adapters
-and base, the model), runlock.Locked (the writer's lock or bucket lease), and its own logs and results.
-train.py writes a run; eval.py, sample.py and convert_torch.py read it through `Run.config`,
-`Run.load_model`, `Run.load_params` and `Run.tokenizer`; convert_torch.py's import writes one with
-`Run.save_params`. Every checkpoint is saved, restored and loaded through one owner, `Run.checkpoints()`,
-a checkpoints.Checkpoints to read or a checkpoints.Saver to write.
+`Run` is made of parts, each given what it needs when it is made: `dir`, the run's files (a
+storage.RunDir: a local path, or a URL such as gs://bucket/runs/x, whose files go through fsspec and whose
+checkpoints orbax writes itself); `record` (what the run is, and the checks of a resume); `lock` (the
+writer's lock or bucket lease); `checkpoints` (the one owner of their saving and reading); `weights` (the
+parameters, a LoRA run's adapters and base, the model; given the record and the checkpoints); and here its
+logs and eval.py's results. train.py writes a run; eval.py, sample.py and convert_torch.py read it through
+`run.record.config()`, `run.record.tokenizer()`, `run.weights.load_model()` and `load_params()`;
+convert_torch.py's import writes one with `run.weights.save_params()`.
 
 A run directory a user points at that is not one, a checkpoint that cannot be read (its arrays,
 its metadata) or that does not fit the model: a RunError, one line in the user's terms. Knows nothing
@@ -34,22 +34,18 @@ import json
 import pathlib
 import typing
 
-import yaml
-
 from core import storage
 from core.errors import RunError, UserError
 from store import checkpoints as checkpoints_lib
-from store import formats, runlock, weights
-from tokendata import shards
+from store import runlock, weights
+from store.record import CONFIG, TOKENIZER, Record
 from training import config as config_lib
 
-CONFIG = "config.yaml"
-DATA = "data.json"
-TOKENIZER = "tokenizer.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 WANDB_ID = "wandb_id.txt"
-LORA_BASE = weights.LORA_BASE
+
+
 def eval_results_name(step: int) -> str:
     """eval.py's results file for checkpoint `step`."""
     return f"eval/step{step}.json"
@@ -75,215 +71,37 @@ def results_problem(results) -> str | None:
     return None
 
 
-class Record(storage.RunDir):
-    """What a run is: its effective config (config.yaml) with the rules of a resume, the format it was
-    written in (format.json), the data it trained on (data.json, tokenizer.json) and the checks of both
-    against what a resume is given."""
-
-    # ------------------------------------------------------------------------------------------
-    # config.yaml
-
-    def has_config(self) -> bool:
-        return self.is_file(CONFIG)
-
-    def config(self, overrides: typing.Sequence[str] = ()) -> config_lib.Config:
-        """The run's effective config (with `overrides`), for resume, eval, sample and convert; a run
-        written in a format newer than this code reads is a RunError naming the version that reads it."""
-        if not self.is_file(CONFIG):
-            raise RunError(f"{self} is not a run directory: {CONFIG} not found in it")
-        self.check_format()
-        text = self.read_bytes(CONFIG)
-        raw = config_lib.apply_overrides(config_lib.parse_yaml(text, self.show(CONFIG)), overrides)
-        return config_lib.from_saved(raw)  # the model as saved, whatever conf/model_config.yaml says now
-
-    def resume_config(self, overrides: typing.Sequence[str]) -> config_lib.Config:
-        """config(overrides) for --resume, which continues the run's own model: an override that names a
-        model (`model=NAME`) or changes what its parameters are (a GPTConfig.PARAMETER_FIELDS field; an
-        ALiBi model's block_size aside, which only bounds its context) is a RunError in one line. How the
-        model runs (model.remat, dtype, attention, dropout) may change."""
-        named = [o for o in overrides if o.partition("=")[0].strip() == "model"]
-        saved = self.config()
-        if named:
-            raise RunError(f"--resume {named[0]}: a resume continues this run's own model ({saved.model_name}); "
-                           f"to train another, start a new run (training.init_from={self} starts from these weights)")
-        cfg = self.config(overrides)
-        changed = [f"model.{f} {getattr(saved.model, f)} -> {getattr(cfg.model, f)}" for f in cfg.model.PARAMETER_FIELDS
-                   if getattr(saved.model, f) != getattr(cfg.model, f)
-                   and not (f == "block_size" and cfg.model.max_length is None)]
-        if changed:
-            raise RunError(f"--resume cannot change the run's model ({'; '.join(changed)}): its checkpoints hold "
-                           f"that model's parameters; start a new run to train another")
-        was, now = saved.training.lora, cfg.training.lora
-        if (was is None) != (now is None) or (was is not None and any(
-                getattr(was, f) != getattr(now, f) for f in was.SHAPE_FIELDS)):
-            show = lambda lora: "null" if lora is None else ", ".join(  # noqa: E731
-                f"{f} {getattr(lora, f)}" for f in lora.SHAPE_FIELDS)
-            raise RunError(f"--resume cannot change training.lora ({show(was)} -> {show(now)}): its checkpoints hold "
-                           f"those adapters (or the whole model); start a new run to train others")
-        return cfg
-
-    # what a resume may change without a word: where things are, how often the loop logs, evaluates and
-    # saves, and W&B (training.steps has its own line, about the schedule)
-    UNREMARKABLE = ("run_dir", "data.dir", "training.steps", "training.log_every", "training.eval_every",
-                    "training.eval_windows", "checkpoint.", "wandb.")
-
-    def resume_changes(self, saved: config_lib.Config, cfg: config_lib.Config) -> str | None:
-        """One line on what a resume's overrides change of the run as it was configured (`saved`) that its
-        continuation depends on (the batch, the context, the seed, the optimizer, the model's dtype...):
-        the steps after the checkpoint then differ from those the run would have had; None for nothing."""
-        def flat(tree, prefix=""):
-            for key, value in tree.items():
-                if isinstance(value, dict):
-                    yield from flat(value, f"{prefix}{key}.")
-                else:
-                    yield f"{prefix}{key}", value
-
-        was, now = dict(flat(config_lib.to_dict(saved))), dict(flat(config_lib.to_dict(cfg)))
-        changed = [f"{k} {was.get(k)} -> {now.get(k)}" for k in sorted(was.keys() | now.keys())
-                   if was.get(k) != now.get(k) and not k.startswith(self.UNREMARKABLE)]
-        if not changed:
-            return None
-        drawn = [k for k in ("training.batch_size", "training.seq_len", "seed", "data.batching")
-                 if any(c.startswith(k + " ") for c in changed)]
-        return (f"--resume changes {', '.join(changed)}: the steps from here on are not those the run would have "
-                f"had with its own settings" + (f" (the batches are drawn anew for {' and '.join(drawn)})"
-                                                  if drawn else "")
-                + "; a resume with the saved settings continues it exactly")
-
-    def save_config(self, cfg: config_lib.Config) -> str:
-        """Write config.yaml at once (a crash never leaves half a config), and format.json: the run is
-        written in this code's format from now on (a resumed older run included). Returns how the config
-        is named."""
-        header = "# The effective config of this run (written by train.py); `python train.py --resume` reads it.\n"
-        self.write_text(formats.FILE, json.dumps(formats.record()) + "\n")
-        self.write_text(CONFIG, header + yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
-        return self.show(CONFIG)
-
-    def check_format(self) -> None:
-        """A RunError (one line) when the run directory is in a format newer than this code reads, or its
-        format.json is damaged. A run from before format 3 has none: every older format is read."""
-        recorded = self.json_object(formats.FILE)
-        if recorded is None:
-            return
-        newer = formats.too_new(f"run directory {self}", recorded)
-        if newer:
-            raise RunError(newer)
-        number = recorded.get("format")
-        if not isinstance(number, int) or isinstance(number, bool) or number < formats.FIRST_RECORDED:
-            raise RunError(f"{self.show(formats.FILE)} records no format this project has written (an integer from "
-                           f"{formats.FIRST_RECORDED} on): it is damaged; write {json.dumps(formats.record())} into it "
-                           f"if this version wrote the run")
-
-    # ------------------------------------------------------------------------------------------
-    # The data: data.json and tokenizer.json
-
-    def save_data(self, data: shards.DataDir) -> None:
-        """Record the prepared data the run trains on (its location as the config holds it: a URL or a
-        resolved path), with the object store's version of each of its files for a URL, and copy its
-        tokenizer."""
-        ref = {
-            "dir": str(data),
-            "index": data.show("index.json"),
-            "tokenizer": data.show(data.index["tokenizer"]),
-            "tokenizer_sha256": data.tokenizer_sha256,
-            "vocab_size": data.vocab_size,
-            "kind": data.kind,  # prompt_completion: sample.py completes prompts like training
-            "content_sha256": shards.content_sha256(data.index),  # what check_data compares at a resume, anywhere
-        }
-        if data.remote:  # what check_data compares at a resume
-            ref["versions"] = data.versions
-        self.write_text(DATA, json.dumps(ref, indent=2) + "\n")
-        self.write_bytes(TOKENIZER, data.tokenizer_json)
-
-    def check_data(self, data: shards.DataDir) -> None:
-        """A resume trains on the data it started with, wherever it now lies: a RunError (one line) when
-        the data's tokenizer is not the run's tokenizer.json, when its content (shards.content_sha256: the
-        tokenizer, every shard's size and sha256) differs from what data.json records (prepared again,
-        or `data.dir` pointed elsewhere), and at a URL when a file's object-store version changed. A run
-        whose data.json records no fingerprint (an older version's) has its tokenizer compared with
-        the recorded one's sha256; one that records neither cannot be checked, and is refused."""
-        recorded = self.data()
-        if not recorded:
-            return  # an import: nothing trained yet, nothing to compare
-        start = f"data.dir {data}"
-        fix = (f"resume on the data it trained on ({recorded.get('dir')}), or start a new run from it "
-               f"(training.init_from={self})")
-        ours = self.tokenizer_sha256()
-        if ours is not None and ours != data.tokenizer_sha256:
-            raise RunError(f"{start} was tokenized with another tokenizer than this run's ({self.show(TOKENIZER)}); {fix}")
-        if recorded.get("content_sha256"):
-            if recorded["content_sha256"] != shards.content_sha256(data.index):
-                raise RunError(f"{start} is not the data this run trained on: its content differs from what "
-                               f"{self.show(DATA)} records (prepared again, or other data); {fix}")
-        elif not recorded.get("tokenizer_sha256") and ours is None:
-            raise RunError(f"{self.show(DATA)} records no fingerprint of the data and {self} has no {TOKENIZER}: "
-                           f"{start} cannot be checked against what the run trained on; start a new run from it "
-                           f"(training.init_from={self})")
-        elif recorded.get("tokenizer_sha256") and recorded["tokenizer_sha256"] != data.tokenizer_sha256:
-            raise RunError(f"{start} was tokenized with another tokenizer than the one {self.show(DATA)} records; {fix}")
-        if str(recorded.get("dir")).rstrip("/") != str(data) or not isinstance(recorded.get("versions"), dict):
-            return
-        now = data.versions or {}
-        changed = sorted(name for name, version in recorded["versions"].items() if now.get(name) != version)
-        if changed:
-            raise RunError(f"{start} changed since this run started: {changed[0]}"
-                           + (f" and {len(changed) - 1} more files differ" if len(changed) > 1 else " differs")
-                           + f" from the versions {self.show(DATA)} records; {fix}")
-
-    def tokenizer_sha256(self) -> str | None:
-        """The sha256 of the run's tokenizer.json, None without one."""
-        import hashlib
-
-        return hashlib.sha256(self.read_bytes(TOKENIZER)).hexdigest() if self.is_file(TOKENIZER) else None
-
-    def json_object(self, name: str) -> dict | None:
-        """The run's JSON file `name` as a dict (None where there is none); anything else is one RunError line."""
-        if not self.is_file(name):
-            return None
-        try:
-            recorded = json.loads(self.read_text(name))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RunError(f"{self.show(name)} is not JSON ({e})") from None
-        if not isinstance(recorded, dict):
-            raise RunError(f"{self.show(name)} is not a JSON object")
-        return recorded
-
-    def data(self) -> dict:
-        """data.json ({} for a run without one, e.g. an import)."""
-        return self.json_object(DATA) or {}
-
-    def is_finetuned(self) -> bool:
-        """Whether the run trained on prompt/completion pairs."""
-        return shards.is_prompt_completion(self.data())
-
-    def tokenizer(self):
-        """The run's tokenizers.Tokenizer."""
-        from tokenizers import Tokenizer
-
-        if not self.is_file(TOKENIZER):
-            raise RunError(f"{self} has no {TOKENIZER}")
-        try:
-            return Tokenizer.from_str(self.read_text(TOKENIZER))
-        except Exception as e:  # a damaged file
-            reason = storage.one_line(e)
-            raise RunError(f"cannot load {self.show(TOKENIZER)}: {reason}") from None
-
-class Run(Record, weights.Weights, runlock.Locked):
-    """A run directory and the files in it (see the module docstring): what the run is (Record), its
-    weights (weights.Weights), its writer's lock (runlock.Locked), and here its logs, eval.py's results and
-    the owner of its checkpoints."""
+class Run:
+    """A run directory and the files in it (see the module docstring): its files (`dir`), what the run is
+    (`record`), its writer's lock (`lock`), its checkpoints, its weights, and here its logs and eval.py's
+    results. str() is its location as given."""
 
     LOSS_PLOT = "loss.png"
 
+    def __init__(self, location):
+        self.dir = storage.RunDir(location)
+        self.record = Record(self.dir)
+        self.lock = runlock.Lock(self.dir)
+        self.checkpoints = checkpoints_lib.RunCheckpoints(self.dir)
+        self.weights = weights.Weights(self.dir, self.record, self.checkpoints)
+
+    def __str__(self) -> str:
+        return str(self.dir)
+
+    def writer(self, purpose: str, new: bool = False):
+        """The run's lock held while writing it (runlock.Lock.writer); `new`: a new run starts here, which
+        is checked (check_new) once the lock is held."""
+        return self.lock.writer(purpose, check_new=self.check_new if new else None)
+
     def check_new(self) -> None:
         """A new run may start here: nothing is in the directory yet (but perhaps a lock)."""
-        if not set(self.names()) - {runlock.LOCK}:
+        if not set(self.dir.names()) - {runlock.LOCK}:
             return
-        holder = self.held_by()
+        holder = self.lock.held_by()
         if holder:
             raise RunError(f"run directory {self} is in use by {holder}; one process writes a run at a time "
                            f"(wait for it to end, or stop it first)")
-        if self.is_file(CONFIG) and not self.checkpoints().steps():
+        if self.dir.is_file(CONFIG) and not self.checkpoints.steps():
             raise RunError(f"run directory {self} holds a run stopped before its first checkpoint; continue it "
                            f"with --resume (from step 0, with its saved config), or remove the directory to start anew")
         raise RunError(f"run directory {self} already exists; continue it with --resume, "
@@ -294,14 +112,14 @@ class Run(Record, weights.Weights, runlock.Locked):
 
     def metrics(self, start_step: int) -> storage.JsonLines:
         """metrics.jsonl, continued after `start_step` (the rows of later steps are dropped)."""
-        return storage.JsonLines(self, METRICS, keep=lambda row: row["step"] <= start_step)
+        return storage.JsonLines(self.dir, METRICS, keep=lambda row: row["step"] <= start_step)
 
     def wandb_id(self, new: str | None = None) -> str | None:
         """The run's W&B id; when it has none and `new` is given, `new` becomes it."""
-        if self.is_file(WANDB_ID):
-            return self.read_text(WANDB_ID).strip()
+        if self.dir.is_file(WANDB_ID):
+            return self.dir.read_text(WANDB_ID).strip()
         if new is not None:
-            self.write_text(WANDB_ID, new + "\n")
+            self.dir.write_text(WANDB_ID, new + "\n")
         return new
 
     def start_wandb(self, cfg: config_lib.Config):
@@ -310,28 +128,28 @@ class Run(Record, weights.Weights, runlock.Locked):
 
         import wandb
 
-        return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or self.name,
+        return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or self.dir.name,
                           id=self.wandb_id(new=uuid.uuid4().hex[:8]), resume="allow", mode=cfg.wandb.mode,
-                          dir=None if self.remote else str(self), config=config_lib.to_dict(cfg))
+                          dir=None if self.dir.remote else str(self), config=config_lib.to_dict(cfg))
 
     def save_summary(self, summary: dict) -> None:
-        self.write_text(SUMMARY, json.dumps(summary, indent=2) + "\n")
+        self.dir.write_text(SUMMARY, json.dumps(summary, indent=2) + "\n")
 
     # ------------------------------------------------------------------------------------------
     # eval.py's results: RUN/eval/step<N>.json (eval_results_name), added to section by section
 
     def read_results(self, name: str) -> dict:
         """The JSON results file `name` ({} if there is none yet), checked to be one that eval.py can add to."""
-        if not self.is_file(name):
+        if not self.dir.is_file(name):
             return {}
         try:
-            results = json.loads(self.read_text(name))
+            results = json.loads(self.dir.read_text(name))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             results, why = None, f"unreadable JSON ({e})"
         else:
             why = results_problem(results)
         if why:
-            raise RunError(f"{self.show(name)} is not an eval.py results file: {why}; move it away to evaluate "
+            raise RunError(f"{self.dir.show(name)} is not an eval.py results file: {why}; move it away to evaluate "
                            "this step again (eval.py adds to that file and never overwrites it)")
         return results
 
@@ -345,17 +163,8 @@ class Run(Record, weights.Weights, runlock.Locked):
             raise RunError(f"{bad} is not a finite number: the evaluation's inputs (the checkpoint, the data) are "
                            f"damaged or the model diverged; nothing was written to {name}")
         results["updated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        self.write_text(name, json.dumps(results, indent=2) + "\n")
+        self.dir.write_text(name, json.dumps(results, indent=2) + "\n")
         return results[section]
-
-    # ------------------------------------------------------------------------------------------
-    # Checkpoints (checkpoints.py)
-
-    def checkpoints(self, keep: int | None = None, async_save: bool = False, *,
-                    write: bool = False) -> checkpoints_lib.Checkpoints:
-        """RUN/checkpoints: to read, or (`write`, for the holder of the run's lock) to save and restore,
-        keeping `keep` checkpoints, saving asynchronously if `async_save`."""
-        return checkpoints_lib.Saver(self, keep, async_save) if write else checkpoints_lib.Checkpoints(self)
 
 
 def check_wandb(cfg: config_lib.Config) -> None:
@@ -405,7 +214,7 @@ def init_model(location) -> dict:
     """training.init_from's model section (its name and every field): a fine-tuning run's model unless
     the command line names one (`model=NAME`)."""
     try:
-        return config_lib.to_dict(open_run(location).config())["model"]
+        return config_lib.to_dict(open_run(location).record.config())["model"]
     except UserError as e:
         raise RunError(f"training.init_from: {e}") from None
 
@@ -415,9 +224,9 @@ def check_init_from(location, mcfg, data: shards.DataDir) -> None:
     was prepared with, or a RunError (one line)."""
     try:
         src = open_run(location)
-        src_model = src.config().model
-        has_checkpoint = bool(src.checkpoints().steps())
-        src_tokenizer = src.tokenizer_sha256()
+        src_model = src.record.config().model
+        has_checkpoint = bool(src.checkpoints.steps())
+        src_tokenizer = src.record.tokenizer_sha256()
     except UserError as e:
         raise RunError(f"training.init_from: {e}") from None
     if not has_checkpoint:
@@ -442,7 +251,7 @@ def load_init_params(location, shardings):
     import jax
 
     try:
-        params, _ = open_run(location).load_params()
+        params, _ = open_run(location).weights.load_params()
     except UserError as e:
         raise RunError(f"training.init_from: {e}") from None
     return jax.device_put(params, shardings)

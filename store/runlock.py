@@ -10,8 +10,8 @@ the generation its holder wrote last (storage.Versions), and the run's fence (`L
 before every write of the run, and before a checkpoint's commit) stops a holder that lost it. The lease
 is released, too, when another process of a multi-process run ends the run (multihost.at_end).
 
-`Locked` is the part of rundir.Run that holds it (`Run.writer`, `Run.held_by`); it knows nothing of
-configs, data or models.
+`Lock` is rundir.Run's `lock` (`run.lock.writer`, `run.lock.held_by`), made on the run's directory; it
+knows nothing of configs, data or models.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import pathlib
 import socket
 import threading
 import time
+import typing
 
 from core import storage
 from core.errors import RunError
@@ -59,7 +60,7 @@ class Lease:
     process holds the lock now, or, when no renewal has gone through for two periods (this process
     was paused), a look at the lock that finds another generation there."""
 
-    def __init__(self, run: Locked, holder: dict, generation: int | None, every: float, taken: float):
+    def __init__(self, run: Lock, holder: dict, generation: int | None, every: float, taken: float):
         self.run, self.holder, self.generation, self.every = run, holder, generation, every
         self.confirmed = taken  # when the lease was last known to be ours: when its last write was sent
         self.lost: str | None = None  # why it was lost
@@ -90,7 +91,7 @@ class Lease:
                 return
             sent = time.monotonic()  # the lease holds from when the renewal was sent, not from its answer,
             try:  # which a process paused meanwhile (past the lease) reads only once it is taken
-                generation = storage.Versions(self.run).write_if(LOCK, self._content(), self.generation)
+                generation = storage.Versions(self.run.dir).write_if(LOCK, self._content(), self.generation)
             except storage.Conflict:
                 self._lost_to_whoever_holds_it()
                 return
@@ -101,7 +102,7 @@ class Lease:
         through but its answer did not reach us), whose generation is then adopted; the lease is then still
         counted from the renewal before (the heartbeat there dates from a send we did not time)."""
         try:
-            generation, raw = storage.Versions(self.run).versioned(LOCK)
+            generation, raw = storage.Versions(self.run.dir).versioned(LOCK)
         except storage.StorageError:
             generation, raw = None, b""
         lock = self.run._parse_lock(raw) or {}
@@ -119,15 +120,21 @@ class Lease:
                            f"longer than the lease lasts); it stops without writing anything more into the run")
 
 
-class Locked(storage.RunDir):
+class Lock:
     """A run directory's lock (see the module docstring): `writer` holds it while a process writes the run,
-    `held_by` says who holds it now. A `new` writer calls the directory's check_new under the lock."""
+    `held_by` says who holds it now."""
+
+    def __init__(self, directory: storage.RunDir):
+        self.dir = directory
+
+    def __str__(self) -> str:
+        return str(self.dir)
 
     @contextlib.contextmanager
-    def writer(self, purpose: str, new: bool = False):
+    def writer(self, purpose: str, check_new: typing.Callable[[], None] | None = None):
         """Hold RUN/.lock while writing the run (`purpose` names the writer to a second one, which gets
-        a RunError naming the first). The directory must exist. `new`: a new run starts here, so the
-        directory must hold nothing else (check_new, under the lock: no other run started meanwhile).
+        a RunError naming the first). The directory must exist. `check_new`: a new run starts here, and this
+        checks, under the lock, that the directory holds nothing else (no other run started meanwhile).
 
         On a local disk it is an flock, which the system drops when its process ends however it ends,
         so a killed run never blocks its resume. In an object store, which has no locks, it is a lease:
@@ -136,10 +143,10 @@ class Locked(storage.RunDir):
         waited out for at most LEASE_TTL seconds, a live one is refused (see lease_times)."""
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "purpose": purpose,
                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        release = self._lease(holder) if self.remote else self._flock(holder)
+        release = self._lease(holder) if self.dir.remote else self._flock(holder)
         try:
-            if new:
-                self.check_new()
+            if check_new is not None:
+                check_new()
             yield
         finally:
             release()
@@ -147,7 +154,7 @@ class Locked(storage.RunDir):
     def _flock(self, holder: dict):
         import fcntl
 
-        path = pathlib.Path(self.root) / LOCK
+        path = pathlib.Path(self.dir.root) / LOCK
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # less the umask, as every other file
         except OSError as e:
@@ -182,7 +189,7 @@ class Locked(storage.RunDir):
         waited = 0.0
         while True:
             try:
-                generation, raw = storage.Versions(self).versioned(LOCK)
+                generation, raw = storage.Versions(self.dir).versioned(LOCK)
             except storage.StorageError:
                 generation, raw = None, b""  # deleted meanwhile by its holder: free
             other = self._parse_lock(raw)
@@ -192,7 +199,7 @@ class Locked(storage.RunDir):
                     if age < 2 * every or waited >= ttl:  # alive: it renews its heartbeat
                         raise RunError(f"run directory {self} is in use by {self._holder(raw)}; one process writes "
                                        f"a run at a time (wait for it to end, or stop it first)")
-                    print(f"{self.show(LOCK)}: held by {self._holder(raw)}, whose heartbeat stopped "
+                    print(f"{self.dir.show(LOCK)}: held by {self._holder(raw)}, whose heartbeat stopped "
                           f"{age:.0f}s ago; waiting up to {ttl - age:.0f}s for it to expire", flush=True)
                     time.sleep(min(every, ttl - age + 0.1))
                     waited += min(every, ttl - age + 0.1)
@@ -200,25 +207,25 @@ class Locked(storage.RunDir):
             content = (json.dumps({**holder, "heartbeat": time.time()}) + "\n").encode()
             taken = time.monotonic()
             try:
-                mine = storage.Versions(self).write_if(LOCK, content, generation)
+                mine = storage.Versions(self.dir).write_if(LOCK, content, generation)
             except storage.Conflict:
                 continue  # another writer took or renewed it between our read and our write: look again
             if mine is not None:
                 break  # the store made the write conditional: the lease is ours, atomically
             time.sleep(LEASE_SETTLE)  # no generations here: a writer racing us has written by now, the last wins
-            if (self._parse_lock(self.read_bytes(LOCK)) or {}).get("token") == holder["token"]:
+            if (self._parse_lock(self.dir.read_bytes(LOCK)) or {}).get("token") == holder["token"]:
                 break
         lease = Lease(self, holder, mine, every, taken)
-        self.fence = lease.check
+        self.dir.fence = lease.check
         lease.start()
 
         def release():
             forget()
-            self.fence = None
+            self.dir.fence = None
             lease.stop()
             try:
                 if not lease.lost:
-                    storage.Versions(self).delete_if(LOCK, lease.generation)
+                    storage.Versions(self.dir).delete_if(LOCK, lease.generation)
             except (storage.StorageError, storage.Conflict):
                 pass  # taken meanwhile, or it expires by itself
         forget = multihost.at_end(release)  # also when another process ends the run: a resume need not wait
@@ -227,16 +234,16 @@ class Locked(storage.RunDir):
     def held_by(self) -> str | None:
         """Who holds the run's lock now, in words (see _holder), or None when no live process does: a
         local flock that can be taken, or a lease whose heartbeat is older than the lease lasts."""
-        if not self.is_file(LOCK):
+        if not self.dir.is_file(LOCK):
             return None
-        if self.remote:
-            raw = self.read_bytes(LOCK)
+        if self.dir.remote:
+            raw = self.dir.read_bytes(LOCK)
             lock = self._parse_lock(raw) or {}
             ttl, _ = lease_times()
             return self._holder(raw) if lock and time.time() - float(lock.get("heartbeat", 0)) < ttl else None
         import fcntl
 
-        fd = os.open(pathlib.Path(self.root) / LOCK, os.O_RDONLY)
+        fd = os.open(pathlib.Path(self.dir.root) / LOCK, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:

@@ -3,12 +3,12 @@ frozen base, and the model built from them.
 
     RUN/lora_base.json      a LoRA run's frozen base: training.init_from, its checkpoint step, a fingerprint
 
-`Weights` is the part of rundir.Run that reads them (through the run's one owner of checkpoints,
-Run.checkpoints()): `load_params` (init_from, export, eval, sampling), `load_adapters` (the PEFT
-export), `load_model`, `save_params` (an import). A LoRA run checkpoints its adapters only;
+`Weights` is rundir.Run's `weights`: `load_params` (init_from, export, eval, sampling), `load_adapters`
+(the PEFT export), `load_model`, `save_params` (an import). A LoRA run checkpoints its adapters only;
 `load_params` gives its merged model (the base that lora_base.json names, checked to be the same
-weights, with the adapters folded in: lora.merge), so the readers need not know LoRA. It needs of the
-rest of the run its config (`has_config`, `config`) and its JSON files (`json_object`).
+weights, with the adapters folded in: lora.merge), so the readers need not know LoRA. It is given what
+it needs when it is made: the run's directory, its record (for the config) and its checkpoints (the run's
+one owner of them); `Weights.at(location)` makes those parts for another run's weights, a LoRA run's base.
 """
 from __future__ import annotations
 
@@ -17,13 +17,27 @@ import os
 
 from core import storage
 from core.errors import RunError, UserError
+from store import checkpoints as checkpoints_lib
 from store import fingerprints
+from store.record import Record
 
 LORA_BASE = "lora_base.json"
 
 
-class Weights(storage.RunDir):
+class Weights:
     """The weights of a run directory (see the module docstring)."""
+
+    def __init__(self, directory: storage.RunDir, record: Record, checkpoints: checkpoints_lib.RunCheckpoints):
+        self.dir, self.record, self.checkpoints = directory, record, checkpoints
+
+    @classmethod
+    def at(cls, location) -> Weights:
+        """The weights of the run directory at `location`, with a record and checkpoints of its own."""
+        directory = storage.RunDir(location)
+        return cls(directory, Record(directory), checkpoints_lib.RunCheckpoints(directory))
+
+    def __str__(self) -> str:
+        return str(self.dir)
 
     def load_params(self, step: int | None = None) -> tuple[dict, int]:
         """(params, step) of a checkpoint, the last one by default: a pure dict of numpy arrays with
@@ -36,7 +50,7 @@ class Weights(storage.RunDir):
         """(adapters, step) of a LoRA run's checkpoint, the last by default: its `lora_a` and `lora_b` leaves
         as load_params gives parameters (lora.split's tree), not merged into any base; the base they
         were trained on must be there, as for load_params (frozen_base), or a RunError names it."""
-        cfg = self.config()
+        cfg = self.record.config()
         if cfg.training.lora is None:
             raise RunError(f"{self} is not a LoRA run (its training.lora is null), so it has no adapters")
         params, step, _ = self.load_weights(step, adapters_only=True)
@@ -52,7 +66,7 @@ class Weights(storage.RunDir):
 
         import numpy as np
 
-        with self.checkpoints() as saved:
+        with self.checkpoints.read() as saved:
             state, step = saved.load(step)
             # a format 1 checkpoint saved none: those of what it holds, the numbers a save would have kept
             saved_fingerprints = saved.saved_fingerprints(step) or fingerprints.fingerprints(state)
@@ -67,7 +81,7 @@ class Weights(storage.RunDir):
 
         params = numpy_tree(state["params"])
         fingerprint = sha256({k: v for k, v in saved_fingerprints.items() if k.startswith("params/")})
-        cfg = self.config() if self.has_config() else None
+        cfg = self.record.config() if self.record.has_config() else None
         lora = cfg.training.lora if cfg is not None else None
         if lora is None or adapters_only:
             return params, step, fingerprint
@@ -81,16 +95,16 @@ class Weights(storage.RunDir):
 
     def lora_base(self) -> dict:
         """lora_base.json: {init_from, step, fingerprint} of a LoRA run's frozen base ({} without one)."""
-        record = self.json_object(LORA_BASE)
+        record = self.dir.json_object(LORA_BASE)
         if record is None:
             return {}
         if not (isinstance(record.get("fingerprint"), str)
                 and isinstance(record.get("init_from"), str) and isinstance(record.get("step"), int)):
-            raise RunError(f"{self.show(LORA_BASE)} does not record a base (init_from, step and fingerprint)")
+            raise RunError(f"{self.dir.show(LORA_BASE)} does not record a base (init_from, step and fingerprint)")
         return record
 
     def save_lora_base(self, record: dict) -> None:
-        self.write_text(LORA_BASE, json.dumps(record, indent=2) + "\n")
+        self.dir.write_text(LORA_BASE, json.dumps(record, indent=2) + "\n")
 
     def save_params(self, params: dict, step: int = 0) -> None:
         """A checkpoint holding only parameters (an import), saved at once: what init_from, eval, sample
@@ -99,7 +113,7 @@ class Weights(storage.RunDir):
         import numpy as np
 
         state = {"params": jax.tree.map(np.asarray, params), "step": np.asarray(step, np.int32)}
-        with self.checkpoints(write=True) as saver:
+        with self.checkpoints.write() as saver:
             saver.save(step, state)
 
     def load_model(self, step: int | None = None, attention: str | None = None):
@@ -114,7 +128,7 @@ class Weights(storage.RunDir):
 
         from model import GPT
 
-        cfg = self.config().model
+        cfg = self.record.config().model
         if attention is not None:
             cfg = dataclasses.replace(cfg, attention=attention)
         params, step = self.load_params(step)
@@ -139,13 +153,13 @@ class Weights(storage.RunDir):
         where = base_location(location)
         step = recorded.get("step") if recorded.get("init_from") == where else None
         try:
-            params, step, fingerprint = type(self)(location).load_weights(step)
+            params, step, fingerprint = Weights.at(location).load_weights(step)
         except UserError as e:
             raise RunError(f"the base model (training.init_from={location}) of this LoRA run: {e}") from None
         record = {"init_from": where, "step": step, "fingerprint": fingerprint}
         if recorded and recorded["fingerprint"] != fingerprint:
             raise RunError(f"training.init_from={location} (checkpoint {step}, fingerprint {fingerprint[:16]}) is "
-                           f"not the base this LoRA run's adapters were trained on: {self.show(LORA_BASE)} records "
+                           f"not the base this LoRA run's adapters were trained on: {self.dir.show(LORA_BASE)} records "
                            f"{recorded['init_from']} checkpoint {recorded['step']} (fingerprint "
                            f"{recorded['fingerprint'][:16]}); point training.init_from at that base")
         return params, record

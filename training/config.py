@@ -2,7 +2,7 @@
 
     conf/config.yaml ──yaml.safe_load──> nested dict ──key=value overrides──> Config (dataclasses)
     Config ──to_dict──> RUN_DIR/config.yaml (model fully resolved; rundir.Run.save_config)
-    RUN_DIR/config.yaml ──from_saved──> Config (rundir.Run.config; the size table is not read)
+    RUN_DIR/config.yaml ──from_saved──> Config (record.Record.config; the size table is not read)
 
 `model` in a config file is either a named size from conf/model_config.yaml (`model: small`) or a
 mapping `{name: small, <GPTConfig field>: value, ...}` whose fields override the named size. A

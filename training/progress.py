@@ -353,8 +353,8 @@ class Steps:
         """Process 0: RUN/loss.png, the training and validation loss so far (after each evaluation, and at
         the end of the loop)."""
         if self.metrics_file is not None and self.history:
-            png = plots.losses(self.history, f"{self.run_dir.name}: loss")
-            self.run_dir.write_bytes(self.run_dir.LOSS_PLOT, png)
+            png = plots.losses(self.history, f"{self.run_dir.dir.name}: loss")
+            self.run_dir.dir.write_bytes(self.run_dir.LOSS_PLOT, png)
 
     def summary(self, index: dict, n_params: int, val_windows: int, val_tokens: int, val_of: int, ckpt_dir) -> dict:
         """summary.json: where training ended, with the unigram baseline of the tokens the loss counts
@@ -380,7 +380,7 @@ class Steps:
             "unigram_entropy_of": "the completions (the tokens in the loss)" if completions else "the corpus",
             "checkpoint": os.path.join(ckpt_dir, str(self.last_ckpt)) if self.last_ckpt is not None else None,
             "run_dir": str(self.run_dir),
-            "loss_plot": self.run_dir.show(self.run_dir.LOSS_PLOT) if self.history else None,
+            "loss_plot": self.run_dir.dir.show(self.run_dir.LOSS_PLOT) if self.history else None,
         }
         if entropy is not None and summary["val_loss"] is not None:
             summary["val_loss_below_unigram"] = entropy - summary["val_loss"]

@@ -268,7 +268,7 @@ class Built:
     base_sharding: dict | None = None
 
     def place_base(self, params: dict) -> dict:
-        """The base model's parameters (numpy, float32: rundir.Run.load_params's) in their dtypes, placed."""
+        """The base model's parameters (numpy, float32: weights.Weights.load_params's) in their dtypes, placed."""
         dtypes = jax.tree.map(lambda a: a.dtype, self.abstract_base)
         cast = jax.tree.map(lambda x, d: np.asarray(x).astype(d, copy=False), params, dtypes)
         return jax.device_put(cast, self.base_sharding)
