@@ -226,11 +226,20 @@ def scored(row: dict) -> str:
 # Command line
 
 
-def run_data(run: rundir.Run, cfg, override: str | None) -> shards.DataDir:
-    """The prepared data to score, opened: --data, else the directory the run trained on, with the run's
-    tokenizer. A local one is named by its absolute path."""
+def run_data(run: rundir.Run, cfg, override: str | None) -> dict[str, shards.DataDir]:
+    """The prepared data to score, opened, by source name: --data (name ""), else the directory the run
+    trained on (""), or each source of a mixture run; each with the run's tokenizer."""
     recorded = run.record.data()
-    location = str(override or recorded.get("dir") or cfg.data.dir or data.DEFAULT_DATA_DIR)
+    if override is None and isinstance(recorded.get("mixture"), dict):
+        return {name: open_scored(run, recorded, str(source.get("dir")) if isinstance(source, dict) else "")
+                for name, source in recorded["mixture"].items()}
+    return {"": open_scored(run, recorded, str(override or recorded.get("dir") or cfg.data.dir
+                                                or data.DEFAULT_DATA_DIR))}
+
+
+def open_scored(run: rundir.Run, recorded: dict, location: str) -> shards.DataDir:
+    """A text directory to score the run on, opened and checked against the run's tokenizer. A local one is
+    named by its absolute path."""
     location = location if storage.is_url(location) else str(pathlib.Path(storage.local_path(location)).resolve())
     try:
         corpus = shards.open_data(location)
@@ -316,10 +325,10 @@ def main(argv=None) -> int:
 
     lengths = []
     if not args.no_perplexity:
-        corpus = run_data(run, cfg, args.data)
-        data_dir, splits = str(corpus), corpus.splits
-        if args.split not in splits:  # before the model loads, not in the middle of a progress bar
-            raise EvalError(f"{data_dir}: no split {args.split!r} (has: {', '.join(splits)})")
+        corpora = run_data(run, cfg, args.data)
+        for corpus in corpora.values():
+            if args.split not in corpus.splits:  # before the model loads, not in the middle of a progress bar
+                raise EvalError(f"{corpus}: no split {args.split!r} (has: {', '.join(corpus.splits)})")
         lengths = parse_lengths(args.lengths or DEFAULT_LENGTHS, train_len)
         if model_cfg.max_length is not None and lengths[-1] > model_cfg.max_length:
             if args.lengths is not None:
@@ -350,13 +359,14 @@ def main(argv=None) -> int:
           f"{jax.devices()[0].platform} x{jax.device_count()}", file=sys.stderr)
 
     table, png = None, None
-    if lengths:
+    for name, corpus in (corpora.items() if lengths else ()):  # a mixture run: each source in turn
+        data_dir, plot = str(corpus), f"eval/step{step}-perplexity{'-' + name if name else ''}.png"
         t0 = time.perf_counter()
         new_rows = [{"data": data_dir, "split": args.split, **r} for r in perplexity_table(
             harness.make_scorer(model), corpus, lengths, train_len, split=args.split, batch_tokens=args.batch_tokens,
             max_tokens=args.max_tokens)]
         split_tokens = new_rows[0]["split_tokens"]
-        print(f"\nperplexity of {data_dir} split {args.split!r} ({split_tokens:,} tokens), step {step} "
+        print(f"\nperplexity of {name + ' ' if name else ''}{data_dir} split {args.split!r} ({split_tokens:,} tokens), step {step} "
               f"({time.perf_counter() - t0:.1f}s)")
         print(f"{'length':>8} {'x train':>8} {'windows':>8} {'tokens':>11} {'loss':>8} {'ppl':>10}  scored")
         for r in new_rows:
@@ -375,13 +385,13 @@ def main(argv=None) -> int:
         new = {measured(n) + (n["length"],) for n in new_rows}
         kept = [str(r["length"]) for r in saved["rows"] if measured(r) in written and measured(r) + (r["length"],) not in new]
         others = sum(measured(r) not in written for r in saved["rows"])
-        png = plots.perplexity(series, train_len, f"{run.dir.name} step {step}, split {args.split!r}")
-        run.dir.write_bytes(f"eval/step{step}-perplexity.png", png)
+        png = plots.perplexity(series, train_len, f"{run.dir.name} step {step}, {name + ', ' if name else ''}split {args.split!r}")
+        run.dir.write_bytes(plot, png)
         print(f"-> {run.dir.show(results_name)}: lengths {', '.join(map(str, lengths))} written"
               + (f"; {', '.join(kept)} kept from earlier runs measured the same way" if kept else "")
               + (f"; {others} row{'s' * (others != 1)} measured otherwise (another --max-tokens, data or split) kept "
                  "apart" if others else ""))
-        print(f"-> {run.dir.show(f'eval/step{step}-perplexity.png')}")
+        print(f"-> {run.dir.show(plot)}")
 
     tasks = None
     if task_names:

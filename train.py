@@ -66,10 +66,10 @@ import data
 import model as model_lib
 import sharding as sharding_lib
 from core import storage
-from core.errors import RunError
+from core.errors import DataError, RunError
 from layers import attention as attention_lib
 from store import record, rundir
-from tokendata import loader, shards
+from tokendata import loader, mixture, shards
 from training import config as config_lib
 from training import progress
 from training import step as step_lib
@@ -157,31 +157,60 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
 
     # ------------------------------------------------------------------------------------------
     # Data: the prepared corpus (the default one is prepared on first use; a URL is read by ranges,
-    # and a resume checks that it has not changed), the model's vocabulary from its tokenizer, and a fixed validation
-    # sample in whole batches (text windows, or prompt/completion rows with the loss on completions)
+    # and a resume checks that it has not changed), or several mixed by weight (data.mixture: one
+    # tokenizer, one kind), the model's vocabulary from its tokenizer, and a fixed validation sample of
+    # each source in whole batches (text windows, or prompt/completion rows with the loss on completions)
+    stages = config_lib.mixture_stages(cfg.data) if cfg.data.mixture else None
+
     def read_data():  # on every process (each may read its own copy); a failure on one stops them all
-        cfg.data.dir = data.resolve_dir(cfg.data.dir, progress=is_main)
-        corpus = shards.open_data(cfg.data.dir)  # index.json and the tokenizer read once, here
+        if stages is None:
+            cfg.data.dir = data.resolve_dir(cfg.data.dir, progress=is_main)
+            sources = {"": shards.open_data(cfg.data.dir)}  # index.json and the tokenizer read once, here
+        else:
+            for source in cfg.data.mixture.values():
+                source.dir = data.resolve_dir(source.dir, progress=is_main)
+            sources = {name: shards.open_data(source.dir) for name, source in cfg.data.mixture.items()}
+            mixture.check_sources(sources)
+        corpus = next(iter(sources.values()))  # the tokenizer, vocabulary and kind of every source
         if args.resume:
-            run_dir.record.check_data(corpus)
+            run_dir.record.check_data(corpus) if stages is None else run_dir.record.check_mixture(sources)
         if cfg.model.vocab_size != corpus.vocab_size:
             say(f"model.vocab_size {cfg.model.vocab_size} -> {corpus.vocab_size}, the vocabulary of {corpus}")
             cfg.model = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size)
-        train_loader = loader.open_loader(corpus, "train", cfg.seq_len, t.batch_size, seed=cfg.seed,
-                                          process_index=rows_index, process_count=rows_count,
-                                          batching=cfg.data.batching)
-        if corpus.remote:
-            group = train_loader.group
-            say(f"data {corpus}: read in place, this process's rows only, {group} batch{'es' * (group > 1)} "
-                f"a request, {train_loader.prefetch} ahead (nothing copied)")
-        val = loader.validation_sample(corpus, cfg.seq_len, t.batch_size // t.micro_batches, t.eval_windows,
-                                       cfg.data.batching)
+        rows = dict(process_index=rows_index, process_count=rows_count, batching=cfg.data.batching)
+        if stages is None:
+            train_loader = loader.open_loader(corpus, "train", cfg.seq_len, t.batch_size, seed=cfg.seed, **rows)
+        else:
+            train_loader = mixture.open_mixture(sources, stages, cfg.seq_len, t.batch_size, seed=cfg.seed, **rows)
+            epochs = train_loader.epochs(t.steps)
+            if cfg.data.max_epochs is not None and max(epochs.values()) > cfg.data.max_epochs:
+                name = max(epochs, key=epochs.get)
+                raise DataError(f"data.mixture.{name}: {t.steps} steps go through it {epochs[name]:.2f} times, more "
+                                f"than data.max_epochs ({cfg.data.max_epochs:g}); lower its weight or the steps, or "
+                                f"raise data.max_epochs")
+        for name, source in sources.items():
+            if source.remote:
+                group = train_loader.group
+                say(f"data {source}: read in place, this process's rows only, {group} batch{'es' * (group > 1)} "
+                    f"a request, {train_loader.prefetch} ahead (nothing copied)")
+        val = {}
+        for name, source in sources.items():
+            try:
+                val[name] = loader.validation_sample(source, cfg.seq_len, t.batch_size // t.micro_batches,
+                                                     t.eval_windows, cfg.data.batching)
+            except DataError as e:
+                if not name:
+                    raise
+                raise DataError(f"data.mixture.{name}: {e}") from None
         if t.init_from:  # its model must be this one: checked before anything is written
             rundir.check_init_from(t.init_from, cfg.model, corpus)
-        return corpus, train_loader, val
+        return sources, train_loader, val
 
-    corpus, train_loader, (val_sample, val_windows, val_tokens, val_of) = multihost.on_every_process(
-        read_data, "stopped before training (its error says why)")
+    sources, train_loader, val = multihost.on_every_process(read_data, "stopped before training (its error says why)")
+    corpus = next(iter(sources.values()))
+    if stages is not None:
+        for line in mixture.describe(train_loader, stages, t.steps):
+            say(line)
     mcfg, seq_len = cfg.model, cfg.seq_len
     stop.check()  # a signal before the first step: nothing to save
 
@@ -209,7 +238,10 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
             multihost.on_process_zero(lambda: held.enter_context(run_dir.writer(writer, new=True)), stopped)
             if is_main:
                 run_dir.record.save_config(cfg)
-                run_dir.record.save_data(corpus)
+                if stages is None:
+                    run_dir.record.save_data(corpus)
+                else:
+                    run_dir.record.save_mixture(sources, mixture.shares(train_loader, stages))
                 if t.lora is not None:
                     run_dir.weights.save_lora_base(base_record)
 
@@ -223,10 +255,20 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         return global_rows[rows_index * n:(rows_index + 1) * n]
 
     def evaluate(params) -> dict:
-        sums = [fns.eval_step(params, place_batch(jax.tree.map(process_slice, batch)), *frozen) for batch in val_sample]
-        loss_sum, n = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)
-        loss = float(loss_sum / n)
-        return {"val_loss": loss, "val_ppl": progress.perplexity(loss)}
+        """The validation loss and perplexity; a mixture's of each source (its own sample) too, with their
+        token-weighted (val_loss) and plain (val_loss_mean) averages."""
+        totals = {}
+        for name, (sample, *_) in val.items():
+            sums = [fns.eval_step(params, place_batch(jax.tree.map(process_slice, batch)), *frozen) for batch in sample]
+            totals[name] = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)  # (loss sum, tokens)
+        loss = float(sum(s for s, _ in totals.values()) / sum(n for _, n in totals.values()))
+        out = {"val_loss": loss, "val_ppl": progress.perplexity(loss)}
+        if stages is not None:
+            for name, (loss_sum, n) in totals.items():
+                out[f"val_loss/{name}"] = float(loss_sum / n)
+                out[f"val_ppl/{name}"] = progress.perplexity(out[f"val_loss/{name}"])
+            out["val_loss_mean"] = float(np.mean([out[f"val_loss/{name}"] for name in totals]))
+        return out
 
     # ------------------------------------------------------------------------------------------
     # Checkpoint (checkpoints.py): orbax, asynchronous; a resume restores the newest intact checkpoint
@@ -239,6 +281,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         tokens_before = ckpts.tokens(last_ckpt)  # (None: saved before tokens were kept)
         if tokens_before is None:
             tokens_before = start_step * saved.training.batch_size * saved.seq_len
+        if problem := config_lib.mixture_change(saved.data, cfg.data, start_step):
+            raise RunError(problem)
         if changes := run_dir.record.resume_changes(saved, cfg):
             say(changes)
         if saved.training.steps != t.steps and start_step < t.steps:
@@ -280,9 +324,15 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
 
     # ------------------------------------------------------------------------------------------
     # Loop (the bookkeeping around each step: progress.Steps); before a checkpoint everything is checked
+    per_source = None
+    if stages is not None:  # each source's sequences so far: tokens and epochs in every logged row
+        def per_source(step: int) -> dict:
+            taken, epochs = train_loader.taken(step), train_loader.epochs(step)
+            return {**{f"tokens/{n}": k * seq_len for n, k in taken.items()},
+                    **{f"epochs/{n}": e for n, e in epochs.items()}}
     steps = progress.Steps(cfg, stop, start_step=start_step, tokens_before=tokens_before,
                            t_start=t_start, metrics_file=metrics_file, wandb_run=wandb_run, last_ckpt=last_ckpt,
-                           run_dir=run_dir)
+                           run_dir=run_dir, per_source=per_source)
     batches = train_loader.iterate(start_step)
     # closed in reverse: the last save completes, even on an error (but one of one process among several)
     with steps, contextlib.closing(batches), ckpts, multihost.ends_every_process():
@@ -316,7 +366,9 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         return 128 + stop.number  # not 0: `python train.py && python eval.py` must not go on
     if came := stop.ended():  # from here a signal changes nothing: the run is complete
         say(came)
-    summary = steps.summary(corpus.index, n_params, val_windows, val_tokens, val_of, ckpts.dir)
+    val_windows, val_tokens, val_of = (sum(v[i] for v in val.values()) for i in (1, 2, 3))
+    summary = steps.summary(corpus.index if stages is None else {}, n_params, val_windows, val_tokens, val_of,
+                            ckpts.dir)
     if is_main:
         run_dir.save_summary(summary)
         if wandb_run is not None:

@@ -189,6 +189,50 @@ class Record:
                            + (f" and {len(changed) - 1} more files differ" if len(changed) > 1 else " differs")
                            + f" from the versions {self.dir.show(DATA)} records; {fix}")
 
+    def save_mixture(self, sources: dict[str, shards.DataDir], shares: list[dict]) -> None:
+        """Record the prepared directories a mixture run trains on, by source name (each as save_data
+        records one), the effective shares of each stage (`shares`: [{step, shares: {name: share}}]), and
+        copy their tokenizer (one for all, check_sources made sure)."""
+        first = next(iter(sources.values()))
+        ref = {
+            "mixture": {name: {"dir": str(data), "index": data.show("index.json"),
+                               "content_sha256": shards.content_sha256(data.index),
+                               **({"versions": data.versions} if data.remote else {})}
+                        for name, data in sources.items()},
+            "stages": shares,
+            "tokenizer_sha256": first.tokenizer_sha256,
+            "vocab_size": first.vocab_size,
+            "kind": first.kind,
+        }
+        self.dir.write_text(DATA, json.dumps(ref, indent=2) + "\n")
+        self.dir.write_bytes(TOKENIZER, first.tokenizer_json)
+
+    def check_mixture(self, sources: dict[str, shards.DataDir]) -> None:
+        """A resume of a mixture run trains on the sources it started with, by name, wherever each now
+        lies: a RunError (one line) for a source added or removed, or one whose content (or, at a URL, a
+        file's version) differs from what data.json records."""
+        recorded = self.data().get("mixture")
+        if not isinstance(recorded, dict):
+            raise RunError(f"data.mixture: {self} trained on one directory ({self.data().get('dir')}), not a "
+                           f"mixture; a resume trains on the data it started with (start a new run from it: "
+                           f"training.init_from={self})")
+        if list(recorded) != list(sources):
+            raise RunError(f"data.mixture: this run mixes {', '.join(recorded)} (in that order); a resume cannot "
+                           f"add, remove or reorder sources (given: {', '.join(sources)}); start a new run from it "
+                           f"(training.init_from={self})")
+        for name, data in sources.items():
+            was = recorded[name]
+            if not isinstance(was, dict) or was.get("content_sha256") != shards.content_sha256(data.index):
+                raise RunError(f"data.mixture.{name}.dir {data} is not the data this run trained on as {name!r}: "
+                               f"its content differs from what {self.dir.show(DATA)} records (prepared again, or "
+                               f"other data); point it at {was.get('dir') if isinstance(was, dict) else 'that data'}")
+            if was.get("dir") == str(data) and isinstance(was.get("versions"), dict):
+                now = data.versions or {}
+                changed = sorted(f for f, v in was["versions"].items() if now.get(f) != v)
+                if changed:
+                    raise RunError(f"data.mixture.{name}.dir {data} changed since this run started: {changed[0]} "
+                                   f"differs from the version {self.dir.show(DATA)} records")
+
     def tokenizer_sha256(self) -> str | None:
         """The sha256 of the run's tokenizer.json, None without one."""
         return hashlib.sha256(self.dir.read_bytes(TOKENIZER)).hexdigest() if self.dir.is_file(TOKENIZER) else None

@@ -241,10 +241,19 @@ class TextLoader(Loader):
         if min(steps) < 0:
             raise ValueError(f"step must be >= 0, got {min(steps)}")
         g = (np.asarray(steps, np.int64)[:, None] * self.batch_size + self.rows).ravel()
+        return list(self.rows_at(g).reshape(len(steps), self.local_batch_size, self.seq_len + 1))
+
+    @property
+    def epoch_rows(self) -> int:
+        """Global samples in an epoch: every window once."""
+        return self.num_windows
+
+    def rows_at(self, g: np.ndarray) -> np.ndarray:
+        """int32 (len(g), seq_len + 1): global samples g (int64), read together (from a URL in one request)."""
         windows = permute(g % self.num_windows, self.num_windows, self.seed, g // self.num_windows)
         rows = self.stream.read_rows(windows * self.seq_len, self.seq_len + 1)
         self.stream.check(rows, lambda: ((window * self.seq_len, self.seq_len + 1) for window in windows.tolist()))
-        return list(rows.reshape(len(steps), self.local_batch_size, self.seq_len + 1))
+        return rows
 
 
 def spread(n: int, m: int | None) -> np.ndarray:
@@ -393,8 +402,7 @@ class PromptCompletionLoader(Loader):
         """(epoch, row within it) of global row g."""
         e, before = 0, 0
         while True:
-            if e == len(self._epoch_rows):
-                self._epoch_rows.append(len(self._epoch(e)[1]) - 1)
+            self._locate_rows(e)
             if g < before + self._epoch_rows[e]:
                 return e, g - before
             before += self._epoch_rows[e]
@@ -404,9 +412,23 @@ class PromptCompletionLoader(Loader):
         """This process's rows of the global batch at `step`: {tokens (b, T+1), weights (b, T), segments (b, T)}."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        return self.rows_at(step * self.batch_size + self.rows)
+
+    @property
+    def epoch_rows(self) -> int:
+        """Global rows in the first epoch (the others hold as many examples, packed into about as many rows)."""
+        return self._locate_rows(0)
+
+    def _locate_rows(self, e: int) -> int:
+        while len(self._epoch_rows) <= e:
+            self._epoch_rows.append(len(self._epoch(len(self._epoch_rows))[1]) - 1)
+        return self._epoch_rows[e]
+
+    def rows_at(self, g: np.ndarray) -> dict:
+        """Global rows g (int64) of the split: {tokens (len(g), T+1), weights (len(g), T), segments (len(g), T)}."""
         rows = []  # each row's examples
-        for g in (step * self.batch_size + self.rows).tolist():
-            e, r = self._locate(g)
+        for gi in np.asarray(g).tolist():
+            e, r = self._locate(gi)
             order, bounds = self._epoch(e)
             rows.append(order[bounds[r]:bounds[r + 1]])
         return self.examples.batch(rows, self.seq_len)

@@ -21,6 +21,7 @@ import dataclasses
 import math
 import os
 import pathlib
+import re
 import stat
 import types
 import typing
@@ -38,9 +39,28 @@ MODEL_SIZES = CONF_DIR / "model_config.yaml"
 
 
 @dataclasses.dataclass
+class SourceConfig:
+    """One source of a mixture: a prepared data directory and its weight among the sources."""
+    dir: typing.Optional[str] = None  # a prepared data directory (a local path or a URL)
+    weight: float = 1.0  # its share relative to the other sources' weights (normalised)
+
+
+@dataclasses.dataclass
+class StageConfig:
+    """Other weights of a mixture's sources from step `step` on (e.g. a final anneal on the best data)."""
+    step: int = 0
+    weights: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
 class DataConfig:
     dir: typing.Optional[str] = None  # prepared data directory; None = the built-in default corpus
     batching: str = "packing"  # prompt/completion data: packing (several examples a row) | padding (one)
+    mixture: typing.Optional[dict[str, SourceConfig]] = None  # several directories mixed by weight, by name
+    stages: list[StageConfig] = dataclasses.field(default_factory=list)  # the mixture's weights from a step on
+    max_epochs: typing.Optional[float] = None  # refuse a run that repeats a source more often than this
+
+    OPTIONAL = ("mixture", "stages", "max_epochs")  # (not a field) written into a run's config only when set
 
 
 @dataclasses.dataclass
@@ -149,6 +169,8 @@ def _type_name(tp) -> str:
     args = typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
         return f"a mapping of {', '.join(_fields(tp))}"
+    if typing.get_origin(tp) is dict:
+        return f"a mapping of names to {_type_name(args[1])}"
     if typing.get_origin(tp) is list:
         return f"a list of {_type_name(args[0])}"
     if type(None) in args:
@@ -190,6 +212,10 @@ def _check_value(key: str, value, tp):
         (item,) = typing.get_args(tp)
         if isinstance(value, list):
             return [_check_value(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    elif origin is dict:  # names to values, e.g. data.mixture's sources
+        _, item = typing.get_args(tp)
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return {k: _check_value(f"{key}.{k}", v, item) for k, v in value.items()}
     else:
         return value
     _bad(key, value, tp)
@@ -287,6 +313,15 @@ def _nested_section(tp):
     return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
 
 
+def _named_sections(tp):
+    """The dataclass of a field typed as a mapping of names to one (or an optional one), else None."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    if len(args) == 1 and typing.get_origin(args[0]) is dict:
+        item = typing.get_args(args[0])[1]
+        return item if dataclasses.is_dataclass(item) else None
+    return None
+
+
 def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
     """A copy of the raw config dict with the dotted overrides applied (checked later by from_dict)."""
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
@@ -312,6 +347,25 @@ def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
                 raise ConfigError(f"override {text!r}: model takes one level (model.FIELD=VALUE)")
         elif top in SECTIONS:
             fields = _fields(SECTIONS[top])
+            named = _named_sections(fields.get(path[1])) if len(path) > 1 else None
+            if named is not None and len(path) in (3, 4):  # data.mixture.NAME=... or data.mixture.NAME.KEY=...
+                section = _mapping(raw.get(top), SECTIONS[top], top)
+                entries = section.get(path[1]) or {}
+                if not isinstance(entries, dict):
+                    raise ConfigError(f"{top}.{path[1]} must be a mapping of names to {_type_name(named)}, "
+                                      f"got {entries!r}")
+                entries = dict(entries)
+                if len(path) == 3:  # the whole entry: a mapping, or null to remove it
+                    if value is None:
+                        entries.pop(path[2], None)
+                    else:
+                        entries[path[2]] = value
+                else:
+                    entries[path[2]] = {**_mapping(entries.get(path[2]), named, f"{top}.{path[1]}.{path[2]}"),
+                                        path[3]: value}
+                section[path[1]] = entries or None
+                raw[top] = section
+                continue
             nested = _nested_section(fields.get(path[1])) if len(path) > 1 else None
             # a section the file gives as something else (`training: 5`) is refused, never replaced
             if len(path) == 3 and nested is not None:  # one key of a nested section: training.lora.rank=16
@@ -352,6 +406,8 @@ def from_dict(raw: dict, *, sizes: dict[str, dict] | None = None) -> Config:
     # paths a user types as `key=~/x`, where the shell leaves the ~ alone: the home directory, as the shell would
     cfg.run_dir = _home(cfg.run_dir)
     cfg.data.dir = _home(cfg.data.dir)
+    for source in (cfg.data.mixture or {}).values():
+        source.dir = _home(source.dir)
     cfg.training.init_from = _home(cfg.training.init_from)
     validate(cfg)
     return cfg
@@ -423,8 +479,92 @@ def validate(cfg: Config) -> None:
         check_lora(t.lora, t.init_from, cfg.model)
     if cfg.data.batching not in BATCHING:
         raise ConfigError(f"data.batching must be one of {', '.join(BATCHING)}, got {cfg.data.batching!r}")
+    check_mixture(cfg.data, t.steps)
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode must be one of {', '.join(WANDB_MODES)}, got {cfg.wandb.mode!r}")
+
+
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_-]+")  # a source's name: a metrics key (val_loss/NAME) and an override's part
+
+
+def check_mixture(data: DataConfig, steps: int) -> None:
+    """data.mixture and data.stages, checked before anything is made: one source form (data.dir or a
+    mixture), named sources with a directory each, weights that are numbers >= 0 and not all zero, and
+    stages in step order inside the run, each weighing every source."""
+    if data.mixture is None:
+        if data.stages:
+            raise ConfigError("data.stages changes the weights of data.mixture's sources; this config has no "
+                              "data.mixture")
+        if data.max_epochs is not None:
+            raise ConfigError("data.max_epochs bounds the epochs of data.mixture's sources; this config has no "
+                              "data.mixture (one source: data.dir)")
+        return
+    if data.dir is not None:
+        raise ConfigError(f"data.dir ({data.dir}) and data.mixture are both given: train on one directory "
+                          f"(data.dir) or on a mixture of several (data.mixture), not both (data.dir=null)")
+    if not data.mixture:
+        raise ConfigError("data.mixture names no source; give each as data.mixture.NAME.dir=DIR "
+                          "data.mixture.NAME.weight=W")
+    names = list(data.mixture)
+    for name, source in data.mixture.items():
+        if not SOURCE_NAME.fullmatch(name):
+            raise ConfigError(f"data.mixture: a source's name is letters, digits, _ and -, got {name!r}")
+        if not source.dir:
+            raise ConfigError(f"data.mixture.{name}.dir is not set: the prepared directory of source {name!r}")
+    check_weights("data.mixture", {name: source.weight for name, source in data.mixture.items()})
+    last = 0
+    for i, stage in enumerate(data.stages):
+        where = f"data.stages[{i}]"
+        if not last < stage.step < steps:
+            raise ConfigError(f"{where}.step must be after the step before ({last}) and before training.steps "
+                              f"({steps}), got {stage.step}")
+        unknown = [n for n in stage.weights if n not in data.mixture]
+        if unknown:
+            raise ConfigError(f"{where} weighs {unknown[0]!r}, which is no source of data.mixture "
+                              f"({', '.join(names)})")
+        missing = [n for n in names if n not in stage.weights]
+        if missing:
+            raise ConfigError(f"{where} gives no weight to {', '.join(missing)}: a stage weighs every source "
+                              f"(0 leaves one out)")
+        check_weights(f"{where}.weights", stage.weights)
+        last = stage.step
+    if data.max_epochs is not None and not (math.isfinite(data.max_epochs) and data.max_epochs > 0):
+        raise ConfigError(f"data.max_epochs must be a positive number of epochs, or null; got {data.max_epochs}")
+
+
+def check_weights(where: str, weights: dict[str, float]) -> None:
+    bad = [f"{n} {w}" for n, w in weights.items() if not (math.isfinite(w) and w >= 0)]
+    if bad:
+        raise ConfigError(f"{where}: a weight must be a number >= 0, got {bad[0]}")
+    if not any(weights.values()):
+        raise ConfigError(f"{where}: every weight is 0; give at least one source a positive weight")
+
+
+def mixture_stages(data: DataConfig) -> list[tuple[int, list[float]]]:
+    """[(first step, the sources' weights in data.mixture's order)]: data.mixture's own from step 0, then
+    each of data.stages."""
+    names = list(data.mixture)
+    return [(0, [data.mixture[n].weight for n in names])] + [
+        (stage.step, [stage.weights[n] for n in names]) for stage in data.stages]
+
+
+def mixture_change(saved: DataConfig, now: DataConfig, step: int) -> str | None:
+    """Why a resume at `step` may not take the mixture `now` (None if it may): the sources (their names and
+    order) and the weights of every step before `step` must be those the run had (`saved`); weights may
+    change from `step` on, as a stage (data.stages) that starts there or later."""
+    if saved.mixture is None or now.mixture is None:
+        return None if saved.mixture is now.mixture else (
+            f"--resume cannot {'mix' if now.mixture else 'unmix'} the data of a run that trained on "
+            f"{'one directory' if now.mixture else 'a mixture'}; start a new run from it (training.init_from)")
+    if list(saved.mixture) != list(now.mixture):
+        return (f"--resume cannot change data.mixture's sources ({', '.join(saved.mixture)} -> "
+                f"{', '.join(now.mixture)}); start a new run from it (training.init_from)")
+    before = lambda data: [(s, w) for s, w in mixture_stages(data) if s < step or s == 0]  # noqa: E731
+    if before(saved) != before(now):
+        return (f"--resume at step {step} changes data.mixture's weights before it; the steps done keep theirs: "
+                f"change them from step {step} on with a stage, data.stages=[..., {{step: {step}, weights: "
+                f"{{{', '.join(f'{n}: W' for n in now.mixture)}}}}}]")
+    return None
 
 
 def lora_shapes(m: GPTConfig) -> dict[str, tuple[int, int]]:
@@ -552,4 +692,6 @@ def to_dict(cfg: Config) -> dict:
         "seed": cfg.seed,
         "model": {"name": cfg.model_name, **dataclasses.asdict(cfg.model)},
         **{name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS},
+        "data": {k: v for k, v in dataclasses.asdict(cfg.data).items()  # a one-directory run's as before
+                 if k not in DataConfig.OPTIONAL or v not in (None, [])},
     }

@@ -7,12 +7,19 @@ import io
 
 
 def losses(rows: list[dict], title: str) -> bytes:
-    """A PNG of the training loss of each logged step and the validation loss of each evaluation, by step."""
+    """A PNG of the training loss of each logged step and the validation loss of each evaluation, by step
+    (a mixture's: a line for each source too)."""
     ax = axes()
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", linewidth=1)
     val = [r for r in rows if "val_loss" in r]
+    sources = sorted({k.split("/", 1)[1] for r in val for k in r if k.startswith("val_loss/")})
     if val:
-        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], marker="o", label="validation loss")
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], marker="o",
+                label="validation loss" + (" (all sources)" if sources else ""))
+    for name in sources:  # a mixture: each source's own validation loss
+        each = [r for r in val if f"val_loss/{name}" in r]
+        ax.plot([r["step"] for r in each], [r[f"val_loss/{name}"] for r in each], marker=".", linestyle="--",
+                label=f"validation loss: {name}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per token)")
     return png(ax, title)

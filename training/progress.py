@@ -222,7 +222,7 @@ class Steps:
     start_step; None elsewhere) gives the run's time before this start; its rows' time_s go on from it."""
 
     def __init__(self, cfg, stop: Stop, *, start_step: int, tokens_before: int, t_start: float,
-                 metrics_file, wandb_run, last_ckpt: int | None, run_dir):
+                 metrics_file, wandb_run, last_ckpt: int | None, run_dir, per_source=None):
         t = cfg.training
         self.t, self.every_save, self.stop = t, cfg.checkpoint.every, stop
         self.step = self.start_step = start_step
@@ -232,6 +232,7 @@ class Steps:
         self.metrics_file, self.wandb_run = metrics_file, wandb_run
         self.history = list(metrics_file.rows) if metrics_file is not None else []  # for the loss curve
         self.last_ckpt, self.run_dir = last_ckpt, run_dir
+        self.per_source = per_source  # a mixture: step -> each source's tokens and epochs so far
         rows = metrics_file.rows if metrics_file is not None else []
         self.clock = float(rows[-1].get("time_s", 0.0)) if rows else 0.0  # the run's time before this start
         self.t_start, self.mark = t_start, (start_step, t_start)  # (step, time) of the last logged step
@@ -285,14 +286,17 @@ class Steps:
         if s == self.start_step + 1:
             self.mark = (s, now)  # leave start-up and compilation out of tokens/s
         return {"step": s, "loss": loss, "lr": float(metrics["lr"]), "grad_norm": grad_norm,
-                "tokens": self.tokens(s), "time_s": self.clock + now - self.t_start}
+                "tokens": self.tokens(s), "time_s": self.clock + now - self.t_start,
+                **(self.per_source(s) if self.per_source else {})}
 
     def evaluated(self, row: dict, val: dict) -> None:
         """The validation loss of the step of `row`, added to it and shown."""
         self.val = val
         row.update(val)
         if self.metrics_file is not None:  # process 0 reports; the others' logs stay quiet
-            self.bar.write(f"step {row['step']}: val loss {val['val_loss']:.4f}, val ppl {val['val_ppl']:.2f}")
+            each = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in val.items() if k.startswith("val_loss/")]
+            self.bar.write(f"step {row['step']}: val loss {val['val_loss']:.4f}, val ppl {val['val_ppl']:.2f}"
+                           + (f" (by source: {', '.join(each)})" if each else ""))
 
     def log(self, row: dict) -> None:
         """One line of metrics.jsonl (and W&B), with tokens/s and MFU since the last logged step."""
@@ -384,6 +388,12 @@ class Steps:
         }
         if entropy is not None and summary["val_loss"] is not None:
             summary["val_loss_below_unigram"] = entropy - summary["val_loss"]
+        if self.per_source:  # a mixture: each source's validation loss, tokens and epochs
+            last = {**self.last_row, **self.val, **self.per_source(self.step)}
+            names = [k.split("/", 1)[1] for k in last if k.startswith("tokens/")]
+            summary["val_loss_mean"] = last.get("val_loss_mean")
+            summary["sources"] = {n: {key: last.get(f"{key}/{n}") for key in ("val_loss", "val_ppl", "tokens", "epochs")}
+                                  for n in names}
         return summary
 
 
@@ -406,10 +416,14 @@ def report(summary: dict) -> str:
         f"  train loss {fmt(summary['train_loss'], '.4f')} (ppl {fmt(summary['train_ppl'], '.2f')}), "
         f"val loss {fmt(summary['val_loss'], '.4f')} (ppl {fmt(summary['val_ppl'], '.2f')}) on "
         + sample_words(summary) + "\n"
-        f"  unigram entropy of {summary.get('unigram_entropy_of', 'the corpus')} "
-        f"{fmt(summary['unigram_entropy'], '.4f')} nats/token"
-        + (f"; the val loss is {abs(gap):.3f} nats {'below' if gap >= 0 else 'above'} it" if gap is not None else "")
-        + f"\n  checkpoint {summary['checkpoint']}"
+        + ("".join(f"  {name}: val loss {fmt(each['val_loss'], '.4f')} (ppl {fmt(each['val_ppl'], '.2f')}), "
+                   f"{each['tokens'] / 1e6:.2f}M tokens, {each['epochs']:.2f} epochs\n"
+                   for name, each in summary["sources"].items()) if summary.get("sources") else
+           f"  unigram entropy of {summary.get('unigram_entropy_of', 'the corpus')} "
+           f"{fmt(summary['unigram_entropy'], '.4f')} nats/token"
+           + (f"; the val loss is {abs(gap):.3f} nats {'below' if gap >= 0 else 'above'} it" if gap is not None else "")
+           + "\n")
+        + f"  checkpoint {summary['checkpoint']}"
         + (f"\n  loss curve {summary['loss_plot']}" if summary.get("loss_plot") else "")
         + (f"\nnext: python eval.py --checkpoint {run}    # perplexity on the validation split, at 1-8x the context\n"
            f"      python sample.py --checkpoint {run} --prompt \"The\"\n"
