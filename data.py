@@ -17,9 +17,11 @@ byte-level BPE is trained on the train documents.
 
 A directory is built in the sibling DIR.tmp-<pid> and swapped into place when complete
 (shard_writer.Staged, outputs.StagedDir), so an interrupted or failed run never leaves an index naming
-missing or partial shards, nor loses the directory it replaces. --out is checked before anything is
-written (outputs.check_out): never the current or home directory or one holding them, and with
---overwrite only a data directory (one with index.json) or an empty one is replaced.
+missing or partial shards, nor loses the directory it replaces; Ctrl-C, SIGTERM and SIGHUP stop it as
+outputs.stoppable says (one line, exit status 128 + N, the staging directory removed). --out is
+checked before anything is written (outputs.check_out): never the current or home directory or one
+holding them, and with --overwrite only a data directory (one with index.json) or an empty one is
+replaced.
 
 `--runner beam` (data_beam.py, needs apache-beam) runs the tokenizing and shard writing as an Apache
 Beam pipeline, with Beam's options given as `--beam-option KEY=VALUE`; the directory it writes is the
@@ -38,15 +40,17 @@ if __name__ == "__main__":
     errors.stop_at_once_while_loading()  # a Ctrl-C while JAX and the rest load: one line, no traceback
 
 import collections
+import contextlib
 import os
 import pathlib
+import shlex
 import sys
 import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
-from core import storage
+from core import outputs, storage
 from core.errors import DataError
 from tokendata import corpus, finetune_data, shard_writer, shards
 from tokendata.corpus import default_corpus_files
@@ -60,7 +64,8 @@ DEFAULT_DATA_DIR = pathlib.Path(__file__).resolve().parent / "data" / "pystdlib"
 def _empty(sources: list, tally: corpus.Tally) -> str:
     skipped = tally.skipped_files + tally.skipped_records
     skipped = f", {skipped} unreadable skipped ({tally.skipped_names()})" if skipped else ""
-    return f"empty corpus: no text in {len(sources)} input file(s){skipped}: {sources[0][1]}" + \
+    empty = f", {tally.empty} empty or only whitespace" if tally.empty else ""
+    return f"empty corpus: no text in {len(sources)} input file(s){skipped}{empty}: {sources[0][1]}" + \
         (", ..." if len(sources) > 1 else "")
 
 
@@ -138,6 +143,7 @@ def _prepare(sources, out, *, description: list[str], tokenizer, vocab_size, is_
                 "bytes_per_token": sum(s["bytes"] for s in splits.values()) / tokens,  # end-of-text included
                 "unigram_entropy": splits["train"]["unigram_entropy"],
                 "skipped_files": tally.skipped_files, "skipped_records": tally.skipped_records,
+                "skipped_empty": tally.empty,  # documents that were empty or only whitespace
                 "skipped_inputs": tally.skipped,  # the first corpus.LISTED, with the reason
                 "val_extra": extra,  # the document held out because none fell below the fraction, if one was
                 "inputs": description, "splits": splits,
@@ -339,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verify:
         if args.input or args.out:
             raise DataError("--verify DIR checks a prepared directory; it takes no --input or --out")
+        _refuse_a_run_directory(args.verify)
         problems, summary = shards.verify(args.verify)
         for line in problems:
             print(line)
@@ -364,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
               f"skipped (completion longer than --seq-len {args.seq_len}), {index['skipped_records']} invalid "
               f"records skipped{_skipped_names(index, args.out)}; vocab {index['vocab_size']}, "
               f"{time.perf_counter() - start:.1f}s -> {args.out}")
+        if args.tokenizer is None:  # pairs are mostly for fine-tuning, which needs the base model's tokenizer
+            print(f"note: no --tokenizer, so a new BPE tokenizer (vocab {index['vocab_size']}) was trained on these "
+                  f"pairs: this data trains a model from scratch, or fine-tunes only a model trained with this "
+                  f"tokenizer; to fine-tune an existing run, prepare it with --tokenizer RUN_DIR")
         _say_vocab_shortfall(index)
         return 0
     if args.val_fraction is None:
@@ -391,9 +402,27 @@ def main(argv: list[str] | None = None) -> int:
           f"{index['bytes_per_token']:.2f} bytes/token, unigram entropy {index['unigram_entropy']:.3f} "
           f"nats/token, vocab {index['vocab_size']}, {index['dtype']}"
           + (f", {skipped} unreadable or invalid inputs skipped{_skipped_names(index, out)}" if skipped else "")
+          + (f", {index['skipped_empty']:,} empty or whitespace-only documents skipped"
+             if index["skipped_empty"] else "")
           + f", {time.perf_counter() - start:.1f}s -> {out}")
     _say_vocab_shortfall(index)
     return 0
+
+
+def _refuse_a_run_directory(directory) -> None:
+    """A DataError where --verify is given a run directory (train.py's, no index.json), naming the data
+    directory the run records in its data.json, which is what --verify checks."""
+    if storage.RunDir(directory).is_file("index.json"):
+        return
+    from store import rundir  # (loads JAX: only for a directory that is no data directory)
+    run = rundir.Record(directory)
+    if not (run.has_config() or run.is_file(rundir.DATA)):
+        return  # neither: shards.verify says what is missing
+    data_dir = run.data().get("dir")
+    trained = (f"this run trained on {data_dir} (its {rundir.DATA}): python data.py --verify "
+               f"{shlex.quote(data_dir)}" if data_dir else f"this run records no data directory (no {rundir.DATA})")
+    raise DataError(f"{directory} is a run directory; --verify checks a prepared data directory (one with "
+                    f"index.json): {trained}")
 
 
 def _say_vocab_shortfall(index: dict) -> None:
@@ -423,9 +452,21 @@ def _skipped_names(index: dict, out) -> str:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """main() with a user error as one `error: ...` line and exit status 2 (errors.run_cli)."""
-    return errors.run_cli(main, argv, interrupted="interrupted; nothing was written")
+    """main() with a user error as one `error: ...` line and exit status 2 (errors.run_cli), and Ctrl-C,
+    SIGTERM and SIGHUP as outputs.stoppable handles them: a stop before the data directory is in place
+    says so in one line, exit status 128 + N, with the staging directory removed and --out as it was; one
+    after it is said after the summary."""
+    def stoppable_main(argv):
+        args = parse_args(argv)
+        out = None if args.verify else args.out or (DEFAULT_DATA_DIR if not args.input else None)
+        return outputs.stoppable(main, argv, out, error=DataError,
+                                 restore=__name__ != "__main__")  # run as a program, the process ends with it
+    return errors.run_cli(stoppable_main, argv, interrupted="interrupted; nothing was written")
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    exit_status = cli()
+    for stream in (sys.stdout, sys.stderr):  # all said: the process ends now (outputs.Stops)
+        with contextlib.suppress(OSError, ValueError):  # a reader that has gone, a closed stream
+            stream.flush()
+    os._exit(exit_status)

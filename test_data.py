@@ -321,7 +321,7 @@ def test_a_bpe_short_of_the_requested_vocabulary_says_so_and_records_its_own_siz
             assert len(tokenizer.encode(doc).ids) == len(words), doc
     # a vocabulary filled as asked: no such line
     assert data.cli([*argv, "--out", str(tmp_path / "full"), "--vocab-size", "260", "--workers", "1"]) == 0
-    assert "note:" not in capsys.readouterr().out
+    assert "note: vocab" not in capsys.readouterr().out
     assert shards.open_data(tmp_path / "full").index["vocab_size"] == 260
 
 
@@ -470,6 +470,44 @@ def test_undecodable_file_is_skipped_or_fatal_with_strict(tmp_path):
     for size in ("0", "257"):  # 0 is no request for the default: one line, nothing made
         assert data.cli(["--input", str(c), "--out", str(tmp_path / "zero"), "--vocab-size", size]) == 2
         assert not (tmp_path / "zero").exists()
+
+
+def test_utf16_nul_bytes_and_whitespace_only_documents_are_no_text(tmp_path):
+    """A text file in UTF-16, with a byte-order mark or without (where NUL bytes fill every other
+    position, valid UTF-8 that would be tokenized), and one with NUL bytes among its text, are skipped and
+    named alike, each with its reason (or stop the run with --strict); a file or record that is only
+    whitespace is no document: left out, and counted where skips are reported."""
+    docs = make_docs(8, seed=21)
+    write_text_files(tmp_path / "c", docs)
+    c = tmp_path / "c"
+    text = "a document in another encoding\n"
+    (c / "u16bom.txt").write_bytes(text.encode("utf-16"))  # with its byte-order mark
+    (c / "u16le.txt").write_bytes(text.encode("utf-16-le"))  # none: "a\0 \0d\0..."
+    (c / "u16be.txt").write_bytes(text.encode("utf-16-be"))
+    (c / "nul.txt").write_bytes(b"plain text with a stray \0 byte inside")
+    (c / "space.txt").write_text(" \n\t \r\n  ")
+    (c / "void.txt").write_text("")
+    (c / "r.jsonl").write_text('{"text": "a real record"}\n{"text": "  \\n  "}\n')
+    index = prep([c], tmp_path / "out", val_fraction=0.0)
+    reasons = {pathlib.Path(s["input"]).name: s["reason"] for s in index["skipped_inputs"]}
+    assert sorted(reasons) == ["nul.txt", "u16be.txt", "u16bom.txt", "u16le.txt"]
+    assert reasons["u16bom.txt"].startswith("UTF-16 text (byte-order mark FF FE), not UTF-8")
+    assert reasons["u16le.txt"].startswith("UTF-16LE text without a byte-order mark")
+    assert reasons["u16be.txt"].startswith("UTF-16BE text without a byte-order mark")
+    assert reasons["nul.txt"].startswith(f"1 NUL byte, the first at byte {len(b'plain text with a stray ')}")
+    assert (index["skipped_files"], index["skipped_records"], index["skipped_empty"]) == (4, 0, 3)
+    # what is left: the documents, and the one real record, each as written (no NUL byte tokenized)
+    assert sorted(decode_documents(tmp_path / "out", "train")) == sorted(docs + ["a real record"])
+    result = run_cli("--input", "c", "--out", "cli", "--vocab-size", "300", "--val-fraction", "0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert ", 4 unreadable or invalid inputs skipped (c/nul.txt, c/u16be.txt, c/u16bom.txt, c/u16le.txt; listed " \
+           "in cli/index.json), 3 empty or whitespace-only documents skipped, " in result.stdout
+    assert_one_line_error(run_cli("--input", "c/u16le.txt", "--out", "strict", "--strict", cwd=tmp_path),
+                          "u16le.txt: UTF-16LE text without a byte-order mark", "--strict")
+    # a corpus of whitespace alone is empty, and says why
+    assert_one_line_error(run_cli("--input", "c/space.txt", "--input", "c/void.txt", "--out", "none", cwd=tmp_path),
+                          "empty corpus: no text in 2 input file(s), 2 empty or only whitespace")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "cli", "out"]
 
 
 def test_missing_text_field(tmp_path):
@@ -716,6 +754,85 @@ def test_overwrite_killed_at_random_moments_keeps_the_old_or_the_new_directory(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept", "new", "old", "out", "ref"]
     assert json.loads((tmp_path / "out" / "index.json").read_text())["splits"] == \
         json.loads((tmp_path / "ref" / "index.json").read_text())["splits"]
+
+
+STOPPED_WHILE_WRITING = """
+import os, runpy, signal, sys
+moment, sig = sys.argv.pop(1), signal.Signals[sys.argv.pop(1)]
+from tokendata import shard_writer
+
+def stop():
+    os.kill(os.getpid(), sig)  # a real signal, its Python handler run at the next line of Python
+    for _ in range(1000):
+        pass
+
+if moment == "writing":  # once the first shard's tokens are written into the staging directory
+    write = shard_writer.ShardWriter.write
+    def written(self, *args):
+        write(self, *args)
+        stop()
+    shard_writer.ShardWriter.write = written
+else:  # just after the new directory is renamed into place
+    rename, out = os.rename, os.path.abspath(sys.argv[-1])
+    def renamed(a, b):
+        rename(a, b)
+        if os.path.abspath(b) == out:
+            stop()
+    os.rename = renamed
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def stop_lines(sig: signal.Signals, out: str) -> dict:
+    """What data.py says on stderr when `sig` stops it: before its directory is in place, and after."""
+    return {"before": f"error: stopped by {sig.name}; nothing was written (--out {out} is as it was)\n",
+            "after": f"stopped by {sig.name} after {out} was complete: it is written whole\n"}
+
+
+@pytest.mark.parametrize("moment, sig", [("writing", signal.SIGTERM), ("writing", signal.SIGHUP),
+                                         ("commit", signal.SIGTERM)])
+def test_a_stop_signal_while_writing_is_one_line_and_leaves_no_staging(big_inputs, tmp_path, moment, sig):
+    """A real SIGTERM or SIGHUP to a real `python data.py` while it writes its shards stops it as Ctrl-C
+    does: one line, exit status 128 + N, the staging directory removed and nothing at --out; one that
+    comes once the directory is in place lets it finish and says so after the summary."""
+    argv = ["--input", str(big_inputs / "text"), "--workers", "1", "--tokenizer", str(big_inputs / "tokenizer.json"),
+            "--out", "out"]
+    done = subprocess.run([sys.executable, "-c", STOPPED_WHILE_WRITING, moment, sig.name, str(DATA_PY), *argv],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(DATA_PY.parent)}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 128 + sig, done.stderr
+    if moment == "writing":
+        assert (done.stdout, done.stderr) == ("", stop_lines(sig, "out")["before"])
+        assert list(tmp_path.iterdir()) == []
+    else:
+        assert done.stdout.startswith("6 documents, ") and done.stderr == stop_lines(sig, "out")["after"]
+        assert shards.verify(tmp_path / "out")[0] == [] and list(tmp_path.iterdir()) == [tmp_path / "out"]
+
+
+def test_a_stop_signal_from_outside_at_a_moment_of_the_write(big_inputs, tmp_path):
+    """SIGTERM, then SIGHUP, sent by another process to `python data.py` once its staging directory holds
+    the tokenizer (the documents being encoded, then written): each run ends with one line and 128 + N
+    (or, where the signal came after the directory went into place, with it complete), never a staging
+    directory left behind."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        out = tmp_path / sig.name
+        argv = [sys.executable, str(DATA_PY), "--input", str(big_inputs / "text"), "--workers", "1",
+                "--tokenizer", str(big_inputs / "tokenizer.json"), "--out", sig.name]
+        process = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = tmp_path / f"{sig.name}.tmp-{process.pid}" / "tokenizer.json"
+        deadline = time.monotonic() + 120
+        while not first.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        process.send_signal(sig)
+        stdout, stderr = process.communicate(timeout=120)
+        print(sig.name, "after the commit" if out.exists() else "before the commit")
+        if out.exists():  # the signal came once the directory was in place: it is complete
+            assert stderr == stop_lines(sig, sig.name)["after"] and shards.verify(out)[0] == []
+        else:
+            assert (stdout, stderr) == ("", stop_lines(sig, sig.name)["before"])
+        assert process.returncode == 128 + sig
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(sig.name)] == [sig.name] * out.exists()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -979,6 +1096,20 @@ def test_verify_an_index_without_hashes_checks_sizes_and_ids(prepared, tmp_path)
     assert problems == [f"{shard_path(out, 'val', 0)}: token 4 is id 65535, outside the vocabulary of "
                         f"{index['vocab_size']}"]
     assert "1 of" in summary
+
+
+def test_verify_given_a_run_directory_names_the_data_directory_it_checks(tmp_path, capsys):
+    """--verify checks a prepared data directory; given a run directory (one train.py wrote, kept in
+    fixtures/) it says so in one line, with the data directory the run's data.json records; a run
+    without data.json (an import) is said to record none."""
+    run = sorted((DATA_PY.parent / "fixtures" / "runs").iterdir())[-1] / "run"
+    recorded = json.loads((run / "data.json").read_text())["dir"]
+    line = one_error_line(capsys, data.cli(["--verify", str(run)]), f"{run} is a run directory",
+                          "--verify checks a prepared data directory", f"python data.py --verify {recorded}")
+    assert "prepare the data" not in line
+    shutil.copytree(run, tmp_path / "imported", ignore=shutil.ignore_patterns("data.json", "checkpoints"))
+    one_error_line(capsys, data.cli(["--verify", str(tmp_path / "imported")]), "is a run directory",
+                   "records no data directory (no data.json)")
 
 
 @pytest.fixture(scope="module")

@@ -205,7 +205,9 @@ def test_without_apache_beam_the_default_runner_still_works(mixed, tmp_path, mon
     import sys
     root, _ = mixed
     monkeypatch.setitem(sys.modules, "apache_beam", None)  # as if not installed
-    monkeypatch.delitem(sys.modules, "data_beam", raising=False)
+    import tokendata
+    monkeypatch.delitem(sys.modules, "tokendata.data_beam", raising=False)  # imported again, as if for the first time
+    monkeypatch.delattr(tokendata, "data_beam", raising=False)
     with pytest.raises(data.DataError, match="--runner beam needs apache-beam.*pip install apache-beam"):
         prep([root / "c"], tmp_path / "beam", runner="beam")
     assert prep([root / "c"], tmp_path / "local", val_fraction=0.0)["documents"] == len(mixed[1])

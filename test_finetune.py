@@ -70,7 +70,8 @@ def test_mask_covers_completion_and_end_of_text(tmp_path):
     index = finetune_data.prepare([str(src)], tmp_path / "d", seq_len=seq_len, vocab_size=300, val_fraction=0.0,
                                   in_field="q", out_field="a", progress=False)
     assert [(s["input"], s["reason"]) for s in index["skipped_inputs"]] == [  # the invalid records, by line
-        (f"{src}:{len(records) + n}", "not a JSON object with string fields 'q' and 'a'") for n in (1, 2)]
+        (f"{src}:{len(records) + 1}", "not a JSON object with string fields 'q' and 'a'"),
+        (f"{src}:{len(records) + 2}", "not a JSON object with string fields 'q' and 'a' (has: q)")]
 
     # the expectation, from the tokenizer alone
     tok = Tokenizer.from_file(str(tmp_path / "d" / "tokenizer.json"))
@@ -155,6 +156,56 @@ def test_a_few_pairs_always_get_a_validation_example(tmp_path):
         finetune_data.prepare([str(write_jsonl(tmp_path / "one.jsonl", pairs[:1]))], tmp_path / "e", seq_len=16,
                               vocab_size=300, progress=False)
     assert not (tmp_path / "e").exists()
+
+
+def test_pairs_that_could_not_train_are_refused_in_one_line(tmp_path):
+    """Pairs are refused at preparation, in one line naming the option that changes it and leaving
+    nothing: records with other field names (those found named, with --in-field and --out-field), a
+    validation split whose every record is too long for --seq-len (training would find no example in it),
+    and completions that are all empty (nothing for the loss to learn)."""
+    def refused(name, records, *extra):
+        src = write_jsonl(tmp_path / f"{name}.jsonl", records)
+        res = subprocess.run([sys.executable, "data.py", "--format", "prompt_completion", "--input", str(src),
+                              "--out", str(tmp_path / name), "--vocab-size", "300", *extra], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+        assert not (tmp_path / name).exists() and not list(tmp_path.glob(f"{name}.tmp-*"))
+        return lines[0]
+
+    line = refused("fields", [{"question": f"q{i}", "answer": f" a{i}"} for i in range(5)], "--seq-len", "16")
+    assert "(has: question, answer)" in line and "--in-field" in line and "--out-field" in line
+
+    # the one record that fits --seq-len 10 is none of those held out for validation (a 64-bit hash of
+    # FILE:LINE below 5% of 2^64, or else the lowest one), so the validation split has no example
+    import hashlib
+    rank = {n: int.from_bytes(hashlib.blake2b(f"long.jsonl:{n}".encode(), digest_size=8).digest(), "little")
+            for n in range(1, 7)}
+    held = {n for n, r in rank.items() if r < 0.05 * 2**64} or {min(rank, key=rank.get)}
+    fits = min(set(rank) - held)
+    records = [{"in_text": f"q{n}", "out_text": " a" * (3 if n == fits else 40)} for n in range(1, 7)]
+    line = refused("long", records, "--seq-len", "10")
+    assert "no validation example" in line and "--seq-len 10" in line and "--val-fraction" in line
+
+    line = refused("empty", [{"in_text": f"q{i}", "out_text": ""} for i in range(5)], "--seq-len", "16")
+    assert "every completion" in line and "is empty (field 'out_text')" in line and "--out-field" in line
+
+
+def test_pairs_without_a_tokenizer_say_the_trained_one_fits_no_existing_run(reversal, tmp_path, capsys):
+    """Fine-tuning pairs need the base model's tokenizer: without --tokenizer one is trained, and a line on
+    stdout says what that data can train and how to prepare it for an existing run; with it, no such line."""
+    root, _ = reversal
+    pairs = [{"in_text": f" {w} =", "out_text": f" {w}{w}"} for w in WORDS]
+    src = write_jsonl(tmp_path / "p.jsonl", pairs)
+    argv = ["--format", "prompt_completion", "--input", str(src), "--seq-len", "16", "--val-fraction", "0.3"]
+    assert data.cli([*argv, "--out", str(tmp_path / "new"), "--vocab-size", "300"]) == 0
+    vocab = shards.open_data(tmp_path / "new").vocab_size
+    note = [line for line in capsys.readouterr().out.splitlines() if "--tokenizer" in line]
+    assert note == [f"note: no --tokenizer, so a new BPE tokenizer (vocab {vocab}) was trained on these pairs: this "
+                    f"data trains a model from scratch, or fine-tunes only a model trained with this tokenizer; to "
+                    f"fine-tune an existing run, prepare it with --tokenizer RUN_DIR"]
+    assert data.cli([*argv, "--out", str(tmp_path / "given"), "--tokenizer", str(root / "data")]) == 0
+    assert "--tokenizer" not in capsys.readouterr().out
 
 
 def test_loader_is_a_function_of_the_step(reversal):

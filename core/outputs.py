@@ -439,9 +439,10 @@ GC_RETRY_S = 0.05  # a stop that arrived in a garbage collector's callback is se
 def stoppable(main: Callable, argv, out, *, error: type[UserError] = StorageError, restore: bool = True) -> int:
     """main(argv), a command that writes the output `out` through StagedDir, with the stop signals handled
     as Stops says: a stop before the commit raises `error` (exit status 128 + N) saying that nothing was
-    written; one after it is said on stderr after main's own output, and the status is 128 + N. `restore`:
-    put the previous handlers back afterwards (False for a process that ends with the command, where a stop
-    from then on is only noted). Outside the main thread (no signals there) it is main(argv)."""
+    written; one after it is said on stderr after main's own output, and the status is 128 + N. `out` None:
+    the command writes no output (data.py --verify), and the line says only that nothing was written.
+    `restore`: put the previous handlers back afterwards (False for a process that ends with the command,
+    where a stop from then on is only noted). Outside the main thread (no signals there) it is main(argv)."""
     global _stops
     if _stops is not None or threading.current_thread() is not threading.main_thread():
         return main(argv)
@@ -451,7 +452,8 @@ def stoppable(main: Callable, argv, out, *, error: type[UserError] = StorageErro
         status = main(argv)
     except KeyboardInterrupt:  # before the commit (Stops.hold): nothing was written
         stops.holding = True  # the line is said whatever comes now
-        stopped = error(f"stopped by {stops.name()}; nothing was written (--out {out} is as it was)")
+        kept = "" if out is None else f" (--out {out} is as it was)"
+        stopped = error(f"stopped by {stops.name()}; nothing was written{kept}")
         stopped.exit_status = stops.status()
         raise stopped from None
     except BaseException:

@@ -13,8 +13,10 @@ Before `datasets` is asked for an hf: dataset, the Hub is asked once (`hub_offli
 not answer, the Hugging Face libraries go offline, so a cached dataset loads and a missing one fails
 at once, in one line.
 
-An unreadable or undecodable file, and a record that is not text, is skipped, counted and (the first
-LISTED of them, with the reason) named, or with strict=True stops preparation. The default corpus is
+An unreadable or undecodable file (a text file in UTF-16, or with NUL bytes, included: `text_problem`),
+and a record that is not text, is skipped, counted and (the first LISTED of them, with the reason)
+named, or with strict=True stops preparation. A document that is empty or only whitespace is no
+document: it is counted as empty. The default corpus is
 this Python's standard-library sources (`default_corpus_files`), with its own byte-balanced held-out
 set (`default_held_out`).
 
@@ -23,6 +25,7 @@ imports nothing of the project but errors.py and storage.py; data.py tokenizes w
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import glob
 import gzip
@@ -302,6 +305,7 @@ class Tally:
     skipped_records: int = 0
     skipped: list[dict] = dataclasses.field(default_factory=list)  # {"input": PATH or PATH:RECORD, "reason": ...}
     lowest: tuple[int, str] | None = None  # (val_rank(name), name)
+    empty: int = 0  # documents (files, records) that were empty or only whitespace: no document, not read on
 
     def skip(self, where: str, reason: str, record: bool) -> None:
         if record:
@@ -322,6 +326,7 @@ class Tally:
         self.files += other.files
         self.skipped_files += other.skipped_files
         self.skipped_records += other.skipped_records
+        self.empty += other.empty
         self.skipped = (self.skipped + other.skipped)[:LISTED]
         if other.lowest is not None:
             self.saw(other.lowest[1])
@@ -333,8 +338,35 @@ class Tally:
         return names + (f" and {count - SHOWN} more" if count > SHOWN else "")
 
 
+_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+         (codecs.BOM_UTF16_BE, "UTF-16"))  # UTF-32's first: its little-endian mark begins with UTF-16's
+
+
+def text_problem(raw: bytes) -> str | None:
+    """Why a plain-text file's bytes are no UTF-8 document though they might decode as one, or None: UTF-16
+    (or UTF-32) text, with a byte-order mark or without one (its ASCII characters then alternate with NUL
+    bytes, which are valid UTF-8 and would be tokenized), or NUL bytes elsewhere (a binary file, or a
+    damaged one). Bytes that are not UTF-8 at all are the decoder's to refuse."""
+    for bom, encoding in _BOMS:
+        if raw.startswith(bom):
+            return (f"{encoding} text (byte-order mark {bom.hex(' ').upper()}), not UTF-8: convert it, "
+                    f"e.g. iconv -f {encoding} -t UTF-8")
+    first = raw.find(b"\0")
+    if first < 0:
+        return None
+    units = len(raw) // 2
+    for offset, order in ((1, "LE"), (0, "BE")):  # ASCII in UTF-16LE: "a\0b\0", in UTF-16BE: "\0a\0b"
+        if units and raw[offset::2].count(0) >= units / 2 > raw[1 - offset::2].count(0):
+            return (f"UTF-16{order} text without a byte-order mark (NUL bytes at every other position), "
+                    f"not UTF-8: convert it, e.g. iconv -f UTF-16{order} -t UTF-8")
+    count = raw.count(0)
+    return (f"{count} NUL byte{'s' * (count > 1)}, the first at byte {first}: not plain text (a binary or damaged "
+            f"file); remove them or leave the file out")
+
+
 class Reader:
-    """Streams (name, text) documents from sources, keeping a Tally of what it read and skipped."""
+    """Streams (name, text) documents from sources, keeping a Tally of what it read and skipped. A
+    document that is empty or only whitespace is no document: counted (Tally.empty), not yielded."""
 
     def __init__(self, sources: list[tuple[str, str, str]], text_field: str, strict: bool):
         self.sources, self.text_field, self.strict = sources, text_field, strict
@@ -350,18 +382,25 @@ class Reader:
             try:
                 if kind == "text":
                     with open_binary(location) as f:
-                        text = f.read().decode("utf-8")
-                    if text:
+                        raw = f.read()
+                    problem = text_problem(raw)
+                    if problem is not None:
+                        self._skip(location, problem)
+                    elif (text := raw.decode("utf-8")) and not text.isspace():
                         self.tally.saw(name)
                         yield name, text
+                    else:
+                        self.tally.empty += 1
                 else:
                     for number, value, problem in _records(kind, location, self.text_field):
                         if problem is not None:
                             self._skip(f"{location}:{number}", problem, record=True)
                         elif isinstance(value, str) and _encodable(value):
-                            if value:
+                            if value and not value.isspace():
                                 self.tally.saw(f"{name}:{number}")
                                 yield f"{name}:{number}", value
+                            else:
+                                self.tally.empty += 1
                         else:  # null included: a record without text is counted and named, never dropped unseen
                             self._skip(f"{location}:{number}", f"not a text record ({value!r:.80})", record=True)
             except DataError:

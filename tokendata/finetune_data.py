@@ -12,7 +12,9 @@ configurable; .gz/.zst allowed). An example is the token sequence
 loss counts the completion tokens and the end-of-text token, never the prompt. An example longer
 than seq_len + 1 tokens (the most one training row holds) loses tokens from the left of its
 prompt; one whose completion and end-of-text alone do not fit is skipped. Both are counted and
-printed. Records that are not objects with two string fields are skipped and counted.
+printed. Records that are not objects with two string fields are skipped and counted. Pairs that could
+not train are refused (`_check_examples`): none valid, a split without an example, every completion
+empty.
 
 On-disk format (shards.py): a data directory whose index has `kind: "prompt_completion"`,
 `seq_len`, `loss_unigram_entropy` (of the train split's tokens in the loss: the baseline train.py's
@@ -50,8 +52,9 @@ def _records(sources, in_field: str, out_field: str, tally: corpus.Tally) -> Ite
                 continue
             if not (isinstance(record, dict) and isinstance(record.get(in_field), str)
                     and isinstance(record.get(out_field), str)):
+                has = f" (has: {', '.join(record) or 'no field'})" if isinstance(record, dict) else ""
                 tally.skip(f"{location}:{number}", f"not a JSON object with string fields {in_field!r} and "
-                                                   f"{out_field!r}", record=True)
+                                                   f"{out_field!r}{has}", record=True)
                 continue
             tally.saw(f"{name}:{number}")
             yield f"{name}:{number}", record[in_field], record[out_field]
@@ -136,6 +139,34 @@ def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in
             "eot_id": eot, "dtype": dtype}, splits, tally
 
 
+def _check_examples(inputs: list[str], splits: dict, bad: corpus.Tally, *, seq_len: int, val_fraction: float,
+                    out_field: str) -> None:
+    """A DataError, naming the option that changes it, where the prepared pairs could not train: no valid
+    record (the first invalid one's fields named), a split without an example (for validation, where
+    --val-fraction asks for one: training reads both), or no completion token at all (the loss would
+    count only each example's end-of-text)."""
+    where = ", ".join(inputs)
+    valid = sum(s["examples"] + s["skipped"] for s in splits.values())
+    if not valid:
+        first = f": {bad.skipped[0]['input']} is {bad.skipped[0]['reason']}" if bad.skipped else ""
+        raise DataError(f"no prompt/completion pair in {where} ({bad.skipped_records} invalid records{first}); "
+                        f"where the records hold the pairs under other names, name those fields with --in-field "
+                        f"(the prompt) and --out-field (the completion)")
+    fit = sum(s["examples"] for s in splits.values())
+    for split in ("train", "val") if val_fraction > 0 else ("train",):
+        if splits[split]["examples"] == 0:
+            held = "held out for validation" if split == "val" else "left for training"
+            raise DataError(
+                f"no {'validation' if split == 'val' else 'training'} example: the records {held} "
+                f"({splits[split]['skipped']}, by --val-fraction {val_fraction:g}) all have completions longer "
+                f"than --seq-len {seq_len} and were skipped ({fit} of {valid} valid records fit); raise --seq-len"
+                + (", or --val-fraction to hold out more" if split == "val" else ""))
+    if sum(s["completion_tokens"] - s["examples"] for s in splits.values()) == 0:  # END tokens aside
+        raise DataError(f"every completion in {where} is empty (field {out_field!r}): the loss would count only "
+                        f"the end-of-text token of each example, nothing to learn; name the completion field with "
+                        f"--out-field")
+
+
 def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = None, vocab_size: int = 8192,
             in_field: str = "in_text", out_field: str = "out_text", val_fraction: float = 0.05,
             shard_tokens: int = 2**27, overwrite: bool = False, progress: bool = True) -> dict:
@@ -169,9 +200,7 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
             vocab_fields, splits, bad = _write(sources, staged.path, lambda name: name == extra or is_val(name),
                                                **options)
         total = sum(s["tokens"] for s in splits.values())
-        if splits["train"]["examples"] == 0:
-            raise DataError(f"no training example in {', '.join(inputs)} ({bad.skipped_records} invalid records, "
-                            f"{splits['train']['skipped']} too long for seq_len {seq_len})")
+        _check_examples(inputs, splits, bad, seq_len=seq_len, val_fraction=val_fraction, out_field=out_field)
         index = {
             "format_version": shards.FORMAT_VERSION, "kind": shards.PROMPT_COMPLETION,
             "tokenizer": "tokenizer.json", "tokenizer_sha256": shards.file_sha256(staged.path / "tokenizer.json"),
