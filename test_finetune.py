@@ -191,6 +191,19 @@ def test_pairs_that_could_not_train_are_refused_in_one_line(tmp_path):
     assert "every completion" in line and "is empty (field 'out_text')" in line and "--out-field" in line
 
 
+def test_a_split_without_examples_is_named_when_read(tmp_path):
+    """Pairs prepared with --val-fraction 0 hold no validation example: reading that split is one DataError
+    naming it (the example bounds of an empty split used to hold one start, and training failed on
+    `zero-size array to reduction operation maximum`)."""
+    src = write_jsonl(tmp_path / "p.jsonl", [{"in_text": f"q{i}", "out_text": f" a{i}"} for i in range(12)])
+    finetune_data.prepare([str(src)], tmp_path / "pairs", seq_len=16, vocab_size=300, val_fraction=0.0,
+                          progress=False)
+    opened = shards.open_data(tmp_path / "pairs")
+    assert len(loader.Examples(opened, "val")) == 0
+    with pytest.raises(data.DataError, match=r"pairs: split 'val' has no examples; prepare with a larger --val-fraction$"):
+        loader.validation_sample(opened, 16, 2, 4)
+
+
 def test_pairs_without_a_tokenizer_say_the_trained_one_fits_no_existing_run(reversal, tmp_path, capsys):
     """Fine-tuning pairs need the base model's tokenizer: without --tokenizer one is trained, and a line on
     stdout says what that data can train and how to prepare it for an existing run; with it, no such line."""

@@ -77,7 +77,8 @@ class Stream:
     def windows(self, seq_len: int, what: str) -> int:
         n = (self.tokens - 1) // seq_len if self.tokens else 0
         if n < 1:
-            hint = "; prepare it with a larger --val-fraction" if self.split == "val" else ""
+            hint = ("; train with a shorter training.seq_len, or prepare the data with more documents or a larger "
+                    "--val-fraction" if self.split == "val" else "; train with a shorter training.seq_len")
             raise DataError(f"{what}: a window of {seq_len + 1} tokens is longer than the split "
                             f"({self.tokens} tokens){hint}")
         return n
@@ -316,7 +317,7 @@ class Examples:
             raise DataError(f"{self.masks.files[-1]}: the split's last loss-mask byte is not {shards.END} (the "
                             f"end of an example): {len(ends)} examples end in {self.stream.tokens} tokens, and the "
                             f"rest belongs to none; the loss masks are damaged, prepare the directory again")
-        self.starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        self.starts = np.concatenate([[0], ends])[:len(ends)].astype(np.int64)  # none for no example
         self.lengths = (ends - self.starts).astype(np.int64)
         self.eot = data.eot_id
 
