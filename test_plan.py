@@ -374,3 +374,16 @@ def test_bad_input_is_one_line(args, message, capsys):
 def test_plan_with_resume_is_refused(capsys):
     assert train.cli(["--plan", "--resume"]) == 2
     assert "error: --plan plans a config" in capsys.readouterr().err
+
+
+def test_the_plan_of_a_mixture_gives_each_stages_shares_and_each_sources_tokens(tmp_path, capsys):
+    """Weights 3:1 are 768 and 256 of every block of 1024 sequences; with 16 sequences a step the stage at
+    step 64 starts at the second block, so over 128 steps a gives 768 sequences and b 256 + 1024, of 128
+    tokens each (the default context); no data is read (the directories do not exist)."""
+    assert train.main(["--plan", "--device", "H100", f"data.mixture.a.dir={tmp_path / 'none-a'}",
+                       "data.mixture.a.weight=3", f"data.mixture.b.dir={tmp_path / 'none-b'}", "training.steps=128",
+                       "data.stages=[{step: 64, weights: {a: 0, b: 2}}]"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-3:] == ["data mixture from step 0: a 75.0%, b 25.0%", "data mixture from step 64: a 0.0%, b 100.0%",
+                          f"over 128 steps: a {768 * 128:,} tokens, b {1280 * 128:,} tokens"]
+    assert list(tmp_path.iterdir()) == []

@@ -99,6 +99,7 @@ import model as model_lib
 import sharding as sharding_lib
 from core.errors import ConfigError
 from layers import attention as attention_lib
+from tokendata import mixture
 from layers import loss as loss_lib
 from training import config as config_lib
 from training import step as step_lib
@@ -505,4 +506,12 @@ def report(cfg, dev: Target, mfu: float = 0.4) -> str:
     else:
         line += "; no peak FLOP/s known for a memory size: name the device (--device H100) for a step time"
     lines.append(line)
+    if cfg.data.mixture:  # the shares of each stage and each source's tokens over the run (no data read)
+        schedule = mixture.Schedule(config_lib.mixture_stages(cfg.data), t.batch_size, seed=cfg.seed)
+        names = list(cfg.data.mixture)
+        for (step, _), counts in zip(config_lib.mixture_stages(cfg.data), schedule.counts):
+            lines.append(f"data mixture from step {step}: " + ", ".join(
+                f"{n} {c / schedule.block:.1%}" for n, c in zip(names, counts.tolist())))
+        taken = schedule.taken(t.steps * t.batch_size).tolist()
+        lines.append(f"over {t.steps} steps: " + ", ".join(f"{n} {k * cfg.seq_len:,} tokens" for n, k in zip(names, taken)))
     return "\n".join(lines)
