@@ -453,14 +453,13 @@ def main(argv=None) -> int:
     _check_out(args.out, source, args.overwrite, "adapter" if args.format == "peft" else "export")  # before reading
     if args.format == "peft":
         return _export_adapter(args, source)
+    run = rundir.existing(args.checkpoint)
+    tokenizer_json = run.record.tokenizer_json() if run.dir.is_file(TOKENIZER_NAME) else None  # checked, first
     cfg, params, step = read_run(args.checkpoint, args.step)
     with tempfile.TemporaryDirectory() as scratch:
-        tokenizer = pathlib.Path(args.checkpoint) / TOKENIZER_NAME
-        if storage.is_url(args.checkpoint):  # a run in an object store: its tokenizer through a local copy
-            run = storage.RunDir(args.checkpoint)
-            tokenizer = pathlib.Path(scratch) / TOKENIZER_NAME
-            if run.is_file(TOKENIZER_NAME):
-                tokenizer.write_bytes(run.read_bytes(TOKENIZER_NAME))
+        tokenizer = pathlib.Path(scratch) / TOKENIZER_NAME  # the run's, as checked (a bucket's through this copy)
+        if tokenizer_json is not None:
+            tokenizer.write_bytes(tokenizer_json)
         layout = export(params, cfg.model, args.out, args.format, tokenizer, args.overwrite, source)
     how = {"torch": "from torch_gpt import GPT; GPT.from_pretrained(DIR)"}.get(
         layout, f"transformers.AutoModelForCausalLM.from_pretrained(DIR) ({layout} layout)")

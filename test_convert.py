@@ -948,3 +948,27 @@ def test_imported_gpt2_gives_transformers_loss_in_training_and_eval(corpus, tmp_
     tuned = hf_layouts.unflatten(hf_layouts.flatten(restore(run, 1)["params"]))
     for a, b in zip(jax.tree.leaves(imported), jax.tree.leaves(tuned)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_run_whose_tokenizer_was_replaced_is_refused_by_every_reader(trained_run, tmp_path, capsys):
+    """RUN/tokenizer.json is checked against the sha256 data.json records: with another tokenizer in its
+    place (one id moved), sample.py would print garbage and an export would carry it. Each reader says
+    so in one line, and the export writes nothing."""
+    import sample
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    tok = json.loads((run / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens swap ids: still a valid tokenizer, another one
+    (run / "tokenizer.json").write_text(json.dumps(tok))
+    recorded = json.loads((run / "data.json").read_text())["tokenizer_sha256"]
+    for cli, argv in ((sample.cli, ["--checkpoint", str(run), "--prompt", "the cat"]),
+                      (ct.cli, ["--checkpoint", str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]),
+                      (E.cli, ["--checkpoint", str(run), "--lengths", "32"])):
+        assert cli(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {run / 'tokenizer.json'} is not the tokenizer this run trained with") \
+            and f"records {recorded[:16]}..." in err and err.count("\n") == 1, err
+    assert not (tmp_path / "hf").exists()

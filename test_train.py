@@ -236,6 +236,9 @@ def test_resume_overrides_are_checked_against_the_runs_own_config(corpus, tmp_pa
     per_step = [8 * 32] * 2 + [8 * 100] * 3
     assert [r["tokens"] for r in rows(run_dir)] == list(itertools.accumulate(per_step))
     assert json.loads((run_dir / "summary.json").read_text())["tokens"] == sum(per_step)
+    # the command that started the run, with --resume: its own model named again is no change
+    assert train.main(["--resume", f"run_dir={run_dir}", "model=test", "training.steps=6"]) == 0
+    assert rundir.Run(run_dir).record.config().model.block_size == 128 and int(restore(run_dir, 6)["step"]) == 6
 
 
 def test_resume_errors(corpus, tmp_path, capsys):

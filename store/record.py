@@ -60,8 +60,11 @@ class Record:
         model (`model=NAME`) or changes what its parameters are (a GPTConfig.PARAMETER_FIELDS field; an
         ALiBi model's block_size aside, which only bounds its context) is a RunError in one line. How the
         model runs (model.remat, dtype, attention, dropout) may change."""
-        named = [o for o in overrides if o.partition("=")[0].strip() == "model"]
         saved = self.config()
+        # `model=NAME` of the run's own model is the command that started it, repeated: nothing to change
+        overrides = [o for o in overrides if not (o.partition("=")[0].strip() == "model"
+                                                  and o.partition("=")[2].strip() == saved.model_name)]
+        named = [o for o in overrides if o.partition("=")[0].strip() == "model"]
         if named:
             raise RunError(f"--resume {named[0]}: a resume continues this run's own model ({saved.model_name}); "
                            f"to train another, start a new run (training.init_from={self} starts from these weights)")
@@ -245,14 +248,28 @@ class Record:
         """Whether the run trained on prompt/completion pairs."""
         return shards.is_prompt_completion(self.data())
 
-    def tokenizer(self):
-        """The run's tokenizers.Tokenizer."""
-        from tokenizers import Tokenizer
-
+    def tokenizer_json(self) -> bytes:
+        """The bytes of the run's tokenizer.json, checked against the sha256 data.json records (a run from
+        before data.json recorded one, or an import, has nothing to check it against): another file in its
+        place would decode every token wrongly, and an export would carry it."""
         if not self.dir.is_file(TOKENIZER):
             raise RunError(f"{self} has no {TOKENIZER}")
+        raw = self.dir.read_bytes(TOKENIZER)
+        recorded = self.data().get("tokenizer_sha256")
+        if isinstance(recorded, str) and hashlib.sha256(raw).hexdigest() != recorded:
+            where = self.data().get("tokenizer") or self.data().get("dir")
+            raise RunError(f"{self.dir.show(TOKENIZER)} is not the tokenizer this run trained with: its sha256 is "
+                           f"{hashlib.sha256(raw).hexdigest()[:16]}..., {self.dir.show(DATA)} records "
+                           f"{recorded[:16]}...; put the run's own back" + (f" (the data's copy: {where})" if where else ""))
+        return raw
+
+    def tokenizer(self):
+        """The run's tokenizers.Tokenizer (its tokenizer.json, checked: tokenizer_json)."""
+        from tokenizers import Tokenizer
+
+        raw = self.tokenizer_json()
         try:
-            return Tokenizer.from_str(self.dir.read_text(TOKENIZER))
+            return Tokenizer.from_str(raw.decode())
         except Exception as e:  # a damaged file
             reason = storage.one_line(e)
             raise RunError(f"cannot load {self.dir.show(TOKENIZER)}: {reason}") from None
