@@ -125,6 +125,9 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "embedding_dim", "num_head", "N"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("vocab_size", "block_size", "embedding_dim", "num_head", "N", "mlp_dim", "num_kv_head"):
+            if (getattr(self, name) or 0) >= 2**31:  # an array dimension: XLA's shapes are 32-bit
+                raise ValueError(f"model.{name} must be below 2**31, got {getattr(self, name)}")
         # one spelling per model: a value equal to its default's meaning is stored as the default (null),
         # so configs, init_from and imports compare equal whenever the models are the same
         for name, same in (("mlp_dim", 4 * self.embedding_dim), ("num_kv_head", self.num_head),

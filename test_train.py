@@ -633,6 +633,9 @@ def test_default_config_has_a_comment_on_every_key():
     ("training.steps=99999999999999999999", ["training.steps", "below 2**31", "99999999999999999999"]),
     ("checkpoint.every=4294967296", ["checkpoint.every", "below 2**31"]),
     ("model.layer_norm_epsilon=.nan", ["model.layer_norm_epsilon must be a positive number, got nan"]),
+    # an array dimension XLA cannot shape: refused before the run directory is made, not a traceback after
+    (f"model.embedding_dim={2**64}", [f"model.embedding_dim must be below 2**31, got {2**64}"]),
+    (f"model.mlp_dim={2**31}", [f"model.mlp_dim must be below 2**31, got {2**31}"]),
     ("model.layer_norm_epsilon=.inf", ["model.layer_norm_epsilon", "positive", "inf"]),
     ("model.layer_norm_epsilon=0", ["model.layer_norm_epsilon", "positive", "0.0"]),
 ])
