@@ -241,6 +241,19 @@ def test_resume_overrides_are_checked_against_the_runs_own_config(corpus, tmp_pa
     assert rundir.Run(run_dir).record.config().model.block_size == 128 and int(restore(run_dir, 6)["step"]) == 6
 
 
+def test_a_start_this_machine_cannot_hold_is_refused_before_anything_is_made(corpus, tmp_path, capsys):
+    """The plan of the run on this machine's devices (8 CPU devices sharing its memory) past their memory:
+    one line naming what it needs and the cheapest change that fits (the one --plan names), nothing made.
+    It used to run out of memory with a traceback after making the run directory."""
+    run_dir = tmp_path / "run"
+    assert train.cli([f"run_dir={run_dir}", f"data.dir={corpus}", "model=124m", "training.batch_size=4096",
+                      "training.steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model 124m with batch 4096 x 1024 needs about ") and err.count("\n") == 1, err
+    assert " fits (" in err or "more devices or a smaller model are needed" in err
+    assert not run_dir.exists()
+
+
 def test_resume_errors(corpus, tmp_path, capsys):
     # no run directory at all
     assert train.cli(["--resume", f"run_dir={tmp_path / 'nothing'}"]) == 2

@@ -71,7 +71,7 @@ from layers import attention as attention_lib
 from store import record, rundir
 from tokendata import loader, mixture, shards
 from training import config as config_lib
-from training import progress
+from training import devices, plan, progress
 from training import step as step_lib
 
 
@@ -84,7 +84,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.config = args.config or config_lib.DEFAULT_CONFIG
     if args.plan:  # before any device, data or run directory
-        from training import plan
         return plan.run(args, rundir.new_config)
     with progress.Stop(expect_several=multihost.launched_several()) as stop:
         try:
@@ -212,6 +211,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         for line in mixture.describe(train_loader, stages, t.steps):
             say(line)
     mcfg, seq_len = cfg.model, cfg.seq_len
+    plan.check_fits(cfg, devices.here())  # a config this machine cannot hold: refused now, with what fits
     stop.check()  # a signal before the first step: nothing to save
 
     # ------------------------------------------------------------------------------------------

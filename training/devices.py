@@ -91,6 +91,20 @@ class Target:
     processes: int | None = None  # a TPU slice's hosts, one process each; None: not known from the name
 
 
+def here() -> Target:
+    """The devices this process trains on: every JAX device, each with its allocator's limit (a GPU's, a
+    TPU's) or, on the CPU, which reports none, its share of this machine's physical memory."""
+    import os
+
+    import jax
+
+    device = jax.devices()[0]
+    limit = ((device.memory_stats() if hasattr(device, "memory_stats") else None) or {}).get("bytes_limit")
+    memory = limit or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / jax.local_device_count()
+    label = "CPU device(s) of this machine" if device.platform == "cpu" else device.device_kind
+    return Target(label, float(memory), jax.device_count(), device.platform, peak_flops(device.device_kind))
+
+
 def target(name: str = "H100", devices: int | None = None) -> Target:
     """A Target from a device name (H100, H200, A100-40, A100-80, v3, v4-32, v5e-16, v5p-128, ...) or a
     memory size of one GPU (24GiB, 80GB), and a device count (a TPU slice name gives its own)."""

@@ -437,6 +437,23 @@ def alternatives(cfg, dev: Target, state: _State, limit: int = 4) -> tuple[list[
     return [(" ".join(chosen[kind][0] for kind in sorted(chosen, key=order.index)), e)], True
 
 
+def check_fits(cfg, dev: Target) -> None:
+    """A start that this machine cannot hold is refused before anything is made (a ConfigError in one
+    line): the plan's total per device past the device's memory, with the cheapest change that fits, as
+    `train.py --plan` names it. Within the estimate's error (up to the memory) it goes ahead."""
+    state = _state_of(cfg)
+    e = estimate(cfg, dev, state)
+    if e.total <= e.memory:
+        return
+    options, combined = alternatives(cfg, dev, state, limit=1)
+    fix = (f"{'together ' if combined else ''}{options[0][0]} fits ({options[0][1].total / GiB:.1f} GiB)" if options
+           else "no change of ZeRO stage, micro-batches, remat, tensor parallelism or batch size fits: more devices "
+                "or a smaller model are needed")
+    raise ConfigError(f"model {cfg.model_name} with batch {cfg.training.batch_size} x {cfg.seq_len} needs about "
+                      f"{e.total / GiB:.1f} GiB per device, more than the {e.memory / GiB:.1f} GiB of {dev.label}; "
+                      f"{fix} (train.py --plan shows the plan)")
+
+
 def run(args, new_config: typing.Callable) -> int:
     """`train.py --plan`: the configured run's memory per device, tokens, FLOPs and step time on --device
     (`args`: train.py's parsed command line; `new_config(path, overrides)`: the config a new run would
