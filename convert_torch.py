@@ -424,6 +424,7 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.out = storage.local_path(args.out)  # file:///x is the local directory /x, for writers as for readers
     if args.import_hf:
         import_hf(args.import_hf, args.out, args.overwrite)
         imported = rundir.Run(args.out)  # a local path or a URL

@@ -340,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.seq_len is not None and args.format != "prompt_completion":
         raise DataError("--seq-len is for --format prompt_completion (examples fitted to the training context); "
                         "text is one stream, cut into windows of training.seq_len when training")
+    if args.out is not None:  # file:///x is the local directory /x, for writers as for readers
+        args.out = storage.local_path(args.out)
+    if args.verify:
+        args.verify = storage.local_path(args.verify)
     if args.out is not None and not args.out.strip():
         raise DataError("--out is empty; name the directory to write")
     if args.verify:

@@ -972,3 +972,33 @@ def test_a_run_whose_tokenizer_was_replaced_is_refused_by_every_reader(trained_r
         assert err.startswith(f"error: {run / 'tokenizer.json'} is not the tokenizer this run trained with") \
             and f"records {recorded[:16]}..." in err and err.count("\n") == 1, err
     assert not (tmp_path / "hf").exists()
+
+
+def test_file_urls_name_the_local_directory_for_writers_and_urls_no_store_can_hold_are_refused(
+        trained_run, corpus, tmp_path, monkeypatch, capsys):
+    """--out file:///x writes /x (it was written under the current directory, into ./file:/x, while the
+    command printed the URL); memory:// (this process's own store) as --out or run_dir, and a bucket path
+    with `..`, are one line each, at once, with nothing written."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    source = corpus.parent / "src"
+    assert data.cli(["--input", str(source), "--out", f"file://{tmp_path / 'prepared'}", "--tokenizer",
+                     str(corpus), "--val-fraction", "0.3"]) == 0
+    assert shards.open_data(tmp_path / "prepared").index["documents"] > 0
+    assert ct.cli(["--checkpoint", str(trained_run), "--out", f"file://{tmp_path / 'export'}"]) == 0
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+    assert list(work.iterdir()) == []  # nothing under the current directory
+    capsys.readouterr()
+    for cli, argv, words in (
+            (data.cli, ["--input", str(source), "--out", "memory://bucket/x"], "--out memory://bucket/x: memory:// "
+                                                                                "cannot hold it"),
+            (ct.cli, ["--checkpoint", str(trained_run), "--out", "memory://bucket/x"], "memory:// cannot hold it"),
+            (train.cli, tiny("memory://bucket/run", corpus), "run_dir: run directory memory://bucket/run: memory:// "
+                                                              "cannot hold it"),
+            (data.cli, ["--input", str(source), "--out", "gs://bucket/x/../y"], "gs://bucket/x/../y: a bucket has no "
+                                                                                 "relative paths")):
+        assert cli(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
+    assert list(work.iterdir()) == []

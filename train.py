@@ -119,6 +119,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         location = cfg.run_dir
     try:
         run_dir = rundir.Run(location)  # a local path or a URL (gs://...); str(run_dir) as given
+        run_dir.dir.checkpoint_dir()  # where its checkpoints go: a store orbax writes, before anything is made
     except storage.StorageError as e:
         raise RunError(f"run_dir: {e}") from None
     stopped = f"stopped before training in {run_dir} (its error says why)"

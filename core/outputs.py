@@ -32,7 +32,7 @@ import threading
 from typing import Callable
 
 from core.errors import STOP_SIGNALS, StorageError, UserError, detach_from_terminal
-from core.storage import filesystem, is_url, one_line, os_problem, process_alive
+from core.storage import check_writable, filesystem, is_url, one_line, os_problem, process_alive
 
 # Beside OUT (".OUT..." where the caller hides them), process PID leaves only these names:
 #     OUT.tmp-PID         being built; never complete
@@ -197,6 +197,7 @@ def check_out_url(out: str, overwrite: bool, *, ours, what: str, error: type[Use
     from etils import epath
 
     url = out.rstrip("/")
+    check_writable(url, "--out", error)
     fs, root = filesystem(url, error)
     untouched = "choose another --out (nothing was written or deleted)"
     if "/" not in root.strip("/"):

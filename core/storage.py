@@ -84,10 +84,26 @@ def filesystem(url: str, error=StorageError):
 
 
 def _check_names_a_place(url, error=StorageError) -> None:
-    """A URL with nothing after its scheme (gs://) is one line, not fsspec's ValueError."""
+    """A URL with nothing after its scheme (gs://) is one line, not fsspec's ValueError; so is one with a
+    `.` or `..` part, which an object store keeps as a name of its own (gs://b/x/../y is not gs://b/y)."""
     scheme, _, rest = str(url).partition(":")
     if not rest.strip("/"):
         raise error(f"{url}: names no bucket or host; give one, e.g. {scheme}://my-bucket/runs/exp1")
+    if any(part in (".", "..") for part in rest.lstrip("/").split("/")):
+        raise error(f"{url}: a bucket has no relative paths ('.' and '..' are names of their own there); "
+                    f"write the path out in full")
+
+
+WRITABLE = ("gs", "s3", "az")  # the object stores whose URLs orbax (checkpoints) and etils (outputs) write
+
+
+def check_writable(url: str, what: str, error=StorageError) -> None:
+    """A URL that a run's checkpoints or an output directory can be written to: a bucket of WRITABLE's
+    stores (an fsspec store such as memory:// is in this process only, or is read-only)."""
+    scheme = str(url).partition("://")[0]
+    if scheme not in WRITABLE:
+        raise error(f"{what} {url}: {scheme}:// cannot hold it (checkpoints and outputs are written to a local "
+                    f"path or a bucket: {', '.join(f'{s}://' for s in WRITABLE)})")
 
 
 _BUCKETS_FOUND: set[str] = set()  # gs:// buckets this process has seen to exist
@@ -299,6 +315,7 @@ class RunDir:
     def checkpoint_dir(self):
         """RUN/checkpoints for orbax: a resolved local path, or the URL (orbax opens gs:// itself)."""
         if self.remote:
+            check_writable(self.location, "run directory")
             return f"{self.location}/checkpoints"
         return (pathlib.Path(self.location) / "checkpoints").resolve()
 
