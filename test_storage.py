@@ -23,7 +23,7 @@ import convert_torch
 import data
 import train
 from core import storage
-from store import rundir, runlock
+from store import checkpoints, rundir, runlock
 from test_train import WORDS, deterministic, tiny
 from tokendata import finetune_data, loader, permutation, shards
 
@@ -176,9 +176,19 @@ def test_a_run_directory_in_the_object_store(prepared, bucket, tmp_path, monkeyp
     real_ckpt = storage.RunDir.checkpoint_dir
     monkeypatch.setattr(storage.RunDir, "checkpoint_dir",  # orbax cannot reach memory://: see the docstring
                         lambda self: ckpt if self.remote else real_ckpt(self))
-    assert train.main(tiny(run_url, data_url)) == 0
-
     fs, root = fsspec.core.url_to_fs(run_url)
+    logged_at_save, real_save = {}, checkpoints.Saver.save
+
+    def save(self, step, state, **kwargs):  # what the store's log holds as checkpoint `step` is saved
+        logged_at_save[step] = [json.loads(line)["step"] for line in fs.cat_file(f"{root}/metrics.jsonl").splitlines()]
+        return real_save(self, step, state, **kwargs)
+
+    monkeypatch.setattr(checkpoints.Saver, "save", save)
+    assert train.main(tiny(run_url, data_url)) == 0
+    # every checkpoint's step has its row in the store before the checkpoint exists: a resume continues the
+    # log after it, and a row the upload had not carried yet would be lost for good
+    assert logged_at_save == {4: [1, 2, 3, 4], 8: list(range(1, 9))}
+
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == [
         "config.yaml", "data.json", "format.json", "loss.png", "metrics.jsonl", "summary.json", "tokenizer.json"]
     assert fs.cat_file(f"{root}/tokenizer.json") == (prepared / "tokenizer.json").read_bytes()

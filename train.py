@@ -349,6 +349,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
             steps.log(row)
             if save_now:
                 steps.check_finite(fns.all_finite(state["params"]))
+                steps.flush()  # the log holds this step's row before its checkpoint can exist
                 ckpts.save(steps.step, state, tokens=steps.tokens(steps.step))
                 steps.saved()
             steps.paused()

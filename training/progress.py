@@ -340,6 +340,13 @@ class Steps:
     def saved(self) -> None:
         self.last_ckpt = self.step
 
+    def flush(self) -> None:
+        """Process 0: metrics.jsonl written out (a remote one uploaded whole). Before a checkpoint is saved,
+        so that every checkpoint's step has its row: a resume continues the log after the checkpoint and
+        would never write a row that was lost."""
+        if self.metrics_file is not None:
+            self.metrics_file.flush()
+
     def paused(self) -> None:
         """After an evaluation or a save: the metrics uploaded (a remote metrics.jsonl is uploaded whole),
         and the time it took left out of tokens/s."""
