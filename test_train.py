@@ -10,6 +10,7 @@ import math
 import os
 import pathlib
 import random
+import shlex
 import shutil
 import signal
 import struct
@@ -127,8 +128,13 @@ def test_end_to_end_run(finished_run, corpus):
     assert matplotlib.image.imread(run_dir / "loss.png").shape[:2] == (480, 720)  # 6 x 4 inches at 120 dpi
     # the report ends with the next commands
     said = progress.report(summary)
-    assert said.endswith(f'python convert_torch.py --checkpoint {run_dir} --format hf --out {run_dir}-hf    '
+    assert said.endswith(f'python convert_torch.py --checkpoint {run_dir} --format hf --out export/straight-hf    '
                          f'# for transformers') and f"python eval.py --checkpoint {run_dir}" in said
+    # its prompt: the start of the first validation document, as the data has it (its first 4 tokens)
+    val = np.concatenate([np.fromfile(corpus / s["file"], np.uint16) for s in index["splits"]["val"]["shards"]])
+    prompt = shards.open_data(corpus).tokenizer().decode(val[:4].tolist()).strip()
+    assert summary["sample_prompt"] == prompt and f"python sample.py --checkpoint {run_dir} --prompt " in said
+    assert shlex.split(said.splitlines()[-2])[-1] == prompt
     # the run directory is self-contained: config (vocabulary from the data), data reference, tokenizer
     cfg = rundir.Run(run_dir).record.config()
     assert cfg.model.vocab_size == index["vocab_size"] == 300

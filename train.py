@@ -371,6 +371,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     val_windows, val_tokens, val_of = (sum(v[i] for v in val.values()) for i in (1, 2, 3))
     summary = steps.summary(corpus.index if stages is None else {}, n_params, val_windows, val_tokens, val_of,
                             ckpts.dir)
+    summary["sample_prompt"] = progress.sample_prompt(corpus.tokenizer(), next(iter(val.values()))[0][0],
+                                                      corpus.eot_id)  # for the next commands
     if is_main:
         run_dir.save_summary(summary)
         if wandb_run is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import collections
 import math
 import os
+import pathlib
+import shlex
 import signal
 import sys
 import threading
@@ -404,6 +406,20 @@ class Steps:
         return summary
 
 
+def sample_prompt(tokenizer, batch: dict, eot_id: int, words: int = 4) -> str:
+    """A prompt like the run's data, for the next commands, from the first row of the validation sample
+    (`batch`): the first example's prompt (prompt/completion data), or the first `words` tokens of the
+    first validation document (text: the sample's first window starts the split, and so a document)."""
+    tokens = np.asarray(batch["tokens"][0])
+    if "segments" in batch:  # the first example's prompt: its tokens before the first completion target
+        trained = np.flatnonzero(np.asarray(batch["weights"][0]) > 0)
+        prompt = tokens[:trained[0] + 1] if len(trained) else tokens[:words]
+    else:
+        prompt = tokens[:words]
+    text = tokenizer.decode([int(t) for t in prompt if t != eot_id]).strip()
+    return text or "The"
+
+
 def sample_words(summary: dict) -> str:
     """What the validation figures were measured on, in words: the whole split, or a sample spread over it."""
     rows = "rows of examples" if summary.get("unigram_entropy_of", "").startswith("the completions") else "windows"
@@ -433,7 +449,8 @@ def report(summary: dict) -> str:
         + f"  checkpoint {summary['checkpoint']}"
         + (f"\n  loss curve {summary['loss_plot']}" if summary.get("loss_plot") else "")
         + (f"\nnext: python eval.py --checkpoint {run}    # perplexity on the validation split, at 1-8x the context\n"
-           f"      python sample.py --checkpoint {run} --prompt \"The\"\n"
-           f"      python convert_torch.py --checkpoint {run} --format hf --out {run}-hf    # for transformers"
+           f"      python sample.py --checkpoint {run} --prompt {shlex.quote(summary.get('sample_prompt') or 'The')}\n"
+           f"      python convert_torch.py --checkpoint {run} --format hf "
+           f"--out {shlex.quote('export/' + pathlib.PurePath(run.rstrip('/')).name + '-hf')}    # for transformers"
            if (run := summary.get("run_dir")) else "")
     )
