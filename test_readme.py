@@ -153,6 +153,7 @@ class Checker:
     def __init__(self, monkeypatch):
         self.monkeypatch = monkeypatch
         self.plans: dict[str, str] = {}
+        self.runs: dict[str, list[str]] = {}  # run_dir -> the overrides of the line that started it
 
     def line(self, line: str) -> None:
         filled = fill(line)
@@ -203,8 +204,11 @@ class Checker:
 
         parsed = train.parse_args(args)
         path = REPO / parsed.config if parsed.config else config.DEFAULT_CONFIG
-        config.load_config(path, parsed.overrides)
-        config.run_dir_of(path, parsed.overrides)
+        # a resume's overrides apply to its run's own config: the one an earlier line of the page made there
+        made = self.runs.get(config.run_dir_of(path, parsed.overrides), []) if parsed.resume else []
+        config.load_config(path, [*made, *parsed.overrides])
+        if not parsed.resume:
+            self.runs[config.run_dir_of(path, parsed.overrides)] = list(parsed.overrides)
         if parsed.plan:
             if tuple(args) not in PLANS:
                 out = io.StringIO()
@@ -431,7 +435,7 @@ def test_the_pytorch_snippet_runs_and_its_install_lines_name_what_it_imports(exp
     (checkout / "interop").mkdir()
     shutil.copyfile(REPO / "interop" / "torch_gpt.py", checkout / "interop" / "torch_gpt.py")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(sys.modules, "torch_gpt")
+    monkeypatch.delitem(sys.modules, "torch_gpt", raising=False)  # (the suite imports it as interop.torch_gpt)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(REPO))])
     names = {"__name__": "readme_snippet"}
     exec(compile(snippet.replace("path/to/gpt-jax", str(checkout)), "README.md's snippet", "exec"), names)
