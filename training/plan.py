@@ -99,8 +99,8 @@ import model as model_lib
 import sharding as sharding_lib
 from core.errors import ConfigError
 from layers import attention as attention_lib
-from tokendata import mixture
 from layers import loss as loss_lib
+from tokendata import mixture
 from training import config as config_lib
 from training import step as step_lib
 from training.devices import GiB, Target, target
