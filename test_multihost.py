@@ -332,22 +332,37 @@ def test_a_signal_right_after_launch_ends_every_process(corpus, tmp_path):  # no
 
 def test_a_lost_lease_ends_every_process(corpus, tmp_path, gcs_bucket):  # noqa: F811
     """A run in a bucket whose lease process 0 loses (another writer took the run: the lock replaced under
-    it) while two processes train: process 0 stops before its next write with its one line, and process 1
-    with one naming process 0 and why, instead of waiting for it in the next collective save; the new
-    holder's lock stays."""
+    it) while two processes train, at the worst moment: process 0 waits for its save in flight, its own
+    fence passed, and the save's commit (slow, as in a bucket under load) then meets the fence. Process 0
+    ends with its one line, and process 1 with one naming process 0 and why; the new holder's lock stays
+    (the two used to wait in orbax's barriers for each other's commit, 20 minutes, when the lease was lost
+    during that wait, as a loaded machine made it often)."""
     import fsspec
 
     fs = fsspec.filesystem("gs")
-    run = f"{gcs_bucket}/run"
+    run, waiting = f"{gcs_bucket}/run", tmp_path / "waiting"
     args = tiny(run, corpus, "training.steps=100000", "checkpoint.every=2", "training.eval_every=100000")
-    with killed_at_exit(two_processes(args, env={runlock.LEASE_TTL_ENV: "6"})) as procs:
+    slow_commit = ("import pathlib, threading, time\n"  # the first save's commit waits for the next save to wait
+                   "from store import checkpoints\n"
+                   "in_wait, wait, fenced = threading.Event(), checkpoints.Saver.wait, checkpoints.fenced_commit\n"
+                   "def waiting(self):\n"
+                   "    if self.pending is not None: in_wait.set()\n"
+                   "    return wait(self)\n"
+                   "held = []\n"
+                   "def slow(fence):\n"
+                   "    if held: return fence()\n"
+                   "    held.append(True)\n"
+                   "    in_wait.wait()\n"
+                   f"    pathlib.Path({str(waiting)!r}).touch()\n"
+                   "    while True: fence(); time.sleep(0.1)\n"
+                   "checkpoints.Saver.wait = waiting\n"
+                   "checkpoints.fenced_commit = lambda fence: fenced(lambda: slow(fence))")
+    with killed_at_exit(two_processes(args, env={runlock.LEASE_TTL_ENV: "6"}, failing=(0, slow_commit))) as procs:
         deadline = time.time() + 180
-        while time.time() < deadline and all(p.poll() is None for p in procs):
-            fs.invalidate_cache()
-            if fs.find(f"{run}/checkpoints", maxdepth=2):
-                break
+        while time.time() < deadline and all(p.poll() is None for p in procs) and not waiting.exists():
             time.sleep(0.2)
         assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+        assert waiting.exists(), "the first save's commit was not held"
         taker = {"host": "elsewhere", "pid": 1, "purpose": "train.py --resume", "since": "now", "token": "taker",
                  "heartbeat": time.time() + 3600}
         fs.pipe(f"{run}/{runlock.LOCK}", json.dumps(taker).encode())

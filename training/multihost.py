@@ -353,14 +353,15 @@ def end_here(client, me: int, line: str, ended: dict, gone: int | None = None) -
     os._exit(status)
 
 
-def fail(error: BaseException, line: str, status: int, out: int = 2, traceback: bool = False) -> None:
+def fail(error: BaseException, line: str, status: int, out: int = 2, traceback: bool = False,
+         wait: bool = True) -> None:
     """This process failed (`error`, said as `line`, exit `status`; `traceback`: print the error's first),
     or was stopped during start-up (`out` 1: a stop, said on stdout), while others run: post it for them
     (see `watch`), then end this process at once (orderly unwinding could wait in a collective for
     processes that are leaving). Where the run is ending already (another process's failure, which may
     be what broke a collective here, or a process gone), this process waits for that end instead. A
     single process or an error every process met together (`agreed`): nothing happens, and the caller
-    goes on as usual."""
+    goes on as usual (so too, `wait` False, where the run is ending already)."""
     import jax
 
     if not _watching.is_set() or getattr(error, "agreed", False):
@@ -368,6 +369,8 @@ def fail(error: BaseException, line: str, status: int, out: int = 2, traceback: 
     if isinstance(error, jax.errors.JaxRuntimeError):  # a collective that failed: a process gone, which the
         _ending.wait(LINK_GRACE)  # links tell in a moment, is its cause
     if not _begin_end():
+        if not wait:
+            return
         threading.Event().wait()  # the watcher, or the links, end this process
     if traceback:
         import traceback as tb
@@ -377,6 +380,14 @@ def fail(error: BaseException, line: str, status: int, out: int = 2, traceback: 
     ended = post({"said": f"process {me} {said}" if out == 1 else f"process {me} failed: {said}", "status": status,
                   "out": out})
     end_here(_client(), me, line, ended)
+
+
+def fail_now(error: UserError) -> None:
+    """A failure met outside the main thread (a lease lost, seen by its renewal thread): with several
+    processes every process ends now (`fail`), where the main thread might meet it only after a wait in
+    a collective that the others wait for in vain. One process, or the run ending already: nothing (the
+    main thread meets it)."""
+    fail(error, f"error: {error}", error.exit_status, wait=False)
 
 
 def lost(process: int, words: str) -> None:
