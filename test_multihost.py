@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ import train
 from conftest import xla_flags
 from store import rundir, runlock
 from test_train import corpus, rows, tiny  # noqa: F401  (corpus is a fixture)
-from training import multihost
+from training import multihost, peers
 
 REPO = pathlib.Path(__file__).resolve().parent
 
@@ -188,7 +189,9 @@ def test_two_processes_match_one(corpus, tmp_path):  # noqa: F811
      "JAX_COORDINATOR_ADDRESS=nohost.invalid:1234: the host nohost.invalid cannot be found"),
     ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
      "JAX_COORDINATOR_ADDRESS=127.0.0.1: not HOST:PORT"),
-], ids=["no-coordinator", "index-past-count", "negative-count", "unknown-host", "no-port"])
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0",
+      "GPT_PEER_TIMEOUT": "2"}, "GPT_PEER_TIMEOUT=2: the seconds a process of several may go without answering"),
+], ids=["no-coordinator", "index-past-count", "negative-count", "unknown-host", "no-port", "peer-timeout"])
 def test_launcher_variables_that_cannot_work_are_one_line(corpus, tmp_path, env, words, monkeypatch, capsys):  # noqa: F811
     """JAX's launch variables half set or impossible: one line naming them before anything is made (a
     process that trained alone, or a JaxRuntimeError traceback, before)."""
@@ -329,22 +332,37 @@ def test_a_signal_right_after_launch_ends_every_process(corpus, tmp_path):  # no
 
 def test_a_lost_lease_ends_every_process(corpus, tmp_path, gcs_bucket):  # noqa: F811
     """A run in a bucket whose lease process 0 loses (another writer took the run: the lock replaced under
-    it) while two processes train: process 0 stops before its next write with its one line, and process 1
-    with one naming process 0 and why, instead of waiting for it in the next collective save; the new
-    holder's lock stays."""
+    it) while two processes train, at the worst moment: process 0 waits for its save in flight, its own
+    fence passed, and the save's commit (slow, as in a bucket under load) then meets the fence. Process 0
+    ends with its one line, and process 1 with one naming process 0 and why; the new holder's lock stays
+    (the two used to wait in orbax's barriers for each other's commit, 20 minutes, when the lease was lost
+    during that wait, as a loaded machine made it often)."""
     import fsspec
 
     fs = fsspec.filesystem("gs")
-    run = f"{gcs_bucket}/run"
+    run, waiting = f"{gcs_bucket}/run", tmp_path / "waiting"
     args = tiny(run, corpus, "training.steps=100000", "checkpoint.every=2", "training.eval_every=100000")
-    with killed_at_exit(two_processes(args, env={runlock.LEASE_TTL_ENV: "6"})) as procs:
+    slow_commit = ("import pathlib, threading, time\n"  # the first save's commit waits for the next save to wait
+                   "from store import checkpoints\n"
+                   "in_wait, wait, fenced = threading.Event(), checkpoints.Saver.wait, checkpoints.fenced_commit\n"
+                   "def waiting(self):\n"
+                   "    if self.pending is not None: in_wait.set()\n"
+                   "    return wait(self)\n"
+                   "held = []\n"
+                   "def slow(fence):\n"
+                   "    if held: return fence()\n"
+                   "    held.append(True)\n"
+                   "    in_wait.wait()\n"
+                   f"    pathlib.Path({str(waiting)!r}).touch()\n"
+                   "    while True: fence(); time.sleep(0.1)\n"
+                   "checkpoints.Saver.wait = waiting\n"
+                   "checkpoints.fenced_commit = lambda fence: fenced(lambda: slow(fence))")
+    with killed_at_exit(two_processes(args, env={runlock.LEASE_TTL_ENV: "6"}, failing=(0, slow_commit))) as procs:
         deadline = time.time() + 180
-        while time.time() < deadline and all(p.poll() is None for p in procs):
-            fs.invalidate_cache()
-            if fs.find(f"{run}/checkpoints", maxdepth=2):
-                break
+        while time.time() < deadline and all(p.poll() is None for p in procs) and not waiting.exists():
             time.sleep(0.2)
         assert all(p.poll() is None for p in procs), [p.communicate()[1][-2000:] for p in procs]
+        assert waiting.exists(), "the first save's commit was not held"
         taker = {"host": "elsewhere", "pid": 1, "purpose": "train.py --resume", "since": "now", "token": "taker",
                  "heartbeat": time.time() + 3600}
         fs.pipe(f"{run}/{runlock.LOCK}", json.dumps(taker).encode())
@@ -354,3 +372,66 @@ def test_a_lost_lease_ends_every_process(corpus, tmp_path, gcs_bucket):  # noqa:
     assert lost.startswith(f"error: this process lost the lease on {run} (train.py --resume (pid 1 on elsewhere"), lost
     assert last_line(outs[1][1]) == f"error: process 0 failed: {lost.removeprefix('error: ')}; process 1 stops too"
     assert json.loads(fs.cat_file(f"{run}/{runlock.LOCK}"))["token"] == "taker"
+
+
+def only_line(err: str) -> str:
+    """The one line a process said on stderr, besides the progress lines of its steps."""
+    said = [line for line in err.strip().splitlines() if not line.startswith("step ")]
+    assert len(said) == 1 and "Traceback" not in err, err[-3000:]
+    return said[0]
+
+
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_killed_process_is_named_by_the_others(corpus, tmp_path, killed):  # noqa: F811
+    """SIGKILL of one of two training processes (the out-of-memory killer, a machine lost), process 0 with
+    the coordination service or the other: the survivor ends within moments with one line naming the
+    process gone, and 1 (it used to end in a Gloo traceback, wait for JAX's heartbeat check to abort it
+    after 100 s, or, process 0 gone, be aborted by JAX at once with a C++ stack trace)."""
+    run = tmp_path / "run"
+    long_run = tiny(run, corpus, "training.steps=100000", "checkpoint.every=100000", "training.eval_every=100000")
+    with killed_at_exit(two_processes(long_run)) as procs:
+        training(run, procs)
+        procs[killed].kill()
+        survivor = procs[1 - killed]
+        _, err = survivor.communicate(timeout=60)
+    assert survivor.returncode == 1, err[-3000:]
+    assert only_line(err) == (f"error: process {killed} is gone (its link closed without a word: killed, crashed, or "
+                              f"its machine lost); process {1 - killed} stops too")
+
+
+def test_a_stopped_process_is_said_then_ends_the_run_at_the_limit(corpus, tmp_path):  # noqa: F811
+    """One of two training processes stopped (SIGSTOP: a VM stall, a debugger, ^Z): the other says once
+    which process has not answered, and since when, and once it has not for GPT_PEER_TIMEOUT seconds
+    ends with one line and 1 (it used to wait with no word until JAX's heartbeat check aborted it). The
+    stopped process, continued, ends too, with the run's line."""
+    run = tmp_path / "run"
+    long_run = tiny(run, corpus, "training.steps=100000", "checkpoint.every=100000", "training.eval_every=100000")
+    limit = 6
+    with killed_at_exit(two_processes(long_run, env={peers.TIMEOUT_ENV: str(limit)})) as procs:
+        training(run, procs)
+        procs[1].send_signal(signal.SIGSTOP)
+        stopped = time.time()
+        _, err = procs[0].communicate(timeout=120)
+        took = time.time() - stopped
+        procs[1].send_signal(signal.SIGCONT)
+        _, err1 = procs[1].communicate(timeout=60)
+    said = [line for line in err.strip().splitlines() if not line.startswith("step ")]
+    assert len(said) == 2 and "Traceback" not in err, err[-3000:]
+    warned = re.fullmatch(r"warning: process 1 has not answered for (\d+) s \(since (\d\d:\d\d:\d\d)\): it may be "
+                          rf"stopped, hung or cut off; every process ends if it has not answered in {limit} s "
+                          rf"\({peers.TIMEOUT_ENV}\)", said[0])
+    assert warned and limit / 2 <= int(warned[1]) + 0.5 < limit, said
+    since = warned[2]
+    assert -1 <= seconds_before(stopped, since) <= limit, (since, time.strftime("%H:%M:%S", time.localtime(stopped)))
+    ended = re.fullmatch(rf"error: (process 1 has not answered for (\d+) s \(since {since}; {peers.TIMEOUT_ENV}="
+                         rf"{limit}\): it is stopped, hung or cut off); process 0 stops too", said[1])
+    assert ended and int(ended[2]) + 0.5 >= limit and took > limit - 2 * peers.BEAT, (said, took)
+    assert procs[0].returncode == 1 and procs[1].returncode == 1
+    assert only_line(err1) == f"error: {ended[1]}; process 1 stops too"
+
+
+def seconds_before(t: float, hms: str) -> int:
+    """How many seconds the time of day `hms` (HH:MM:SS, local) lies before the time `t`."""
+    h, m, s = map(int, hms.split(":"))
+    day = time.localtime(t)
+    return (day.tm_hour * 3600 + day.tm_min * 60 + day.tm_sec - (h * 3600 + m * 60 + s) + 43200) % 86400 - 43200

@@ -58,7 +58,8 @@ class Lease:
     renewal conditional on the generation written last (where the store has generations). `check`
     (the run's fence) raises a RunError once the lease is lost: a renewal refused because another
     process holds the lock now, or, when no renewal has gone through for two periods (this process
-    was paused), a look at the lock that finds another generation there."""
+    was paused), a look at the lock that finds another generation there. With several processes, a lease
+    that its renewal thread finds lost ends every process at once (multihost.fail_now)."""
 
     def __init__(self, run: Lock, holder: dict, generation: int | None, every: float, taken: float):
         self.run, self.holder, self.generation, self.every = run, holder, generation, every
@@ -73,7 +74,8 @@ class Lease:
 
     def stop(self) -> None:
         self.stopping.set()
-        self.thread.join()
+        if self.thread is not threading.current_thread():  # (the thread itself, ending the run: multihost.fail)
+            self.thread.join()
 
     def _content(self) -> bytes:
         return (json.dumps({**self.holder, "heartbeat": time.time()}) + "\n").encode()
@@ -84,6 +86,8 @@ class Lease:
                 self.renew()
             except storage.StorageError:
                 pass  # the store unreachable: the next renewal tries again (check() looks if it drags on)
+        if self.lost:  # several processes end now: the fence may next be met only after a wait for a save in
+            multihost.fail_now(self.error())  # flight, whose fenced commit the others' barriers wait for
 
     def renew(self) -> None:
         with self.guard:
@@ -116,8 +120,11 @@ class Lease:
         if not self.lost and self.generation is not None and time.monotonic() - self.confirmed > 2 * self.every:
             self.renew()  # renewals stopped for a while (this process paused?): is the lease still ours?
         if self.lost:
-            raise RunError(f"this process lost the lease on {self.run} ({self.lost}: it was paused or cut off "
-                           f"longer than the lease lasts); it stops without writing anything more into the run")
+            raise self.error()
+
+    def error(self) -> RunError:
+        return RunError(f"this process lost the lease on {self.run} ({self.lost}: it was paused or cut off longer "
+                        f"than the lease lasts); it stops without writing anything more into the run")
 
 
 class Lock:

@@ -13,10 +13,13 @@ agreement between the processes, that a failure or a stop on any of them ends ev
                       every other process sees it within a second, runs its `at_end` callbacks (a
                       lease released, a new run directory removed), says in one line which process
                       ended the run and why, and exits at once (waiting in a collective for a process
-                      that is gone would last until JAX's heartbeat timeout, ~100 s, then abort)
+                      that is gone would last until JAX's heartbeat timeout, then abort)
+    lost              a process gone (killed, crashed) or not answering for GPT_PEER_TIMEOUT seconds
+                      (stopped, hung, cut off), told by peers.py's links: every process ends, each with
+                      one line naming it
 
-Imports errors.py only of the project; JAX is imported when a distributed start is needed (the launch
-is read with the standard library, before JAX loads).
+Imports errors.py and peers.py only of the project; JAX is imported when a distributed start is needed
+(the launch is read with the standard library, before JAX loads).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from typing import Callable, NamedTuple
 
 from core import errors
 from core.errors import RunError, ShardingError, UserError
+from training import peers
 
 TPU_COORDINATOR_PORT = 8482  # the port JAX's own Cloud TPU detection uses for the coordinator
 PORT_ENV = "GPT_COORDINATOR_PORT"  # instead of TPU_COORDINATOR_PORT on a TPU VM pod
@@ -173,8 +177,11 @@ def initialize() -> bool:
     how = launch()
     if how is None:
         return False
-    try:
-        jax.distributed.initialize(**how.kwargs)
+    global _limit
+    _limit = peers.peer_timeout()  # (a bad value: one line, before joining)
+    try:  # JAX's own heartbeat check (which aborts every process) waits past the limit, which ends the run first
+        with peers.service_elsewhere(linger=WAIT_FOR_OTHERS + 2 * LAST_LEAVES):
+            jax.distributed.initialize(**how.kwargs, heartbeat_timeout_seconds=peers.jax_heartbeat(_limit))
     except (ValueError, RuntimeError) as e:  # JAX's detection not seeing the launcher, a coordinator unreachable
         what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ShardingError(f"{how.source} says several processes run, but JAX cannot join them ({what[:300]}): "
@@ -224,15 +231,19 @@ def on_every_process(check, stopped: str):
 # ----------------------------------------------------------------------------------------------
 # A failure anywhere ends every process
 
-ENDED = "gpt_alibi/ended"  # the key the first process to end the run writes: {process, line, status}
+ENDED = "gpt_alibi/ended"  # the key the first process to end the run writes: {said, status, out}
 SEEN = "gpt_alibi/seen/"  # + process index: that process has seen it and is ending
 POLL_MS = 500  # how long one wait of the watcher for the end lasts, in milliseconds (it then looks again)
 WAIT_FOR_OTHERS = 5.0  # seconds an ending process waits for every other to have seen the end
 LAST_LEAVES = 0.5  # seconds process 0, whose exit takes the coordination service with it, leaves after the others
+LINK_GRACE = 3.0  # seconds a failed collective waits for the links to name a process that is gone (its cause)
 
 _at_end: list[Callable[[], None]] = []
 _ending = threading.Event()  # this process is ending (failing, or seen another's end): the watcher stands down
+_end_lock = threading.Lock()
 _watching = threading.Event()
+_links: peers.Links | None = None
+_limit = peers.TIMEOUT  # seconds a process may go without answering (peers.peer_timeout)
 
 
 def at_end(callback: Callable[[], None]) -> Callable[[], None]:
@@ -248,16 +259,27 @@ def _client():
     return distributed.global_state.client
 
 
-def watch() -> None:
-    """With several processes: a thread that ends this process when another posts the run's end (`fail`):
-    it runs the at_end callbacks, says in one line which process ended the run and why, and exits with
-    that process's status."""
-    import jax
+def _begin_end() -> bool:
+    """Whether this thread is the one to end this process (no other has begun to); from now on it is."""
+    with _end_lock:
+        if _ending.is_set():
+            return False
+        _ending.set()
+        return True
 
+
+def watch() -> None:
+    """With several processes: a thread that ends this process when another posts the run's end (`fail`,
+    `lost`): it runs the at_end callbacks, says in one line which process ended the run and why, and
+    exits with that process's status; and the links (`Links`) that tell a process gone or not answering."""
+    import jax
+    from jax._src import distributed
+
+    global _links
     if jax.process_count() < 2 or _watching.is_set():
         return
     _watching.set()
-    client, me = _client(), jax.process_index()
+    client = _client()
 
     def loop():
         while not _ending.is_set():
@@ -265,30 +287,39 @@ def watch() -> None:
                 raw = client.blocking_key_value_get(ENDED, POLL_MS)
             except Exception:  # not posted meanwhile (or the service shut down at a normal end)
                 continue
-            if _ending.is_set():
-                return
-            _ending.set()
-            ended = json.loads(raw)
-            p, line = ended["process"], ended["line"]
-            if ended.get("stopped"):
-                end_here(client, me, f"process {p} {line}; process {me} stops too", ended["status"], out=1)
-            else:
-                end_here(client, me, f"error: process {p} failed: {line}; process {me} stops too", ended["status"])
+            ended_elsewhere(json.loads(raw))
 
     thread = threading.Thread(target=loop, name="run-ended-elsewhere", daemon=True)
     thread.start()
+    _links = peers.Links(jax.process_index(), _limit, _ending, lost, ended_elsewhere)
+    _links.start(client, distributed.global_state.coordinator_address.rpartition(":")[0].strip("[]"))
 
     def stand_down():  # before JAX's own shutdown (registered earlier, so run later): a thread still inside
         _ending.set()  # the client's call when the interpreter finalizes aborts the process
+        _links.leave(None)  # the others are told that this process ends on purpose
         thread.join()
 
     atexit.register(stand_down)
 
 
-def end_here(client, me: int, line: str, status: int, out: int = 2) -> None:
-    """This process ends now: it runs the at_end callbacks, writes `line` (to file descriptor `out`), says
-    it has seen the end, waits (a few seconds at most) until every process has, and exits with `status`;
-    process 0 last, since the others' coordination service goes with it."""
+def ended_elsewhere(ended: dict, by: int | None = None) -> None:
+    """Another process ended the run, and posted `ended` (or sent it on its link as its farewell, `by` that
+    process, which this one then does not wait for): this one ends too, saying so."""
+    if not _begin_end():
+        return
+    import jax
+
+    me = jax.process_index()
+    prefix = "" if ended["out"] == 1 else "error: "  # a stop is said on stdout, without "error:"
+    end_here(_client(), me, f"{prefix}{ended['said']}; process {me} stops too", ended, gone=by)
+
+
+def end_here(client, me: int, line: str, ended: dict, gone: int | None = None) -> None:
+    """This process ends now, as `ended` says (its status, and `out`: the file descriptor of `line`): it
+    runs the at_end callbacks, writes `line`, tells its links why (`Links.leave`), says it has seen the
+    end, waits (a few seconds at most) until every process has but `gone` (gone, or not answering: with
+    process 0, the coordination service is too), and exits; process 0 last, since the others'
+    coordination service goes with it."""
     import jax
 
     for callback in list(_at_end):
@@ -298,15 +329,23 @@ def end_here(client, me: int, line: str, status: int, out: int = 2) -> None:
             pass
     sys.stdout.flush()
     sys.stderr.flush()
-    os.write(out, (line + "\n").encode())
+    os.write(ended["out"], (line + "\n").encode())
     null = os.open(os.devnull, os.O_WRONLY)  # the line is the last: what the main thread still prints is not
     for fd in (1, 2):
         os.dup2(null, fd)
+    if _links is not None:
+        _links.leave(ended)
+    status = ended["status"]
+    timer = threading.Timer(WAIT_FOR_OTHERS + 2 * LAST_LEAVES, os._exit, (status,))  # whatever the service does
+    timer.daemon = True
+    timer.start()
     deadline = time.monotonic() + WAIT_FOR_OTHERS
     try:
-        client.key_value_set(f"{SEEN}{me}", "1", allow_overwrite=True)
-        while time.monotonic() < deadline and len(client.key_value_dir_get(SEEN)) < jax.process_count():
-            time.sleep(0.05)
+        if gone != 0:
+            client.key_value_set(f"{SEEN}{me}", "1", allow_overwrite=True)
+            while time.monotonic() < deadline and len(client.key_value_dir_get(SEEN)) < jax.process_count() - (
+                    gone is not None):
+                time.sleep(0.05)
     except Exception:  # the service is gone: nobody is left to wait for
         pass
     if me == 0:
@@ -314,31 +353,65 @@ def end_here(client, me: int, line: str, status: int, out: int = 2) -> None:
     os._exit(status)
 
 
-def fail(error: BaseException, line: str, status: int, out: int = 2, traceback: bool = False) -> None:
+def fail(error: BaseException, line: str, status: int, out: int = 2, traceback: bool = False,
+         wait: bool = True) -> None:
     """This process failed (`error`, said as `line`, exit `status`; `traceback`: print the error's first),
     or was stopped during start-up (`out` 1: a stop, said on stdout), while others run: post it for them
     (see `watch`), then end this process at once (orderly unwinding could wait in a collective for
     processes that are leaving). Where the run is ending already (another process's failure, which may
-    be what broke a collective here), this process waits for that end instead. A single process or an
-    error every process met together (`agreed`): nothing happens, and the caller goes on as usual."""
+    be what broke a collective here, or a process gone), this process waits for that end instead. A
+    single process or an error every process met together (`agreed`): nothing happens, and the caller
+    goes on as usual (so too, `wait` False, where the run is ending already)."""
     import jax
 
     if not _watching.is_set() or getattr(error, "agreed", False):
         return
-    if _ending.is_set():
-        threading.Event().wait()  # the watcher is ending this process
-    _ending.set()
+    if isinstance(error, jax.errors.JaxRuntimeError):  # a collective that failed: a process gone, which the
+        _ending.wait(LINK_GRACE)  # links tell in a moment, is its cause
+    if not _begin_end():
+        if not wait:
+            return
+        threading.Event().wait()  # the watcher, or the links, end this process
     if traceback:
         import traceback as tb
 
         tb.print_exception(error)
-    client, me = _client(), jax.process_index()
-    said = line.removeprefix("error: ")
+    me, said = jax.process_index(), line.removeprefix("error: ")
+    ended = post({"said": f"process {me} {said}" if out == 1 else f"process {me} failed: {said}", "status": status,
+                  "out": out})
+    end_here(_client(), me, line, ended)
+
+
+def fail_now(error: UserError) -> None:
+    """A failure met outside the main thread (a lease lost, seen by its renewal thread): with several
+    processes every process ends now (`fail`), where the main thread might meet it only after a wait in
+    a collective that the others wait for in vain. One process, or the run ending already: nothing (the
+    main thread meets it)."""
+    fail(error, f"error: {error}", error.exit_status, wait=False)
+
+
+def lost(process: int, words: str) -> None:
+    """Process `process` is gone or not answering (`words` say which, and since when): this process ends
+    with a line saying so, and status 1; process 0, which holds the coordination service, ends every
+    other too; a process that loses process 0 ends alone (each does)."""
+    import jax
+
+    if not _begin_end():
+        return
+    me, said = jax.process_index(), f"process {process} {words}"
+    ended = {"said": said, "status": 1, "out": 2}
+    if me == 0:
+        post(ended)
+    end_here(_client(), me, f"error: {said}; process {me} stops too", ended, gone=process)
+
+
+def post(ended: dict) -> dict:
+    """`ended` posted as the run's end, for every process's watcher; returns it."""
     try:
-        client.key_value_set(ENDED, json.dumps({"process": me, "line": said, "status": status, "stopped": out == 1}))
+        _client().key_value_set(ENDED, json.dumps(ended))
     except Exception:  # another process ended the run first: its end stands, this one says its own
         pass
-    end_here(client, me, line, status, out)
+    return ended
 
 
 @contextlib.contextmanager
