@@ -418,13 +418,16 @@ def _refuse_a_run_directory(directory) -> None:
     directory the run records in its data.json, which is what --verify checks."""
     if storage.RunDir(directory).is_file("index.json"):
         return
-    from store import rundir  # (loads JAX: only for a directory that is no data directory)
-    run = rundir.Record(directory)
-    if not (run.has_config() or run.is_file(rundir.DATA)):
+    from store import record  # (loads JAX: only for a directory that is no data directory)
+    run = record.Record(storage.RunDir(directory))
+    if not (run.has_config() or run.dir.is_file(record.DATA)):
         return  # neither: shards.verify says what is missing
-    data_dir = run.data().get("dir")
-    trained = (f"this run trained on {data_dir} (its {rundir.DATA}): python data.py --verify "
-               f"{shlex.quote(data_dir)}" if data_dir else f"this run records no data directory (no {rundir.DATA})")
+    recorded = run.data()
+    dirs = [recorded["dir"]] if recorded.get("dir") else [  # a mixture run: each source's directory
+        s["dir"] for s in (recorded.get("mixture") or {}).values() if isinstance(s, dict) and s.get("dir")]
+    trained = (f"this run trained on {', '.join(dirs)} (its {record.DATA}): "
+               + "; ".join(f"python data.py --verify {shlex.quote(d)}" for d in dirs) if dirs
+               else f"this run records no data directory (no {record.DATA})")
     raise DataError(f"{directory} is a run directory; --verify checks a prepared data directory (one with "
                     f"index.json): {trained}")
 

@@ -340,8 +340,12 @@ def test_an_imported_run_carries_the_config_files_settings(valid_hf, tmp_path):
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     conf = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())
     assert saved["training"] == {**conf["training"], "seq_len": None}
-    for section in ("checkpoint", "sharding", "wandb", "data"):
+    for section in ("checkpoint", "sharding", "wandb"):
         assert saved[section] == conf[section], section
+    # data: conf's, less the mixture's keys it leaves unset (a one-directory run's config.yaml is as before)
+    assert saved["data"] == {k: v for k, v in conf["data"].items() if k in saved["data"]}
+    assert {k: conf["data"][k] for k in conf["data"].keys() - saved["data"].keys()} == {
+        "mixture": None, "stages": [], "max_epochs": None}
     assert saved["seed"] == conf["seed"] and saved["run_dir"] == str(tmp_path / "run")
     assert saved["model"]["name"] == "imported-gpt2" and saved["model"]["block_size"] == 32
 
@@ -823,10 +827,10 @@ def test_torch_gpt_alone_beside_an_export_needs_nothing_of_the_repository(tmp_pa
     np.save(fresh / "tokens.npy", toks)
     code = textwrap.dedent("""
         import importlib.util, sys
-        for project in ("model", "errors", "hf_layouts", "convert_torch"):  # the repository is out of sight
+        for project in ("model", "core", "interop", "convert_torch"):  # the repository is out of sight
             assert importlib.util.find_spec(project) is None, (project, sys.path)
         import numpy as np, torch
-        from interop.torch_gpt import GPT
+        from torch_gpt import GPT
         model = GPT.from_pretrained("export")
         with torch.no_grad():
             np.save("logits.npy", model(torch.from_numpy(np.load("tokens.npy"))).numpy())
