@@ -98,7 +98,7 @@ def here() -> Target:
 
     import jax
 
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # one of this process's: another's answers no memory_stats
     limit = ((device.memory_stats() if hasattr(device, "memory_stats") else None) or {}).get("bytes_limit")
     memory = limit or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / jax.local_device_count()
     label = "CPU device(s) of this machine" if device.platform == "cpu" else device.device_kind
