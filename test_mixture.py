@@ -340,7 +340,9 @@ def test_a_resume_on_other_sources_is_refused(straight, sources, tmp_path, capsy
     shutil.rmtree(copy / "checkpoints" / "8")
     for extra, words in ((["data.mixture.code.dir=" + str(sources / "web")],
                           f"data.mixture.code.dir {sources / 'web'} is not the data this run trained on as 'code'"),
-                         (["data.mixture.more.dir=" + str(sources / "web")], "cannot change data.mixture's sources")):
+                         (["data.mixture.more.dir=" + str(sources / "web")], "gives no weight to more"),
+                         (["data.mixture.more.dir=" + str(sources / "web"), "data.stages=[]"],
+                          "a resume cannot add, remove or reorder sources")):
         before = sorted(p.name for p in copy.rglob("*"))
         assert train.cli(["--resume", f"run_dir={copy}", *extra]) == 2
         err = capsys.readouterr().err
