@@ -246,7 +246,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
                 if stages is None:
                     run_dir.record.save_data(corpus)
                 else:
-                    run_dir.record.save_mixture(sources, mixture.shares(train_loader, stages))
+                    run_dir.record.save_mixture(sources, mixture.shares(train_loader.names, train_loader.schedule,
+                                                                        stages))
                 if t.lora is not None:
                     run_dir.weights.save_lora_base(base_record)
 

@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from core.errors import DataError
-from tokendata.loader import Loader
+from tokendata.loader import Loader, open_loader
 from tokendata.permutation import permute
 
 BLOCK = 1024  # sequences a block's exact counts are rounded for: shares within 1/1024 of the weights
@@ -172,8 +172,6 @@ def open_mixture(sources: dict, stages: list[tuple[int, list[float]]], seq_len: 
                  seed: int, process_index: int = 0, process_count: int = 1, batching: str = "packing") -> Mixture:
     """The Mixture of `sources` ({name: shards.DataDir}, checked by check_sources) with `stages`: each
     source's train split through its own loader, in its own keyed order (source_seed)."""
-    from tokendata.loader import open_loader
-
     loaders = {}
     for name, data in sources.items():
         try:
@@ -185,20 +183,23 @@ def open_mixture(sources: dict, stages: list[tuple[int, list[float]]], seq_len: 
                    process_count=process_count)
 
 
-def shares(mix: Mixture, stages: list[tuple[int, list[float]]]) -> list[dict]:
-    """[{step, shares: {name: its share of every block}}] of each stage: the counts per block over BLOCK,
-    the weights as rounded (what a run records and says)."""
-    return [{"step": step, "shares": {n: int(c) / mix.schedule.block for n, c in zip(mix.names, counts)}}
-            for (step, _), counts in zip(stages, mix.schedule.counts)]
+def shares(names: list[str], schedule: Schedule, stages: list[tuple[int, list[float]]]) -> list[dict]:
+    """[{step, shares: {name: its share of every block}}] of each stage: the counts per block over the
+    block, the weights as rounded (what a run records and says, and the plan shows)."""
+    return [{"step": step, "shares": {n: int(c) / schedule.block for n, c in zip(names, counts)}}
+            for (step, _), counts in zip(stages, schedule.counts)]
+
+
+def share_lines(names: list[str], schedule: Schedule, stages: list[tuple[int, list[float]]]) -> list[str]:
+    """Each stage's shares, a line each, as start-up and the plan say them."""
+    return [f"data mixture from step {stage['step']}: " + ", ".join(f"{n} {v:.1%}" for n, v in stage["shares"].items())
+            for stage in shares(names, schedule, stages)]
 
 
 def describe(mix: Mixture, stages: list[tuple[int, list[float]]], steps: int) -> list[str]:
     """What a run's start-up says of its mixture: each stage's shares, and each source's epochs over
     `steps` steps (a source repeated is said so)."""
-    lines = []
-    for stage in shares(mix, stages):
-        when = "from step 0" if stage["step"] == 0 else f"from step {stage['step']}"
-        lines.append(f"data mixture {when}: " + ", ".join(f"{n} {s:.1%}" for n, s in stage["shares"].items()))
+    lines = share_lines(mix.names, mix.schedule, stages)
     epochs = mix.epochs(steps)
     lines.append(f"over {steps} steps: " + ", ".join(
         f"{n} {e:.2f} epochs" + (" (repeated)" if e > 1 else "") for n, e in epochs.items()))

@@ -524,11 +524,9 @@ def report(cfg, dev: Target, mfu: float = 0.4) -> str:
         line += "; no peak FLOP/s known for a memory size: name the device (--device H100) for a step time"
     lines.append(line)
     if cfg.data.mixture:  # the shares of each stage and each source's tokens over the run (no data read)
-        schedule = mixture.Schedule(config_lib.mixture_stages(cfg.data), t.batch_size, seed=cfg.seed)
-        names = list(cfg.data.mixture)
-        for (step, _), counts in zip(config_lib.mixture_stages(cfg.data), schedule.counts):
-            lines.append(f"data mixture from step {step}: " + ", ".join(
-                f"{n} {c / schedule.block:.1%}" for n, c in zip(names, counts.tolist())))
+        stages, names = config_lib.mixture_stages(cfg.data), list(cfg.data.mixture)
+        schedule = mixture.Schedule(stages, t.batch_size, seed=cfg.seed)
+        lines += mixture.share_lines(names, schedule, stages)
         taken = schedule.taken(t.steps * t.batch_size).tolist()
         lines.append(f"over {t.steps} steps: " + ", ".join(f"{n} {k * cfg.seq_len:,} tokens" for n, k in zip(names, taken)))
     return "\n".join(lines)
