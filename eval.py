@@ -405,7 +405,7 @@ def main(argv=None) -> int:
 
 def cli(argv=None) -> int:
     """main() with user errors as one `error: ...` line on stderr and exit status 2."""
-    return errors.run_cli(main, argv)
+    return errors.run_cli(main, argv, at_once=True)  # nothing to undo: a Ctrl-C ends it where it stands
 
 
 if __name__ == "__main__":

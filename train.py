@@ -21,10 +21,14 @@ may be a URL too.
 from __future__ import annotations
 
 from core import errors  # light: nothing but the standard library
+
+if __name__ == "__main__":
+    errors.stop_at_once_while_loading()  # a Ctrl-C while the modules load: one line, no traceback
+
 from training import multihost  # light too: JAX loads when a distributed start needs it
 
-if __name__ == "__main__":  # a Ctrl-C while JAX and the rest load: one line, no traceback (several processes:
-    errors.stop_at_once_while_loading(defer=multihost.launched_several())  # kept, to stop all together)
+if __name__ == "__main__" and multihost.launched_several():  # several processes: a signal is kept from now,
+    errors.stop_at_once_while_loading(defer=True)  # to stop all together
 
 
 def parse_args(argv):
