@@ -176,7 +176,8 @@ def stop_at_once_while_loading(defer: bool = False) -> None:
 
     `defer` (this process is one of several, which must stop together): the first signal is kept
     instead (`pending_signal`), for the command to agree on with the others once they have joined; a
-    second one ends the process at once.
+    second one ends the process at once. Called again without `defer` (the command has found that it
+    runs alone), a signal kept so far ends the process now.
 
     It also marks this process as the command's own: once run_cli has said a Ctrl-C's line, the process
     ends at once (end_now), not through the interpreter's finalization."""
@@ -191,9 +192,12 @@ def stop_at_once_while_loading(defer: bool = False) -> None:
         os.write(2, f"error: stopped by {signal.Signals(signum).name} while starting; nothing was done\n".encode())
         os._exit(128 + signum)
 
+    kept = None if defer else pending_signal()
     _deferred, _program = ([] if defer else None), True
     for s in STOP_SIGNALS:
         signal.signal(s, stop)
+    if kept is not None:
+        stop(kept, None)
 
 
 def pending_signal() -> int | None:
