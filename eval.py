@@ -347,8 +347,8 @@ def main(argv=None) -> int:
         raise EvalError(f"{run.dir.show(record.TOKENIZER)} has no end-of-text token ({', '.join(shards.EOT_CANDIDATES)}), "
                         "which lm-eval's adapter needs as its prefix token")
 
-    if task_names and args.include_path is None:
-        harness.check_task_data(task_names)  # offline with nothing cached: now, not after the model and lm-eval's index
+    # the tasks built, their data loaded: a task that cannot run stops now, not after the model and the perplexity
+    to_run = harness.load_tasks(task_names, args.include_path) if task_names else None
     model, step = run.weights.load_model(args.step, attention=attending.attention)
     if not run.dir.remote:
         (pathlib.Path(run.dir.location) / "eval").mkdir(exist_ok=True)
@@ -398,8 +398,7 @@ def main(argv=None) -> int:
         lm = harness.JaxLM(model, tokenizer, eot_id=eot_id, max_length=args.max_length, batch_tokens=args.batch_tokens,
                            progress=sys.stderr.isatty())  # bars on a terminal only, not in a log
         t0 = time.perf_counter()
-        tasks = harness.run_tasks(lm, task_names, include_path=args.include_path, limit=args.limit,
-                          num_fewshot=args.num_fewshot, seed=args.seed)
+        tasks = harness.run_tasks(lm, to_run, limit=args.limit, num_fewshot=args.num_fewshot, seed=args.seed)
         print(f"\nzero-shot results ({time.perf_counter() - t0:.1f}s)")
         for column, value in harness.task_table(tasks):
             print(f"{column:<32} {value:>10.4f}")
@@ -415,7 +414,7 @@ def main(argv=None) -> int:
 
 def cli(argv=None) -> int:
     """main() with user errors as one `error: ...` line on stderr and exit status 2."""
-    return errors.run_cli(main, argv)
+    return errors.run_cli(main, argv, at_once=True)  # nothing to undo: a Ctrl-C ends it where it stands
 
 
 if __name__ == "__main__":

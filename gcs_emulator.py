@@ -240,7 +240,8 @@ def exports(url: str) -> list[str]:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description="A Google Cloud Storage server on 127.0.0.1 (in memory), for the "
                                      "tests, bench.py data --remote and trying gs:// paths locally. Prints the port, "
-                                     "then the export lines that point the clients at it.")
+                                     "then the export lines that point the clients at it.",
+                                     allow_abbrev=False)  # an option only as written in full, as every command
     parser.add_argument("--bucket", default="local", help="the bucket it starts with (default: %(default)s)")
     parser.add_argument("--port", type=int, default=0, help="port of 127.0.0.1 (default: a free one)")
     parser.add_argument("--latency-ms", type=float, default=0.0, help="wait before answering each read")

@@ -1,4 +1,4 @@
-"""Text generation from a run directory, with a KV cache in one jitted, fixed-shape loop.
+"""Text generation from a run directory, with a KV cache in a jitted, fixed-shape loop.
 
     python sample.py --checkpoint RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
                      [--top-k K] [--top-p P] [--seed S] [--num-samples M] [--step STEP]
@@ -7,7 +7,11 @@ The run directory gives everything: the model (`config.yaml`), the weights (the 
 or `--step`) and `tokenizer.json`. The prompt is encoded once and repeated M times into one
 batch; one `jax.jit` call prefills the cache with the whole prompt (`GPT.decode` at position 0),
 then a `lax.while_loop` feeds one token per step until N new tokens or until every sample has
-produced the end-of-text token. A sample ends at its end-of-text token.
+produced the end-of-text token. A sample ends at its end-of-text token. The loop runs a chunk of
+steps per call (decoding.Generation.chunks, about a quarter of a second each, the cache carried
+from one to the next; the tokens are those of one long loop): between two chunks a terminal shows
+the progress of a generation longer than a few seconds (tokens, tokens/s; nothing in a log), and a
+Ctrl-C stops it, prints the samples as far as they got and ends with one line saying where, status 130.
 
 Sampling: logits over the padded vocabulary rows (ids >= vocab_size) are -inf; temperature 0 is
 greedy (argmax), otherwise the logits are divided by T, cut to the K largest (`--top-k`, 0 = off)
@@ -21,11 +25,15 @@ used the way it was trained: `--prompt` is the in_text, encoded on its own exact
 finetune_data.py encodes it, and the completion (the out_text, up to the end-of-text token) is
 printed alone.
 
-User errors (a missing run directory or checkpoint, an empty prompt, a bad number, a too-long
-learned-position request, a cache and logits larger than the device's memory, which the error sizes
-down) end in one `error: ...` line on stderr and exit status 2, before the model loads.
+User errors (a missing run directory or checkpoint, an empty prompt, a prompt that is not UTF-8, a
+bad number, a too-long learned-position request, a cache and a prompt's prefill larger than the
+device's memory, which the error sizes down) end in one `error: ...` line on stderr and exit status
+2, before the model loads. A Ctrl-C while it starts ends it at once with one line and status 130; a
+reader of its output that has gone (`| head -c 600`) ends it quietly with status 141.
 """
 from __future__ import annotations
+
+import os
 
 from core import errors  # light: nothing but the standard library
 
@@ -61,12 +69,32 @@ def parse_args(argv):
         raise errors.SampleError(f"--seed must be a 64-bit integer (between -2**63 and 2**63 - 1), got {args.seed}")
     if args.prompt == "":
         raise errors.SampleError("--prompt is empty; give some text to continue")
+    if not args.prompt.isascii():
+        check_utf8(args.prompt)
     return args
+
+
+def check_utf8(prompt: str) -> None:
+    """A SampleError naming the first byte of a --prompt that is not UTF-8 text: bytes the command line
+    could not decode reach Python as lone surrogates (surrogateescape), which no tokenizer takes."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = os.fsencode(prompt)  # the bytes as given
+        try:
+            raw.decode("utf-8")
+            where = ""
+        except UnicodeDecodeError as e:
+            where = f" (byte 0x{raw[e.start]:02x} at byte {e.start})"
+        raise errors.SampleError(f"--prompt is not UTF-8 text{where}: give it in UTF-8 (iconv converts from "
+                                 "other encodings)") from None
 
 
 if __name__ == "__main__":
     errors.parse_before_loading(parse_args)  # --help and argument mistakes: at once, before JAX loads
 
+import contextlib
+import signal
 import sys
 import time
 
@@ -74,8 +102,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
-from core.errors import SampleError
+from core.errors import Interrupted, SampleError
 from inference.decoding import check_generation_size, make_generate, truncate
 from store import rundir
 from tokendata import shards
@@ -108,28 +137,64 @@ def main(argv=None) -> int:
     graphdef, state = nnx.split(model)
     prompt = jnp.asarray(np.tile(np.asarray(prompt_ids, np.int32), (args.num_samples, 1)))  # (M, T0)
     key = jax.random.key(args.seed)
-    fn = make_generate(graphdef, cfg, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, eot_id=eot_id)
+    generation = make_generate(graphdef, cfg, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                               top_p=args.top_p, eot_id=eot_id)
     t0 = time.perf_counter()
-    compiled = fn.lower(state, prompt, key).compile()
+    generation.compile(state, prompt, key)
     t1 = time.perf_counter()
-    out, steps = compiled(state, prompt, key)
-    out, steps = np.asarray(out), int(steps)  # waits for the device
+    with noting_ctrl_c() as interrupted, tqdm(total=args.num_samples * args.max_new_tokens, unit="token",
+                                              desc="generating", delay=PROGRESS_AFTER, leave=False,
+                                              disable=None) as bar:  # None: on a terminal only
+        for done in generation.chunks(state, prompt, key):
+            bar.update(args.num_samples * done.steps - bar.n if not bar.disable else 0)
+            if interrupted:
+                break
+    out, steps = done.tokens(), done.steps  # waits for the device
     t2 = time.perf_counter()
 
     for i, row in enumerate(out):
         text = tokenizer.decode(([] if finetuned else prompt_ids) + truncate(row, eot_id))
         print(f"---------- sample {i + 1}/{args.num_samples} ----------")
         print(text)
+    if interrupted:
+        sys.stdout.flush()  # the samples, then the line that says where they stop
+        raise Interrupted(f"interrupted after {steps:,} of --max-new-tokens {args.max_new_tokens:,} new tokens a "
+                          "sample: the samples above are what was generated")
+    sys.stdout.flush()  # the samples out (or a reader that has gone found) before the line about them
     new = args.num_samples * steps
     print(f"{run_dir} step {step}: {args.num_samples} x ({len(prompt_ids)} prompt + {steps} new tokens) in "
           f"{t2 - t1:.3f} s, {new / max(t2 - t1, 1e-9):.1f} new tokens/s (compile {t1 - t0:.1f} s)", file=sys.stderr)
     return 0
 
 
+PROGRESS_AFTER = 3.0  # seconds of generating before a terminal shows its progress (tokens, tokens/s)
+
+
+@contextlib.contextmanager
+def noting_ctrl_c():
+    """While the samples are generated: a Ctrl-C (SIGINT) is noted in the list this yields, for the loop
+    to stop after its chunk (Generation.chunks: within CHUNK_SECONDS) and print what it has; a second
+    one is handled as it was before (run_cli's: the process ends at once)."""
+    noted: list[int] = []
+
+    def note(signum, frame):
+        if not noted:
+            noted.append(signum)
+        elif callable(previous):
+            previous(signum, frame)  # the command's own: run_cli's
+        else:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield noted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def cli(argv=None) -> int:
     """main() with user errors as one `error: ...` line on stderr and exit status 2."""
-    return errors.run_cli(main, argv)
+    return errors.run_cli(main, argv, at_once=True)  # nothing to undo: a Ctrl-C ends it where it stands
 
 
 if __name__ == "__main__":

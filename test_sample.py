@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -214,6 +215,34 @@ def test_generation_stops_at_end_of_text():
         assert decoding.truncate(row, eot) == list(free_row[:cut])
 
 
+@pytest.mark.parametrize("settings", [dict(temperature=0.0), dict(temperature=1.0, top_k=50, top_p=0.9)])
+def test_generation_in_chunks_equals_one_loop(settings):
+    """The loop run a chunk of steps at a time (sample.py's way, to show progress and stop on Ctrl-C) gives
+    the tokens of the one-call loop, greedy and sampled with the same key, rows ending at end-of-text at
+    different steps included: after every chunk, the tokens so far are the start of the one call's."""
+    m = sharp_model(TINY, seed=12)
+    graphdef, state = nnx.split(m)
+    prompt, key = jnp.asarray(prompts(3, 5, seed=13)), jax.random.key(5)
+    free, _ = decoding.make_generate(graphdef, TINY, 30, **settings)(state, prompt, key)
+    eot = int(np.asarray(free)[1, 12])  # a token of row 1: rows end at different steps, or not at all
+    generation = decoding.make_generate(graphdef, TINY, 30, eot_id=eot, **settings)
+    whole, steps = generation(state, prompt, key)
+    whole, steps = np.asarray(whole), int(steps)
+    assert (whole == eot).any() and 1 < steps
+    for first, seconds in ((1, 0.0), (4, 1e9)):  # a step per chunk; chunks of 4, 16, ... steps
+        sizes, last = [], 0
+        for done in generation.chunks(state, prompt, key, first=first, seconds=seconds):
+            np.testing.assert_array_equal(done.tokens(), whole[:, :done.steps])
+            sizes.append(done.steps - last)
+            last = done.steps
+        assert done.ended and done.steps == steps
+        expected, size = [1], first  # the prefill's token, then chunks growing at most 4-fold to the end
+        while sum(expected) < steps:
+            expected.append(min(size, steps - sum(expected)))
+            size = size if seconds == 0 else 4 * size
+        assert sizes == expected, sizes
+
+
 # ----------------------------------------------------------------------------------------------
 # The command line on trained runs
 
@@ -286,8 +315,8 @@ def test_cli_errors_are_one_line(runs, capsys, tmp_path):
         (["--checkpoint", alibi, "--prompt", "the", "--seed", 2**70], "--seed must be a 64-bit integer"),
         (["--checkpoint", alibi, "--prompt", "the", "--seed", 2**63], "--seed must be a 64-bit integer"),
         (["--checkpoint", alibi, "--prompt", "the", "--max-new-tokens", 2**31], "past the 2**31 a model addresses"),
-        (["--checkpoint", alibi, "--prompt", "the", "--max-new-tokens", 2**31 - 10], "for the KV cache and logits"),
-        (["--checkpoint", alibi, "--prompt", "the", "--num-samples", 10**12], "for the KV cache and logits"),
+        (["--checkpoint", alibi, "--prompt", "the", "--max-new-tokens", 2**31 - 10], "for the KV cache and the prompt's prefill"),
+        (["--checkpoint", alibi, "--prompt", "the", "--num-samples", 10**12], "for the KV cache and the prompt's prefill"),
     ]
     for argv, words in cases:
         rc, out, err = run_cli(capsys, *argv)
@@ -296,33 +325,66 @@ def test_cli_errors_are_one_line(runs, capsys, tmp_path):
 
 
 def test_a_generation_larger_than_memory_is_refused_naming_what_fits(runs, capsys, monkeypatch):
-    """--max-new-tokens 1e9 (a 1.5 TB cache on the default model) or --num-samples 1e9: refused before the
-    model loads, naming the most new tokens (or samples) whose KV cache and logits fit the device; that
-    many runs. The device's memory is set here to what 3 samples of 40 new tokens need (plus a little), so
-    the numbers do not depend on the machine."""
+    """--max-new-tokens 1e9 (a 1.5 TB cache on the default model), --num-samples 1e6, or a prompt whose prefill
+    (attention scores over the whole prompt, one layer at a time) does not fit: refused before the model
+    loads, naming the most new tokens, samples or prompt tokens that fit with the rest as asked; that much
+    runs. The device's memory is set here to the weights plus what 3 samples of 40 new tokens need (plus a
+    little), so the numbers do not depend on the machine; what fits is found here by trying every value."""
     run_dir = runs / "alibi"
     cfg = rundir.Run(run_dir).record.config().model
-    assert (cfg.N, cfg.kv_heads, cfg.head_dim, cfg.dtype) == (2, 4, 8, "float32")  # the test size
-    prompt = len(rundir.Run(run_dir).record.tokenizer().encode("the", add_special_tokens=False).ids)
+    assert (cfg.N, cfg.num_head, cfg.kv_heads, cfg.head_dim, cfg.embedding_dim, cfg.ffn_dim, cfg.dtype) == \
+        (2, 4, 4, 8, 32, 128, "float32")  # the test size
+    tokenizer = rundir.Run(run_dir).record.tokenizer()
+    prompt = len(tokenizer.encode("the", add_special_tokens=False).ids)
     vocab = -(-cfg.vocab_size // 128) * 128
+    weights = M.param_count(cfg) * 4
 
-    def need(samples, new):  # k and v caches, the prefill's logits, the new tokens
-        return 2 * 2 * samples * (prompt + new - 1) * 4 * 8 * 4 + samples * prompt * vocab * 4 + samples * new * 4
+    def need(samples, prompt, new):  # the prefill (cache, attention, activations, logits) or the loop (3 caches)
+        L = prompt + new - 1
+        cache = 2 * 2 * samples * L * 4 * 8 * 4
+        attention = 3 * samples * 4 * prompt * L * 4  # float32 scores, exponentials, probabilities
+        activations = samples * prompt * (3 * 32 + (4 + 2 * 4) * 8 + 2 * 128) * 4
+        return max(cache + attention + activations + samples * prompt * vocab * 4, 3 * cache) + samples * new * 4
 
-    memory = need(3, 40) + 100
-    monkeypatch.setattr(decoding, "device_memory", lambda: (memory, "this machine's memory"))
+    def most_of(fits, below):  # counting up from 1 while it fits (the need grows with each)
+        n = 0
+        while n + 1 < below and fits(n + 1):
+            n += 1
+        return n
+
+    def fits(samples, prompt, new):  # the most of each that fits, the other two as asked
+        most = [most_of(lambda n: need(samples, prompt, n) <= room, new),
+                most_of(lambda b: need(b, prompt, new) <= room, samples),
+                most_of(lambda t: need(samples, t, new) <= room, prompt)]
+        named = [f"--max-new-tokens {most[0]:,}", f"--num-samples {most[1]:,}", f"a prompt of {most[2]:,} tokens"]
+        return " or ".join(text for text, m in zip(named, most) if m >= 1)
+
+    def refusal(samples, prompt, new):
+        return (f"error: --num-samples {samples:,} x (prompt {prompt:,} + --max-new-tokens {new:,}) needs "
+                f"{need(samples, prompt, new) / 2**30:,.1f} GiB for the KV cache and the prompt's prefill, more than "
+                f"the {room / 2**30:,.1f} GiB of this machine's memory beside the weights ({weights / 2**30:,.1f} "
+                f"GiB); at most {fits(samples, prompt, new)} fits\n")
+
+    room = need(3, prompt, 40) + 100
+    monkeypatch.setattr(decoding, "device_memory", lambda: (weights + room, "this machine's memory"))
     rc, _, err = run_cli(capsys, "--checkpoint", run_dir, "--prompt", "the", "--max-new-tokens", 10**9,
                          "--num-samples", 3, "--temperature", 0)
-    assert need(1, 10**9) > memory  # not even one sample of 1e9 tokens: only the length is named
-    assert rc == 2 and err == (f"error: --num-samples 3 x (prompt {prompt} + --max-new-tokens 1,000,000,000) needs "
-                               f"{need(3, 10**9) / 2**30:,.1f} GiB for the KV cache and logits, more than the "
-                               f"{memory / 2**30:,.1f} GiB of this machine's memory; at most --max-new-tokens 40 fits\n")
+    assert fits(3, prompt, 10**9) == "--max-new-tokens 40"  # not one sample of 1e9 tokens: only the length
+    assert rc == 2 and err == refusal(3, prompt, 10**9), err
     rc, out, _ = run_cli(capsys, "--checkpoint", run_dir, "--prompt", "the", "--max-new-tokens", 40,
                          "--num-samples", 3, "--temperature", 0)
     assert rc == 0 and out.count("---------- sample ") == 3
-    assert need(10**6, 1) > memory  # a million samples do not fit even one new token: only the samples are named
     rc, _, err = run_cli(capsys, "--checkpoint", run_dir, "--prompt", "the", "--num-samples", 10**6)
-    assert rc == 2 and err.endswith(f"; at most --num-samples {memory // need(1, 100):,} fits\n"), err
+    assert rc == 2 and err == refusal(10**6, prompt, 100), err
+
+    # a long prompt: its prefill's attention grows with its square; 1,000 tokens and 100 new ones fit
+    long_prompt = "the cat sat on the mat. " * 400
+    tokens = len(tokenizer.encode(long_prompt, add_special_tokens=False).ids)
+    room = need(1, 1000, 100) + 10
+    assert tokens > 1000 and need(1, tokens, 1) > room  # not even one new token after the whole prompt
+    rc, _, err = run_cli(capsys, "--checkpoint", run_dir, "--prompt", long_prompt)
+    assert fits(1, tokens, 100) == "a prompt of 1,000 tokens"
+    assert rc == 2 and err == refusal(1, tokens, 100), err
 
 
 def help_entries(parse_args, capsys) -> dict[str, str]:
@@ -359,3 +421,79 @@ def test_cli_process_exit_status(tmp_path):
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_ctrl_c_stops_a_generation_and_prints_what_it_made(runs):
+    """A long generation on a terminal shows its progress (tokens, tokens/s) once it has run a few seconds;
+    a Ctrl-C then stops it after its chunk, prints the samples as far as they got, and ends with one line
+    saying where, status 130. What is printed is the greedy continuation of that many tokens (the full
+    forward pass recomputed at every step)."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import signal
+    import struct
+    import termios
+
+    from tokenizers import Tokenizer
+
+    run_dir, prompt = runs / "alibi", "the cat"
+    terminal, end = pty.openpty()
+    fcntl.ioctl(end, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 columns wide
+    p = subprocess.Popen([sys.executable, "sample.py", "--checkpoint", str(run_dir), "--prompt", prompt,
+                          "--max-new-tokens", "30000", "--temperature", "0"], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=end, text=True)
+    os.close(end)
+    shown, sent, deadline = b"", False, time.monotonic() + 600  # (a guard against a Ctrl-C not heeded)
+    try:
+        while time.monotonic() < deadline:
+            if select.select([terminal], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(terminal, 65536)
+                except OSError:  # the command has ended: its side of the terminal is closed
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            if not sent and b"token/s" in shown:  # the progress bar
+                p.send_signal(signal.SIGINT)
+                sent = True
+            assert sent or p.poll() is None, shown  # no end-of-text before: still generating
+        out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        p.kill()
+        os.close(terminal)
+    said = shown.decode().replace("\r\n", "\n").split("\r")[-1]  # after the bar, cleared
+    assert p.returncode == 130, shown
+    made = re.fullmatch(r"\s*error: interrupted after (\d+) of --max-new-tokens 30,000 new tokens a sample: the "
+                        r"samples above are what was generated\n", said)
+    assert made, said
+    n = int(made.group(1))
+    m, _ = rundir.Run(run_dir).weights.load_model()
+    tok = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
+    ids = tok.encode(prompt).ids
+    new = greedy_by_recomputation(m, np.asarray([ids], np.int32), n, m.config.vocab_size,
+                                  eot_id=tok.token_to_id("<|endoftext|>"))[0]
+    assert out == f"---------- sample 1/1 ----------\n{tok.decode(ids + [int(t) for t in new])}\n"
+
+
+def test_output_to_a_pipe_closed_early_ends_quietly(runs):
+    """`python sample.py ... | head -c 600`: the reader has gone before the samples are written; the
+    command ends as a Unix tool killed by SIGPIPE does (status 141), with nothing on stderr."""
+    p = subprocess.Popen([sys.executable, "sample.py", "--checkpoint", str(runs / "alibi"), "--prompt", "the",
+                          "--max-new-tokens", "5"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader gone (head has what it wanted)
+    err = p.stderr.read()
+    assert (p.wait(timeout=120), err) == (141, b"")
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(runs):
+    """Bytes on the command line that are not UTF-8 (Latin-1 here) reach Python as lone surrogates, which no
+    tokenizer takes: one line naming the first such byte, before anything loads."""
+    r = subprocess.run([sys.executable, "sample.py", "--checkpoint", str(runs / "alibi"), "--prompt",
+                        b"caf\xe9 au lait"],
+                       cwd=REPO, capture_output=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == b""
+    assert r.stderr == (b"error: --prompt is not UTF-8 text (byte 0xe9 at byte 3): give it in UTF-8 (iconv converts "
+                        b"from other encodings)\n")

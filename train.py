@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from core import errors  # light: nothing but the standard library
 
-if __name__ == "__main__":  # a Ctrl-C while JAX and the rest load: one line, no traceback
-    errors.stop_at_once_while_loading()
+if __name__ == "__main__":  # a Ctrl-C while the modules load: one line, no traceback; kept until it is known
+    errors.stop_at_once_while_loading(defer=True)  # whether several processes run, which stop all together
 
-from training import multihost  # noqa: E402  (JAX loads when a distributed start needs it)
+from training import multihost  # light too: JAX loads when a distributed start needs it
 
-if __name__ == "__main__" and multihost.launched_several():  # several processes: a signal is kept, to stop
-    errors.stop_at_once_while_loading(defer=True)  # all together once they have joined
+if __name__ == "__main__" and not multihost.launched_several():
+    errors.stop_at_once_while_loading()  # alone: a signal (one kept so far too) ends it at once
 
 
 def parse_args(argv):

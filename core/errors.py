@@ -5,9 +5,10 @@ subclass of `UserError` whose str() is one line naming the problem. Every such c
 per concern (DataError for data, ConfigError for the config, RunError for a run directory, ...), so
 that any file raises any of them without importing another's module; each module also binds the
 ones it raises (`config.ConfigError` is `errors.ConfigError`). `ArgumentParser` makes argparse's
-mistakes such an error too. `run_cli(main)` turns one into `error: ...` on stderr and the error's
-exit status (2; 1 for a run that diverged), and a Ctrl-C that gets through into
-`error: interrupted` and 130: never a traceback.
+mistakes such an error too, and takes no abbreviation of an option. `run_cli(main)` turns one into
+`error: ...` on stderr and the error's exit status (2; 1 for a run that diverged), a Ctrl-C that gets
+through into `error: interrupted` and 130, and a reader of the output that has gone (`| head`) into
+a quiet end with 141, as a Unix tool killed by SIGPIPE: never a traceback.
 
     def cli(argv=None) -> int:
         return errors.run_cli(main, argv)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import os
 import signal
 import sys
@@ -72,6 +74,13 @@ class SampleError(UserError):
     """A user-caused problem with a sampling request; str(e) is one line."""
 
 
+class Interrupted(UserError):
+    """A Ctrl-C that stopped a command's work part-way, after it put out what it had (sample.py's samples so
+    far); str(e) is one line saying where it stopped. Exit status 130, as for any Ctrl-C."""
+
+    exit_status = 130
+
+
 class ConvertError(UserError):
     """A user-caused problem (paths, steps, unsupported layouts, key mismatches); str(e) is one line."""
 
@@ -87,9 +96,12 @@ class TrainBenchError(UserError):
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, with a mistake in the arguments (an unknown flag, a missing value) raised as `error`
     (a UserError class): one line, the message and then `hint` (default: where --help is), instead of
-    argparse's usage block. Sub-commands' parsers are of this class too."""
+    argparse's usage block. Sub-commands' parsers are of this class too. An option is taken only as
+    written in full: argparse's abbreviations (`--task` for `--tasks`) would turn a mistyped option of
+    one command into another option, found out only when that option's work fails."""
 
     def __init__(self, *args, hint: str | None = None, error: type[UserError] = UserError, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.hint, self.error_class = hint, error
 
@@ -153,6 +165,7 @@ if __name__ != "__main__":
 
 
 _deferred: list[int] | None = None  # while loading with several processes: the signals that arrived
+_program = False  # this process is a command run as a program (not a test calling its cli())
 
 
 def stop_at_once_while_loading(defer: bool = False) -> None:
@@ -163,8 +176,12 @@ def stop_at_once_while_loading(defer: bool = False) -> None:
 
     `defer` (this process is one of several, which must stop together): the first signal is kept
     instead (`pending_signal`), for the command to agree on with the others once they have joined; a
-    second one ends the process at once."""
-    global _deferred
+    second one ends the process at once. Called again without `defer` (the command has found that it
+    runs alone), a signal kept so far ends the process now.
+
+    It also marks this process as the command's own: once run_cli has said a Ctrl-C's line, the process
+    ends at once (end_now), not through the interpreter's finalization."""
+    global _deferred, _program
 
     def stop(signum, frame):
         if signum == signal.SIGHUP:
@@ -175,9 +192,12 @@ def stop_at_once_while_loading(defer: bool = False) -> None:
         os.write(2, f"error: stopped by {signal.Signals(signum).name} while starting; nothing was done\n".encode())
         os._exit(128 + signum)
 
-    _deferred = [] if defer else None
+    kept = None if defer else pending_signal()
+    _deferred, _program = ([] if defer else None), True
     for s in STOP_SIGNALS:
         signal.signal(s, stop)
+    if kept is not None:
+        stop(kept, None)
 
 
 def pending_signal() -> int | None:
@@ -200,23 +220,110 @@ def parse_before_loading(parse_args: Callable[[Sequence[str]], object]) -> None:
 
 
 def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None, *,
-        interrupted: str = "interrupted") -> int:
-    """main(argv), with a UserError as one `error: ...` line on stderr and its exit status, and a
-    KeyboardInterrupt as `error: <interrupted>` and 130 (see `describe`)."""
+        interrupted: str = "interrupted", at_once: bool = False) -> int:
+    """main(argv), with a UserError as one `error: ...` line on stderr and its exit status, a
+    KeyboardInterrupt as `error: <interrupted>` and 130 (see `describe`), and standard output whose
+    reader has gone (`python sample.py ... | head`) as a quiet 141 (`reader_gone`).
+
+    Run as a program (stop_at_once_while_loading), a Ctrl-C ends the process at once once its line is
+    said (end_now), never through the interpreter's finalization: a KeyboardInterrupt can stop JAX in
+    the middle of anything (making its backend, lowering, compiling), and finalization would then tear
+    down a half-made runtime (a segmentation fault after the line, status 139). `at_once`, for a command
+    with nothing to undo (eval.py, sample.py): the Ctrl-C is not even raised, its handler says the line
+    and ends the process where it stands. A KeyboardInterrupt can be raised where Python drops it (a
+    garbage collector's callback: JAX runs one at every collection), and then the command would run on;
+    a handler that ends the process has nothing to drop. (redeliver_interrupt catches the drops of the
+    commands that do raise it.)"""
     import threading
 
-    # the defaults, after stop_at_once_while_loading (unless it keeps signals for the command to agree on)
-    if threading.current_thread() is threading.main_thread() and _deferred is None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    previous_hook = sys.unraisablehook
     try:
-        return main(argv)
+        # the defaults, after stop_at_once_while_loading (unless it keeps signals for the command to agree on)
+        if threading.current_thread() is threading.main_thread() and _deferred is None:
+            signal.signal(signal.SIGINT, functools.partial(stop_now, f"error: {interrupted}")
+                          if _program and at_once else signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sys.unraisablehook = functools.partial(redeliver_interrupt, previous_hook)
+        status = main(argv)
+        sys.stdout.flush()  # a reader that has gone is found here, not at the interpreter's exit
+        if _program:  # done, its output out: a late Ctrl-C changes nothing
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return status
     except (UserError, KeyboardInterrupt, OSError, RuntimeError) as e:
+        if isinstance(e, BrokenPipeError) and stdout_gone():
+            return reader_gone()
         said = describe(e, interrupted)
         if said is None:
             raise
+        if _program and isinstance(e, KeyboardInterrupt):
+            end_now(*said)
         print(said[0], file=sys.stderr)
         return said[1]
+    finally:
+        sys.unraisablehook = previous_hook
+
+
+def stop_now(line: str, signum: int, frame) -> None:
+    """A SIGINT handler (run_cli's `at_once`): `line` on stderr and status 128 + SIGINT, at once."""
+    end_now(line, 128 + signum)
+
+
+def redeliver_interrupt(previous_hook, unraisable) -> None:
+    """sys.unraisablehook while a command runs: a Ctrl-C whose KeyboardInterrupt was raised where Python
+    cannot pass it on (a garbage collector's callback, such as JAX's, a __del__, a weak reference's
+    callback), which Python would print as ignored and drop, is delivered again a moment later, from
+    another thread, to be raised in the command's own code (not in this hook, where it would be dropped
+    too); anything else goes to the previous hook."""
+    import threading
+
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        threading.Timer(REDELIVER_AFTER, os.kill, (os.getpid(), signal.SIGINT)).start()
+    else:
+        previous_hook(unraisable)
+
+
+REDELIVER_AFTER = 0.01  # seconds: out of the callback that dropped the KeyboardInterrupt
+
+
+SIGPIPE_STATUS = 128 + 13  # what a shell reports for a tool that SIGPIPE killed (`yes | head`)
+
+
+def stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (poll says POLLERR on its end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(1, select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no such descriptor, or no poll on this system
+        return False
+
+
+def reader_gone() -> int:
+    """The end of a command whose output's reader has gone (`| head -c 600`): nothing on stderr, standard
+    output pointed at /dev/null (what is still buffered goes nowhere, not into an error at exit), and
+    141, the status a Unix tool killed by SIGPIPE gives (`set -o pipefail` sees it)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+    return SIGPIPE_STATUS
+
+
+def end_now(line: str, status: int) -> None:
+    """Say `line` on stderr and end the process with `status` at once, with what standard output holds
+    flushed but without the interpreter's finalization (nor atexit's functions): for a stop that may have
+    come in the middle of JAX's work. A further Ctrl-C changes nothing."""
+    import contextlib
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for stream in (sys.stdout, sys.stderr):
+        # a reader that has gone, a closed stream, a stream the interrupted code was writing to
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            stream.flush()
+    with contextlib.suppress(OSError):
+        os.write(2, (line + "\n").encode(errors="replace"))
+    os._exit(status)
 
 
 def describe(e: BaseException, interrupted: str = "interrupted") -> tuple[str, int] | None:

@@ -6,7 +6,8 @@ check that a request's cache and logits fit the device (`check_generation_size`)
 from __future__ import annotations
 
 import os
-from typing import Callable
+import time
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from core.errors import SampleError
-from model import DTYPES, GPT, GPTConfig, init_cache
+from model import DTYPES, GPT, GPTConfig, init_cache, param_count
 
 GiB = 2**30
 MAX_POSITIONS = 2**31  # positions are int32 on the device
@@ -53,44 +54,124 @@ def sample_logits(logits: jax.Array, key: jax.Array, *, vocab_size: int, tempera
 # The generation loop
 
 
-def make_generate(graphdef, cfg: GPTConfig, max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
-                  top_p: float = 1.0, eot_id: int | None = None) -> Callable:
-    """A jitted fn(state, prompt (B, T0) int32, key) -> (new tokens (B, max_new_tokens) int32, steps run).
+class Generation:
+    """KV-cache generation of `max_new_tokens` tokens after a prompt, for one model and one set of
+    sampling settings (make_generate builds it), in two ways with the same results token for token:
 
-    `state` is the model's `nnx.split` state. A row that produced `eot_id` holds `eot_id` from
-    there on; the loop stops early once every row has. The cache holds T0 + max_new_tokens - 1
+    - `gen(state, prompt, key) -> (new tokens (B, max_new_tokens) int32, steps run)`: one jitted call,
+      the prefill and the whole loop (the harness's generate_until);
+    - `gen.chunks(state, prompt, key)`: the prefill, then the same loop run a chunk of steps at a
+      time, each call resuming from the last (the cache carried, donated, never copied), sized to take
+      about `CHUNK_SECONDS`; it yields a `Carry` after the prefill and after each chunk, so that the
+      caller (sample.py) can show progress and stop between chunks with what was generated so far.
+
+    `state` is the model's `nnx.split` state. Token i (0-based) is drawn with the key folded with i,
+    so how the steps are cut into calls changes nothing. A row that produced `eot_id` holds `eot_id`
+    from there on; the loop stops early once every row has. The cache holds T0 + max_new_tokens - 1
     positions (the last token is never fed back).
     """
-    if max_new_tokens < 1:
-        raise SampleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    pick = lambda logits, key: sample_logits(  # noqa: E731
-        logits, key, vocab_size=cfg.vocab_size, temperature=temperature, top_k=top_k, top_p=top_p)
-    fill = -1 if eot_id is None else eot_id
 
-    def generate(state, prompt, key):
-        model = nnx.merge(graphdef, state)
-        B, T0 = prompt.shape
-        cache = init_cache(cfg, B, T0 + max_new_tokens - 1)  # {k, v}: (N, B, L, H, D)
-        logits, cache = model.decode(prompt, cache, 0)  # prefill: (B, T0, V_padded)
-        token = pick(logits[:, -1], jax.random.fold_in(key, 0))  # (B,)
-        out = jnp.full((B, max_new_tokens), fill, jnp.int32).at[:, 0].set(token)
-        done = token == fill
+    def __init__(self, graphdef, cfg: GPTConfig, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, eot_id: int | None = None):
+        if max_new_tokens < 1:
+            raise SampleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.max_new_tokens = max_new_tokens
+        pick = lambda logits, key: sample_logits(  # noqa: E731
+            logits, key, vocab_size=cfg.vocab_size, temperature=temperature, top_k=top_k, top_p=top_p)
+        fill = -1 if eot_id is None else eot_id
 
-        def cond(carry):
-            i, _, _, _, done = carry
-            return (i < max_new_tokens) & ~jnp.all(done)
+        def start(state, prompt, key) -> dict:
+            """The prefill and the first new token: the loop's carry at step 1."""
+            model = nnx.merge(graphdef, state)
+            B, T0 = prompt.shape
+            cache = init_cache(cfg, B, T0 + max_new_tokens - 1)  # {k, v}: (N, B, L, K, D)
+            logits, cache = model.decode(prompt, cache, 0)  # prefill: (B, T0, V_padded)
+            token = pick(logits[:, -1], jax.random.fold_in(key, 0))  # (B,)
+            out = jnp.full((B, max_new_tokens), fill, jnp.int32).at[:, 0].set(token)
+            return {"i": jnp.int32(1), "token": token, "cache": cache, "out": out, "done": token == fill, "key": key}
 
-        def body(carry):
-            i, token, cache, out, done = carry
-            logits, cache = model.decode(token[:, None], cache, T0 + i - 1)  # (B, 1, V_padded)
-            token = jnp.where(done, fill, pick(logits[:, 0], jax.random.fold_in(key, i)))
-            out = jax.lax.dynamic_update_slice(out, token[:, None], (0, i))
-            return i + 1, token, cache, out, done | (token == fill)
+        def resume(state, carry: dict, until) -> dict:
+            """The loop from the carry's step up to step `until` (traced: one compilation for every chunk),
+            max_new_tokens, or until every row is done."""
+            model = nnx.merge(graphdef, state)
+            T0 = carry["cache"]["k"].shape[2] - max_new_tokens + 1
+            until = jnp.minimum(until, max_new_tokens)
 
-        steps, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), token, cache, out, done))
-        return out, steps
+            def cond(c):
+                return (c["i"] < until) & ~jnp.all(c["done"])
 
-    return jax.jit(generate)
+            def body(c):
+                i = c["i"]
+                logits, cache = model.decode(c["token"][:, None], c["cache"], T0 + i - 1)  # (B, 1, V_padded)
+                token = jnp.where(c["done"], fill, pick(logits[:, 0], jax.random.fold_in(c["key"], i)))
+                out = jax.lax.dynamic_update_slice(c["out"], token[:, None], (0, i))
+                return {"i": i + 1, "token": token, "cache": cache, "out": out, "done": c["done"] | (token == fill),
+                        "key": c["key"]}
+
+            return jax.lax.while_loop(cond, body, carry)
+
+        def whole(state, prompt, key):
+            carry = resume(state, start(state, prompt, key), max_new_tokens)
+            return carry["out"], carry["i"]
+
+        self.whole = jax.jit(whole)
+        self.start = jax.jit(start)
+        self.resume = jax.jit(resume, donate_argnums=1)  # the cache is updated in place, chunk after chunk
+
+    def __call__(self, state, prompt, key) -> tuple[jax.Array, jax.Array]:
+        return self.whole(state, prompt, key)
+
+    def compile(self, state, prompt, key) -> "Generation":
+        """The prefill and the chunked loop compiled now for these arguments' shapes (sample.py times it),
+        for `chunks` to call."""
+        carry = jax.eval_shape(self.start, state, prompt, key)
+        self.start = self.start.lower(state, prompt, key).compile()
+        self.resume = self.resume.lower(state, carry, jnp.int32(0)).compile()
+        return self
+
+    def chunks(self, state, prompt, key, *, first: int = 1, seconds: float | None = None) -> Iterator["Carry"]:
+        """The generation a chunk of steps at a time: a Carry after the prefill, then after each chunk,
+        until max_new_tokens or every row has ended. The first chunk is `first` steps; each next one as
+        many as the last ran in `seconds` (default CHUNK_SECONDS). A Carry stays readable for as long as
+        the caller keeps this generator waiting (the next chunk consumes its arrays)."""
+        seconds = CHUNK_SECONDS if seconds is None else seconds
+        carry = self.start(state, prompt, key)
+        steps, ended = int(carry["i"]), bool(np.asarray(carry["done"]).all())
+        size = first
+        while True:
+            yield Carry(carry, steps, ended or steps >= self.max_new_tokens)
+            if ended or steps >= self.max_new_tokens:
+                return
+            began = time.perf_counter()
+            carry = self.resume(state, carry, jnp.int32(steps + size))
+            ran, (steps, ended) = steps, (int(carry["i"]), bool(np.asarray(carry["done"]).all()))  # waits for it
+            took = time.perf_counter() - began
+            ran = steps - ran
+            size = max(1, min(self.max_new_tokens, round(ran * seconds / took) if took > 0 else 2 * size, 4 * size))
+
+
+CHUNK_SECONDS = 0.25  # how long one chunk of Generation.chunks runs: the longest a Ctrl-C waits for the loop
+
+
+class Carry:
+    """The state of a generation between two chunks: `steps` new tokens per row so far (the first
+    included), whether it has `ended`, and `tokens()`: those tokens (B, steps) int32 on the host,
+    rows that ended padded with their end-of-text token."""
+
+    def __init__(self, carry: dict, steps: int, ended: bool):
+        self.carry, self.steps, self.ended = carry, steps, ended
+
+    def tokens(self) -> np.ndarray:
+        return np.asarray(self.carry["out"])[:, :self.steps]
+
+
+def make_generate(graphdef, cfg: GPTConfig, max_new_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0, eot_id: int | None = None) -> Generation:
+    """The Generation of max_new_tokens tokens with these settings: called as fn(state, prompt (B, T0) int32,
+    key) -> (new tokens (B, max_new_tokens) int32, steps run), one jitted call, or a chunk at a time
+    (`Generation.chunks`)."""
+    return Generation(graphdef, cfg, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                      eot_id=eot_id)
 
 
 def generate(model: GPT, prompt, max_new_tokens: int, *, seed: int = 0, temperature: float = 1.0, top_k: int = 0,
@@ -113,33 +194,74 @@ def device_memory() -> tuple[int, str]:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine's memory"
 
 
+SCORE_COPIES = 3  # float32 (B, H, T0, L) arrays the prefill's attention holds at once: scores, exponentials, softmax
+CACHE_COPIES = 3  # caches the loop holds at once: the one carried and the loop body's working copies
+
+
 def generation_bytes(cfg: GPTConfig, samples: int, prompt: int, new: int) -> int:
-    """The bytes make_generate's arrays take beyond the weights: the KV cache, 2 x (N, B, T0 + new - 1, K, D)
-    in the compute dtype, the prefill's float32 logits (B, T0, V_padded) and the new tokens (B, new) int32."""
-    itemsize = np.dtype(DTYPES[cfg.dtype]).itemsize
-    cache = 2 * cfg.N * samples * (prompt + new - 1) * cfg.kv_heads * cfg.head_dim * itemsize
-    return cache + samples * prompt * cfg.padded_vocab_size * 4 + samples * new * 4
+    """The most bytes a Generation's arrays take at once beyond the weights, for B = samples rows of a
+    prompt of T0 tokens and `new` new tokens, L = T0 + new - 1 cached positions, in the compute dtype's
+    itemsize s: the larger of its two phases, each with the new tokens (B, new) int32.
+
+    The prefill, one call over the whole prompt:
+    - the KV cache it fills: 2 x (N, B, L, K, D) x s;
+    - its attention, one layer at a time: SCORE_COPIES x (B, H, T0, L) float32 (the reference attention's
+      scores, their exponentials and probabilities);
+    - its other activations: (B, T0) x (3 d + (H + 2K) D + 2 F) x s (the residual stream and its norm,
+      the attention's projections and output, the MLP's hidden layer and activation);
+    - its float32 logits (B, T0, V_padded).
+    The loop, one token a step: CACHE_COPIES x the KV cache (the cache it carries, and the copies its
+    body updates).
+
+    The copies are what XLA's memory analysis of the compiled prefill and loop reports on a CPU (the loop
+    takes 1.7 to 3.4 caches there, with the model's depth and dtype).
+    """
+    s = np.dtype(DTYPES[cfg.dtype]).itemsize
+    B, T0, L = samples, prompt, prompt + new - 1
+    H, K, D, d, F = cfg.num_head, cfg.kv_heads, cfg.head_dim, cfg.embedding_dim, cfg.ffn_dim
+    cache = 2 * cfg.N * B * L * K * D * s
+    attention = SCORE_COPIES * B * H * T0 * L * 4
+    activations = B * T0 * (3 * d + (H + 2 * K) * D + 2 * F) * s
+    logits = B * T0 * cfg.padded_vocab_size * 4
+    return max(cache + attention + activations + logits, CACHE_COPIES * cache) + B * new * 4
+
+
+def weight_bytes(cfg: GPTConfig) -> int:
+    """The bytes of the model's float32 parameters (param_count), which share the device with a generation."""
+    return param_count(cfg) * 4
 
 
 def check_generation_size(cfg: GPTConfig, samples: int, prompt: int, new: int) -> None:
-    """A SampleError, before anything is allocated, for a request whose positions pass int32 or whose cache
-    and logits (generation_bytes) exceed what the device holds; it names the most that fits."""
+    """A SampleError, before anything is allocated, for a request whose positions pass int32, or whose
+    generation (generation_bytes: the cache, the prefill of the prompt, the tokens) exceeds what the device
+    holds beside the weights; it names the most new tokens, samples and prompt tokens that fit (each with the
+    other two as asked)."""
     if prompt + new > MAX_POSITIONS:
         raise SampleError(f"prompt ({prompt} tokens) + --max-new-tokens ({new}) = {prompt + new} positions, past "
                           f"the 2**31 a model addresses")
     memory, what = device_memory()
+    weights = weight_bytes(cfg)
+    room = memory - weights
     need = generation_bytes(cfg, samples, prompt, new)
-    if need <= memory:
+    if need <= room:
         return
-    per_token = generation_bytes(cfg, samples, prompt, 2) - generation_bytes(cfg, samples, prompt, 1)
-    most_new = (memory - generation_bytes(cfg, samples, prompt, 1)) // per_token + 1
-    most_samples = memory // generation_bytes(cfg, 1, prompt, new)
-    fits = [f"--max-new-tokens {most_new:,}" if most_new >= 1 else None,
-            f"--num-samples {most_samples:,}" if most_samples >= 1 else None]
-    fits = " or ".join(f for f in fits if f) or "a shorter prompt"
-    raise SampleError(f"--num-samples {samples:,} x (prompt {prompt} + --max-new-tokens {new:,}) needs "
-                      f"{need / GiB:,.1f} GiB for the KV cache and logits, more than the {memory / GiB:,.1f} GiB of "
-                      f"{what}; at most {fits} fits")
+    fits = [("--max-new-tokens {:,}", largest(lambda n: generation_bytes(cfg, samples, prompt, n) <= room, new)),
+            ("--num-samples {:,}", largest(lambda b: generation_bytes(cfg, b, prompt, new) <= room, samples)),
+            ("a prompt of {:,} tokens", largest(lambda t: generation_bytes(cfg, samples, t, new) <= room, prompt))]
+    fits = " or ".join(text.format(most) for text, most in fits if most >= 1) or "no request on this model"
+    raise SampleError(f"--num-samples {samples:,} x (prompt {prompt:,} + --max-new-tokens {new:,}) needs "
+                      f"{need / GiB:,.1f} GiB for the KV cache and the prompt's prefill, more than the "
+                      f"{max(room, 0) / GiB:,.1f} GiB of {what} beside the weights ({weights / GiB:,.1f} GiB); "
+                      f"at most {fits} fits")
+
+
+def largest(fits: Callable[[int], bool], below: int) -> int:
+    """The largest n in 1..below - 1 for which fits(n) holds (fits true up to some n, false after), else 0."""
+    low, high = 0, below  # fits(low) (or low is 0), not fits(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def truncate(tokens: np.ndarray, eot_id: int | None) -> list[int]:

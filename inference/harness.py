@@ -10,9 +10,11 @@ fixed-shape batches, so only a handful of shapes are compiled. The reference col
 acc, PIQA acc, Winogrande acc, HellaSwag acc_norm) head the table (`task_table`); every metric goes
 into the results JSON.
 
-Before the tasks' data is loaded, the Hugging Face Hub is asked once (corpus.hub_offline): when it
-does not answer, only datasets in the local cache load, and a task whose data is not cached stops
-with one line; with nothing cached at all, before the model loads (check_task_data).
+The tasks are built, their data loaded, before the model loads (`load_tasks`): an unknown task or
+data that cannot be had stops the command with one line before any work. Before that the Hugging
+Face Hub is asked once (corpus.hub_offline): when it does not answer, only datasets in the local cache
+load, and a task whose data is not cached stops at once; with nothing cached at all, before lm-eval
+indexes its task files (check_task_data).
 
 The only file of the project that imports lm_eval; eval.py's command line runs it.
 """
@@ -227,8 +229,9 @@ class JaxLM(TemplateLM):
 
 def check_task_data(tasks: Sequence[str]) -> None:
     """Stop at once when no task of lm-eval's own can get its data: the Hub does not answer (or offline
-    mode is set) and the local dataset cache holds no dataset. Asked before the model loads and before
-    lm-eval indexes its ~15,000 task files (10-30 s); tasks under --include-path are not asked about."""
+    mode is set) and the local dataset cache holds no dataset. load_tasks asks it before lm-eval indexes
+    its ~15,000 task files (10-30 s), unless tasks come from --include-path; with something cached,
+    building the tasks finds out whether it is these tasks' data."""
     offline = hub_offline()
     if offline is None:
         return
@@ -237,40 +240,66 @@ def check_task_data(tasks: Sequence[str]) -> None:
     cache = pathlib.Path(datasets.config.HF_DATASETS_CACHE)
     if cache.is_dir() and any(p.is_dir() and p.name != "downloads" and not p.name.startswith((".", "_"))
                               for p in cache.iterdir()):
-        return  # something is cached: lm-eval finds out whether it is these tasks' data
+        return  # something is cached: building the tasks finds out whether it is these tasks' data
     raise EvalError(f"cannot load the data of {', '.join(tasks)}: {offline}, and the local dataset cache "
                     f"{cache} holds no dataset (connect once to cache it, or give local task files with "
                     "--include-path)")
 
 
-def run_tasks(lm: JaxLM, tasks: Sequence[str], *, include_path: str | None = None, limit: float | None = None,
-              num_fewshot: int | None = None, seed: int = 0) -> dict:
-    """lm-eval's results for `tasks`: {task: {metric: value}}, with names checked before any data is loaded."""
-    import lm_eval
-    from lm_eval.tasks import TaskManager
+class Tasks:
+    """lm-eval's tasks of a request, built (their documents loaded) by `load_tasks`: the `names` asked for,
+    the `manager` that found them, and `built`, the tasks and groups themselves, for run_tasks."""
 
-    if include_path is not None and not pathlib.Path(include_path).is_dir():
+    def __init__(self, names: Sequence[str], manager, built: list):
+        self.names, self.manager, self.built = list(names), manager, built
+
+
+def load_tasks(names: Sequence[str], include_path: str | None = None) -> Tasks:
+    """The tasks `names` (lm-eval's own, or YAML files under `include_path`) built with their data, or an
+    EvalError in one line: an unknown name, data that cannot be loaded (offline and not in the local
+    cache, a missing file). eval.py asks for them before the model loads and before any perplexity, so
+    that a request that cannot run stops before the work, whatever the dataset cache holds."""
+    if include_path is None:
+        check_task_data(names)  # nothing cached and offline: at once, before lm-eval's index
+    elif not pathlib.Path(include_path).is_dir():
         raise EvalError(f"--include-path {include_path} is not a directory")
+    from lm_eval.tasks import TaskManager  # (its import alone indexes nothing, but takes seconds)
+
     manager = TaskManager(include_path=include_path)
     known = set(manager.all_tasks)
-    for name in tasks:
+    for name in names:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=3)
             raise EvalError(f"unknown task {name!r}" + (f"; did you mean {', '.join(close)}?" if close else
                                                          "; `lm-eval ls tasks` lists them"))
     offline = hub_offline()  # the Hub asked once; unreachable, its datasets come from the local cache at once
     try:
-        out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                                      num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=False,
-                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                      fewshot_random_seed=seed)
+        loaded = manager.load(list(names))
     except (OSError, ConnectionError) as e:  # datasets and huggingface_hub report missing data this way
         reason = storage.one_line(e)
         if offline:
-            raise EvalError(f"cannot load the data of {', '.join(tasks)}: {reason}; {offline}, and only datasets "
+            raise EvalError(f"cannot load the data of {', '.join(names)}: {reason}; {offline}, and only datasets "
                             "in the local cache load (or give local task files with --include-path)") from None
-        raise EvalError(f"cannot load the data of {', '.join(tasks)}: {reason} (offline? give local task files "
+        raise EvalError(f"cannot load the data of {', '.join(names)}: {reason} (offline? give local task files "
                         "with --include-path)") from None
+    # what was asked for, as lm-eval built it: the groups inside no other group, the tasks inside no group
+    groups = loaded["groups"].values()
+    inner_groups = {id(g) for group in groups for g in group.get_all_groups()}
+    grouped = {id(t) for group in groups for t in group.get_all_tasks()}
+    built = [g for g in groups if id(g) not in inner_groups] + \
+        [t for t in loaded["tasks"].values() if id(t) not in grouped]
+    return Tasks(names, manager, built)
+
+
+def run_tasks(lm: JaxLM, tasks: Tasks, *, limit: float | None = None, num_fewshot: int | None = None,
+              seed: int = 0) -> dict:
+    """lm-eval's results for the tasks load_tasks built: {task: {metric: value}}."""
+    import lm_eval
+
+    out = lm_eval.simple_evaluate(model=lm, tasks=tasks.built, task_manager=tasks.manager, limit=limit,
+                                  num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=False,
+                                  random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                  fewshot_random_seed=seed)
     results = {}
     for task, metrics in out["results"].items():
         results[task] = {k.split(",")[0]: v for k, v in metrics.items()
