@@ -86,7 +86,8 @@ def test_decode_logits_equal_full_forward(alibi):
                    static_argnums=0)
     graphdef, state = nnx.split(m)
     cache = M.init_cache(cfg, 2, L)
-    assert cache["k"].shape == cache["v"].shape == (cfg.N, 2, L, cfg.num_head, cfg.head_dim)
+    assert len(cache["k"]) == len(cache["v"]) == cfg.N
+    assert {c.shape for c in cache["k"] + cache["v"]} == {(2, L, cfg.num_head, cfg.head_dim)}
     got = []
     chunks = [(0, 6), (6, 9)] + [(t, t + 1) for t in range(9, L)]
     for a, b in chunks:
@@ -105,6 +106,26 @@ def test_greedy_generation_equals_argmax_of_recomputation(alibi):
     got = decoding.generate(m, prompt, n, temperature=0.0)
     assert got.shape == (2, n)
     np.testing.assert_array_equal(got, greedy_by_recomputation(m, prompt, n, cfg.vocab_size))
+
+
+def test_the_decode_loop_never_copies_the_cache():
+    """The compiled loop writes each token's keys and values into the cache's buffers in place: no copy in it
+    holds a layer's cache (B, L, K, D) or all of them (N, B, L, K, D) in that layout. (XLA may still transpose a
+    layer's keys for its matrix products on some backends: another layout, not counted.) Stacking the layers in
+    one array and setting each back after its step copied the whole cache several times a token."""
+    cfg = dataclasses.replace(TINY, num_head=4, block_size=64)
+    graphdef, state = nnx.split(sharp_model(cfg))
+    prompt, key = jnp.asarray(prompts(2, 5)), jax.random.PRNGKey(0)
+    gen = decoding.Generation(graphdef, cfg, 33, temperature=1.0).compile(state, prompt, key)
+    L = 5 + 33 - 1
+    layer = [L, cfg.kv_heads, cfg.head_dim]
+    copied = [list(map(int, re.findall(r"\d+", shape))) for shape in
+              re.findall(r"= \w+\[([\d,]*)\][^ ]* copy\(", gen.resume.as_text())]
+    assert copied  # the pattern reads this HLO's copies (the parameters' own layout changes are some)
+    whole = [c for c in copied if [n for n in c if n != 1] in (layer, [cfg.N] + layer, [2] + layer, [cfg.N, 2] + layer)]
+    assert whole == []
+    carry = gen.resume(state, gen.start(state, prompt, key), jnp.int32(33))  # and it still runs
+    assert int(carry["i"]) == 33
 
 
 def test_learned_positions_refuse_a_cache_beyond_block_size():

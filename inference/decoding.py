@@ -84,7 +84,7 @@ class Generation:
             """The prefill and the first new token: the loop's carry at step 1."""
             model = nnx.merge(graphdef, state)
             B, T0 = prompt.shape
-            cache = init_cache(cfg, B, T0 + max_new_tokens - 1)  # {k, v}: (N, B, L, K, D)
+            cache = init_cache(cfg, B, T0 + max_new_tokens - 1)  # {k, v}: N x (B, L, K, D)
             logits, cache = model.decode(prompt, cache, 0)  # prefill: (B, T0, V_padded)
             token = pick(logits[:, -1], jax.random.fold_in(key, 0))  # (B,)
             out = jnp.full((B, max_new_tokens), fill, jnp.int32).at[:, 0].set(token)
@@ -94,7 +94,7 @@ class Generation:
             """The loop from the carry's step up to step `until` (traced: one compilation for every chunk),
             max_new_tokens, or until every row is done."""
             model = nnx.merge(graphdef, state)
-            T0 = carry["cache"]["k"].shape[2] - max_new_tokens + 1
+            T0 = carry["cache"]["k"][0].shape[1] - max_new_tokens + 1
             until = jnp.minimum(until, max_new_tokens)
 
             def cond(c):
