@@ -266,7 +266,10 @@ def test_a_resume_that_changes_the_weights_from_its_step_on_is_the_run_that_had_
     for step in (6, 8):  # as if stopped after step 4
         shutil.rmtree(run_dir / "checkpoints" / str(step))
     (run_dir / "summary.json").unlink()
+    capsys.readouterr()
     assert train.main(["--resume", f"run_dir={run_dir}", STAGED]) == 0
+    said = "".join(capsys.readouterr())  # the change named from the run's own (no stages: []) to the new stages
+    assert "--resume changes data.stages [] -> [{'step': 5, 'weights': {'web': 0" in said, said
     assert [deterministic(r) for r in rows(run_dir)] == [deterministic(r) for r in rows(straight)]
     for x, y in zip(jax.tree.leaves(restore(straight, 8)), jax.tree.leaves(restore(run_dir, 8)), strict=True):
         np.testing.assert_array_equal(x, y)

@@ -11,6 +11,7 @@ format the run was written in, and the data it trained on.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import typing
@@ -100,7 +101,10 @@ class Record:
                 else:
                     yield f"{prefix}{key}", value
 
-        was, now = dict(flat(config_lib.to_dict(saved))), dict(flat(config_lib.to_dict(cfg)))
+        def every_key(c):  # the optional data keys too (a saved config leaves them out when unset): [] -> [...]
+            return {**config_lib.to_dict(c), "data": dataclasses.asdict(c.data)}
+
+        was, now = dict(flat(every_key(saved))), dict(flat(every_key(cfg)))
         changed = [f"{k} {was.get(k)} -> {now.get(k)}" for k in sorted(was.keys() | now.keys())
                    if was.get(k) != now.get(k) and not k.startswith(self.UNREMARKABLE)]
         if not changed:
