@@ -281,9 +281,9 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     ckpts = held.enter_context(run_dir.checkpoints.write(ck.keep, ck.async_save))
     last_ckpt = (ckpts.steps() or [None])[-1]
     if args.resume and last_ckpt is not None:
-        state, last_ckpt = ckpts.restore(fns.abstract_state, say)
-        start_step = int(state["step"])
         saved = run_dir.record.config()  # as the run was last configured
+        state, last_ckpt = ckpts.restore(fns.abstract_state, say, run_dir.tokens_per_step(saved))
+        start_step = int(state["step"])
         tokens_before = ckpts.tokens(last_ckpt)  # (None: saved before tokens were kept)
         if tokens_before is None:
             tokens_before = start_step * saved.training.batch_size * saved.seq_len

@@ -114,6 +114,28 @@ class Run:
         """metrics.jsonl, continued after `start_step` (the rows of later steps are dropped)."""
         return storage.JsonLines(self.dir, METRICS, keep=lambda row: row["step"] <= start_step)
 
+    def tokens_per_step(self, cfg: config_lib.Config) -> int | None:
+        """The tokens each step of this run has trained so far when its record fixes them: its config's (`cfg`,
+        as last configured) batch x context, when every row of metrics.jsonl counts exactly its step x that
+        (no resume changed the batch or the context). None when a row counts otherwise, or when the log has
+        no row to tell by (lost, or unreadable): then nothing fixes them."""
+        per_step = cfg.training.batch_size * cfg.seq_len
+        try:
+            text = self.dir.read_text(METRICS) if self.dir.is_file(METRICS) else ""
+        except (UserError, OSError, UnicodeDecodeError):
+            return None
+        counted = 0
+        for line in text.splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a last line cut off by a kill
+                continue
+            step, tokens = (row.get("step"), row.get("tokens")) if isinstance(row, dict) else (None, None)
+            if not (isinstance(step, int) and isinstance(tokens, int)) or tokens != step * per_step:
+                return None
+            counted += 1
+        return per_step if counted else None
+
     def wandb_id(self, new: str | None = None) -> str | None:
         """The run's W&B id; when it has none and `new` is given, `new` becomes it."""
         if self.dir.is_file(WANDB_ID):
