@@ -66,6 +66,21 @@ def local_path(location) -> str:
     return text[len("file://"):] if text.startswith("file://") else text
 
 
+def link_loop(path) -> bool:
+    """Whether a local `path` (it, or a folder on the way to it) is a symbolic link that leads back into
+    itself: the system then says neither that it exists nor that it does not, and every use of it fails."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    except ValueError:  # a NUL in the name: not this question
+        return False
+    return False
+
+
+LINK_LOOP = "a symbolic link on that path points back into itself (a loop of links)"
+
+
 def filesystem(url: str, error=StorageError):
     """(fsspec filesystem, path inside it) of a URL; a missing package, a bad URL or a gs:// bucket that
     does not exist is one line."""
@@ -157,6 +172,8 @@ class RunDir:
         if self.remote:
             _check_names_a_place(location)
         self.location = str(location).rstrip("/") if self.remote else local_path(location)
+        if not self.remote and link_loop(self.location):
+            raise StorageError(f"{self.location}: {LINK_LOOP}: mend or remove the link, or give another path")
         self.fs, self.root = filesystem(self.location if self.remote else os.path.abspath(self.location))
 
     def __str__(self) -> str:

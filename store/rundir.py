@@ -214,6 +214,9 @@ def existing(location) -> Run:
     """A run directory to read (eval, sample, convert): a local one must exist; one at a URL is
     checked when its config is read."""
     location = storage.local_path(location)  # file:///x: the local directory /x
+    if not storage.is_url(location) and storage.link_loop(location):
+        raise RunError(f"run directory {location}: {storage.LINK_LOOP}: mend or remove the link, or give the run "
+                       f"directory itself")
     if not storage.is_url(location) and not pathlib.Path(location).is_dir():
         raise RunError(f"run directory {location} not found")
     return Run(location)
