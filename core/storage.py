@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import glob
 import json
+import logging
 import os
 import pathlib
 import re
@@ -86,6 +87,7 @@ def filesystem(url: str, error=StorageError):
     does not exist is one line."""
     if is_url(url) or str(url).endswith(":"):  # "gs:" is what a trailing-slash strip leaves of "gs://"
         _check_names_a_place(url, error)
+    _quiet_credential_search()
     try:
         import fsspec  # here: a local run never needs it
 
@@ -96,6 +98,27 @@ def filesystem(url: str, error=StorageError):
         raise error(f"{url}: {one_line(e)}") from None
     _check_bucket(fs, url, path, error)
     return fs, path
+
+
+class _CredentialSearchNotes(logging.Filter):
+    """google-auth's notes on its search for default credentials, which gcsfs (and etils, for orbax's files)
+    makes when it opens gs:// without a token: "Authentication failed using Compute Engine authentication due
+    to unavailable metadata server" where there is none to ask, "No project ID could be determined". gcsfs
+    goes on to the next way, anonymous access last; a bucket that then refuses it answers 401 or 403, which
+    the operation's own error says. The notes were a `WARNING:google.auth._default:...` line on stderr of
+    every command on gs:// (its root logger set up by orbax's import); nothing else of that logger is held."""
+
+    NOTES = ("Authentication failed using Compute Engine authentication", "No project ID could be determined")
+
+    def filter(self, record) -> bool:
+        return record.levelno >= logging.ERROR or not record.getMessage().startswith(self.NOTES)
+
+
+def _quiet_credential_search() -> None:
+    """Keep google-auth's notes of a credential search (_CredentialSearchNotes) off stderr, once a process."""
+    searched = logging.getLogger("google.auth._default")  # named without importing google.auth
+    if not any(isinstance(f, _CredentialSearchNotes) for f in searched.filters):
+        searched.addFilter(_CredentialSearchNotes())
 
 
 def _check_names_a_place(url, error=StorageError) -> None:
