@@ -408,6 +408,24 @@ def test_readers_get_the_merged_model(lora_run, windows):
     np.testing.assert_array_equal(logits(cfg.model, nnx.to_pure_dict(nnx.state(m)), toks), merged_logits)
 
 
+def test_init_from_a_lora_run_says_it_trains_the_merged_model_whole(lora_run, corpus, tmp_path, capsys):  # noqa: F811
+    """training.init_from a LoRA run without training.lora of its own: a full fine-tune of its merged model,
+    said in one line at the start (naming the base and how to train an adapter instead); the parameters it
+    starts from are the merged ones (a step at learning rate 0 keeps them)."""
+    base, _, run, _ = lora_run
+    tuned = tmp_path / "tuned"
+    capsys.readouterr()
+    assert train.main([a for a in tiny(tuned, corpus) if a != "model=test"] + [
+        f"training.init_from={run}", "training.steps=1", "training.warmup_steps=0", "checkpoint.every=1",
+        "training.lr=0", "training.min_lr=0"]) == 0
+    assert (f"parameters from {run}, a LoRA run: its merged weights (its base {base} with the adapters folded in), "
+            f"every one of them trained from here (a full fine-tune); to train an adapter on them instead, set "
+            f"training.lora.rank (and the other training.lora.* keys)") in capsys.readouterr().out.splitlines()
+    merged, started = rundir.Run(run).weights.load_params()[0], rundir.Run(tuned).weights.load_params()[0]
+    for a, b in zip(jax.tree.leaves(started), jax.tree.leaves(merged), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_sample_eval_and_export_read_a_lora_run(lora_run, windows, corpus, tmp_path, capsys):  # noqa: F811
     base, _, run, _ = lora_run
     cfg = rundir.Run(run).record.config()

@@ -306,7 +306,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         state = fns.init()
         if t.init_from and t.lora is None:  # fine-tuning: the optimizer state (zero moments) and step stay fresh
             state["params"] = rundir.load_init_params(t.init_from, fns.state_sharding["params"])
-            say(f"parameters from {t.init_from}")
+            say(rundir.init_from_line(t.init_from))
         start_step, tokens_before = 0, 0
     stop.check()  # before the first step: nothing to save
 

@@ -271,6 +271,22 @@ def check_init_from(location, mcfg, data: shards.DataDir) -> None:
                        f"set the same model (and prepare the data with its tokenizer)")
 
 
+def init_from_line(location) -> str:
+    """What a new run starting from training.init_from's parameters says of them: where they come from, and
+    of a LoRA run's, that they are its merged model (its base with the adapters folded in), which the run
+    then trains whole, since this one sets no adapters of its own."""
+    try:
+        src = open_run(location)
+        if src.record.config().training.lora is None:
+            return f"parameters from {location}"
+        base = src.weights.lora_base().get("init_from") or src.record.config().training.init_from
+    except UserError as e:
+        raise RunError(f"training.init_from: {e}") from None
+    return (f"parameters from {location}, a LoRA run: its merged weights (its base {base} with the adapters folded "
+            f"in), every one of them trained from here (a full fine-tune); to train an adapter on them instead, "
+            f"set training.lora.rank (and the other training.lora.* keys)")
+
+
 def load_init_params(location, shardings):
     """training.init_from: the parameters of a run directory's last checkpoint, placed with `shardings`."""
     import jax
