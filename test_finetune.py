@@ -283,11 +283,18 @@ def test_damaged_prompt_completion_data_is_named(reversal, tmp_path):
 
 
 def test_train_refuses_examples_longer_than_the_context(reversal, tmp_path, capsys):
+    """Examples prepared for a longer context than the run trains at (8 tokens: 3 words, '=', 3 words and
+    end-of-text, prepared with --seq-len 32) are never cut by the loader: the start is refused, naming the
+    context they were prepared for and both fixes, and the longer context it names trains."""
     root, _ = reversal
     assert train.cli(tiny(tmp_path / "run", root / "data", "training.seq_len=6")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "an example of 8 tokens does not fit training.seq_len 6" in err[0]
+    assert capsys.readouterr().err == (
+        f"error: {root / 'data'}: an example of 8 tokens does not fit training.seq_len 6 (by default the model's "
+        f"context; the data was prepared with --seq-len 32): prepare it again with --seq-len 6 (prompts then lose "
+        f"tokens from the left, and examples whose completion does not fit are skipped), or train with "
+        f"training.seq_len=7 where the model takes that context\n")
     assert not (tmp_path / "run").exists()
+    assert train.cli(tiny(tmp_path / "run", root / "data", "training.seq_len=7", "training.steps=1")) == 0
 
 
 # ----------------------------------------------------------------------------------------------
