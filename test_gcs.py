@@ -236,6 +236,18 @@ def test_a_bucket_that_does_not_exist_is_named(corpus_dir, gcs_server, tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["local"]  # nothing written anywhere else
 
 
+def test_a_file_in_a_bucket_given_as_the_data_says_the_command_that_prepares_it(gcs_bucket):
+    """An object, not a prepared directory, as the data: the line a local file gets, with its URL."""
+    store().pipe(f"{gcs_bucket}/pairs.jsonl", b'{"in_text": "a b", "out_text": " c"}\n')
+    with pytest.raises(shards.DataError) as e:
+        shards.open_data(f"{gcs_bucket}/pairs.jsonl")
+    assert str(e.value) == (
+        f"{gcs_bucket}/pairs.jsonl is a file, not a prepared data directory: data.py prepares it into one (`python "
+        f"data.py --format prompt_completion --input {gcs_bucket}/pairs.jsonl --out data/pairs --tokenizer RUN_DIR "
+        f"--seq-len T`: RUN_DIR the run it fine-tunes, whose tokenizer the pairs need, T the context it trains at); "
+        f"then give that directory (data/pairs) instead")
+
+
 # ----------------------------------------------------------------------------------------------
 # A run in a bucket, from data prepared there, resumed there, exported and imported there
 
