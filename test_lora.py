@@ -543,6 +543,51 @@ def test_every_reader_refuses_a_run_whose_base_was_replaced_or_is_gone(lora_run,
         and "--format hf" not in err and err.count("\n") == 1, err
 
 
+def test_the_readers_take_a_moved_base_from_base(lora_run, corpus, tmp_path, capsys):  # noqa: F811
+    """A LoRA run whose base moved since it trained (config.yaml and lora_base.json name a place where nothing
+    is now): every reader's line names --base, and with --base at the new place each reads the run as
+    before (sample.py's greedy text is the one it gives with the base in place); a resume's line names
+    training.init_from; --base on a run that is no LoRA run is refused."""
+    base, _, run, _ = lora_run
+    copy, gone, moved = tmp_path / "run", tmp_path / "gone", tmp_path / "moved"
+    shutil.copytree(run, copy)
+    shutil.copytree(base, moved)
+    record = json.loads((copy / weights.LORA_BASE).read_text())
+    (copy / weights.LORA_BASE).write_text(json.dumps({**record, "init_from": str(gone)}))
+    saved = yaml.safe_load((copy / "config.yaml").read_text())
+    saved["training"]["init_from"] = str(gone)
+    (copy / "config.yaml").write_text(yaml.safe_dump(saved))
+    greedy_args = ["--prompt", " the cat", "--temperature", "0", "--max-new-tokens", "4"]
+    capsys.readouterr()
+    assert sample.cli(["--checkpoint", str(run), *greedy_args]) == 0
+    in_place = capsys.readouterr().out.splitlines()[1]  # the text, after the sample's header line
+    readers = {"sample.py": (sample.cli, ["--checkpoint", str(copy), *greedy_args]),
+               "eval.py": (eval_lib.cli, ["--checkpoint", str(copy), "--data", str(corpus), "--lengths", "32",
+                                          "--max-tokens", "512"]),
+               **{f"--format {fmt}": (ct.cli, ["--checkpoint", str(copy), "--out", str(tmp_path / fmt), "--format",
+                                               fmt]) for fmt in ("hf", "peft")}}
+    for reader, (cli, argv) in readers.items():
+        assert cli(argv) == 2, reader
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: the base model (training.init_from={gone}) of this LoRA run: ") and \
+            err.endswith("; if the base moved, give its new place: --base DIR\n") and err.count("\n") == 1, err
+        assert cli([*argv, "--base", str(moved)]) == 0, reader
+        out = capsys.readouterr().out
+        if reader == "sample.py":
+            assert out.splitlines()[1] == in_place
+        if reader == "--format peft":  # the base it names to load the adapter on is where it is now
+            assert f"the model {moved} was imported from" in out
+    assert (copy / "eval" / "step8.json").is_file() and (tmp_path / "hf" / "config.json").is_file()
+    assert train.cli(["--resume", f"run_dir={copy}", "training.steps=9"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: training.init_from: {gone} is not a run directory: config.yaml not found in it; if it moved since "
+        f"this run started, give its new place: --resume training.init_from=DIR\n")
+    assert sample.cli(["--checkpoint", str(moved), "--prompt", "a", "--base", str(base)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --base {base}: {moved} is not a LoRA run (its training.lora is null): its checkpoints hold its whole "
+        f"model, with no base to point at; leave --base out\n")
+
+
 def test_config_checks():
     with pytest.raises(config.ConfigError, match="^training.lora needs training.init_from"):
         config.load_config(overrides=["training.lora.rank=4"])

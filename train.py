@@ -207,7 +207,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
                     raise
                 raise DataError(f"data.mixture.{name}: {e}") from None
         if t.init_from:  # its model must be this one: checked before anything is written
-            rundir.check_init_from(t.init_from, cfg.model, corpus)
+            rundir.check_init_from(t.init_from, cfg.model, corpus, resume=args.resume)
         return sources, train_loader, val
 
     sources, train_loader, val = multihost.on_every_process(read_data, "stopped before training (its error says why)")
@@ -226,7 +226,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     say(fns.description, flush=True)
     frozen = ()  # LoRA: the frozen base, an argument of every step beside the adapters' state
     if t.lora is not None:  # loaded once; a resume checks that it is the base the run records
-        base_params, base_record = run_dir.weights.frozen_base(t.init_from, check=args.resume)
+        base_params, base_record = run_dir.weights.frozen_base(t.init_from, check=args.resume,
+                                                               point_at="--resume training.init_from=DIR")
         frozen = (fns.place_base(base_params),)
         del base_params
         adapters = sum(a.size for a in jax.tree.leaves(fns.abstract_state["params"]))

@@ -78,12 +78,12 @@ class Run:
 
     LOSS_PLOT = "loss.png"
 
-    def __init__(self, location):
+    def __init__(self, location, base=None):
         self.dir = storage.RunDir(location)
         self.record = Record(self.dir)
         self.lock = runlock.Lock(self.dir)
         self.checkpoints = checkpoints_lib.RunCheckpoints(self.dir)
-        self.weights = weights.Weights(self.dir, self.record, self.checkpoints)
+        self.weights = weights.Weights(self.dir, self.record, self.checkpoints, base)  # base: a LoRA run's, moved
 
     def __str__(self) -> str:
         return str(self.dir)
@@ -210,16 +210,21 @@ def open_run(location) -> Run:
     return location if isinstance(location, Run) else Run(location)
 
 
-def existing(location) -> Run:
+def existing(location, base=None) -> Run:
     """A run directory to read (eval, sample, convert): a local one must exist; one at a URL is
-    checked when its config is read."""
+    checked when its config is read. `base` (the readers' --base): where a LoRA run's base model is now,
+    if it moved since training; a RunError for a run that is no LoRA run."""
     location = storage.local_path(location)  # file:///x: the local directory /x
     if not storage.is_url(location) and storage.link_loop(location):
         raise RunError(f"run directory {location}: {storage.LINK_LOOP}: mend or remove the link, or give the run "
                        f"directory itself")
     if not storage.is_url(location) and not pathlib.Path(location).is_dir():
         raise RunError(f"run directory {location} not found")
-    return Run(location)
+    run = Run(location, base)
+    if base is not None and run.record.config().training.lora is None:
+        raise RunError(f"--base {base}: {location} is not a LoRA run (its training.lora is null): its checkpoints hold "
+                       f"its whole model, with no base to point at; leave --base out")
+    return run
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,18 +249,21 @@ def init_model(location) -> dict:
         raise RunError(f"training.init_from: {e}") from None
 
 
-def check_init_from(location, mcfg, data: shards.DataDir) -> None:
+def check_init_from(location, mcfg, data: shards.DataDir, resume: bool = False) -> None:
     """training.init_from: a run directory with a checkpoint, this run's model and the tokenizer the data
-    was prepared with, or a RunError (one line)."""
+    was prepared with, or a RunError (one line); for a `resume`, one that is not there (any more) is said
+    with the override that gives its new place."""
+    moved = "; if it moved since this run started, give its new place: --resume training.init_from=DIR" \
+        if resume else ""
     try:
         src = open_run(location)
         src_model = src.record.config().model
         has_checkpoint = bool(src.checkpoints.steps())
         src_tokenizer = src.record.tokenizer_sha256()
     except UserError as e:
-        raise RunError(f"training.init_from: {e}") from None
+        raise RunError(f"training.init_from: {e}{moved}") from None
     if not has_checkpoint:
-        raise RunError(f"training.init_from={location}: no checkpoint in it to start from")
+        raise RunError(f"training.init_from={location}: no checkpoint in it to start from{moved}")
     if src_tokenizer is None:
         raise RunError(f"training.init_from={location} has no {TOKENIZER}, so the data cannot be checked against "
                        f"the model's tokenizer: copy the model's {TOKENIZER} into it (the one the data was "
