@@ -201,6 +201,11 @@ def read_hf_tokenizer(hf_dir: pathlib.Path):
     return tok
 
 
+# what a --format torch export's config.json says of its loader, for whoever opens it after transformers,
+# which reads no such export, stopped on it ("Should have a `model_type` key in its config.json")
+TORCH_LOAD = ("torch_gpt.GPT.from_pretrained(DIR) (interop/torch_gpt.py, copied beside it); transformers loads "
+              "--format hf exports: python convert_torch.py --checkpoint RUN_DIR --format hf --out DIR")
+
 # ----------------------------------------------------------------------------------------------
 # Run directories
 
@@ -289,7 +294,7 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
         storage.plain_mode(tmp / WEIGHTS_NAME)  # readable as the other files are, not owner-only
         tok = pathlib.Path(tokenizer) if tokenizer else None
         eot_id, eot = _eot(tok) if tok else (None, None)
-        meta = {"format": "torch"} if layout == "torch" else hf_config(c, layout, eot_id)
+        meta = {"format": "torch", "load_with": TORCH_LOAD} if layout == "torch" else hf_config(c, layout, eot_id)
         meta["gpt_jax"] = full
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
         if tok is not None and tok.is_file():
