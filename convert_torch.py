@@ -78,6 +78,7 @@ def parse_args(argv):
     src.add_argument("--import-hf", metavar="HF_DIR", help="import a transformers directory (GPT-2, BLOOM, GPT-J, "
                      "GPT-NeoX, OPT or LLaMA) into a run directory")
     parser.add_argument("--step", type=int, help="the checkpoint step to export (default: the last)")
+    parser.add_argument("--base", metavar="BASE_DIR", help="a LoRA run's base model (a run directory) where it is now, if it moved since the run trained (default: where the run's lora_base.json records it)")
     parser.add_argument("--out", required=True, help="the directory to write (an export, or a run for --import-hf)")
     parser.add_argument("--format", default="torch", choices=("torch", "hf", "peft"),
                         help="torch: torch_gpt.py's GPT module; hf: the transformers layout of the model's family; "
@@ -200,13 +201,19 @@ def read_hf_tokenizer(hf_dir: pathlib.Path):
     return tok
 
 
+# what a --format torch export's config.json says of its loader, for whoever opens it after transformers,
+# which reads no such export, stopped on it ("Should have a `model_type` key in its config.json")
+TORCH_LOAD = ("torch_gpt.GPT.from_pretrained(DIR) (interop/torch_gpt.py, copied beside it); transformers loads "
+              "--format hf exports: python convert_torch.py --checkpoint RUN_DIR --format hf --out DIR")
+
 # ----------------------------------------------------------------------------------------------
 # Run directories
 
 
-def read_run(run_dir, step: int | None = None):
-    """(Config, params pure dict of numpy arrays, step) of a run directory's checkpoint (the last by default)."""
-    run = rundir.existing(run_dir)
+def read_run(run_dir, step: int | None = None, base=None):
+    """(Config, params pure dict of numpy arrays, step) of a run directory's checkpoint (the last by default);
+    `base`: where a LoRA run's base is now, if it moved."""
+    run = rundir.existing(run_dir, base)
     cfg = run.record.config()
     params, step = run.weights.load_params(step)
     return cfg, params, step
@@ -287,7 +294,7 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
         storage.plain_mode(tmp / WEIGHTS_NAME)  # readable as the other files are, not owner-only
         tok = pathlib.Path(tokenizer) if tokenizer else None
         eot_id, eot = _eot(tok) if tok else (None, None)
-        meta = {"format": "torch"} if layout == "torch" else hf_config(c, layout, eot_id)
+        meta = {"format": "torch", "load_with": TORCH_LOAD} if layout == "torch" else hf_config(c, layout, eot_id)
         meta["gpt_jax"] = full
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
         if tok is not None and tok.is_file():
@@ -426,6 +433,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.out = storage.local_path(args.out)  # file:///x is the local directory /x, for writers as for readers
     if args.import_hf:
+        if args.base is not None:
+            raise ConvertError("--base names where a LoRA run's base model is now, for reading that run (--checkpoint "
+                               "RUN_DIR); an import reads no run: leave it out")
         import_hf(args.import_hf, args.out, args.overwrite)
         imported = rundir.Run(args.out)  # a local path or a URL
         has_tokenizer = imported.dir.is_file(TOKENIZER_NAME)
@@ -454,9 +464,9 @@ def main(argv=None) -> int:
     _check_out(args.out, source, args.overwrite, "adapter" if args.format == "peft" else "export")  # before reading
     if args.format == "peft":
         return _export_adapter(args, source)
-    run = rundir.existing(args.checkpoint)
+    run = rundir.existing(args.checkpoint, args.base)
     tokenizer_json = run.record.tokenizer_json() if run.dir.is_file(TOKENIZER_NAME) else None  # checked, first
-    cfg, params, step = read_run(args.checkpoint, args.step)
+    cfg, params, step = read_run(args.checkpoint, args.step, args.base)
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer = pathlib.Path(scratch) / TOKENIZER_NAME  # the run's, as checked (a bucket's through this copy)
         if tokenizer_json is not None:
@@ -470,14 +480,14 @@ def main(argv=None) -> int:
 
 def _export_adapter(args, source) -> int:
     """--format peft: the LoRA run's adapters as a PEFT adapter, and how to load it."""
-    run = rundir.existing(args.checkpoint)
+    run = rundir.existing(args.checkpoint, args.base)
     cfg = run.record.config()
     if cfg.training.lora is None:
         raise ConvertError(f"{args.checkpoint} is not a LoRA run (training.lora is null), so it has no adapters; "
                            f"export its model with --format hf")
     hf_format(cfg.model, adapters=True)  # a model no transformers layout expresses: refused before reading
     adapters, step = run.weights.load_adapters(args.step)
-    base = run.weights.lora_base().get("init_from") or str(cfg.training.init_from)
+    base = str(run.weights.base_location())
     layout = export_adapter(adapters, cfg.model, cfg.training.lora, args.out, args.overwrite, source)
     print(f"wrote the LoRA adapters of step {step} of {args.checkpoint} to {args.out} (PEFT, {layout} layout); load "
           f"with peft.PeftModel.from_pretrained(BASE_MODEL, {shlex.quote(args.out)}), BASE_MODEL being its base in the "

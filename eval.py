@@ -51,6 +51,7 @@ def parse_args(argv):
     p.add_argument("--checkpoint", required=True, metavar="RUN_DIR",
                    help="run directory (config, checkpoints, tokenizer)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step; default the last")
+    p.add_argument("--base", metavar="BASE_DIR", help="a LoRA run's base model (a run directory) where it is now, if it moved since the run trained (default: where the run's lora_base.json records it)")
     p.add_argument("--data", default=None, help="prepared data directory; default the run's own")
     p.add_argument("--split", default="val", help="split scored for perplexity (default: %(default)s)")
     p.add_argument("--lengths", default=None, help=f"evaluation lengths: multiples of the training context "
@@ -311,7 +312,7 @@ def log_wandb(cfg, run: rundir.Run, step: int, table: list[dict] | None, tasks: 
 def main(argv=None) -> int:
     args = parse_args(argv)
     run_dir = args.checkpoint
-    run = rundir.existing(run_dir)
+    run = rundir.existing(run_dir, args.base)
     cfg = run.record.config()
     try:  # an implementation this machine runs (the run's own may need another machine's GPU)
         attending, note = attention_lib.attention_here(cfg.model, args.attention)

@@ -54,6 +54,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="sampling seed, a 64-bit integer (default: %(default)s)")
     p.add_argument("--num-samples", type=int, default=1, help="samples, generated in one batch (default: %(default)s)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step; default the last")
+    p.add_argument("--base", metavar="BASE_DIR", help="a LoRA run's base model (a run directory) where it is now, if it moved since the run trained (default: where the run's lora_base.json records it)")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         raise errors.SampleError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -116,7 +117,7 @@ from tokendata import shards
 def main(argv=None) -> int:
     args = parse_args(argv)
     run_dir = args.checkpoint
-    run = rundir.existing(run_dir)
+    run = rundir.existing(run_dir, args.base)
     cfg = run.record.config().model
     tokenizer = run.record.tokenizer()
     finetuned = run.record.is_finetuned()

@@ -357,6 +357,8 @@ def test_bench_train_lora_step(tmp_path, capsys):
     assert r["jax"]["mfu"] == pytest.approx(r["jax"]["tokens_per_s"] * flops / 0.5e12, rel=1e-9)
     assert math.isfinite(r["jax"]["loss_last"]) and "LoRA rank 4 on q,mlp" in capsys.readouterr().out
     for extra, message in [(["--lora", "4"], "--lora times our step alone; pass --no-torch"),
+                           (["--lora", "-1"], "error: --lora -1: the adapters' rank must be a positive integer "
+                                              "(e.g. --lora 8), or 0 for full training\n"),
                            (["--lora", "4", "--no-torch", "--lora-targets", "q,x"], "unknown target 'x'")]:
         assert bench.cli(["train", "--model", "test", *extra, "--out", str(tmp_path / "none")]) == 2
         err = capsys.readouterr().err

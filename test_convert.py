@@ -118,6 +118,42 @@ def test_torch_module_matches_jax(tmp_path, overrides):
     np.testing.assert_allclose(got, np.asarray(m(toks)), atol=TOL, rtol=0)
 
 
+def test_each_loader_says_which_export_it_needs(tmp_path):
+    """torch_gpt's from_pretrained given what is no --format torch export (a run directory, a --format hf
+    export, a transformers model, a directory without config.json, none) says in one line what it is and the
+    convert_torch.py command that writes what it loads; transformers, given a --format torch export, stops
+    (never loads it with other weights), and the export's config.json names both loaders."""
+    m, params = jax_model(alibi_attn=False)  # GPT-2's layout
+    ct.export(params, m.config, tmp_path / "pt")
+    layout = ct.export(params, m.config, tmp_path / "hf", "hf")
+    run = tmp_path / "run"  # what a run directory holds, as far as a loader can see
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {}\n")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    writes = "python convert_torch.py --checkpoint RUN_DIR --format torch --out DIR"
+    for directory, line in [
+        (run, f"{run} is a run directory, not an export: export it first (python convert_torch.py --checkpoint {run} "
+              f"--format torch --out DIR), then load DIR"),
+        (tmp_path / "hf", f"{tmp_path / 'hf'} is a --format hf export (transformers' {layout} layout): load it with "
+                          f"transformers.AutoModelForCausalLM.from_pretrained, or export the run for this file with {writes}"),
+        (plain, f"{plain} is no export of this toolkit (its config.json has no gpt_jax): a transformers model loads "
+                f"with transformers.AutoModelForCausalLM.from_pretrained; this file loads what {writes} writes"),
+        (run / "checkpoints", f"{run / 'checkpoints'} has no config.json: it holds no export; this file loads what "
+                              f"{writes} writes"),
+        (tmp_path / "none", f"{tmp_path / 'none'}: no such directory; give the --out of {writes}")]:
+        with pytest.raises(torch_gpt.LoadError) as e:
+            torch_gpt.GPT.from_pretrained(directory)
+        assert str(e.value) == line
+    with pytest.raises(ValueError, match="model_type"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pt")
+    assert json.loads((tmp_path / "pt" / "config.json").read_text())["load_with"] == (
+        "torch_gpt.GPT.from_pretrained(DIR) (interop/torch_gpt.py, copied beside it); transformers loads --format hf "
+        "exports: python convert_torch.py --checkpoint RUN_DIR --format hf --out DIR")
+    assert torch_gpt.GPT.from_pretrained(tmp_path / "pt").config.N == m.config.N  # what it loads, it loads
+
+
 def test_alibi_slopes_are_model_py_slopes():
     for n in (1, 3, 4, 6, 12, 16, 20):
         np.testing.assert_array_equal(torch_gpt.alibi_slopes(n).numpy(), attention.alibi_slopes(n))

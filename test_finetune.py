@@ -252,6 +252,29 @@ def test_data_cli_errors(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+def test_a_file_given_as_the_data_says_the_command_that_prepares_it(tmp_path, capsys, monkeypatch):
+    """data.dir (or eval.py --data) a file, not a prepared directory: one line with the data.py command that
+    prepares it, --format prompt_completion for pairs (records without a `text` field); the command given
+    for documents prepares them."""
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"in_text": "a b", "out_text": " c"}])
+    text = write_jsonl(tmp_path / "notes.jsonl", [{"text": " ".join(random.Random(i).choices(WORDS, k=60))}
+                                                  for i in range(20)])  # documents
+    monkeypatch.chdir(tmp_path)
+    assert train.cli([f"run_dir={tmp_path / 'run'}", f"data.dir={pairs}"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {pairs} is a file, not a prepared data directory: data.py prepares it into one (`python data.py "
+        f"--format prompt_completion --input {pairs} --out data/pairs --tokenizer RUN_DIR --seq-len T`: RUN_DIR the "
+        f"run it fine-tunes, whose tokenizer the pairs need, T the context it trains at); then give that directory "
+        f"(data/pairs) instead\n")
+    assert train.cli([f"run_dir={tmp_path / 'run'}", f"data.dir={text}"]) == 2
+    command = f"python data.py --input {text} --out data/notes"
+    assert capsys.readouterr().err == (f"error: {text} is a file, not a prepared data directory: data.py prepares it "
+                                       f"into one (`{command}`); then give that directory (data/notes) instead\n")
+    assert not (tmp_path / "run").exists()
+    assert data.cli([*command.split()[2:], "--vocab-size", "300"]) == 0
+    assert shards.open_data(tmp_path / "data" / "notes").index["splits"]["train"]["tokens"] > 0
+
+
 def test_damaged_prompt_completion_data_is_named(reversal, tmp_path):
     """A token id outside the vocabulary, a loss-mask byte that is no mask value, a truncated mask shard:
     each a DataError naming the file, from the loader, the validation batches, opening, and --verify."""
@@ -283,11 +306,18 @@ def test_damaged_prompt_completion_data_is_named(reversal, tmp_path):
 
 
 def test_train_refuses_examples_longer_than_the_context(reversal, tmp_path, capsys):
+    """Examples prepared for a longer context than the run trains at (8 tokens: 3 words, '=', 3 words and
+    end-of-text, prepared with --seq-len 32) are never cut by the loader: the start is refused, naming the
+    context they were prepared for and both fixes, and the longer context it names trains."""
     root, _ = reversal
     assert train.cli(tiny(tmp_path / "run", root / "data", "training.seq_len=6")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "an example of 8 tokens does not fit training.seq_len 6" in err[0]
+    assert capsys.readouterr().err == (
+        f"error: {root / 'data'}: an example of 8 tokens does not fit training.seq_len 6 (by default the model's "
+        f"context; the data was prepared with --seq-len 32): prepare it again with --seq-len 6 (prompts then lose "
+        f"tokens from the left, and examples whose completion does not fit are skipped), or train with "
+        f"training.seq_len=7 where the model takes that context\n")
     assert not (tmp_path / "run").exists()
+    assert train.cli(tiny(tmp_path / "run", root / "data", "training.seq_len=7", "training.steps=1")) == 0
 
 
 # ----------------------------------------------------------------------------------------------

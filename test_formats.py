@@ -119,6 +119,39 @@ def test_an_old_run_evaluates_samples_exports_and_starts_a_fine_tuning(old_run, 
     assert json.loads((tuned / formats.FILE).read_text())["format"] == formats.FORMAT
 
 
+@pytest.mark.parametrize("old_run", ["2026-11-24"], indirect=True)
+@pytest.mark.parametrize("history", ["count altered", "batch changed at step 2"])
+def test_a_format_2_checkpoints_tokens_must_be_what_the_record_fixes(old_run, history, capsys):
+    """Format 2 has no fingerprint of a checkpoint's metadata: its tokens trained (1024 at step 4, 8 x 32 a
+    step) edited to a plausible 1280 would give a resumed run 25% too many tokens. Where the config and every
+    row of the log fix the tokens of a step (the batch and context never changed), the count must be step x
+    them, or the checkpoint is damaged, refused in one line, nothing moved; where the log shows a resume
+    that changed the batch, the count the checkpoint records is the run's, and is taken."""
+    run, data, _ = old_run
+    meta = run / "checkpoints" / "4" / "_CHECKPOINT_METADATA"
+    text = json.loads(meta.read_text())
+    if history == "count altered":
+        text["custom_metadata"]["tokens"] = 1280
+    else:  # steps 1-2 of 4 x 32 tokens, then 8 x 32: 2 * 128 + 2 * 256
+        logged = rows(run)
+        for row in logged:
+            row["tokens"] = 128 * min(row["step"], 2) + 256 * max(row["step"] - 2, 0)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged))
+        text["custom_metadata"]["tokens"] = 768
+    meta.write_text(json.dumps(text))
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    if history == "count altered":
+        assert train.cli(["--resume", f"run_dir={run}", f"data.dir={data}"]) == 2
+        assert capsys.readouterr().err == (
+            f"error: checkpoint 4 in {run / 'checkpoints'} cannot be restored: its tokens trained (1280 in "
+            f"_CHECKPOINT_METADATA) are not the 4 x 256 = 1024 that the run's config and log fix (a format 2 "
+            f"checkpoint has no fingerprint of its metadata): the file was altered or damaged\n")
+        assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+        return
+    assert train.main(["--resume", f"run_dir={run}", f"data.dir={data}"]) == 0
+    assert [r["tokens"] for r in rows(run)[4:]] == [768 + 256 * (s - 4) for s in (5, 6, 7, 8)]
+
+
 def newer(record: dict) -> dict:
     return {**record, "format": formats.FORMAT + 1, "since": "2027-01-05"}
 

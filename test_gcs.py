@@ -236,6 +236,18 @@ def test_a_bucket_that_does_not_exist_is_named(corpus_dir, gcs_server, tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["local"]  # nothing written anywhere else
 
 
+def test_a_file_in_a_bucket_given_as_the_data_says_the_command_that_prepares_it(gcs_bucket):
+    """An object, not a prepared directory, as the data: the line a local file gets, with its URL."""
+    store().pipe(f"{gcs_bucket}/pairs.jsonl", b'{"in_text": "a b", "out_text": " c"}\n')
+    with pytest.raises(shards.DataError) as e:
+        shards.open_data(f"{gcs_bucket}/pairs.jsonl")
+    assert str(e.value) == (
+        f"{gcs_bucket}/pairs.jsonl is a file, not a prepared data directory: data.py prepares it into one (`python "
+        f"data.py --format prompt_completion --input {gcs_bucket}/pairs.jsonl --out data/pairs --tokenizer RUN_DIR "
+        f"--seq-len T`: RUN_DIR the run it fine-tunes, whose tokenizer the pairs need, T the context it trains at); "
+        f"then give that directory (data/pairs) instead")
+
+
 # ----------------------------------------------------------------------------------------------
 # A run in a bucket, from data prepared there, resumed there, exported and imported there
 
@@ -258,9 +270,13 @@ def journey(corpus_dir, gcs_module_bucket, tmp_path_factory):
     fs = store()
     fs.rm(f"{run.removeprefix('gs://')}/checkpoints/8", recursive=True)
     fs.rm_file(f"{run.removeprefix('gs://')}/summary.json")
+    # the resume as a shell without FSSPEC_GCS_TOKEN runs it (gcsfs then searches for default credentials
+    # before it goes on anonymously): google-auth's notes of that search are no lines of the run's
+    env = {k: v for k, v in os.environ.items() if k != "FSSPEC_GCS_TOKEN"}
     done = subprocess.run([sys.executable, str(REPO / "train.py"), "--resume", f"run_dir={run}"], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "google.auth" not in done.stderr and "Authentication failed" not in done.stderr, done.stderr
     return bucket, straight, params, cwd
 
 

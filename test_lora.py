@@ -408,6 +408,24 @@ def test_readers_get_the_merged_model(lora_run, windows):
     np.testing.assert_array_equal(logits(cfg.model, nnx.to_pure_dict(nnx.state(m)), toks), merged_logits)
 
 
+def test_init_from_a_lora_run_says_it_trains_the_merged_model_whole(lora_run, corpus, tmp_path, capsys):  # noqa: F811
+    """training.init_from a LoRA run without training.lora of its own: a full fine-tune of its merged model,
+    said in one line at the start (naming the base and how to train an adapter instead); the parameters it
+    starts from are the merged ones (a step at learning rate 0 keeps them)."""
+    base, _, run, _ = lora_run
+    tuned = tmp_path / "tuned"
+    capsys.readouterr()
+    assert train.main([a for a in tiny(tuned, corpus) if a != "model=test"] + [
+        f"training.init_from={run}", "training.steps=1", "training.warmup_steps=0", "checkpoint.every=1",
+        "training.lr=0", "training.min_lr=0"]) == 0
+    assert (f"parameters from {run}, a LoRA run: its merged weights (its base {base} with the adapters folded in), "
+            f"every one of them trained from here (a full fine-tune); to train an adapter on them instead, set "
+            f"training.lora.rank (and the other training.lora.* keys)") in capsys.readouterr().out.splitlines()
+    merged, started = rundir.Run(run).weights.load_params()[0], rundir.Run(tuned).weights.load_params()[0]
+    for a, b in zip(jax.tree.leaves(started), jax.tree.leaves(merged), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_sample_eval_and_export_read_a_lora_run(lora_run, windows, corpus, tmp_path, capsys):  # noqa: F811
     base, _, run, _ = lora_run
     cfg = rundir.Run(run).record.config()
@@ -523,6 +541,51 @@ def test_every_reader_refuses_a_run_whose_base_was_replaced_or_is_gone(lora_run,
     err = capsys.readouterr().err
     assert err.startswith("error: cannot export the adapters with --format peft: ") and "embed_norm: true" in err \
         and "--format hf" not in err and err.count("\n") == 1, err
+
+
+def test_the_readers_take_a_moved_base_from_base(lora_run, corpus, tmp_path, capsys):  # noqa: F811
+    """A LoRA run whose base moved since it trained (config.yaml and lora_base.json name a place where nothing
+    is now): every reader's line names --base, and with --base at the new place each reads the run as
+    before (sample.py's greedy text is the one it gives with the base in place); a resume's line names
+    training.init_from; --base on a run that is no LoRA run is refused."""
+    base, _, run, _ = lora_run
+    copy, gone, moved = tmp_path / "run", tmp_path / "gone", tmp_path / "moved"
+    shutil.copytree(run, copy)
+    shutil.copytree(base, moved)
+    record = json.loads((copy / weights.LORA_BASE).read_text())
+    (copy / weights.LORA_BASE).write_text(json.dumps({**record, "init_from": str(gone)}))
+    saved = yaml.safe_load((copy / "config.yaml").read_text())
+    saved["training"]["init_from"] = str(gone)
+    (copy / "config.yaml").write_text(yaml.safe_dump(saved))
+    greedy_args = ["--prompt", " the cat", "--temperature", "0", "--max-new-tokens", "4"]
+    capsys.readouterr()
+    assert sample.cli(["--checkpoint", str(run), *greedy_args]) == 0
+    in_place = capsys.readouterr().out.splitlines()[1]  # the text, after the sample's header line
+    readers = {"sample.py": (sample.cli, ["--checkpoint", str(copy), *greedy_args]),
+               "eval.py": (eval_lib.cli, ["--checkpoint", str(copy), "--data", str(corpus), "--lengths", "32",
+                                          "--max-tokens", "512"]),
+               **{f"--format {fmt}": (ct.cli, ["--checkpoint", str(copy), "--out", str(tmp_path / fmt), "--format",
+                                               fmt]) for fmt in ("hf", "peft")}}
+    for reader, (cli, argv) in readers.items():
+        assert cli(argv) == 2, reader
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: the base model (training.init_from={gone}) of this LoRA run: ") and \
+            err.endswith("; if the base moved, give its new place: --base DIR\n") and err.count("\n") == 1, err
+        assert cli([*argv, "--base", str(moved)]) == 0, reader
+        out = capsys.readouterr().out
+        if reader == "sample.py":
+            assert out.splitlines()[1] == in_place
+        if reader == "--format peft":  # the base it names to load the adapter on is where it is now
+            assert f"the model {moved} was imported from" in out
+    assert (copy / "eval" / "step8.json").is_file() and (tmp_path / "hf" / "config.json").is_file()
+    assert train.cli(["--resume", f"run_dir={copy}", "training.steps=9"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: training.init_from: {gone} is not a run directory: config.yaml not found in it; if it moved since "
+        f"this run started, give its new place: --resume training.init_from=DIR\n")
+    assert sample.cli(["--checkpoint", str(moved), "--prompt", "a", "--base", str(base)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --base {base}: {moved} is not a LoRA run (its training.lora is null): its checkpoints hold its whole "
+        f"model, with no base to point at; leave --base out\n")
 
 
 def test_config_checks():

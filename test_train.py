@@ -823,6 +823,8 @@ def test_path_mistakes_are_one_line_and_change_nothing(finished_run, tmp_path, c
     name longer than the filesystem takes, `checkpoints` a file, a URL with no bucket. Each is one
     `error:` line and exit 2 (errors.run_cli), and nothing is made or changed."""
     import convert_torch
+    import eval as eval_lib
+    import sample
 
     loop = tmp_path / "loop"
     os.symlink(loop, loop)
@@ -838,6 +840,16 @@ def test_path_mistakes_are_one_line_and_change_nothing(finished_run, tmp_path, c
         (train.cli, ["--resume", f"run_dir={broken}"], "checkpoints': Not a directory"),
         (convert_torch.cli, ["--checkpoint", str(finished_run), "--out", str(too_long)], "File name too long"),
         (convert_torch.cli, ["--checkpoint", str(finished_run), "--out", str(loop / "x")], "points back into itself"),
+    ]
+    looped = f"{loop}: a symbolic link on that path points back into itself (a loop of links): mend"
+    cases += [  # a loop named as one, never as a directory that exists or a file not found
+        (train.cli, [f"run_dir={loop}"], f"error: run_dir: {looped} or remove the link, or give another path\n"),
+        (train.cli, ["--resume", f"run_dir={loop}"], f"error: run_dir: {looped} or remove the link, or give another path\n"),
+        (train.cli, ["--config", str(loop)], f"error: config file {looped} the link, or give the YAML file itself\n"),
+        (sample.cli, ["--checkpoint", str(loop), "--prompt", "a"],
+         f"error: run directory {looped} or remove the link, or give the run directory itself\n"),
+        (eval_lib.cli, ["--checkpoint", str(loop)],
+         f"error: run directory {looped} or remove the link, or give the run directory itself\n"),
     ]
     for cli, args, words in cases:
         assert cli(args) == 2, args

@@ -207,7 +207,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
                     raise
                 raise DataError(f"data.mixture.{name}: {e}") from None
         if t.init_from:  # its model must be this one: checked before anything is written
-            rundir.check_init_from(t.init_from, cfg.model, corpus)
+            rundir.check_init_from(t.init_from, cfg.model, corpus, resume=args.resume)
         return sources, train_loader, val
 
     sources, train_loader, val = multihost.on_every_process(read_data, "stopped before training (its error says why)")
@@ -226,7 +226,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     say(fns.description, flush=True)
     frozen = ()  # LoRA: the frozen base, an argument of every step beside the adapters' state
     if t.lora is not None:  # loaded once; a resume checks that it is the base the run records
-        base_params, base_record = run_dir.weights.frozen_base(t.init_from, check=args.resume)
+        base_params, base_record = run_dir.weights.frozen_base(t.init_from, check=args.resume,
+                                                               point_at="--resume training.init_from=DIR")
         frozen = (fns.place_base(base_params),)
         del base_params
         adapters = sum(a.size for a in jax.tree.leaves(fns.abstract_state["params"]))
@@ -281,9 +282,9 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     ckpts = held.enter_context(run_dir.checkpoints.write(ck.keep, ck.async_save))
     last_ckpt = (ckpts.steps() or [None])[-1]
     if args.resume and last_ckpt is not None:
-        state, last_ckpt = ckpts.restore(fns.abstract_state, say)
-        start_step = int(state["step"])
         saved = run_dir.record.config()  # as the run was last configured
+        state, last_ckpt = ckpts.restore(fns.abstract_state, say, run_dir.tokens_per_step(saved))
+        start_step = int(state["step"])
         tokens_before = ckpts.tokens(last_ckpt)  # (None: saved before tokens were kept)
         if tokens_before is None:
             tokens_before = start_step * saved.training.batch_size * saved.seq_len
@@ -306,7 +307,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         state = fns.init()
         if t.init_from and t.lora is None:  # fine-tuning: the optimizer state (zero moments) and step stay fresh
             state["params"] = rundir.load_init_params(t.init_from, fns.state_sharding["params"])
-            say(f"parameters from {t.init_from}")
+            say(rundir.init_from_line(t.init_from))
         start_step, tokens_before = 0, 0
     stop.check()  # before the first step: nothing to save
 

@@ -335,6 +335,9 @@ def resolve(args):
         except ValueError as e:
             raise TrainBenchError(f"--fp8: {e}") from None
     lora = None
+    if getattr(args, "lora", 0) < 0:  # before --no-torch's line: a rank it could never take
+        raise TrainBenchError(f"--lora {args.lora}: the adapters' rank must be a positive integer (e.g. --lora 8), "
+                              f"or 0 for full training")
     if getattr(args, "lora", 0):
         if args.torch:
             raise TrainBenchError("--lora times our step alone; pass --no-torch")

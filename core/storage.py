@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import glob
 import json
+import logging
 import os
 import pathlib
 import re
@@ -66,11 +67,27 @@ def local_path(location) -> str:
     return text[len("file://"):] if text.startswith("file://") else text
 
 
+def link_loop(path) -> bool:
+    """Whether a local `path` (it, or a folder on the way to it) is a symbolic link that leads back into
+    itself: the system then says neither that it exists nor that it does not, and every use of it fails."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    except ValueError:  # a NUL in the name: not this question
+        return False
+    return False
+
+
+LINK_LOOP = "a symbolic link on that path points back into itself (a loop of links)"
+
+
 def filesystem(url: str, error=StorageError):
     """(fsspec filesystem, path inside it) of a URL; a missing package, a bad URL or a gs:// bucket that
     does not exist is one line."""
     if is_url(url) or str(url).endswith(":"):  # "gs:" is what a trailing-slash strip leaves of "gs://"
         _check_names_a_place(url, error)
+    _quiet_credential_search()
     try:
         import fsspec  # here: a local run never needs it
 
@@ -81,6 +98,27 @@ def filesystem(url: str, error=StorageError):
         raise error(f"{url}: {one_line(e)}") from None
     _check_bucket(fs, url, path, error)
     return fs, path
+
+
+class _CredentialSearchNotes(logging.Filter):
+    """google-auth's notes on its search for default credentials, which gcsfs (and etils, for orbax's files)
+    makes when it opens gs:// without a token: "Authentication failed using Compute Engine authentication due
+    to unavailable metadata server" where there is none to ask, "No project ID could be determined". gcsfs
+    goes on to the next way, anonymous access last; a bucket that then refuses it answers 401 or 403, which
+    the operation's own error says. The notes were a `WARNING:google.auth._default:...` line on stderr of
+    every command on gs:// (its root logger set up by orbax's import); nothing else of that logger is held."""
+
+    NOTES = ("Authentication failed using Compute Engine authentication", "No project ID could be determined")
+
+    def filter(self, record) -> bool:
+        return record.levelno >= logging.ERROR or not record.getMessage().startswith(self.NOTES)
+
+
+def _quiet_credential_search() -> None:
+    """Keep google-auth's notes of a credential search (_CredentialSearchNotes) off stderr, once a process."""
+    searched = logging.getLogger("google.auth._default")  # named without importing google.auth
+    if not any(isinstance(f, _CredentialSearchNotes) for f in searched.filters):
+        searched.addFilter(_CredentialSearchNotes())
 
 
 def _check_names_a_place(url, error=StorageError) -> None:
@@ -157,6 +195,8 @@ class RunDir:
         if self.remote:
             _check_names_a_place(location)
         self.location = str(location).rstrip("/") if self.remote else local_path(location)
+        if not self.remote and link_loop(self.location):
+            raise StorageError(f"{self.location}: {LINK_LOOP}: mend or remove the link, or give another path")
         self.fs, self.root = filesystem(self.location if self.remote else os.path.abspath(self.location))
 
     def __str__(self) -> str:

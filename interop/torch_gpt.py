@@ -44,6 +44,35 @@ class LoadError(ValueError):
     """A directory that is not a --format torch export, or whose tensors do not match its config; str(e) is one line."""
 
 
+EXPORT = "python convert_torch.py --checkpoint RUN_DIR --format torch --out DIR"  # what writes what this file loads
+
+
+def read_export_config(directory: pathlib.Path) -> dict:
+    """The config.json of a --format torch export in `directory`; a LoadError in one line saying what the
+    directory is instead (none, a run directory, a --format hf export, another model) and what loads it or
+    what export this file needs."""
+    if not directory.is_dir():
+        raise LoadError(f"{directory}: no such directory; give the --out of {EXPORT}")
+    if not (directory / CONFIG_NAME).is_file():
+        if (directory / "config.yaml").is_file() and (directory / "checkpoints").is_dir():
+            command = EXPORT.replace("RUN_DIR", str(directory))
+            raise LoadError(f"{directory} is a run directory, not an export: export it first ({command}), then load DIR")
+        raise LoadError(f"{directory} has no {CONFIG_NAME}: it holds no export; this file loads what {EXPORT} writes")
+    try:
+        meta = json.loads((directory / CONFIG_NAME).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError(f"{directory / CONFIG_NAME} cannot be read ({e}); export the run again ({EXPORT})") from None
+    if not isinstance(meta, dict) or "gpt_jax" not in meta:
+        raise LoadError(f"{directory} is no export of this toolkit (its {CONFIG_NAME} has no gpt_jax): a transformers "
+                        f"model loads with transformers.AutoModelForCausalLM.from_pretrained; this file loads what "
+                        f"{EXPORT} writes")
+    if meta.get("format") != "torch":
+        raise LoadError(f"{directory} is a --format hf export (transformers' {meta.get('model_type')} layout): load it "
+                        f"with transformers.AutoModelForCausalLM.from_pretrained, or export the run for this file "
+                        f"with {EXPORT}")
+    return meta
+
+
 def key_problems(found: dict, expected: dict) -> list[str]:
     """The missing, unexpected and mis-shaped keys of `found` against `expected` (name -> shape dicts),
     one 'missing: a, b' item per kind that has any; [] when they match."""
@@ -242,10 +271,7 @@ class GPT(_Module):
         from safetensors.torch import load_file
 
         directory = pathlib.Path(directory)
-        meta = json.loads((directory / CONFIG_NAME).read_text())
-        if meta.get("format") != "torch" or "gpt_jax" not in meta:
-            raise LoadError(f"{directory} is not a --format torch export; load an --format hf export with "
-                            f"transformers.AutoModelForCausalLM.from_pretrained")
+        meta = read_export_config(directory)
         model = cls(meta["gpt_jax"])
         tensors = load_file(str(directory / WEIGHTS_NAME), device=str(map_location))
         c = model.config

@@ -306,10 +306,12 @@ class Saver(Checkpoints):
                         self.run.fs.rm(f"{self.run.root}/{CHECKPOINTS}/{name}", recursive=True)
             forget_listings(self.dir)
 
-    def restore(self, abstract_state, say):
+    def restore(self, abstract_state, say, tokens_per_step: int | None = None):
         """(state, step) from the newest checkpoint that restores. Damaged newer ones are moved aside to
         checkpoints-damaged/ (never deleted), saying which and why; a checkpoint whose tree differs from
-        this run's (another model or optimizer) is a RunError naming the differing keys."""
+        this run's (another model or optimizer) is a RunError naming the differing keys. `tokens_per_step`:
+        the tokens of every step so far when the run's record fixes them (rundir.Run.tokens_per_step), which
+        a format 2 checkpoint's unfingerprinted count must agree with (fingerprints.tokens_problem)."""
         import orbax.checkpoint as ocp
 
         mngr = self.manager()
@@ -344,7 +346,8 @@ class Saver(Checkpoints):
             try:
                 state = mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
                 corrupt = (fingerprints_lib.fingerprint_problem(custom, number, state)
-                           or fingerprints_lib.step_problem(state, step))
+                           or fingerprints_lib.step_problem(state, step)
+                           or fingerprints_lib.tokens_problem(custom, number, step, tokens_per_step))
             except Exception as e:  # a damaged checkpoint: a file missing, an array unreadable
                 logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # its other reads' "never retrieved"
                 damaged.append((step, checkpoint_problem(e)))

@@ -8,6 +8,8 @@
                                  format 3 on, told by what it holds before (fingerprints: 2; nothing: 1)
     fingerprint_problem          what differs between a restored state and its saved fingerprints, in
                                  words (None: it reads as saved); format 1 has none to check
+    tokens_problem               a format 2 checkpoint's tokens trained (no fingerprint of them in that
+                                 format) other than the count its run's record fixes
     step_problem, tree_mismatch  a checkpoint under another step's name; one of another model
 
 checkpoints.py saves, restores and loads through these; knows nothing of runs or storage.
@@ -142,6 +144,22 @@ def fingerprint_problem(custom: dict, number: int, state) -> str | None:
         return None
     return (f"array {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") +
             " read back other than saved (its fingerprint differs): the files were altered or damaged")
+
+
+def tokens_problem(custom: dict, number: int, step: int, tokens_per_step: int | None) -> str | None:
+    """Why the tokens trained that a checkpoint of format 2 at `step` records cannot be its count, when its
+    run's record fixes the tokens of every step so far (`tokens_per_step`; None: it does not, as after a
+    resume that changed the batch or the context). Format 2 has no fingerprint of its metadata, so its count
+    is checked against step x tokens_per_step instead; format 3's is fingerprinted (fingerprint_problem), and
+    format 1 records none. None when it agrees, or records no count (the caller counts)."""
+    if number != 2 or tokens_per_step is None or TOKENS not in custom:
+        return None
+    tokens, expected = custom[TOKENS], step * tokens_per_step
+    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens == expected:
+        return None
+    return (f"its tokens trained ({tokens!r} in _CHECKPOINT_METADATA) are not the {step} x {tokens_per_step} = "
+            f"{expected} that the run's config and log fix (a format 2 checkpoint has no fingerprint of its "
+            f"metadata): the file was altered or damaged")
 
 
 def step_problem(state, step: int) -> str | None:

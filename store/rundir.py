@@ -78,12 +78,12 @@ class Run:
 
     LOSS_PLOT = "loss.png"
 
-    def __init__(self, location):
+    def __init__(self, location, base=None):
         self.dir = storage.RunDir(location)
         self.record = Record(self.dir)
         self.lock = runlock.Lock(self.dir)
         self.checkpoints = checkpoints_lib.RunCheckpoints(self.dir)
-        self.weights = weights.Weights(self.dir, self.record, self.checkpoints)
+        self.weights = weights.Weights(self.dir, self.record, self.checkpoints, base)  # base: a LoRA run's, moved
 
     def __str__(self) -> str:
         return str(self.dir)
@@ -113,6 +113,28 @@ class Run:
     def metrics(self, start_step: int) -> storage.JsonLines:
         """metrics.jsonl, continued after `start_step` (the rows of later steps are dropped)."""
         return storage.JsonLines(self.dir, METRICS, keep=lambda row: row["step"] <= start_step)
+
+    def tokens_per_step(self, cfg: config_lib.Config) -> int | None:
+        """The tokens each step of this run has trained so far when its record fixes them: its config's (`cfg`,
+        as last configured) batch x context, when every row of metrics.jsonl counts exactly its step x that
+        (no resume changed the batch or the context). None when a row counts otherwise, or when the log has
+        no row to tell by (lost, or unreadable): then nothing fixes them."""
+        per_step = cfg.training.batch_size * cfg.seq_len
+        try:
+            text = self.dir.read_text(METRICS) if self.dir.is_file(METRICS) else ""
+        except (UserError, OSError, UnicodeDecodeError):
+            return None
+        counted = 0
+        for line in text.splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a last line cut off by a kill
+                continue
+            step, tokens = (row.get("step"), row.get("tokens")) if isinstance(row, dict) else (None, None)
+            if not (isinstance(step, int) and isinstance(tokens, int)) or tokens != step * per_step:
+                return None
+            counted += 1
+        return per_step if counted else None
 
     def wandb_id(self, new: str | None = None) -> str | None:
         """The run's W&B id; when it has none and `new` is given, `new` becomes it."""
@@ -188,13 +210,21 @@ def open_run(location) -> Run:
     return location if isinstance(location, Run) else Run(location)
 
 
-def existing(location) -> Run:
+def existing(location, base=None) -> Run:
     """A run directory to read (eval, sample, convert): a local one must exist; one at a URL is
-    checked when its config is read."""
+    checked when its config is read. `base` (the readers' --base): where a LoRA run's base model is now,
+    if it moved since training; a RunError for a run that is no LoRA run."""
     location = storage.local_path(location)  # file:///x: the local directory /x
+    if not storage.is_url(location) and storage.link_loop(location):
+        raise RunError(f"run directory {location}: {storage.LINK_LOOP}: mend or remove the link, or give the run "
+                       f"directory itself")
     if not storage.is_url(location) and not pathlib.Path(location).is_dir():
         raise RunError(f"run directory {location} not found")
-    return Run(location)
+    run = Run(location, base)
+    if base is not None and run.record.config().training.lora is None:
+        raise RunError(f"--base {base}: {location} is not a LoRA run (its training.lora is null): its checkpoints hold "
+                       f"its whole model, with no base to point at; leave --base out")
+    return run
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,18 +249,21 @@ def init_model(location) -> dict:
         raise RunError(f"training.init_from: {e}") from None
 
 
-def check_init_from(location, mcfg, data: shards.DataDir) -> None:
+def check_init_from(location, mcfg, data: shards.DataDir, resume: bool = False) -> None:
     """training.init_from: a run directory with a checkpoint, this run's model and the tokenizer the data
-    was prepared with, or a RunError (one line)."""
+    was prepared with, or a RunError (one line); for a `resume`, one that is not there (any more) is said
+    with the override that gives its new place."""
+    moved = "; if it moved since this run started, give its new place: --resume training.init_from=DIR" \
+        if resume else ""
     try:
         src = open_run(location)
         src_model = src.record.config().model
         has_checkpoint = bool(src.checkpoints.steps())
         src_tokenizer = src.record.tokenizer_sha256()
     except UserError as e:
-        raise RunError(f"training.init_from: {e}") from None
+        raise RunError(f"training.init_from: {e}{moved}") from None
     if not has_checkpoint:
-        raise RunError(f"training.init_from={location}: no checkpoint in it to start from")
+        raise RunError(f"training.init_from={location}: no checkpoint in it to start from{moved}")
     if src_tokenizer is None:
         raise RunError(f"training.init_from={location} has no {TOKENIZER}, so the data cannot be checked against "
                        f"the model's tokenizer: copy the model's {TOKENIZER} into it (the one the data was "
@@ -244,6 +277,22 @@ def check_init_from(location, mcfg, data: shards.DataDir) -> None:
     if diffs:
         raise RunError(f"training.init_from={location}: its model differs from this run's ({'; '.join(diffs)}); "
                        f"set the same model (and prepare the data with its tokenizer)")
+
+
+def init_from_line(location) -> str:
+    """What a new run starting from training.init_from's parameters says of them: where they come from, and
+    of a LoRA run's, that they are its merged model (its base with the adapters folded in), which the run
+    then trains whole, since this one sets no adapters of its own."""
+    try:
+        src = open_run(location)
+        if src.record.config().training.lora is None:
+            return f"parameters from {location}"
+        base = src.weights.lora_base().get("init_from") or src.record.config().training.init_from
+    except UserError as e:
+        raise RunError(f"training.init_from: {e}") from None
+    return (f"parameters from {location}, a LoRA run: its merged weights (its base {base} with the adapters folded "
+            f"in), every one of them trained from here (a full fine-tune); to train an adapter on them instead, "
+            f"set training.lora.rank (and the other training.lora.* keys)")
 
 
 def load_init_params(location, shardings):

@@ -27,8 +27,10 @@ LORA_BASE = "lora_base.json"
 class Weights:
     """The weights of a run directory (see the module docstring)."""
 
-    def __init__(self, directory: storage.RunDir, record: Record, checkpoints: checkpoints_lib.RunCheckpoints):
+    def __init__(self, directory: storage.RunDir, record: Record, checkpoints: checkpoints_lib.RunCheckpoints,
+                 base=None):
         self.dir, self.record, self.checkpoints = directory, record, checkpoints
+        self.base = base  # where a LoRA run's base is now, if it moved (the readers' --base); else where it records
 
     @classmethod
     def at(cls, location) -> Weights:
@@ -54,8 +56,13 @@ class Weights:
         if cfg.training.lora is None:
             raise RunError(f"{self} is not a LoRA run (its training.lora is null), so it has no adapters")
         params, step, _ = self.load_weights(step, adapters_only=True)
-        self.frozen_base(self.lora_base().get("init_from") or cfg.training.init_from)  # the base they adapt
+        self.frozen_base(self.base_location())  # the base they adapt
         return params, step
+
+    def base_location(self) -> str:
+        """Where a LoRA run's base is read from: `base` when given (it moved), else where lora_base.json
+        records it (or the config's training.init_from, for a run without one)."""
+        return self.base or self.lora_base().get("init_from") or self.record.config().training.init_from
 
     def load_weights(self, step: int | None = None, adapters_only: bool = False) -> tuple[dict, int, str]:
         """(params, step, fingerprint) as load_params, with a fingerprint of the parameters: the sha256 of
@@ -88,7 +95,7 @@ class Weights:
         import model as model_lib
         from layers import lora as lora_lib
 
-        base, record = self.frozen_base(self.lora_base().get("init_from") or cfg.training.init_from)
+        base, record = self.frozen_base(self.base_location())
         merged = lora_lib.merge(lora_lib.join(base, params), model_lib.adapted_kernels(cfg.model, lora))
         shape = {k: getattr(lora, k) for k in lora.SHAPE_FIELDS}
         return numpy_tree(merged), step, sha256({"base": record["fingerprint"], "adapters": fingerprint, "lora": shape})
@@ -140,28 +147,32 @@ class Weights:
             raise RunError(f"checkpoint {step} of {self} does not fit its config.yaml: {e}") from None
         return nnx.merge(graphdef, state), step
 
-    def frozen_base(self, location, check: bool = True) -> tuple[dict, dict]:
+    def frozen_base(self, location, check: bool = True, point_at: str = "--base DIR") -> tuple[dict, dict]:
         """(params, record) of this LoRA run's frozen base at training.init_from `location`: its parameters
         (numpy, float32) and the record lora_base.json keeps of it, {init_from, step, fingerprint}. With
         `check` (a resume, or a reader of its model), the base must be the one the run records: at the
         recorded location, the recorded checkpoint step is loaded; anywhere, its fingerprint must be the
-        recorded one. Otherwise a RunError in one line naming both. Without (a new run), it is the base."""
+        recorded one. Otherwise a RunError in one line naming both, and how to give the base's place
+        (`point_at`: the readers' --base, a resume's training.init_from). Without (a new run), it is the base."""
         recorded = self.lora_base() if check else {}
         if check and not recorded:
             raise RunError(f"{self} is a LoRA run but has no {LORA_BASE}, so the base its adapters belong to is "
                            f"unknown; it cannot be checked nor loaded")
         where = base_location(location)
+        given = f"--base {location}" if self.base is not None and location == self.base else \
+            f"training.init_from={location}"
         step = recorded.get("step") if recorded.get("init_from") == where else None
         try:
             params, step, fingerprint = Weights.at(location).load_weights(step)
         except UserError as e:
-            raise RunError(f"the base model (training.init_from={location}) of this LoRA run: {e}") from None
+            raise RunError(f"the base model ({given}) of this LoRA run: {e}; if the base moved, "
+                           f"give its new place: {point_at}") from None
         record = {"init_from": where, "step": step, "fingerprint": fingerprint}
         if recorded and recorded["fingerprint"] != fingerprint:
-            raise RunError(f"training.init_from={location} (checkpoint {step}, fingerprint {fingerprint[:16]}) is "
+            raise RunError(f"{given} (checkpoint {step}, fingerprint {fingerprint[:16]}) is "
                            f"not the base this LoRA run's adapters were trained on: {self.dir.show(LORA_BASE)} records "
                            f"{recorded['init_from']} checkpoint {recorded['step']} (fingerprint "
-                           f"{recorded['fingerprint'][:16]}); point training.init_from at that base")
+                           f"{recorded['fingerprint'][:16]}); give that base's place: {point_at}")
         return params, record
 
 

@@ -442,8 +442,11 @@ def _checked(data: shards.DataDir, split: str, seq_len: int) -> Examples:
         raise DataError(f"{data}: split {split!r} has no examples{hint}")
     longest = int(examples.lengths.max())
     if longest > seq_len + 1:
-        raise DataError(f"{data}: an example of {longest} tokens does not fit training.seq_len {seq_len} "
-                        f"(prepared for seq_len {examples.index.get('seq_len')}); re-prepare with --seq-len {seq_len}")
+        raise DataError(f"{data}: an example of {longest} tokens does not fit training.seq_len {seq_len} (by default "
+                        f"the model's context; the data was prepared with --seq-len {examples.index.get('seq_len')}): "
+                        f"prepare it again with --seq-len {seq_len} (prompts then lose tokens from the left, and "
+                        f"examples whose completion does not fit are skipped), or train with training.seq_len="
+                        f"{longest - 1} where the model takes that context")
     return examples
 
 

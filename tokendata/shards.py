@@ -37,6 +37,7 @@ import json
 import math
 import os
 import pathlib
+import shlex
 from typing import NamedTuple
 
 import numpy as np
@@ -149,6 +150,23 @@ class Source:
         except Exception as e:
             raise self._failed(name, e) from None
 
+    def is_file(self) -> bool:
+        """Whether the location itself is a file (or, at a URL, an object), which a directory never is."""
+        try:
+            return self.fs.isfile(self.root) if self.remote else os.path.isfile(self.location)
+        except Exception:  # no access, no network: the read that follows says so
+            return False
+
+    def read_head(self, n: int) -> bytes:
+        """The first `n` bytes of the location itself, when it is a file."""
+        try:
+            if self.remote:
+                return self.fs.cat_file(self.root, start=0, end=n)
+            with open(self.location, "rb") as f:
+                return f.read(n)
+        except Exception as e:
+            raise self._failed("", e) from None
+
     def listing(self) -> dict[str, dict]:
         """{name: {"size": bytes, "version": {field: value}}} of the files directly in the directory, in one
         listing; a version is the object store's generation and checksums (or its modification time)."""
@@ -220,14 +238,39 @@ def content_sha256(index: dict) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
+def not_prepared(source: Source) -> DataError:
+    """The error for a data directory given as a file (a corpus file, prompt/completion pairs): data.py
+    prepares it, in the command that does (--format prompt_completion for records without a `text` field,
+    as its first line shows)."""
+    name = source.location.rstrip("/").rsplit("/", 1)[-1]
+    out = f"data/{name.split('.')[0] or 'prepared'}"
+    try:  # the first line: prompt/completion records have no `text` (a compressed file: read as text)
+        head = source.read_head(1 << 16)
+        first = json.loads(head.split(b"\n", 1)[0]) if head[:1] == b"{" else None
+    except (DataError, ValueError):
+        first = None
+    pairs = isinstance(first, dict) and "text" not in first
+    given = shlex.quote(source.location)
+    command = (f"python data.py --format prompt_completion --input {given} --out {out} --tokenizer RUN_DIR --seq-len T"
+               if pairs else f"python data.py --input {given} --out {out}")
+    return DataError(f"{source.location} is a file, not a prepared data directory: data.py prepares it into one "
+                     f"(`{command}`" + (": RUN_DIR the run it fine-tunes, whose tokenizer the pairs need, T the "
+                                        "context it trains at" if pairs else "")
+                     + f"); then give that directory ({out}) instead")
+
+
 def read_index(data_dir) -> tuple[Source, dict, list[IndexedFile]]:
     """(its Source, index, the files it names) of a data directory, the index's own fields checked but
     not the files."""
     source = Source(data_dir)
     path = source.show("index.json")
+    if not source.remote and os.path.isfile(source.location):
+        raise not_prepared(source)
     try:
         raw = source.read_bytes("index.json")
     except MissingFile:
+        if source.remote and source.is_file():
+            raise not_prepared(source) from None
         raise DataError(f"{path} not found; prepare the data with `python data.py`") from None
     try:
         index = json.loads(raw)
