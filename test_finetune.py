@@ -409,6 +409,10 @@ def test_finetuned_model_reverses_held_out_lists(reversal, tmp_path, capsys):
     assert train.main(tiny(again, root / "data", *model_args, "training.seq_len=32", "training.steps=1",
                            f"training.init_from={run_dir}")) == 0
     assert rows(again)[0]["loss"] < 0.05
+    # and resumes from its own checkpoint once that run moved away: init_from is read no more
+    run_dir.rename(tmp_path / "moved")
+    assert train.main(["--resume", f"run_dir={again}", "training.steps=2"]) == 0
+    assert [r["step"] for r in rows(again) if "loss" in r][-1] == 2
 
 
 def test_finetune_with_fcm_resumes_exactly(reversal, tmp_path):

@@ -206,7 +206,9 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
                 if not name:
                     raise
                 raise DataError(f"data.mixture.{name}: {e}") from None
-        if t.init_from:  # its model must be this one: checked before anything is written
+        # its model must be this one: checked before anything is written, unless a full fine-tune's resume
+        # restores a checkpoint (init_from is read no more: it may have moved or gone)
+        if t.init_from and not (args.resume and t.lora is None and run_dir.checkpoints.steps()):
             rundir.check_init_from(t.init_from, cfg.model, corpus, resume=args.resume)
         return sources, train_loader, val
 
