@@ -292,7 +292,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         if changes := run_dir.record.resume_changes(saved, cfg):
             say(changes)
         # the learning rate from here on is the resume's schedule at this step (past the warm-up: no second one);
-        # said when a key it depends on changed (the others in resume_changes' line), from what rate to what
+        # when a key it depends on changed, the rate of the next step is said before and after
         if start_step < t.steps and any(getattr(saved.training, k) != getattr(t, k) for k in step_lib.SCHEDULE_KEYS):
             before, after = (f"{float(schedule(start_step)):.3g}" for schedule in
                              (step_lib.lr_schedule(saved.training), fns.schedule))
