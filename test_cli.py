@@ -22,6 +22,7 @@ import convert_torch
 import data
 import eval as E
 import gcs_emulator
+import plot
 import sample
 import train
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
@@ -166,6 +167,7 @@ sys.exit(errors.run_cli(main))
     (sample.cli, ["--checkpoint", "run", "--prompt", "the", "--max-new", "x"], "--max-new"),  # --max-new-tokens
     (convert_torch.cli, ["--checkpoint", "run", "--out", "x", "--form", "hf"], "--form"),  # --format
     (bench.cli, ["attention", "--step", "x"], "--step"),  # --steps
+    (plot.cli, ["runs/a", "--over"], "--over"),  # --overwrite
 ])
 def test_an_abbreviated_option_is_refused_in_one_line(cli, argv, abbreviated, capsys):
     """argparse would take `--task piqa` as `--tasks piqa` (and eval.py would find out after its perplexity

@@ -6,8 +6,8 @@ Each command line (backslash continuations joined, comments dropped, `&&`, `||`,
 redirections split off, leading `NAME=value` settings dropped) is checked by what it runs:
 
     python SCRIPT.py ARGS   the script exists and its own parser accepts ARGS, without running the
-                            work: train.py, data.py, eval.py, sample.py, convert_torch.py and
-                            gcs_emulator.py by their parse_args (before JAX loads), bench.py by its
+                            work: train.py, data.py, eval.py, sample.py, convert_torch.py, plot.py
+                            and gcs_emulator.py by their parse_args (before JAX loads), bench.py by its
                             main with the benchmarks replaced; train.py's config with its overrides is
                             loaded too (a renamed key fails), and `train.py --plan` runs for real
     bash prepareTPUVM.sh --dry-run   runs for real
@@ -241,6 +241,11 @@ class Checker:
         import convert_torch
 
         convert_torch.parse_args(args)
+
+    def script_plot(self, args, line):
+        import plot
+
+        plot.parse_args(args)
 
     def script_gcs_emulator(self, args, line):
         import gcs_emulator

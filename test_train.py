@@ -737,6 +737,101 @@ def test_a_warmup_longer_than_the_run_is_said(corpus, tmp_path, capsys):
     assert rows(tmp_path / "short")[-1]["lr"] == pytest.approx(1e-2 / 4)  # the formula: lr * step / warmup
 
 
+def lr_of(schedule: str, s: int, steps: int, lr=1e-2, min_lr=1e-3, warmup=2, fraction=0.2) -> float:
+    """The learning rate of step s (from 1), written out: a linear warm-up over `warmup` steps, then cosine
+    down to min_lr at `steps`, wsd (flat at lr, then down to min_lr along 1 - sqrt over the last `fraction` of
+    the steps) or constant (lr)."""
+    if s <= warmup:
+        return lr * s / warmup
+    if schedule == "constant":
+        return lr
+    if schedule == "cosine":
+        return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * min(1.0, (s - warmup) / (steps - warmup))))
+    decay = fraction * steps
+    return min_lr + (lr - min_lr) * (1 - math.sqrt(min(1.0, max(0.0, (s - (steps - decay)) / decay))))
+
+
+@pytest.mark.parametrize("schedule", config.TrainingConfig.SCHEDULES)
+def test_each_schedule_is_its_formula(schedule):
+    """training.schedule's learning rate at every step of a few lengths (and past the end: where a finished
+    run's was), against the formulas written out."""
+    from training import step as step_lib
+
+    for steps, warmup, fraction in [(10, 2, 0.2), (10, 0, 0.5), (7, 3, 0.3), (100, 10, 0.25), (5, 1, 0.8)]:
+        t = config.TrainingConfig(steps=steps, warmup_steps=warmup, lr=1e-2, min_lr=1e-3, schedule=schedule,
+                                  decay_fraction=fraction)
+        got = [float(step_lib.lr_schedule(t)(s - 1)) for s in range(1, steps + 3)]  # optax's count: s - 1
+        want = [lr_of(schedule, s, steps, warmup=warmup, fraction=fraction) for s in range(1, steps + 3)]
+        np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"{schedule} {steps} {warmup} {fraction}")
+
+
+def test_an_old_run_without_a_schedule_is_cosine_as_it_was():
+    """A run written before training.schedule existed reads as cosine, whose rates are those it logged."""
+    from training import step as step_lib
+
+    run = REPO / "fixtures" / "runs" / "2026-11-22" / "run"
+    assert "schedule" not in (run / "config.yaml").read_text()
+    t = rundir.Run(run).record.config().training
+    assert t.schedule == "cosine"
+    logged = [(r["step"], r["lr"]) for r in rows(run)]
+    assert len(logged) == 4 and [float(step_lib.lr_schedule(t)(s - 1)) for s, _ in logged] == [lr for _, lr in logged]
+
+
+def test_a_schedule_that_cannot_be_is_one_line(corpus, tmp_path, capsys):
+    """training.schedule's values and wsd's decay are checked before anything is made; constant takes an lr
+    below min_lr, which it does not use."""
+    for extra, said in [
+        (["training.schedule=linear"], "training.schedule must be one of cosine, wsd, constant, got 'linear'"),
+        (["training.decay_fraction=0"], "training.decay_fraction must be in (0, 1] (wsd decays over that fraction "
+                                        "of the steps), got 0.0"),
+        (["training.schedule=wsd", "training.warmup_steps=4", "training.decay_fraction=0.75"],
+         "training.schedule=wsd: the warm-up (training.warmup_steps 4) and the decay (training.decay_fraction 0.75 "
+         "of 8 steps: 6) are longer than training.steps (8); lower one of them or raise the steps"),
+        (["training.lr=1e-4"], "training.min_lr (0.001) must be in [0, training.lr (0.0001)]"),
+    ]:
+        assert train.cli(tiny(tmp_path / "run", corpus, *extra)) == 2
+        assert capsys.readouterr().err == f"error: {said}\n"
+        assert not (tmp_path / "run").exists()
+    assert config.load_config(overrides=["training.schedule=constant", "training.lr=1e-4"]).training.min_lr == 3e-4
+
+
+def test_a_wsd_run_continues_its_schedule_over_more_steps(corpus, tmp_path, capsys):
+    """A wsd run logs its formula's rates; resumed with more steps, its schedule is laid over them from the
+    step it stopped at, with no second warm-up, and the resume says from what rate to what."""
+    run_dir = tmp_path / "wsd"
+    wsd = ["training.schedule=wsd", "training.decay_fraction=0.5"]
+    assert train.main(tiny(run_dir, corpus, *wsd, "training.steps=6")) == 0
+    lr = lambda steps, s: lr_of("wsd", s, steps, fraction=0.5)  # noqa: E731
+    np.testing.assert_allclose([r["lr"] for r in rows(run_dir)], [lr(6, s) for s in range(1, 7)], rtol=1e-6)
+    assert rows(run_dir)[-1]["lr"] == pytest.approx(1e-3)  # decayed to min_lr
+    capsys.readouterr()
+    assert train.main(["--resume", f"run_dir={run_dir}", "training.steps=10"]) == 0
+    out = capsys.readouterr().out
+    assert (f"training.steps 6 -> 10: the wsd schedule now spans 10 steps, flat until step 5, then down to 0.001, so "
+            f"the learning rate of step 7 goes from 0.001 to {lr(10, 7):.3g}") in out
+    np.testing.assert_allclose([r["lr"] for r in rows(run_dir)][6:], [lr(10, s) for s in range(7, 11)], rtol=1e-6)
+
+
+def test_a_finished_run_continues_at_a_lower_constant_rate(corpus, tmp_path, capsys):
+    """The newcomer's continuation: a finished cosine run resumed with training.schedule=constant and a lower
+    training.lr trains on at that rate from its next step (not warming up again), and says so."""
+    run_dir = tmp_path / "cosine"
+    assert train.main(tiny(run_dir, corpus, "training.steps=4")) == 0
+    capsys.readouterr()
+    assert train.main(["--resume", f"run_dir={run_dir}", "training.steps=7", "training.schedule=constant",
+                       "training.lr=5e-4"]) == 0
+    out = capsys.readouterr().out
+    assert ("--resume changes training.lr 0.01 -> 0.0005, training.schedule cosine -> constant: the steps from here "
+            "on are not those the run would have had with its own settings") in out
+    assert ("training.steps 4 -> 7: the constant schedule holds 0.0005 after its warm-up, so the learning rate of "
+            "step 5 goes from 0.001 to 0.0005") in out
+    logged = [r["lr"] for r in rows(run_dir)]
+    np.testing.assert_allclose(logged[:4], [lr_of("cosine", s, 4) for s in range(1, 5)], rtol=1e-6)
+    assert logged[4:] == [pytest.approx(5e-4)] * 3
+    saved = rundir.Run(run_dir).record.config().training
+    assert (saved.schedule, saved.lr, saved.steps) == ("constant", 5e-4, 7)
+
+
 def test_a_tilde_in_a_path_key_is_the_home_directory(monkeypatch, tmp_path):
     """`data.dir=~/x` reaches the program with its ~ (the shell expands it only at a word's start): the
     config's path keys expand it as the shell would; a URL is left as it is."""

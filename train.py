@@ -294,11 +294,14 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
             raise RunError(problem)
         if changes := run_dir.record.resume_changes(saved, cfg):
             say(changes)
-        if saved.training.steps != t.steps and start_step < t.steps:
-            before = float(step_lib.lr_schedule(dataclasses.replace(t, steps=saved.training.steps))(start_step))
-            say(f"training.steps {saved.training.steps} -> {t.steps}: the warm-up and cosine schedule now spans "
-                f"{t.steps} steps, so the learning rate of step {start_step + 1} goes from {before:.3g} to "
-                f"{float(fns.schedule(start_step)):.3g}")
+        # the learning rate from here on is the resume's schedule at this step (past the warm-up: no second one);
+        # when a key it depends on changed, the rate of the next step is said before and after
+        if start_step < t.steps and any(getattr(saved.training, k) != getattr(t, k) for k in step_lib.SCHEDULE_KEYS):
+            before, after = (f"{float(schedule(start_step)):.3g}" for schedule in
+                             (step_lib.lr_schedule(saved.training), fns.schedule))
+            say((f"training.steps {saved.training.steps} -> {t.steps}: " if saved.training.steps != t.steps else "")
+                + f"{step_lib.schedule_words(t)}, so the learning rate of step {start_step + 1} "
+                + (f"goes from {before} to {after}" if before != after else f"stays {after}"))
         if start_step >= t.steps:
             say(f"{run_dir} is already trained to step {start_step}; to train further: "
                 f"python train.py --resume run_dir={run_dir} training.steps=N")

@@ -81,6 +81,10 @@ class Interrupted(UserError):
     exit_status = 130
 
 
+class PlotError(UserError):
+    """A user-caused problem with a plot request (plot.py: --out, --x, the runs given); str(e) is one line."""
+
+
 class ConvertError(UserError):
     """A user-caused problem (paths, steps, unsupported layouts, key mismatches); str(e) is one line."""
 

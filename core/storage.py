@@ -441,6 +441,21 @@ class Versions:
         fs.invalidate_cache(self.run._path(name))
 
 
+def json_lines(text: str, shown: str) -> tuple[list[tuple[object, str]], str | None]:
+    """([(row, its line as written)], the last line if a kill cut it off during its write, else None) of a
+    JSON Lines log's text; a line before the last that is not JSON is a StorageError naming the file `shown`."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    parsed, torn = [], None
+    for number, line in enumerate(lines, 1):
+        try:
+            parsed.append((json.loads(line), line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise StorageError(f"{shown}: line {number} is not JSON; repair or remove it") from None
+            torn = line
+    return parsed, torn
+
+
 class JsonLines:
     """A run's JSON Lines log (metrics.jsonl), restarted with the rows `keep` accepts.
 
@@ -471,16 +486,7 @@ class JsonLines:
             text = raw.decode()
         else:
             text = run.read_text(name) if run.is_file(name) else ""
-        old = [line for line in text.splitlines() if line.strip()]
-        parsed = []  # (row, its line as written)
-        self.torn = None  # a last line cut off by a kill during its write: dropped, and said by the caller
-        for number, line in enumerate(old, 1):
-            try:
-                parsed.append((json.loads(line), line))
-            except json.JSONDecodeError:
-                if number < len(old):
-                    raise StorageError(f"{run.show(name)}: line {number} is not JSON; repair or remove it") from None
-                self.torn = line
+        parsed, self.torn = json_lines(text, run.show(name))  # torn: said by the caller
         kept = [(row, line) for row, line in parsed if keep(row)]
         self.rows = [row for row, _ in kept]  # the rows kept, in order
         self.lines = [line + "\n" for _, line in kept]

@@ -136,6 +136,26 @@ class Run:
             counted += 1
         return per_step if counted else None
 
+    def logged(self) -> list[dict]:
+        """metrics.jsonl's rows, read (plot.py): each a logged step with its loss; a last line cut off (a stop
+        during its write) left out. A RunError (one line) where there is none, or a row train.py never wrote."""
+        if not self.dir.is_file(METRICS):
+            raise RunError(f"{self} has no {METRICS}: not a run directory, or a run stopped before its first "
+                           f"logged step")
+        shown = self.dir.show(METRICS)
+        try:
+            text = self.dir.read_bytes(METRICS).decode()
+        except UnicodeDecodeError as e:
+            raise RunError(f"{shown} is not UTF-8 text (byte {e.start}): not a log train.py wrote") from None
+        rows = [row for row, _ in storage.json_lines(text, shown)[0]]
+        for number, row in enumerate(rows, 1):
+            if not (isinstance(row, dict) and isinstance(row.get("step"), int)
+                    and isinstance(row.get("loss"), (int, float))):
+                raise RunError(f"{shown}: line {number} is no logged step (a JSON object with a step and a loss)")
+        if not rows:
+            raise RunError(f"{shown} has no logged step yet")
+        return rows
+
     def wandb_id(self, new: str | None = None) -> str | None:
         """The run's W&B id; when it has none and `new` is given, `new` becomes it."""
         if self.dir.is_file(WANDB_ID):

@@ -91,8 +91,10 @@ class TrainingConfig:
     micro_batches: int = 1  # gradient accumulation: batch_size is split into this many pieces
     seq_len: typing.Optional[int] = None  # None = model.block_size
     lr: float = 3e-3
-    min_lr: float = 3e-4
+    min_lr: float = 3e-4  # where cosine and wsd end
     warmup_steps: int = 100
+    schedule: str = "cosine"  # the learning rate after the warm-up, one of SCHEDULES (step.lr_schedule)
+    decay_fraction: float = 0.2  # wsd: the last fraction of the steps, in which the learning rate decays to min_lr
     weight_decay: float = 0.1
     decay_embeddings: bool = False
     b1: float = 0.9
@@ -108,6 +110,10 @@ class TrainingConfig:
     # logits where they fit in 1/8 of a device's memory, else 4096 (loss.resolve_chunk)
     loss_chunk: typing.Union[int, str] = "auto"
     lora: typing.Optional[LoRAConfig] = None  # low-rank adapters on init_from's frozen model; None: train every weight
+
+    # (a class attribute, not a field) the learning-rate schedules after the linear warm-up: cosine down to min_lr
+    # at `steps`; warm-up, stable, decay (flat at lr, then down to min_lr over the last decay_fraction); flat at lr
+    SCHEDULES = ("cosine", "wsd", "constant")
 
 
 @dataclasses.dataclass
@@ -450,8 +456,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"training.seq_len must be in 1..model.block_size ({cfg.model.block_size}), got {t.seq_len}")
     if not (math.isfinite(t.lr) and t.lr >= 0):  # 0: no updates (e.g. to measure a starting point)
         raise ConfigError(f"training.lr must be a number >= 0, got {t.lr}")
-    if not 0.0 <= t.min_lr <= t.lr:
-        raise ConfigError(f"training.min_lr ({t.min_lr}) must be in [0, training.lr ({t.lr})]")
+    check_schedule(t)
     try:
         sharding.check_sizes(cfg.sharding.data, cfg.sharding.fsdp, cfg.sharding.tensor)
         sharding.check_zero_stage(cfg.sharding.zero_stage)
@@ -483,6 +488,23 @@ def validate(cfg: Config) -> None:
     check_mixture(cfg.data, t.steps)
     if cfg.wandb.mode not in WANDB_MODES:
         raise ConfigError(f"wandb.mode must be one of {', '.join(WANDB_MODES)}, got {cfg.wandb.mode!r}")
+
+
+def check_schedule(t: TrainingConfig) -> None:
+    """training.schedule and the keys it reads: min_lr within [0, lr] (constant has no use for it), and wsd's
+    decay (the last decay_fraction of the steps) after its warm-up."""
+    if t.schedule not in TrainingConfig.SCHEDULES:
+        raise ConfigError(f"training.schedule must be one of {', '.join(TrainingConfig.SCHEDULES)}, got {t.schedule!r}")
+    if t.schedule != "constant" and not 0.0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"training.min_lr ({t.min_lr}) must be in [0, training.lr ({t.lr})]")
+    if not 0.0 < t.decay_fraction <= 1.0:
+        raise ConfigError(f"training.decay_fraction must be in (0, 1] (wsd decays over that fraction of the steps), "
+                          f"got {t.decay_fraction}")
+    decay = t.decay_fraction * t.steps
+    if t.schedule == "wsd" and t.warmup_steps + decay > t.steps * (1 + 1e-9):  # (the float product's rounding)
+        raise ConfigError(f"training.schedule=wsd: the warm-up (training.warmup_steps {t.warmup_steps}) and the decay "
+                          f"(training.decay_fraction {t.decay_fraction:g} of {t.steps} steps: {decay:g}) are longer "
+                          f"than training.steps ({t.steps}); lower one of them or raise the steps")
 
 
 SOURCE_NAME = re.compile(r"[A-Za-z0-9_-]+")  # a source's name: a metrics key (val_loss/NAME) and an override's part

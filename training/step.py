@@ -34,22 +34,50 @@ from layers import logical_axes
 from layers import lora as lora_lib
 from layers import loss as loss_lib
 
+# the keys of a config.TrainingConfig that the learning rate of a step depends on
+SCHEDULE_KEYS = ("steps", "schedule", "lr", "min_lr", "warmup_steps", "decay_fraction")
+
 
 def lr_schedule(t):
-    """Linear warm-up to t.lr over warmup_steps, then cosine decay to t.min_lr at t.steps.
+    """The learning rate of each update for a config.TrainingConfig `t`: a linear warm-up to t.lr over
+    warmup_steps, then by t.schedule
+
+        cosine    down to t.min_lr at t.steps along half a cosine
+        wsd       warm-up, stable, decay: flat at t.lr, then down to t.min_lr at t.steps over the last
+                  t.decay_fraction of the steps along 1 - sqrt(progress), the cooldown that Hägele et al.
+                  (2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations") found
+                  better than a linear one
+        constant  flat at t.lr (t.min_lr unused)
 
     Takes optax's count (updates done before this one), so update 1 uses lr/warmup_steps and
-    never a wasted learning rate of 0. `t` is a config.TrainingConfig.
+    never a wasted learning rate of 0. The rate is a function of the step alone: a resume continues it
+    where the run stopped (past the warm-up, no second one), laid over the resume's training.steps.
     """
 
     def schedule(count):
         step = count + 1
         warm = t.lr * step / max(t.warmup_steps, 1)
+        if t.schedule == "constant":
+            return jnp.where(step <= t.warmup_steps, warm, t.lr)
+        if t.schedule == "wsd":
+            decay = t.decay_fraction * t.steps  # > 0: the config's check
+            progress = jnp.clip((step - (t.steps - decay)) / decay, 0.0, 1.0)
+            return jnp.where(step <= t.warmup_steps, warm, t.min_lr + (t.lr - t.min_lr) * (1.0 - jnp.sqrt(progress)))
         progress = jnp.clip((step - t.warmup_steps) / max(t.steps - t.warmup_steps, 1), 0.0, 1.0)
         cosine = t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + jnp.cos(jnp.pi * progress))
         return jnp.where(step <= t.warmup_steps, warm, cosine)
 
     return schedule
+
+
+def schedule_words(t) -> str:
+    """What the learning rate of a config.TrainingConfig `t` does after its warm-up, in words."""
+    if t.schedule == "constant":
+        return f"the constant schedule holds {t.lr:.3g} after its warm-up"
+    if t.schedule == "wsd":
+        return (f"the wsd schedule now spans {t.steps} steps, flat until step {t.steps * (1 - t.decay_fraction):g}, "
+                f"then down to {t.min_lr:.3g}")
+    return f"the warm-up and cosine schedule now spans {t.steps} steps"
 
 
 def decay_mask(params, decay_embeddings: bool):
