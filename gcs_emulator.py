@@ -61,8 +61,8 @@ import time
 
 from gcp_storage_emulator import server as emulator
 from gcp_storage_emulator import storage as emulator_storage
-from gcp_storage_emulator.handlers import buckets as emulator_buckets
 from gcp_storage_emulator.exceptions import NotFound
+from gcp_storage_emulator.handlers import buckets as emulator_buckets
 
 emulator_storage.DEFAULT_SOFT_DELETE_RETENTION_SECONDS = 0
 emulator_storage.Storage._write_config_to_file = lambda self: None

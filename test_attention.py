@@ -285,8 +285,8 @@ def test_what_cannot_run_as_chosen_says_so_at_start_up(tmp_path, capsys):
         assert err[-1].endswith("index.json not found; prepare the data with `python data.py`")
     for overrides in (["model.attention=cudnn"], ["model.attention=cudnn", "model.dtype=bfloat16"]):
         out, err = start(*overrides)
-        assert err == [f"error: model.attention=cudnn needs an NVIDIA GPU (cuDNN); this JAX runs on cpu: use "
-                       f"attention=xla, dot_product or pallas" + ("" if "model.dtype=bfloat16" in overrides else
+        assert err == ["error: model.attention=cudnn needs an NVIDIA GPU (cuDNN); this JAX runs on cpu: use "
+                       "attention=xla, dot_product or pallas" + ("" if "model.dtype=bfloat16" in overrides else
                        "; on a GPU, cudnn needs model.dtype bfloat16 or float16 too")], err
 
 

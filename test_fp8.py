@@ -2,7 +2,6 @@
 gradients, training beside float32, checkpoints and resume as without FP8, and the dots in the form XLA's
 GPU compiler turns into FP8 GEMMs."""
 import collections
-import dataclasses
 import re
 import shutil
 
@@ -12,7 +11,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import model
 import sharding
 import train
 from layers import fp8

@@ -3,7 +3,6 @@ a step against a computation from scratch, resumes across a change of weights (a
 them), each source's validation loss against the model's logits, and every refusal."""
 import json
 import math
-import os
 import pathlib
 import random
 import shutil

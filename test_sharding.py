@@ -4,18 +4,10 @@ table, gradients that leave the reduction sharded, resharding on restore, two pr
 Runs on the 8 simulated CPU devices of conftest.py; the 4-device and two-process runs are
 subprocesses of `python train.py` with their own XLA_FLAGS.
 """
-import contextlib
 import dataclasses
-import json
-import os
 import pathlib
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +21,6 @@ from jax.sharding import PartitionSpec as P
 import model
 import sharding
 import train
-from conftest import xla_flags
 from layers import logical_axes
 from layers import loss as loss_lib
 from store import rundir

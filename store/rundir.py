@@ -41,6 +41,9 @@ from store import runlock, weights
 from store.record import CONFIG, TOKENIZER, Record
 from training import config as config_lib
 
+if typing.TYPE_CHECKING:
+    from tokendata import shards
+
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 WANDB_ID = "wandb_id.txt"

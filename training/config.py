@@ -434,7 +434,7 @@ def from_saved(raw: dict) -> Config:
 
 def validate(cfg: Config) -> None:
     """Cross-field checks that a single type check cannot make."""
-    t, c = cfg.training, cfg.checkpoint
+    t = cfg.training
     if not -2**63 <= cfg.seed < 2**63:  # JAX's keys and the loader's permutation take a 64-bit seed
         raise ConfigError(f"seed must be a 64-bit integer (between -2**63 and 2**63 - 1), got {cfg.seed}")
     # counts the step computes with (as int32 on the device): at least 1, below 2**31
