@@ -157,7 +157,7 @@ def main(argv=None) -> int:
         text = tokenizer.decode(([] if finetuned else prompt_ids) + truncate(row, eot_id))
         print(f"---------- sample {i + 1}/{args.num_samples} ----------")
         print(text)
-    if interrupted:
+    if interrupted and not done.ended:  # (a Ctrl-C during the last chunk came too late to stop anything)
         sys.stdout.flush()  # the samples, then the line that says where they stop
         raise Interrupted(f"interrupted after {steps:,} of --max-new-tokens {args.max_new_tokens:,} new tokens a "
                           "sample: the samples above are what was generated")

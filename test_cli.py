@@ -160,6 +160,28 @@ sys.exit(errors.run_cli(main))
     assert (done.returncode, done.stdout, done.stderr) == (130, "", "error: interrupted\n")
 
 
+def test_a_hangup_during_the_work_is_not_said_to_be_during_the_start(tmp_path):
+    """While a command's modules load, SIGHUP (its terminal closed) ends it with "while starting; nothing was
+    done"; once run_cli runs its work, that line would be wrong: the hangup ends it as it ends any program
+    (killed by SIGHUP, nothing said), unless the command stops on it its own way."""
+    script = tmp_path / "command.py"
+    script.write_text(f"""import os, signal, sys, time
+sys.path.insert(0, {str(REPO)!r})
+from core import errors
+errors.stop_at_once_while_loading()
+
+def main(argv):
+    print("working", flush=True)
+    os.kill(os.getpid(), signal.SIGHUP)
+    time.sleep(20)
+    return 0
+
+sys.exit(errors.run_cli(main))
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (-signal.SIGHUP, "working\n", "")
+
+
 @pytest.mark.parametrize("cli, argv, abbreviated", [
     (train.cli, ["--pla"], "--pla"),  # --plan
     (data.cli, ["--inp", "x", "--out", "y"], "--inp"),  # --input

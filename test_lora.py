@@ -424,6 +424,19 @@ def test_init_from_a_lora_run_says_it_trains_the_merged_model_whole(lora_run, co
     merged, started = rundir.Run(run).weights.load_params()[0], rundir.Run(tuned).weights.load_params()[0]
     for a, b in zip(jax.tree.leaves(started), jax.tree.leaves(merged), strict=True):
         np.testing.assert_array_equal(a, b)
+    # a LoRA run whose base is gone: one line, not the readers' --base (train.py has none), and nothing made
+    gone = shutil.copytree(run, tmp_path / "lora-copy")
+    record = json.loads((gone / weights.LORA_BASE).read_text())
+    (gone / weights.LORA_BASE).write_text(json.dumps({**record, "init_from": str(tmp_path / "no-base")}))
+    capsys.readouterr()
+    assert train.cli([a for a in tiny(tmp_path / "again", corpus) if a != "model=test"] + [
+        f"training.init_from={gone}", "training.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: training.init_from: the base model (training.init_from={tmp_path / 'no-base'}) "
+                          f"of this LoRA run: ") and err.count("\n") == 1, err
+    assert err.endswith("if the base moved, give its new place: move it back where the LoRA run records it, or "
+                        "start from that base itself\n") and "--base" not in err, err
+    assert not (tmp_path / "again").exists()
 
 
 def test_sample_eval_and_export_read_a_lora_run(lora_run, windows, corpus, tmp_path, capsys):  # noqa: F811

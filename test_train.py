@@ -4,6 +4,7 @@ Runs go through `train.main` / `train.cli` in-process (what `python train.py` ca
 model and a tiny corpus; the command-line exit paths and SIGTERM run `python train.py` itself.
 """
 import collections
+import dataclasses
 import itertools
 import json
 import math
@@ -810,6 +811,21 @@ def test_a_wsd_run_continues_its_schedule_over_more_steps(corpus, tmp_path, caps
     assert (f"training.steps 6 -> 10: the wsd schedule now spans 10 steps, flat until step 5, then down to 0.001, so "
             f"the learning rate of step 7 goes from 0.001 to {lr(10, 7):.3g}") in out
     np.testing.assert_allclose([r["lr"] for r in rows(run_dir)][6:], [lr(10, s) for s in range(7, 11)], rtol=1e-6)
+
+
+def test_the_wsd_schedule_names_its_last_flat_step():
+    """The step a start names as wsd's last at training.lr is the last the schedule gives training.lr, a whole
+    step however the fraction falls (7 steps, 0.3 of them decaying: step 4, not 4.9)."""
+    from training import step as step_lib
+    for steps, fraction in [(7, 0.3), (10, 0.5), (600, 0.2), (12_000_000, 0.1)]:
+        t = dataclasses.replace(config.TrainingConfig(), schedule="wsd", decay_fraction=fraction, steps=steps,
+                                warmup_steps=2, lr=1e-3, min_lr=1e-4)
+        rate = step_lib.lr_schedule(t)
+        flat = max(s for s in range(3, min(steps, 40) + 1) if float(rate(s - 1)) == float(rate(2)))  # step 3's lr
+        if steps > 40:  # far: the boundary's neighbours only
+            near = steps - int(fraction * steps)
+            flat = max(s for s in range(near - 2, near + 3) if float(rate(s - 1)) == float(rate(2)))
+        assert f"flat until step {flat:,}, then" in step_lib.schedule_words(t), (steps, step_lib.schedule_words(t))
 
 
 def test_a_finished_run_continues_at_a_lower_constant_rate(corpus, tmp_path, capsys):

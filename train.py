@@ -97,6 +97,11 @@ def main(argv=None) -> int:
         except progress.Interrupted as e:
             print(stop.stopped_line(e.signum), flush=True)
             return 128 + e.signum
+        except Exception:  # a start refused or failed after making its run directory leaves nothing behind
+            if stop.starting:
+                for line in stop.undo_quietly():
+                    print(f"warning: {line}", file=sys.stderr)
+            raise
 
 
 def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:

@@ -247,6 +247,7 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
             signal.signal(signal.SIGINT, functools.partial(stop_now, f"error: {interrupted}")
                           if _program and at_once else signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)  # (the loading's line, "while starting", is wrong now)
         sys.unraisablehook = functools.partial(redeliver_interrupt, previous_hook)
         status = main(argv)
         sys.stdout.flush()  # a reader that has gone is found here, not at the interpreter's exit

@@ -323,7 +323,10 @@ def load_init_params(location, shardings):
     import jax
 
     try:
-        params, _ = open_run(location).weights.load_params()
+        weights = open_run(location).weights
+        # a LoRA run's base moved: nothing here can point at it (init_from names the LoRA run, not its base)
+        weights.point_at = "move it back where the LoRA run records it, or start from that base itself"
+        params, _ = weights.load_params()
     except UserError as e:
         raise RunError(f"training.init_from: {e}") from None
     return jax.device_put(params, shardings)

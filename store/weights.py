@@ -31,6 +31,7 @@ class Weights:
                  base=None):
         self.dir, self.record, self.checkpoints = directory, record, checkpoints
         self.base = base  # where a LoRA run's base is now, if it moved (the readers' --base); else where it records
+        self.point_at = "--base DIR"  # how a reader of a LoRA run whose base moved gives its new place
 
     @classmethod
     def at(cls, location) -> Weights:
@@ -147,13 +148,14 @@ class Weights:
             raise RunError(f"checkpoint {step} of {self} does not fit its config.yaml: {e}") from None
         return nnx.merge(graphdef, state), step
 
-    def frozen_base(self, location, check: bool = True, point_at: str = "--base DIR") -> tuple[dict, dict]:
+    def frozen_base(self, location, check: bool = True, point_at: str | None = None) -> tuple[dict, dict]:
         """(params, record) of this LoRA run's frozen base at training.init_from `location`: its parameters
         (numpy, float32) and the record lora_base.json keeps of it, {init_from, step, fingerprint}. With
         `check` (a resume, or a reader of its model), the base must be the one the run records: at the
         recorded location, the recorded checkpoint step is loaded; anywhere, its fingerprint must be the
         recorded one. Otherwise a RunError in one line naming both, and how to give the base's place
         (`point_at`: the readers' --base, a resume's training.init_from). Without (a new run), it is the base."""
+        point_at = point_at or self.point_at
         recorded = self.lora_base() if check else {}
         if check and not recorded:
             raise RunError(f"{self} is a LoRA run but has no {LORA_BASE}, so the base its adapters belong to is "

@@ -18,7 +18,6 @@ Every user mistake (unknown key, wrong type, unknown model size, a missing file)
 from __future__ import annotations
 
 import dataclasses
-import errno
 import math
 import os
 import pathlib
@@ -30,6 +29,7 @@ import typing
 import yaml
 
 import sharding
+from core import storage
 from core.errors import ConfigError
 from model import GPTConfig
 from tokendata.shards import BATCHING
@@ -630,9 +630,8 @@ def check_lora(lora: LoRAConfig, init_from: str | None, model: GPTConfig | None 
 def read_yaml(path) -> dict:
     path = pathlib.Path(path)
     if not path.is_file():
-        if _link_loop(path):
-            raise ConfigError(f"config file {path}: a symbolic link on that path points back into itself (a loop "
-                              f"of links): mend the link, or give the YAML file itself")
+        if storage.link_loop(path):
+            raise ConfigError(f"config file {path}: {storage.LINK_LOOP}: mend the link, or give the YAML file itself")
         if not path.exists():
             raise ConfigError(f"config file {path} not found")
         raise ConfigError(f"config file {path} is not a regular file but {_file_kind(path)}; give a YAML file")
@@ -640,16 +639,6 @@ def read_yaml(path) -> dict:
         return parse_yaml(path.read_bytes(), path)
     except OSError as e:  # unreadable: a permission, an I/O error
         raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
-
-
-def _link_loop(path: pathlib.Path) -> bool:
-    """Whether `path` (or a folder on the way to it) is a symbolic link leading back into itself, which
-    exists() takes for a file not there."""
-    try:
-        path.stat()
-    except OSError as e:
-        return e.errno == errno.ELOOP
-    return False
 
 
 def _file_kind(path: pathlib.Path) -> str:

@@ -151,6 +151,14 @@ class Stop:
             self.writing.acquire()
             self.stopped_line(signal.SIGTERM)
 
+    def undo_quietly(self) -> list[str]:
+        """Runs the `undo` callbacks of a start that failed (its error is the line to say): what could not
+        be undone, in lines; nothing when all was."""
+        with self.writing:
+            said = [line for undo in self.undo for line in [undo()] if line and line.startswith("could not")]
+            self.undo = []
+        return said
+
     def stopped_line(self, signum: int) -> str:
         """Runs the `undo` callbacks and says, in one line, that the start was stopped and what it left."""
         said = [line for undo in self.undo for line in [undo()] if line]

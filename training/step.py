@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -75,8 +76,8 @@ def schedule_words(t) -> str:
     if t.schedule == "constant":
         return f"the constant schedule holds {t.lr:.3g} after its warm-up"
     if t.schedule == "wsd":
-        return (f"the wsd schedule now spans {t.steps} steps, flat until step {t.steps * (1 - t.decay_fraction):g}, "
-                f"then down to {t.min_lr:.3g}")
+        flat = math.floor(t.steps - t.decay_fraction * t.steps)  # the last step at t.lr, as lr_schedule computes it
+        return (f"the wsd schedule now spans {t.steps:,} steps, flat until step {flat:,}, then down to {t.min_lr:.3g}")
     return f"the warm-up and cosine schedule now spans {t.steps} steps"
 
 
