@@ -240,7 +240,7 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     commands that do raise it.)"""
     import threading
 
-    previous_hook = sys.unraisablehook
+    previous_hook = ours = sys.unraisablehook
     try:
         # the defaults, after stop_at_once_while_loading (unless it keeps signals for the command to agree on)
         if threading.current_thread() is threading.main_thread() and _deferred is None:
@@ -248,7 +248,7 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
                           if _program and at_once else signal.default_int_handler)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGHUP, signal.SIG_DFL)  # (the loading's line, "while starting", is wrong now)
-        sys.unraisablehook = functools.partial(redeliver_interrupt, previous_hook)
+        ours = sys.unraisablehook = functools.partial(redeliver_interrupt, previous_hook)
         status = main(argv)
         sys.stdout.flush()  # a reader that has gone is found here, not at the interpreter's exit
         if _program:  # done, its output out: a late Ctrl-C changes nothing
@@ -264,8 +264,9 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
             end_now(*said)
         print(said[0], file=sys.stderr)
         return said[1]
-    finally:
-        sys.unraisablehook = previous_hook
+    finally:  # (a hook the command put in place of ours stays: e.g. checkpoints', for what ends after it)
+        if sys.unraisablehook is ours:
+            sys.unraisablehook = previous_hook
 
 
 def stop_now(line: str, signum: int, frame) -> None:

@@ -88,7 +88,8 @@ class Checkpoints:
             return self.mngr
         if str(self.dir).startswith("gs://"):
             tensorstore_authenticated(str(self.dir)[len("gs://"):].split("/")[0])
-        sys.unraisablehook = drop_closed_loop_errors  # a failed read's or save's others end on closed loops
+        if getattr(sys.unraisablehook, "func", None) is not drop_closed_loop_errors:  # once, before the one there:
+            sys.unraisablehook = functools.partial(drop_closed_loop_errors, then=sys.unraisablehook)  # (run_cli's)
         absl = logging.getLogger("absl")  # orbax's: what it says of a damaged checkpoint, restore and load say
         absl.setLevel(logging.ERROR)  # in the user's terms ("Metadata file does not exist" was a WARNING line)
         if SAVE_ERRORS not in absl.filters:  # orbax's own reports of a failed save or read: kept for our one line
@@ -552,17 +553,18 @@ def store_problem(message: str) -> str | None:
 SAVE_ERRORS = SaveErrors()  # one for the process: orbax logs through the one absl logger
 
 
-def drop_closed_loop_errors(unraisable) -> None:
+def drop_closed_loop_errors(unraisable, then=sys.__unraisablehook__) -> None:
     """A sys.unraisablehook for checkpoints: when one read or write fails, tensorstore finishes the
     other parallel ones on orbax's already closed asyncio loop, and each would print an 'Event loop is
     closed' traceback (or, at exit, an ImportError of the interpreter shutting down) that buries the
     one-line error. And the reads left unawaited by the failed one are closed when collected: orbax's
     read coroutine answers the close with an exception of its own (`Encountered error while reading
     array index`, dozens of lines of TensorStore spec each), again after the error was reported.
-    Drop exactly those."""
+    Drop exactly those; anything else goes on to `then` (the hook this one was put before). It stays for
+    the process's end, when the last of those reads end."""
     e = unraisable.exc_value
     code = getattr(unraisable.object, "cr_code", None)  # a coroutine's, when one is being closed
     orbax_coroutine = code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
     if not ((unraisable.exc_type is RuntimeError and "Event loop is closed" in str(e)) or
             (unraisable.exc_type is ImportError and "shutting down" in str(e)) or orbax_coroutine):
-        sys.__unraisablehook__(unraisable)
+        then(unraisable)
