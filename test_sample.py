@@ -128,8 +128,7 @@ def test_the_decode_loop_never_copies_the_cache():
     assert int(carry["i"]) == 33
 
 
-@pytest.mark.parametrize("N,dtype,samples,prompt,new", [(2, "float32", 2, 8, 200), (4, "bfloat16", 3, 24, 120),
-                                                        (6, "float32", 1, 40, 60)])
+@pytest.mark.parametrize("N,dtype,samples,prompt,new", [(2, "float32", 2, 8, 200), (4, "bfloat16", 3, 40, 60)])
 def test_the_memory_guard_counts_what_the_compiled_generation_holds(N, dtype, samples, prompt, new):
     """generation_bytes, what the guard refuses a request by, is at least what XLA's memory analysis of the
     compiled prefill and loop says they hold beyond the weights (arguments, outputs and temporaries, a

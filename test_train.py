@@ -306,7 +306,7 @@ def test_damaged_newest_checkpoint_falls_back_to_an_intact_one(finished_run, tmp
         np.testing.assert_array_equal(x, y)
 
 
-def test_no_intact_checkpoint_is_one_error_line(finished_run, tmp_path):
+def test_no_intact_checkpoint_is_one_error_line(finished_run, tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(finished_run, broken)
     for step in ("4", "8"):
@@ -325,17 +325,11 @@ def test_no_intact_checkpoint_is_one_error_line(finished_run, tmp_path):
     assert "cannot be read: array " in str(e.value) and "TensorStore" not in str(e.value)
     assert "DATA_LOSS" not in str(e.value) and "zarr" not in str(e.value)
 
-
-def test_the_reads_a_failed_restore_leaves_end_quietly_after_the_command(finished_run, tmp_path, capsys):
-    """A failed restore leaves tensorstore's other reads to end on orbax's closed event loop, some only at the
-    process's exit: checkpoints' hook, which drops their 'Event loop is closed', outlives the command (whose
-    runner put its own hook back when it ended, and a traceback followed the error line, 1 run in 30 loaded).
-    Anything else still reaches the hook that was there before."""
-    broken = tmp_path / "broken"
-    shutil.copytree(finished_run, broken)
-    for step in ("4", "8"):
-        damage(broken / "checkpoints" / step)
-    before = sys.unraisablehook
+    # The reads the failed restore left end on orbax's closed event loop, some only at the process's exit:
+    # checkpoints' hook, which drops their 'Event loop is closed', outlives the command (whose runner put its
+    # own hook back when it ended, and a traceback followed the error line, 1 run in 30 loaded). Anything
+    # else still reaches the hook that was there before.
+    before_hook = sys.unraisablehook
     try:
         assert train.cli(["--resume", f"run_dir={broken}", "training.steps=9"]) == 2
         assert getattr(sys.unraisablehook, "func", None) is checkpoints.drop_closed_loop_errors
@@ -349,7 +343,8 @@ def test_the_reads_a_failed_restore_leaves_end_quietly_after_the_command(finishe
         sys.unraisablehook(unraisable(ValueError("anything else")))
         assert [str(u.exc_value) for u in got] == ["anything else"]
     finally:
-        sys.unraisablehook = before
+        sys.unraisablehook = before_hook
+
 
 
 def test_fingerprints_follow_their_formula_on_any_placement():
