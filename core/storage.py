@@ -261,12 +261,13 @@ class RunDir:
             self._do(name, self.fs.rm_file, self._path(name))
 
     def begin_new(self):
-        """mkdir for a new run, returning the undo of its start (progress.Stop.undo): () -> a line; it
-        removes every file written into the run since, and the directory itself if this made it."""
+        """mkdir for a new run, returning the undo of its start (progress.Stop.undo): () -> (whether it was
+        undone, a line saying what it did); it removes every file written into the run since, and the
+        directory itself if this made it."""
         existed = not self.remote and os.path.isdir(self.root)
         self.mkdir()
 
-        def undo() -> str:
+        def undo() -> tuple[bool, str]:
             try:
                 if self.remote:
                     if self.fs.exists(self.root):
@@ -277,8 +278,9 @@ class RunDir:
                 else:
                     shutil.rmtree(self.root)
             except Exception as e:  # said rather than raised: the process is ending
-                return f"could not remove what it wrote in {self} ({one_line(e)}): remove it by hand"
-            return f"removed what it wrote in {self}, as it was before" if existed else f"removed the run directory {self} it had made"
+                return False, f"could not remove what it wrote in {self} ({one_line(e)}): remove it by hand"
+            return True, (f"removed what it wrote in {self}, as it was before" if existed
+                          else f"removed the run directory {self} it had made")
         return undo
 
     def mkdir(self) -> None:

@@ -125,19 +125,14 @@ class Run:
         per_step = cfg.training.batch_size * cfg.seq_len
         try:
             text = self.dir.read_text(METRICS) if self.dir.is_file(METRICS) else ""
+            rows = [row for row, _ in storage.json_lines(text, METRICS)[0]]  # a last line cut off by a kill: left out
         except (UserError, OSError, UnicodeDecodeError):
             return None
-        counted = 0
-        for line in text.splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a last line cut off by a kill
-                continue
+        for row in rows:
             step, tokens = (row.get("step"), row.get("tokens")) if isinstance(row, dict) else (None, None)
             if not (isinstance(step, int) and isinstance(tokens, int)) or tokens != step * per_step:
                 return None
-            counted += 1
-        return per_step if counted else None
+        return per_step if rows else None
 
     def logged(self) -> list[dict]:
         """metrics.jsonl's rows, read (plot.py): each a logged step with its loss; a last line cut off (a stop

@@ -77,7 +77,7 @@ class Stop:
         self.handlers = {}
         self.starting = True
         self.done = False  # trained to the end (`ended`)
-        self.undo: list = []  # callables () -> str | None: each removes what the start wrote, and says what
+        self.undo: list = []  # callables () -> (undone, line): each removes what the start wrote, and says what
         self.writing = threading.RLock()  # held by the start's writes into the run directory
         self.pipe = None
 
@@ -155,13 +155,13 @@ class Stop:
         """Runs the `undo` callbacks of a start that failed (its error is the line to say): what could not
         be undone, in lines; nothing when all was."""
         with self.writing:
-            said = [line for undo in self.undo for line in [undo()] if line and line.startswith("could not")]
+            said = [line for undone, line in (undo() for undo in self.undo) if not undone]
             self.undo = []
         return said
 
     def stopped_line(self, signum: int) -> str:
         """Runs the `undo` callbacks and says, in one line, that the start was stopped and what it left."""
-        said = [line for undo in self.undo for line in [undo()] if line]
+        said = [line for _, line in (undo() for undo in self.undo)]
         self.undo = []
         return (f"stopped by {signal.Signals(signum).name} during start-up: nothing trained, nothing saved; "
                 + ("; ".join(said) if said else "nothing was written"))
