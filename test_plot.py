@@ -74,7 +74,7 @@ def test_two_runs_are_drawn_in_one_picture(tmp_path, monkeypatch, capsys, drawn)
     assert plot.cli(["runs/small-lr", "runs/big-batch", "--x", "tokens", "--out", "by-tokens.png"]) == 0
     assert capsys.readouterr().out.endswith("-> by-tokens.png (by tokens)\n")
     assert drawn[-1] == expected_lines("small-lr", a, "tokens") + expected_lines("big-batch", b, "tokens")
-    assert (tmp_path / "by-tokens.png").read_bytes().startswith(plot.PNG_SIGNATURE)
+    assert (tmp_path / "by-tokens.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
     # drawn again: an existing picture is replaced only with --overwrite, and then whole
     before = picture.read_bytes()
@@ -108,7 +108,7 @@ def test_a_run_in_a_bucket_is_drawn_beside_a_local_one(tmp_path, gcs_bucket, cap
     assert plot.cli([f"{gcs_bucket}/runs/run", str(tmp_path / "run"), "--out", out]) == 0
     assert drawn[-1] == (expected_lines(f"{gcs_bucket}/runs/run", remote, "step")
                          + expected_lines(str(tmp_path / "run"), local, "step"))
-    assert fs.cat_file(out).startswith(plot.PNG_SIGNATURE)
+    assert fs.cat_file(out).startswith(b"\x89PNG\r\n\x1a\n")
     assert plot.cli([str(tmp_path / "run"), "--out", out]) == 2
     assert capsys.readouterr().err == (f"error: {out} already exists; choose another --out or pass --overwrite to "
                                        f"replace it\n")

@@ -843,10 +843,9 @@ def test_the_wsd_schedule_names_its_last_flat_step():
         t = dataclasses.replace(config.TrainingConfig(), schedule="wsd", decay_fraction=fraction, steps=steps,
                                 warmup_steps=2, lr=1e-3, min_lr=1e-4)
         rate = step_lib.lr_schedule(t)
-        flat = max(s for s in range(3, min(steps, 40) + 1) if float(rate(s - 1)) == float(rate(2)))  # step 3's lr
-        if steps > 40:  # far: the boundary's neighbours only
-            near = steps - int(fraction * steps)
-            flat = max(s for s in range(near - 2, near + 3) if float(rate(s - 1)) == float(rate(2)))
+        near = steps - int(fraction * steps)  # far runs: the boundary's neighbours only
+        candidates = range(3, steps + 1) if steps <= 40 else range(near - 2, near + 3)
+        flat = max(s for s in candidates if float(rate(s - 1)) == float(rate(2)))  # step 3's lr, t.lr
         assert f"flat until step {flat:,}, then" in step_lib.schedule_words(t), (steps, step_lib.schedule_words(t))
 
 
