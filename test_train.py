@@ -185,7 +185,7 @@ def test_a_start_and_a_resume_read_the_data_directorys_index_and_tokenizer_once(
               ["--resume", f"run_dir={run_dir}", "training.steps=4"])
     for i, args in enumerate(starts):
         log = tmp_path / f"opens-{i}.log"
-        done = subprocess.run(["strace", "-f", "-qq", "-s", "4096", "-e", "trace=open,openat,openat2", "-o", str(log),
+        done = subprocess.run(["strace", "-f", "--seccomp-bpf", "-qq", "-s", "4096", "-e", "trace=open,openat,openat2", "-o", str(log),
                                sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path, capture_output=True,
                               text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
