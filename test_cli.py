@@ -69,8 +69,8 @@ def command(name: str, trained: pathlib.Path, corpus: pathlib.Path, big: pathlib
 # measure of its progress that a busy machine does not stretch), 0 being the moment its first line has put
 # in its handlers: while Python imports JAX and the rest (about 3 s), while the run or model loads, while it
 # compiles and works. data.py's and convert_torch.py's work on these small inputs is over in about 4 s.
-MOMENTS = {"train.py": (0.0, 2.0, 4.5, 8.0), "data.py": (0.0, 1.0, 2.0), "eval.py": (0.0, 2.0, 5.0, 6.5, 8.0, 10.0),
-           "sample.py": (0.0, 2.0, 4.5, 6.0, 8.0), "convert_torch.py": (0.0, 1.0, 2.0)}
+MOMENTS = {"train.py": (0.0, 2.0, 4.5, 8.0), "data.py": (0.0, 1.0, 2.0), "eval.py": (0.0, 2.0, 4.5, 6.5, 9.0),
+           "sample.py": (0.0, 2.0, 4.0, 7.0), "convert_torch.py": (0.0, 1.0, 2.0)}
 
 
 def ready(pid: int) -> bool:

@@ -233,20 +233,19 @@ def test_resume_overrides_are_checked_against_the_runs_own_config(corpus, tmp_pa
     tr = rundir.Run(run_dir).record.config().training
     lr = lambda steps, s: tr.min_lr + 0.5 * (tr.lr - tr.min_lr) * (1 + math.cos(math.pi * min(  # noqa: E731
         (s - tr.warmup_steps) / max(1, steps - tr.warmup_steps), 1.0)))
-    assert train.main(["--resume", f"run_dir={run_dir}", "training.steps=5"]) == 0
+    # (and the command that started the run, with --resume: its own model named again is no change)
+    assert train.main(["--resume", f"run_dir={run_dir}", "model=test", "training.steps=5"]) == 0
     out = capsys.readouterr().out
     assert "--resume changes" not in out
     assert (f"training.steps 3 -> 5: the warm-up and cosine schedule now spans 5 steps, so the learning rate of "
             f"step 4 goes from {lr(3, 4):.3g} to {lr(5, 4):.3g}") in out
+    assert rundir.Run(run_dir).record.config().model.block_size == 128 and int(restore(run_dir, 5)["step"]) == 5
     with pytest.raises(config.ConfigError, match=r"training.seq_len must be in 1..model.block_size \(128\)"):
         train.main(["--resume", f"run_dir={run_dir}", "training.seq_len=200"])
     # the tokens trained count each step at its own context: 2 steps of 8 x 32, then 3 of 8 x 100
     per_step = [8 * 32] * 2 + [8 * 100] * 3
     assert [r["tokens"] for r in rows(run_dir)] == list(itertools.accumulate(per_step))
     assert json.loads((run_dir / "summary.json").read_text())["tokens"] == sum(per_step)
-    # the command that started the run, with --resume: its own model named again is no change
-    assert train.main(["--resume", f"run_dir={run_dir}", "model=test", "training.steps=6"]) == 0
-    assert rundir.Run(run_dir).record.config().model.block_size == 128 and int(restore(run_dir, 6)["step"]) == 6
 
 
 def test_a_start_this_machine_cannot_hold_is_refused_before_anything_is_made(corpus, tmp_path, capsys):
