@@ -16,7 +16,8 @@ import tempfile
 # configs: 16-17 s against 11-12 s), whose code runs as fast either way at this level. The commands
 # tests start inherit the flags.
 
-_OWN = ("--xla_backend_optimization_level=", "--xla_force_host_platform_device_count=", "--xla_cpu_use_fusion_emitters=")
+_OWN = ("--xla_backend_optimization_level=", "--xla_force_host_platform_device_count=",
+        "--xla_cpu_use_fusion_emitters=")
 # the user's own flags, less those set here (a worker inherits them from the controller)
 _USER_XLA_FLAGS = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_OWN))
 _OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"

@@ -345,7 +345,6 @@ def test_no_intact_checkpoint_is_one_error_line(finished_run, tmp_path, capsys):
         sys.unraisablehook = before_hook
 
 
-
 def test_fingerprints_follow_their_formula_on_any_placement():
     """fingerprints.fingerprints against the formula written out in numpy, for every dtype a state holds, and
     the same for an array sharded over the 8 devices as for the whole array."""
