@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -435,3 +436,40 @@ def seconds_before(t: float, hms: str) -> int:
     h, m, s = map(int, hms.split(":"))
     day = time.localtime(t)
     return (day.tm_hour * 3600 + day.tm_min * 60 + day.tm_sec - (h * 3600 + m * 60 + s) + 43200) % 86400 - 43200
+
+
+def test_a_signal_during_an_evaluation_on_one_process_stops_both_with_a_checkpoint_resumed_exactly(corpus, tmp_path):  # noqa: F811
+    """Ctrl-C reaching process 1 of two while the first evaluation runs (no checkpoint yet): the stop is agreed
+    at one step, both processes save it together and say their line (process 0 names the checkpoint, which is
+    there), and the two processes resumed from it end bit for bit where two processes never stopped end."""
+    # the stop is agreed through JAX's preemption notice some steps after the signal: room for it before the end
+    args = ("training.steps=40", "training.eval_every=20", "checkpoint.every=30", "model.dropout=0.1")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    finish(two_processes(tiny(straight, corpus, *args)))
+    hook = ("import os, signal, dataclasses\n"
+            "from training import step\n"
+            "build = step.build\n"
+            "def hooked(*a, **k):\n"
+            "    fns = build(*a, **k)\n"
+            "    sent = []\n"
+            "    def eval_step(*args):\n"
+            "        if not sent:\n"
+            "            sent.append(os.kill(os.getpid(), signal.SIGINT))\n"
+            "        return fns.eval_step(*args)\n"
+            "    return dataclasses.replace(fns, eval_step=eval_step)\n"
+            "step.build = hooked")
+    with killed_at_exit(two_processes(tiny(stopped, corpus, *args), failing=(1, hook))) as procs:
+        outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM, 128 + signal.SIGINT], outs
+    [saved] = os.listdir(stopped / "checkpoints")
+    assert 20 <= int(saved) < 30, saved
+    assert f"stopped by SIGTERM after step {saved}; checkpoint saved in {stopped / 'checkpoints' / saved}" in outs[0][0]
+    assert f"process 1 stopped by SIGINT after step {saved} with every process; checkpoint saved in " in outs[1][0]
+    assert [r["step"] for r in rows(stopped)] == list(range(1, int(saved) + 1))
+    outs = finish(two_processes(["--resume", f"run_dir={stopped}"]))
+    assert f"resuming from step {saved}" in outs[0][0]
+    assert [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu", "time_s")} for r in rows(stopped)] == \
+        [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu", "time_s")} for r in rows(straight)]
+    a, b = (rundir.Run(run).weights.load_params() for run in (straight, stopped))
+    assert a[1] == b[1] == 40
+    jax.tree.map(np.testing.assert_array_equal, a[0], b[0])

@@ -351,33 +351,47 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
                            t_start=t_start, metrics_file=metrics_file, wandb_run=wandb_run, last_ckpt=last_ckpt,
                            run_dir=run_dir, per_source=per_source)
     batches = train_loader.iterate(start_step)
+
+    def save() -> None:
+        """A checkpoint of the step just trained, its row logged first: everything checked before it."""
+        if steps.pending is not None:  # its metrics not read yet (a stop on a step that logs nothing)
+            steps.log(steps.read())
+        steps.check_finite(fns.all_finite(state["params"]))
+        steps.flush()  # the log holds this step's row before its checkpoint can exist
+        ckpts.save(steps.step, state, tokens=steps.tokens(steps.step))
+        steps.saved()
+
     # closed in reverse: the last save completes, even on an error (but one of one process among several)
     with steps, contextlib.closing(batches), ckpts, multihost.ends_every_process():
         while steps.step < t.steps:
             state, metrics = fns.train_step(state, place_batch(next(batches)), *frozen)
             stop.starting = False  # compiled and dispatched: from here a signal saves a checkpoint
             evaluate_now, save_now = steps.dispatched(metrics)
-            if not (evaluate_now or save_now):
-                continue
-            row = steps.read()
-            if evaluate_now:
-                steps.evaluated(row, evaluate(state["params"]))
-            steps.log(row)
-            if save_now:
-                steps.check_finite(fns.all_finite(state["params"]))
-                steps.flush()  # the log holds this step's row before its checkpoint can exist
-                ckpts.save(steps.step, state, tokens=steps.tokens(steps.step))
-                steps.saved()
-            steps.paused()
-            if steps.stopping:
+            if evaluate_now or save_now:
+                row = steps.read()
+                if evaluate_now:
+                    steps.evaluated(row, evaluate(state["params"]))
+                steps.log(row)
+                if save_now:
+                    save()
+                steps.paused()
+            if steps.stopping:  # decided here, after all of the step's work: a stop that came at any moment of
+                if not steps.is_saved():  # it (its evaluation, its log, its plot) still saves the step
+                    save()
+                    steps.paused()
                 break
         steps.finish()
 
     # ------------------------------------------------------------------------------------------
     # Summary
     if steps.stopping and steps.step < t.steps:
-        say(f"stopped by {stop.name} after step {steps.step}; checkpoint saved in "
-            f"{os.path.join(ckpts.dir, str(steps.step))}")
+        # the line names a checkpoint only once it is there and reads as saved (on every process: orbax's
+        # reader is opened by all together)
+        run_dir.checkpoints.check_saved(steps.step, fns.abstract_state)
+        where = os.path.join(ckpts.dir, str(steps.step))
+        print(f"stopped by {stop.name} after step {steps.step}; checkpoint saved in {where}" if is_main else
+              f"process {jax.process_index()} stopped by {stop.name} after step {steps.step} with every process; "
+              f"checkpoint saved in {where}", flush=True)  # each process its own line
         say(f"continue with: python train.py --resume run_dir={run_dir}")
         if wandb_run is not None:
             wandb_run.finish()

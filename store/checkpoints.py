@@ -64,6 +64,36 @@ class RunCheckpoints:
         with self.read() as saved:
             return saved.steps()
 
+    def check_saved(self, step: int, abstract_state) -> None:
+        """That checkpoint `step`, just saved and its save waited for, is there as a resume will find it: a
+        complete step (orbax's rename, or a bucket's commit marker), its metadata read back with its
+        format and its own fingerprint, its description of the arrays the tree of `abstract_state`. A
+        RunError saying what is wrong otherwise, so that no line ever names a checkpoint that is not
+        there. The arrays' bytes are not read back here (a whole model's worth): a restore checks each
+        against its fingerprint."""
+        with self.read() as saved:
+            steps = saved.steps()
+            try:
+                if step not in steps:
+                    raise ValueError("it is not among the complete checkpoints there ("
+                                     + (", ".join(map(str, steps)) or "none") + ")")
+                custom = saved.custom_metadata(step)
+                number = fingerprints_lib.checkpoint_format(custom)
+                problem = fingerprints_lib.metadata_problem(custom, number)
+                tree = saved_tree(saved.manager(), step)
+                problem = problem or ("its description of the arrays (_METADATA) is missing or unreadable"
+                                      if tree is None else fingerprints_lib.tree_mismatch(tree, abstract_state))
+                if problem:
+                    raise ValueError(problem)
+            except Exception as e:
+                logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+                raise RunError(f"checkpoint {step} in {saved.dir} was saved but does not read back "
+                               f"({checkpoint_problem(e) if not isinstance(e, ValueError) else e}); "
+                               + (f"the newest complete checkpoint before it is {max(s for s in steps if s < step)}: "
+                                  "continue from it with --resume" if any(s < step for s in steps) else
+                                  "there is no other checkpoint: --resume starts the run again from step 0")) \
+                    from None
+
 
 class Checkpoints:
     """The checkpoints of one run directory (`run`, a storage.RunDir), read, and the orbax

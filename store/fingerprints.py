@@ -127,13 +127,9 @@ def fingerprint_problem(custom: dict, number: int, state) -> str | None:
     format 1 has none to check (None)."""
     if number == 1:
         return None
-    saved = custom.get(FINGERPRINTS)
-    if not isinstance(saved, dict) or not all(isinstance(v, str) for v in saved.values()):
-        return ("its array fingerprints (in _CHECKPOINT_METADATA) are missing or unreadable, so what was read "
-                "cannot be checked against what was saved")
-    if (number >= 3 or METADATA in saved) and saved.get(METADATA) != metadata_fingerprint(custom):
-        return ("its metadata (_CHECKPOINT_METADATA: format, tokens trained) reads back other than saved (its "
-                "fingerprint differs): the file was altered or damaged")
+    if problem := metadata_problem(custom, number):
+        return problem
+    saved = custom[FINGERPRINTS]
     now = fingerprints(state)
     unchecked = sorted(now.keys() - saved.keys())
     if unchecked:
@@ -144,6 +140,21 @@ def fingerprint_problem(custom: dict, number: int, state) -> str | None:
         return None
     return (f"array {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") +
             " read back other than saved (its fingerprint differs): the files were altered or damaged")
+
+
+def metadata_problem(custom: dict, number: int) -> str | None:
+    """What fingerprint_problem finds without the arrays: array fingerprints that are missing or unreadable,
+    and (from format 3 on) metadata that differs from its own fingerprint; None for format 1."""
+    if number == 1:
+        return None
+    saved = custom.get(FINGERPRINTS)
+    if not isinstance(saved, dict) or not all(isinstance(v, str) for v in saved.values()):
+        return ("its array fingerprints (in _CHECKPOINT_METADATA) are missing or unreadable, so what was read "
+                "cannot be checked against what was saved")
+    if (number >= 3 or METADATA in saved) and saved.get(METADATA) != metadata_fingerprint(custom):
+        return ("its metadata (_CHECKPOINT_METADATA: format, tokens trained) reads back other than saved (its "
+                "fingerprint differs): the file was altered or damaged")
+    return None
 
 
 def tokens_problem(custom: dict, number: int, step: int, tokens_per_step: int | None) -> str | None:

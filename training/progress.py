@@ -269,8 +269,9 @@ class Steps:
 
     def dispatched(self, metrics) -> tuple[bool, bool]:
         """A step was dispatched with these (device) metrics: logs the step before it, and says whether
-        this one is to be (evaluated, saved): every eval_every and checkpoint.every steps, at the last
-        step, and a save when a signal came."""
+        this one is to be (evaluated, saved): every eval_every and checkpoint.every steps, and at the last
+        step. A stop is not decided here: a signal may still come during the step's evaluation or save, so
+        train.py asks `stopping` once the step's work is done, and saves the step then if `is_saved()` is not."""
         self.step += 1
         self.stop.at_step(self.step)
         self.bar.update(1)
@@ -280,8 +281,7 @@ class Steps:
                 self.log(row)
         self.pending = (self.step, metrics)
         last = self.step == self.t.steps
-        return (self.step % self.t.eval_every == 0 or last,
-                self.step % self.every_save == 0 or last or self.stopping)
+        return self.step % self.t.eval_every == 0 or last, self.step % self.every_save == 0 or last
 
     def read(self) -> dict:
         """The last dispatched step's metrics as a row, once it has finished, checked to be finite."""
@@ -349,6 +349,10 @@ class Steps:
 
     def saved(self) -> None:
         self.last_ckpt = self.step
+
+    def is_saved(self) -> bool:
+        """Whether the step trained last has its checkpoint (saved by this start, or the one restored)."""
+        return self.last_ckpt == self.step
 
     def flush(self) -> None:
         """Process 0: metrics.jsonl written out (a remote one uploaded whole). Before a checkpoint is saved,
