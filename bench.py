@@ -6,8 +6,10 @@
     python bench.py train [--model 124m] [--seq T] [--batch B] [--attention IMPL] [--fp8] [--out bench/]
     python bench.py attention [--impls xla,cudnn,pallas,pallas:128x64x8] [--batch B] [--seq T] [--heads H]
                               [--head-dim D]
+    python bench.py recipe [--seeds 0,1,2] [--steps 600] [--adamw-steps 900,1200] [--model SIZE]
 
-`train` is in bench_train.py (its profile in bench_profile.py) and `attention` in bench_attention.py: tokens/s, MFU and peak memory of train.py's step,
+`recipe` (bench_recipe.py) trains the default job with AdamW and with Muon: validation curves over seeds, the
+steps AdamW needs to reach Muon's loss, and the two steps' times alternated. `train` is in bench_train.py (its profile in bench_profile.py) and `attention` in bench_attention.py: tokens/s, MFU and peak memory of train.py's step,
 with the same model in PyTorch (and GPT2LMHeadModel for learned positions) on the same device and
 batch; and the attention implementations alone (error against the reference, compiled temporary
 memory, time of forward + backward), to choose the fastest correct one on a GPU.
@@ -346,6 +348,16 @@ def bench_attention(args, argv: list[str]) -> int:
     return _bench_step("attention", args, argv)
 
 
+def bench_recipe(args, argv: list[str]) -> int:
+    """What a step buys with AdamW and with Muon (bench_recipe.py), recorded under --out."""
+    from benchmarks import bench_recipe as recipe_lib
+    results, rows, summary = recipe_lib.run(args)
+    _print_rows(rows)
+    path = _record("recipe", pathlib.Path(args.out), argv, results, summary, TRAIN_LIBRARIES)
+    print(f"\n-> {path}, {pathlib.Path(args.out) / 'RESULTS.md'}")
+    return 0
+
+
 def _print_rows(rows: list[tuple[str, str]]) -> None:
     width = max(len(label) for label, _ in rows)
     print()
@@ -409,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp8", action="store_true",
                    help="the blocks' projections in FP8 (model.fp8), timed beside the same step without it in the same "
                         "run (needs --no-torch)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="training.optimizer of the timed step (default adamw)")
     p.add_argument("--steps", type=int, default=20, help="timed steps; the median is reported (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
     p.add_argument("--peak-tflops", type=float, help="peak FLOP/s for MFU, in TFLOP/s (default: by device kind)")
@@ -441,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--out", default=str(ROOT / "bench"), help="where results are recorded (default bench/)")
     p.set_defaults(run=bench_attention)
+
+    from benchmarks import bench_recipe as recipe_lib  # light: its JAX loads when the timing starts
+    p = commands.add_parser("recipe", help="AdamW against Muon on the default job: validation loss, tokens to "
+                            "equal loss, step time", description="See bench_recipe.py's docstring.")
+    recipe_lib.add_arguments(p)
+    p.set_defaults(run=bench_recipe)
     args = parser.parse_args(argv)
     try:
         return args.run(args, argv)

@@ -203,10 +203,21 @@ def param_specs(params, axes, rules, mesh, fallbacks: list | None = None):
     )
 
 
-def _map_param_trees(fn, tree, params_def, other):
-    """fn(subtree) for every subtree of `tree` shaped like the params (e.g. AdamW mu, nu), other(leaf) elsewhere."""
-    is_params = lambda x: jax.tree.structure(x) == params_def  # noqa: E731
-    return jax.tree.map(lambda x: fn(x) if is_params(x) else other(x), tree, is_leaf=is_params)
+def _like_params(tree, params, param_value, other):
+    """For every leaf of an optimizer state `tree`: param_value(path) where the leaf is a parameter's
+    moment, i.e. its path ends with a parameter's path and it has that parameter's shape (AdamW's mu and nu
+    hold every parameter; Muon's momentum, in optax.partition's masked trees, the matrices alone), other()
+    elsewhere (counts, coefficients)."""
+    shapes = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+    def leaf(path, x):
+        for i in range(len(path)):
+            name = jax.tree_util.keystr(tuple(path[i:]))
+            if shapes.get(name) == getattr(x, "shape", None):
+                return param_value(name)
+        return other()
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
 def state_shardings(abstract_state, axes, mesh, zero_stage: int):
@@ -218,15 +229,16 @@ def state_shardings(abstract_state, axes, mesh, zero_stage: int):
     rules = rules_for(zero_stage)
     fallbacks: list[str] = []
     params = abstract_state["params"]
-    params_def = jax.tree.structure(params)
     named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     specs = {part: param_specs(params, axes, rules[part], mesh, fallbacks if part != "grads" else None)
              for part in rules}
     replicated = NamedSharding(mesh, P())
+    opt_specs = {jax.tree_util.keystr(p): spec for p, spec in jax.tree_util.tree_flatten_with_path(
+        specs["opt_state"], is_leaf=lambda x: isinstance(x, P))[0]}
     shardings = {
         "params": jax.tree.map(named, specs["params"]),
-        "opt_state": _map_param_trees(lambda _: jax.tree.map(named, specs["opt_state"]),
-                                      abstract_state["opt_state"], params_def, lambda _: replicated),
+        "opt_state": _like_params(abstract_state["opt_state"], params, lambda name: named(opt_specs[name]),
+                                  lambda: replicated),
         **{k: jax.tree.map(lambda _: replicated, v) for k, v in abstract_state.items()
            if k not in ("params", "opt_state")},
     }

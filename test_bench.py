@@ -461,3 +461,30 @@ def test_bench_attention_compares_kernel_settings(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, impl
     assert not (tmp_path / "none").exists()
+
+
+def test_bench_recipe_reads_its_runs_into_the_three_figures(tmp_path, capsys, monkeypatch):
+    """bench.py recipe's arithmetic on runs given here (train.py itself is what each run would be): the means
+    over seeds, whether Muon is better on every seed, the steps AdamW needs to reach Muon's loss
+    interpolated linearly between its 600- and 900-step runs, and its ratio to 600; recorded in RESULTS.md."""
+    from benchmarks import bench_recipe
+
+    finals = {("adamw", 0, 600): 3.40, ("adamw", 1, 600): 3.42, ("muon", 0, 600): 3.15, ("muon", 1, 600): 3.16,
+              ("adamw", 0, 900): 3.20, ("adamw", 0, 1200): 3.05}
+
+    def fake_train(args, work, optimizer, seed, steps):
+        return {"val_loss": {steps // 2: 4.0, steps: finals[(optimizer, seed, steps)]}, "wall_s": 1.0}
+
+    monkeypatch.setattr(bench_recipe, "train", fake_train)
+    assert bench.main(["recipe", "--seeds", "0,1", "--time-rounds", "0", "--out", str(tmp_path)]) == 0
+    [record] = tmp_path.glob("recipe-*.json")
+    got = json.loads(record.read_text())["results"]
+    assert got["mean_final_val_loss"] == pytest.approx({"adamw": 3.41, "muon": 3.155})
+    assert got["muon_better_every_seed"] is True
+    reach = 900 + 300 * (3.20 - 3.15) / (3.20 - 3.05)  # on the segment from 900 (3.20) to 1200 (3.05)
+    assert got["adamw_steps_to_muon_loss"] == pytest.approx(reach)
+    assert got["tokens_to_equal_loss_ratio"] == pytest.approx(reach / 600)
+    assert "adamw needs 1.67x the tokens" in (tmp_path / "RESULTS.md").read_text()
+    assert bench_recipe.steps_to_reach(2.9, {600: 3.4, 900: 3.2, 1200: 3.05}) is None  # beyond the longest run
+    assert bench.cli(["recipe", "--steps", "600", "--adamw-steps", "500"]) == 2
+    assert capsys.readouterr().err.strip().endswith("every --adamw-steps longer than --steps")

@@ -239,7 +239,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         del base_params
         adapters = sum(a.size for a in jax.tree.leaves(fns.abstract_state["params"]))
         say(f"base {t.init_from} (checkpoint {base_record['step']}) frozen; {adapters / 1e6:.3f}M adapter "
-            f"parameters trained")
+            f"parameters trained" + (" with AdamW (training.optimizer=muon trains a full run's block matrices; "
+                                     "adapters are not those)" if t.optimizer == "muon" else ""))
 
     # ------------------------------------------------------------------------------------------
     # Run directory: the effective config and a reference to the data, once every check has passed.

@@ -34,6 +34,7 @@
 #              and the whole one, and pallas
 #   packed     the 124m step on fine-tuning batches (4 examples packed a row; and with FCM), beside train124
 #   train760   760m at T = 2048 (B = 8) and at T = 8192 (B = 1)
+#   muon       training.optimizer=muon's step against AdamW's at 124m and 760m (bench.py train --optimizer)
 #   torch      PyTorch side by side with our step at 124m and 760m (slow: torch.compile)
 #   flags      the step under XLA flags known to matter on Hopper, one set at a time
 #   profile    the kernel's settings at 760m's training shape, and where the step's time goes
@@ -206,6 +207,16 @@ phase_train760() {  # 760m at T = 2048 (B = 8) and T = 8192 (B = 1), auto's choi
   local steps="--steps 10 --warmup 2 --no-torch"
   bench t760 150 train --model 760m --seq 2048 --batch 8 $steps
   bench t760-8192 150 train --model 760m --seq 8192 --batch 1 $steps
+}
+
+phase_muon() {  # Muon's step against AdamW's at 124m and 760m, alternated (the Newton-Schulz products in bfloat16)
+  local steps="--steps 10 --warmup 2 --no-torch" opt
+  for opt in adamw muon adamw muon; do
+    bench "t124-$opt" 100 train --model 124m --batch 16 --optimizer "$opt" $steps
+  done
+  for opt in adamw muon; do
+    bench "t760-$opt" 150 train --model 760m --seq 2048 --batch 8 --optimizer "$opt" $steps
+  done
 }
 
 phase_torch() {  # PyTorch side by side with our step, at 124m and 760m

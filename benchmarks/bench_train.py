@@ -100,7 +100,7 @@ def bench_jax(mcfg, batch: int, seq: int, args, peak_override: float | None) -> 
     from training import step as step_lib
     device = jax.devices()[0]
     mesh = sharding_lib.make_mesh(1, 1, 1, devices=[device])  # one device: per-device figures
-    fns = step_lib.build(mcfg, args.train_config, mesh, zero_stage=0)  # what train.py builds, the default optimizer
+    fns = step_lib.build(mcfg, args.train_config, mesh, zero_stage=0)  # what train.py builds, with --optimizer's
     state = fns.init()
     train_step, adapters = fns.train_step, None
     if fns.abstract_base is not None:  # LoRA: a random frozen base, made in place in its dtypes, beside every step
@@ -348,7 +348,7 @@ def resolve(args):
         except config_lib.ConfigError as e:
             raise TrainBenchError(f"--lora: {e}") from None
     args.train_config = config_lib.TrainingConfig(batch_size=args.batch, seq_len=seq, fcm_max_ratio=args.fcm,
-                                                  lora=lora, **chunk)
+                                                  lora=lora, optimizer=getattr(args, "optimizer", "adamw"), **chunk)
     return name, mcfg, seq
 
 
@@ -426,6 +426,7 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
                "mfu_formula": "tokens/s * (6 N + 6 L d T) / peak FLOP/s" if ours["adapters"] is None
                else "LoRA: tokens/s * (4 N + 6 L d T + 6 x adapters) / peak FLOP/s",
                "lora": dataclasses.asdict(args.train_config.lora) if args.train_config.lora else None,
+               "optimizer": args.train_config.optimizer,
                "jax": ours, **others}
     if "without fp8" in others:  # ours with FP8 against ours without: a speed-up, not another framework
         base = others.pop("without fp8")

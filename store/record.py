@@ -83,6 +83,10 @@ class Record:
                 f"{f} {getattr(lora, f)}" for f in lora.SHAPE_FIELDS)
             raise RunError(f"--resume cannot change training.lora ({show(was)} -> {show(now)}): its checkpoints hold "
                            f"those adapters (or the whole model); start a new run to train others")
+        if saved.training.optimizer != cfg.training.optimizer and cfg.training.lora is None:  # (LoRA: AdamW's always)
+            raise RunError(f"--resume cannot change training.optimizer ({saved.training.optimizer} -> "
+                           f"{cfg.training.optimizer}): its checkpoints hold {saved.training.optimizer}'s state; start a "
+                           f"new run (training.init_from={self} starts from these weights with a fresh optimizer)")
         return cfg
 
     # what a resume may change without a word: where things are, how often the loop logs, evaluates and

@@ -97,6 +97,11 @@ class TrainingConfig:
     decay_fraction: float = 0.2  # wsd: the last fraction of the steps, in which the learning rate decays to min_lr
     weight_decay: float = 0.1
     decay_embeddings: bool = False
+    # adamw everywhere, or muon for the blocks' weight matrices and AdamW for the rest (step.make_optimizer);
+    # a run saved without the key (before it existed) is an AdamW run
+    optimizer: str = "adamw"
+    muon_momentum: float = 0.95  # Muon's momentum (its one moment), Nesterov-style
+    muon_rms: float = 0.2  # Muon's updates scaled to this RMS (AdamW's typical one), so they share training.lr
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
@@ -114,6 +119,7 @@ class TrainingConfig:
     # (a class attribute, not a field) the learning-rate schedules after the linear warm-up: cosine down to min_lr
     # at `steps`; warm-up, stable, decay (flat at lr, then down to min_lr over the last decay_fraction); flat at lr
     SCHEDULES = ("cosine", "wsd", "constant")
+    OPTIMIZERS = ("adamw", "muon")  # (a class attribute too) training.optimizer's values
 
 
 @dataclasses.dataclass
@@ -465,6 +471,13 @@ def validate(cfg: Config) -> None:
     if t.grad_clip is not None and not (math.isfinite(t.grad_clip) and t.grad_clip > 0):
         raise ConfigError(f"training.grad_clip must be a positive gradient norm, or null for no clipping; "
                           f"got {t.grad_clip}")
+    if t.optimizer not in TrainingConfig.OPTIMIZERS:
+        raise ConfigError(f"training.optimizer must be one of {', '.join(TrainingConfig.OPTIMIZERS)}, "
+                          f"got {t.optimizer!r}")
+    if not 0.0 <= t.muon_momentum < 1.0:
+        raise ConfigError(f"training.muon_momentum must be in [0, 1), got {t.muon_momentum}")
+    if not (math.isfinite(t.muon_rms) and t.muon_rms > 0):
+        raise ConfigError(f"training.muon_rms must be a positive number, got {t.muon_rms}")
     for key in ("b1", "b2"):  # AdamW's decay rates of the moments
         if not 0.0 <= getattr(t, key) < 1.0:
             raise ConfigError(f"training.{key} must be in [0, 1), got {getattr(t, key)}")

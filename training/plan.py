@@ -303,7 +303,8 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
     notes = {
         "parameters": "float32",
         "gradients": "float32" + (": the accumulator and a micro-batch's own" if t.micro_batches > 1 else ""),
-        "optimizer state": "AdamW moments, float32",
+        "optimizer state": ("Muon's momentum of the block matrices, AdamW's two moments of the rest, float32"
+                            if t.optimizer == "muon" else "AdamW moments, float32"),
         "frozen base": f"LoRA: the base's weights in {lora.base_dtype or 'float32'}, no gradients or moments"
         if lora is not None else "",
         "activations kept for the backward pass": f"remat {m.remat}: {kept_note}",

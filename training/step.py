@@ -97,17 +97,61 @@ def decay_mask(params, decay_embeddings: bool):
     return jax.tree_util.tree_map_with_path(decide, params)
 
 
-def make_optimizer(t):
-    """(optax transformation, lr schedule) for a config.TrainingConfig: clipping, then AdamW."""
+def muon_dimensions(axes) -> dict:
+    """For each parameter, given the tree of their logical axis names (logical_axes.param_axes' pure dict):
+    the optax.contrib.MuonDimensionNumbers that make it a matrix for Muon, or None where AdamW trains it.
+
+    Muon takes the blocks' weight matrices, every `kernel` under `blocks`. The axes a projection contracts
+    with its input are the reduction axes: `embed` for those reading the residual stream (q, k, v, the
+    MLP's up and gate), every axis but the last for those writing it (attention's output: heads and kv;
+    the MLP's down: mlp); its other named axes are the output axes. An unnamed axis (the q/k/v index of a
+    fused projection, k/v of grouped heads) is a batch axis: each projection is orthogonalized as its own
+    matrix, as if unfused. Everything else (token and position embeddings, an untied head, norms, biases,
+    LoRA's adapters) is None: Muon is for hidden matrices, whose inputs and outputs are both activations."""
+    from optax.contrib import MuonDimensionNumbers
+
+    def decide(path, names):
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if keys[0] != "blocks" or keys[-1] != "kernel":
+            return None
+        if names[0] == "embed":
+            return MuonDimensionNumbers((0,), tuple(i for i, n in enumerate(names) if i and n is not None))
+        return MuonDimensionNumbers(tuple(range(len(names) - 1)), (len(names) - 1,))
+
+    return jax.tree_util.tree_map_with_path(decide, axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def make_optimizer(t, axes=None):
+    """(optax transformation, lr schedule) for a config.TrainingConfig: clipping, then AdamW, or with
+    training.optimizer=muon Muon on the blocks' matrices (muon_dimensions of the parameters' logical `axes`)
+    and AdamW, as an AdamW run has it, on the rest. Both follow the one schedule.
+
+    Muon is optax.contrib.muon with its Newton-Schulz iteration as published (5 steps of the quintic
+    (3.4445, -4.775, 2.0315) on the Frobenius-normalised momentum) and these choices made explicitly:
+    Nesterov momentum (training.muon_momentum, 0.95: Jordan et al.'s recipe); each update rescaled to an RMS of
+    training.muon_rms (0.2, `consistent_rms`: Liu et al. 2025, "Muon is Scalable"), AdamW's typical RMS, so
+    that one learning rate and one weight decay serve both; decoupled weight decay (training.weight_decay,
+    times the rate, as optax.adamw's), which Liu et al. found Muon needs at scale. optax's Muon would also
+    take every 2-D leaf (the embedding too) and give the others Adam with Muon's Nesterov flag: here
+    optax.partition hands Muon only its matrices and keeps the AdamW the other leaves always had."""
     schedule = lr_schedule(t)
-    tx = optax.chain(
-        optax.clip_by_global_norm(t.grad_clip) if t.grad_clip else optax.identity(),
-        optax.adamw(
-            schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
-            mask=lambda p: decay_mask(p, t.decay_embeddings),
-        ),
-    )
-    return tx, schedule
+    clip = optax.clip_by_global_norm(t.grad_clip) if t.grad_clip else optax.identity()
+    adamw = optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
+                        mask=lambda p: decay_mask(p, t.decay_embeddings))
+    dims = muon_dimensions(axes) if t.optimizer == "muon" and axes is not None else None
+    if dims is None or all(d is None for d in jax.tree.leaves(dims, is_leaf=lambda x: x is None or isinstance(x, tuple))):
+        return optax.chain(clip, adamw), schedule  # (a LoRA run: adapters alone, AdamW's)
+    is_dims = lambda x: x is None or type(x).__name__ == "MuonDimensionNumbers"  # noqa: E731
+    labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims, is_leaf=is_dims)
+    by_path = {jax.tree_util.keystr(p): d for p, d in jax.tree_util.tree_flatten_with_path(dims, is_leaf=is_dims)[0]}
+
+    def muon_dims(params):  # the matrices' dimension numbers, in the tree optax.partition hands Muon
+        return jax.tree_util.tree_map_with_path(lambda p, _: by_path[jax.tree_util.keystr(p)], params)
+
+    from optax.contrib import muon
+    muon_tx = muon(schedule, beta=t.muon_momentum, nesterov=True, weight_decay=t.weight_decay,
+                   consistent_rms=t.muon_rms, muon_weight_dimension_numbers=muon_dims)
+    return optax.chain(clip, optax.partition({"muon": muon_tx, "adamw": adamw}, labels)), schedule
 
 
 def make_loss(mcfg: model_lib.GPTConfig, loss_chunk: int = 0, lora=None):
@@ -244,11 +288,11 @@ def state_shapes(mcfg: model_lib.GPTConfig, t, abstract_vars=None):
     lora = t.lora
     if abstract_vars is None:
         _, abstract_vars = make_loss(mcfg, lora=lora)
-    tx, _ = make_optimizer(t)
     keys = jax.random.split(jax.random.key(0))  # shapes only: the seed changes no shape
     axes = nnx.to_pure_dict(logical_axes.param_axes(abstract_vars))
     if lora is not None:
         axes = lora_lib.split(axes)[1]
+    tx, _ = make_optimizer(t, axes)
     return jax.eval_shape(make_init_state(mcfg, tx, lora), *keys), axes
 
 
@@ -333,10 +377,10 @@ def _build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int) -> Bu
     chunk = loss_chunk(mcfg, t, mesh)
     lora = t.lora
     loss_fn, abstract_vars = make_loss(mcfg, chunk * dp, lora)
-    tx, schedule = make_optimizer(t)
+    abstract_state, axes = state_shapes(mcfg, t, abstract_vars)
+    tx, schedule = make_optimizer(t, axes)
     init_key, train_key = jax.random.split(jax.random.key(seed))
     init_state = make_init_state(mcfg, tx, lora)
-    abstract_state, axes = state_shapes(mcfg, t, abstract_vars)
     state_sharding, grad_sharding, fallbacks = sharding_lib.state_shardings(abstract_state, axes, mesh, zero_stage)
     abstract_base = base_sharding = None
     if lora is not None:  # the frozen base: placed as the params of a full run at this ZeRO stage would be
