@@ -403,6 +403,8 @@ def test_bench_train_errors_are_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "unknown --model 'nope'" in err and "124m" in err
     assert bench.cli(["train", "--model", "test", "--seq", "65", "--no-alibi", "--out", str(out)]) == 2
     assert "longer than block_size 64" in capsys.readouterr().err
+    assert bench.cli(["train", "--model", "test", "--seq", "0", "--out", str(out)]) == 2  # (it ran at block_size)
+    assert "--seq, --batch, --steps and --warmup must be at least 1" in capsys.readouterr().err
     assert bench.cli(["train", "--model", "test", "--loss-chunk", "-1", "--out", str(out)]) == 2
     assert "--loss-chunk must be at least 0" in capsys.readouterr().err
     cores = len(os.sched_getaffinity(0))

@@ -184,6 +184,16 @@ def test_a_format_newer_than_the_code_is_refused_naming_the_version(old_run, cap
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before  # not moved aside: it is not damaged
 
 
+def test_a_newer_format_dated_before_the_codes_own_is_said_to_be_altered():
+    """Format 99 recorded with a first date no later than this code's own format's: no version wrote it, so
+    the line says the record was altered (it named "the toolkit's versions from 2026-11-27 on" to upgrade to)."""
+    said = formats.too_new("checkpoint 4 in X", {"format": 99, "since": formats.SINCE[formats.FORMAT]})
+    assert said == (f"checkpoint 4 in X says it is in format 99, first written on {formats.SINCE[formats.FORMAT]}, "
+                    f"but no version wrote a format after {formats.FORMAT} by then (format {formats.FORMAT} is from "
+                    f"{formats.SINCE[formats.FORMAT]}): its record was altered or damaged")
+    assert "upgrade" in formats.too_new("X", {"format": 99, "since": "2099-01-01"})
+
+
 @pytest.mark.parametrize("damage", ["fingerprints gone", "format gone", "tokens", "format 1", "metadata file gone",
                                     "metadata file cut"])
 def test_a_fingerprinted_checkpoint_without_its_fingerprints_is_refused(tmp_path, damage):

@@ -192,7 +192,12 @@ def test_two_processes_match_one(corpus, tmp_path):  # noqa: F811
      "JAX_COORDINATOR_ADDRESS=127.0.0.1: not HOST:PORT"),
     ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0",
       "GPT_PEER_TIMEOUT": "2"}, "GPT_PEER_TIMEOUT=2: the seconds a process of several may go without answering"),
-], ids=["no-coordinator", "index-past-count", "negative-count", "unknown-host", "no-port", "peer-timeout"])
+    ({"SLURM_NTASKS": "abc"}, "SLURM_NTASKS=abc: a launcher's count of processes is a whole number of at least 1"),
+    ({"SLURM_NTASKS": "0"}, "SLURM_NTASKS=0: a launcher's count of processes is a whole number of at least 1"),
+    ({"OMPI_COMM_WORLD_SIZE": "-2"}, "OMPI_COMM_WORLD_SIZE=-2: a launcher's count of processes is a whole number"),
+    ({"TPU_WORKER_HOSTNAMES": ","}, "TPU_WORKER_HOSTNAMES=,: an empty host name among the workers'"),
+], ids=["no-coordinator", "index-past-count", "negative-count", "unknown-host", "no-port", "peer-timeout",
+        "slurm-abc", "slurm-0", "mpi-negative", "tpu-hosts-empty"])
 def test_launcher_variables_that_cannot_work_are_one_line(corpus, tmp_path, env, words, monkeypatch, capsys):  # noqa: F811
     """JAX's launch variables half set or impossible: one line naming them before anything is made (a
     process that trained alone, or a JaxRuntimeError traceback, before)."""

@@ -678,6 +678,12 @@ def test_default_config_has_a_comment_on_every_key():
     (f"model.mlp_dim={2**31}", [f"model.mlp_dim must be below 2**31, got {2**31}"]),
     ("model.layer_norm_epsilon=.inf", ["model.layer_norm_epsilon", "positive", "inf"]),
     ("model.layer_norm_epsilon=0", ["model.layer_norm_epsilon", "positive", "0.0"]),
+    ("training.optimizer=sgd", ["training.optimizer must be one of adamw, muon, got 'sgd'"]),
+    ("training.muon_momentum=1", ["training.muon_momentum must be in [0, 1)"]),
+    ("training.muon_rms=0", ["training.muon_rms must be a positive number"]),
+    # a list whose YAML does not parse (a missing comma): where, and how it is written (it was taken as a string)
+    ("data.stages=[{step: 300 weights: {a: 1}}]", ["override 'data.stages=[{step: 300 weights: {a: 1}}]': its value "
+                                                    "is not valid YAML at character 20", "(commas between the items)"]),
 ])
 def test_config_errors_name_key_and_choices(override, words):
     extra = ["training.micro_batches=4"] if "batch_size" in override else []
@@ -686,6 +692,16 @@ def test_config_errors_name_key_and_choices(override, words):
     for word in words:
         assert word in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_a_list_the_shell_split_says_to_quote_it():
+    """data.stages=[{step: 300, ...}] typed unquoted reaches train.py as several words: the line says the
+    shell split it and to quote the whole override (it said that '300,' was not of the form key=value)."""
+    with pytest.raises(config.ConfigError) as e:
+        config.load_config(overrides="data.stages=[{step: 300, weights: {a: 1}}]".split())
+    assert str(e.value) == ("override 'data.stages=[{step:' is cut short: the shell split its value at the spaces "
+                            "('300,' came as the next override); quote the whole override, e.g. "
+                            "'data.stages=[{step: 300, weights: {a: 1, b: 0}}]'")
 
 
 def test_config_file_that_is_not_text_is_one_line(tmp_path):
@@ -809,6 +825,13 @@ def test_a_schedule_that_cannot_be_is_one_line(corpus, tmp_path, capsys):
          "training.schedule=wsd: the warm-up (training.warmup_steps 4) and the decay (training.decay_fraction 0.75 "
          "of 8 steps: 6) are longer than training.steps (8); lower one of them or raise the steps"),
         (["training.lr=1e-4"], "training.min_lr (0.001) must be in [0, training.lr (0.0001)]"),
+        (["training.schedule=wsd", "training.decay_fraction=1e-9"],  # (it decayed at the last step alone)
+         "training.schedule=wsd: training.decay_fraction 1e-09 of 8 steps is 8e-09 steps; the decay needs at least "
+         "one step (decay_fraction >= 0.125)"),
+        (["training.schedule=wsd", "training.decay_fraction=1"],
+         "training.schedule=wsd: the warm-up (training.warmup_steps 2) and the decay (training.decay_fraction 1 of 8 "
+         "steps: 8) are longer than training.steps (8); lower one of them or raise the steps (a decay_fraction of 1 "
+         "decays over every step, leaving none for a warm-up: with training.warmup_steps above 0 it must be below 1)"),
     ]:
         assert train.cli(tiny(tmp_path / "run", corpus, *extra)) == 2
         assert capsys.readouterr().err == f"error: {said}\n"

@@ -194,8 +194,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
             epochs = train_loader.epochs(t.steps)
             if cfg.data.max_epochs is not None and max(epochs.values()) > cfg.data.max_epochs:
                 name = max(epochs, key=epochs.get)
-                raise DataError(f"data.mixture.{name}: {t.steps} steps go through it {epochs[name]:.2f} times, more "
-                                f"than data.max_epochs ({cfg.data.max_epochs:g}); lower its weight or the steps, or "
+                raise DataError(f"data.mixture.{name}: {t.steps} steps go through it {epochs[name]:.3g} times, more "
+                                f"than data.max_epochs ({cfg.data.max_epochs:.3g}); lower its weight or the steps, or "
                                 f"raise data.max_epochs")
         for name, source in sources.items():
             if source.remote:

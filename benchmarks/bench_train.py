@@ -308,7 +308,7 @@ def resolve(args):
         name, mcfg = config_lib.resolve_model({"name": args.model, **overrides}, sizes)
     except config_lib.ConfigError as e:
         raise TrainBenchError(str(e)) from None
-    seq = args.seq or mcfg.block_size
+    seq = mcfg.block_size if args.seq is None else args.seq  # (--seq 0 is refused, not the default)
     if seq < 1 or args.batch < 1 or args.steps < 1 or args.warmup < 1:
         raise TrainBenchError("--seq, --batch, --steps and --warmup must be at least 1")
     if seq > mcfg.block_size:

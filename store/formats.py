@@ -41,6 +41,9 @@ def too_new(what: str, recorded: dict) -> str | None:
     if not isinstance(number, int) or isinstance(number, bool) or number <= FORMAT:
         return None
     since = recorded.get("since")
+    if isinstance(since, str) and since <= SINCE[FORMAT]:  # (ISO dates compare as strings)
+        return (f"{what} says it is in format {number}, first written on {since}, but no version wrote a format "
+                f"after {FORMAT} by then (format {FORMAT} is from {SINCE[FORMAT]}): its record was altered or damaged")
     version = f"the toolkit's versions from {since} on" if isinstance(since, str) else "a newer toolkit"
     return (f"{what} is in format {number}, written by {version}; this code reads formats 1-{FORMAT} (written up "
             f"to {SINCE[FORMAT]}): upgrade (git pull, then pip install -r requirements.txt) to "

@@ -308,14 +308,26 @@ def resolve_model(spec, sizes: dict[str, dict]) -> tuple[str, GPTConfig]:
 # Overrides: key=value on the command line
 
 
-def parse_override(text: str) -> tuple[list[str], typing.Any]:
-    """`training.lr=3e-4` -> (['training', 'lr'], 3e-4); the value is read as YAML."""
+def parse_override(text: str, after: str | None = None) -> tuple[list[str], typing.Any]:
+    """`training.lr=3e-4` -> (['training', 'lr'], 3e-4); the value is read as YAML. `after`: the override
+    given after this one, to tell a list or mapping the shell split at its spaces (left unquoted)."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"override {text!r} is not of the form key=value (e.g. training.batch_size=64)")
     try:
         parsed = yaml.safe_load(value) if value != "" else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as e:
+        if value.lstrip().startswith(("[", "{")):  # meant as a list or a mapping
+            example = (f"'{key}=[{{step: 300, weights: {{a: 1, b: 0}}}}]'" if key == "data.stages" else
+                       f"'{key}=[a, b]' or '{key}={{a: 1, b: 2}}'")
+            if after is not None and "=" not in after:
+                raise ConfigError(f"override {text!r} is cut short: the shell split its value at the spaces ({after!r} "
+                                  f"came as the next override); quote the whole override, e.g. {example}") from None
+            mark = getattr(e, "problem_mark", None)
+            where = f" at character {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"override {text!r}: its value is not valid YAML{where} "
+                              f"({getattr(e, 'problem', None) or 'unreadable'}); a list or mapping is written in "
+                              f"YAML's flow style, e.g. {example} (commas between the items)") from None
         parsed = value
     return key.split("."), parsed
 
@@ -338,8 +350,8 @@ def _named_sections(tp):
 def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
     """A copy of the raw config dict with the dotted overrides applied (checked later by from_dict)."""
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
-    for text in overrides:
-        path, value = parse_override(text)
+    for i, text in enumerate(overrides):
+        path, value = parse_override(text, overrides[i + 1] if i + 1 < len(overrides) else None)
         top = path[0]
         if top not in TOP_LEVEL_KEYS:
             raise ConfigError(f"unknown key {top!r} in override {text!r}; valid keys: {', '.join(TOP_LEVEL_KEYS)}")
@@ -514,10 +526,15 @@ def check_schedule(t: TrainingConfig) -> None:
         raise ConfigError(f"training.decay_fraction must be in (0, 1] (wsd decays over that fraction of the steps), "
                           f"got {t.decay_fraction}")
     decay = t.decay_fraction * t.steps
+    if t.schedule == "wsd" and decay < 1:  # a decay within the last step: the rate would fall at the end alone
+        raise ConfigError(f"training.schedule=wsd: training.decay_fraction {t.decay_fraction:g} of {t.steps} steps is "
+                          f"{decay:g} steps; the decay needs at least one step (decay_fraction >= {1 / t.steps:g})")
     if t.schedule == "wsd" and t.warmup_steps + decay > t.steps * (1 + 1e-9):  # (the float product's rounding)
         raise ConfigError(f"training.schedule=wsd: the warm-up (training.warmup_steps {t.warmup_steps}) and the decay "
                           f"(training.decay_fraction {t.decay_fraction:g} of {t.steps} steps: {decay:g}) are longer "
-                          f"than training.steps ({t.steps}); lower one of them or raise the steps")
+                          f"than training.steps ({t.steps}); lower one of them or raise the steps"
+                          + (" (a decay_fraction of 1 decays over every step, leaving none for a warm-up: with "
+                             "training.warmup_steps above 0 it must be below 1)" if t.decay_fraction == 1 else ""))
 
 
 SOURCE_NAME = re.compile(r"[A-Za-z0-9_-]+")  # a source's name: a metrics key (val_loss/NAME) and an override's part
@@ -551,6 +568,10 @@ def check_mixture(data: DataConfig, steps: int) -> None:
     last = 0
     for i, stage in enumerate(data.stages):
         where = f"data.stages[{i}]"
+        if stage.step <= 0:  # (also a stage given without a step: 0)
+            raise ConfigError(f"{where}.step must be the step from which its weights apply, 1 to {steps - 1} "
+                              f"(data.mixture's own weights are those of step 0), got {stage.step}; e.g. "
+                              f"{{step: {max(steps // 2, 1)}, weights: {{...}}}}")
         if not last < stage.step < steps:
             raise ConfigError(f"{where}.step must be after the step before ({last}) and before training.steps "
                               f"({steps}), got {stage.step}")
@@ -574,6 +595,14 @@ def check_weights(where: str, weights: dict[str, float]) -> None:
         raise ConfigError(f"{where}: a weight must be a number >= 0, got {bad[0]}")
     if not any(weights.values()):
         raise ConfigError(f"{where}: every weight is 0; give at least one source a positive weight")
+    try:
+        total = math.fsum(weights.values())
+    except OverflowError:  # (fsum's own: an intermediate sum past the largest float)
+        total = math.inf
+    if not math.isfinite(total):
+        raise ConfigError(f"{where}: the weights add up past the largest number a float holds "
+                          f"({', '.join(f'{n} {w:g}' for n, w in weights.items())}); they are relative, so scale "
+                          f"them down (e.g. 1 and 1)")
 
 
 def mixture_stages(data: DataConfig) -> list[tuple[int, list[float]]]:

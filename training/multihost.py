@@ -70,10 +70,16 @@ def launch() -> Launch | None:
                             f"(process 0's host), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process, or unset "
                             f"{' and '.join(half)} for a single process")
     for variable in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):  # SLURM, Open MPI: JAX reads the rest
-        count = env.get(variable, "")
+        count = env.get(variable, "").strip()
+        if count and not (count.isdigit() and int(count) >= 1):
+            raise ShardingError(f"{variable}={env[variable]}: a launcher's count of processes is a whole number of at "
+                                f"least 1; this is no launcher's setting: unset {variable} for a single process")
         if count.isdigit() and int(count) > 1:
             return Launch({}, f"{variable}={count}")
     hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+    if env.get("TPU_WORKER_HOSTNAMES", "").strip() and not all(h.strip() for h in env["TPU_WORKER_HOSTNAMES"].split(",")):
+        raise ShardingError(f"TPU_WORKER_HOSTNAMES={env['TPU_WORKER_HOSTNAMES']}: an empty host name among the "
+                            f"workers' (comma-separated, one a worker); unset it for a single process")
     if len(hosts) > 1:
         return Launch({}, f"TPU_WORKER_HOSTNAMES (a TPU pod on GKE, {len(hosts)} hosts)")
     return gce_tpu_pod()
