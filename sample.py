@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     generation.compile(state, prompt, key)
     t1 = time.perf_counter()
-    with noting_ctrl_c() as interrupted, tqdm(total=args.num_samples * args.max_new_tokens, unit="token",
+    with noting_stops() as interrupted, tqdm(total=args.num_samples * args.max_new_tokens, unit="token",
                                               desc="generating", delay=PROGRESS_AFTER, leave=False,
                                               disable=None) as bar:  # None: on a terminal only
         for done in generation.chunks(state, prompt, key):
@@ -159,8 +159,9 @@ def main(argv=None) -> int:
         print(text)
     if interrupted and not done.ended:  # (a Ctrl-C during the last chunk came too late to stop anything)
         sys.stdout.flush()  # the samples, then the line that says where they stop
-        raise Interrupted(f"interrupted after {steps:,} of --max-new-tokens {args.max_new_tokens:,} new tokens a "
-                          "sample: the samples above are what was generated")
+        how = "interrupted" if interrupted[0] == signal.SIGINT else f"stopped by {signal.Signals(interrupted[0]).name}"
+        raise Interrupted(f"{how} after {steps:,} of --max-new-tokens {args.max_new_tokens:,} new tokens a "
+                          "sample: the samples above are what was generated", interrupted[0])
     sys.stdout.flush()  # the samples out (or a reader that has gone found) before the line about them
     new = args.num_samples * steps
     print(f"{run_dir} step {step}: {args.num_samples} x ({len(prompt_ids)} prompt + {steps} new tokens) in "
@@ -172,25 +173,29 @@ PROGRESS_AFTER = 3.0  # seconds of generating before a terminal shows its progre
 
 
 @contextlib.contextmanager
-def noting_ctrl_c():
-    """While the samples are generated: a Ctrl-C (SIGINT) is noted in the list this yields, for the loop
-    to stop after its chunk (Generation.chunks: within CHUNK_SECONDS) and print what it has; a second
-    one is handled as it was before (run_cli's: the process ends at once)."""
+def noting_stops():
+    """While the samples are generated: a Ctrl-C (SIGINT), SIGTERM or SIGHUP (a closed terminal) is noted in
+    the list this yields, for the loop to stop after its chunk (Generation.chunks: within CHUNK_SECONDS) and
+    print what it has; a second one is handled as the first would have been before (run_cli's: the process
+    ends at once)."""
     noted: list[int] = []
 
     def note(signum, frame):
         if not noted:
+            if signum == signal.SIGHUP:  # the samples still to print must not fail on a terminal that is gone
+                errors.detach_from_terminal()
             noted.append(signum)
-        elif callable(previous):
-            previous(signum, frame)  # the command's own: run_cli's
+        elif callable(previous[signum]):
+            previous[signum](signum, frame)  # the command's own: run_cli's
         else:
             raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, note)
+    previous = {s: signal.signal(s, note) for s in errors.STOP_SIGNALS}
     try:
         yield noted
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def cli(argv=None) -> int:

@@ -461,11 +461,14 @@ def test_cli_process_exit_status(tmp_path):
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 
-def test_ctrl_c_stops_a_generation_and_prints_what_it_made(runs):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_ctrl_c_stops_a_generation_and_prints_what_it_made(runs, sig):
     """A long generation on a terminal shows its progress (tokens, tokens/s) once it has run a few seconds;
-    a Ctrl-C then stops it after its chunk, prints the samples as far as they got, and ends with one line
-    saying where, status 130. What is printed is the greedy continuation of that many tokens: the one loop's
-    (shown equal to the full forward pass recomputed at every step above), run here to that step at once."""
+    a Ctrl-C (or SIGTERM, or SIGHUP: the terminal closed) then stops it after its chunk, prints the samples as
+    far as they got, and ends with one line saying where, status 128 + N (SIGTERM and SIGHUP killed it with no
+    line and nothing printed). After a SIGHUP the line goes nowhere, as the terminal it was for is gone; the
+    samples, to a pipe, still come. What is printed is the greedy continuation of that many tokens: the one
+    loop's (shown equal to the full forward pass recomputed at every step above), run here to that step at once."""
     import fcntl
     import os
     import pty
@@ -473,6 +476,8 @@ def test_ctrl_c_stops_a_generation_and_prints_what_it_made(runs):
     import signal
     import struct
     import termios
+
+    sig = getattr(signal, sig)
 
     from tokenizers import Tokenizer
 
@@ -495,7 +500,7 @@ def test_ctrl_c_stops_a_generation_and_prints_what_it_made(runs):
                     break
                 shown += chunk
             if not sent and b"token/s" in shown:  # the progress bar
-                p.send_signal(signal.SIGINT)
+                p.send_signal(sig)
                 sent = True
             assert sent or p.poll() is None, shown  # no end-of-text before: still generating
         out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
@@ -503,9 +508,14 @@ def test_ctrl_c_stops_a_generation_and_prints_what_it_made(runs):
         p.kill()
         os.close(terminal)
     said = shown.decode().replace("\r\n", "\n").split("\r")[-1]  # after the bar, cleared
-    assert p.returncode == 130, shown
-    made = re.fullmatch(r"\s*error: interrupted after (\d+) of --max-new-tokens 30,000 new tokens a sample: the "
+    assert p.returncode == 128 + sig, shown
+    how = "interrupted" if sig == signal.SIGINT else f"stopped by {sig.name}"
+    made = re.fullmatch(rf"\s*error: {how} after (\d+) of --max-new-tokens 30,000 new tokens a sample: the "
                         r"samples above are what was generated\n", said)
+    if sig == signal.SIGHUP:  # the line went nowhere; the samples came, the prompt continued
+        assert "error:" not in said and "Traceback" not in said, said
+        assert out.startswith(f"---------- sample 1/1 ----------\n{prompt}") and len(out) > 100, out[:200]
+        return
     assert made, said
     n = int(made.group(1))
     m, _ = rundir.Run(run_dir).weights.load_model()

@@ -75,10 +75,15 @@ class SampleError(UserError):
 
 
 class Interrupted(UserError):
-    """A Ctrl-C that stopped a command's work part-way, after it put out what it had (sample.py's samples so
-    far); str(e) is one line saying where it stopped. Exit status 130, as for any Ctrl-C."""
+    """A Ctrl-C (or SIGTERM, SIGHUP: `signum`) that stopped a command's work part-way, after it put out what it
+    had (sample.py's samples so far); str(e) is one line saying where it stopped. Exit status 128 + the
+    signal, 130 for a Ctrl-C, as for any stop."""
 
     exit_status = 130
+
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.exit_status = 128 + signum
 
 
 class PlotError(UserError):
@@ -246,8 +251,9 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
         if threading.current_thread() is threading.main_thread() and _deferred is None:
             signal.signal(signal.SIGINT, functools.partial(stop_now, f"error: {interrupted}")
                           if _program and at_once else signal.default_int_handler)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGHUP, signal.SIG_DFL)  # (the loading's line, "while starting", is wrong now)
+            for other in (signal.SIGTERM, signal.SIGHUP):  # (the loading's line, "while starting", is wrong now)
+                signal.signal(other, functools.partial(stop_now, f"error: stopped by {signal.Signals(other).name}")
+                              if _program and at_once else signal.SIG_DFL)
         ours = sys.unraisablehook = functools.partial(redeliver_interrupt, previous_hook)
         status = main(argv)
         sys.stdout.flush()  # a reader that has gone is found here, not at the interpreter's exit
@@ -270,7 +276,10 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
 
 
 def stop_now(line: str, signum: int, frame) -> None:
-    """A SIGINT handler (run_cli's `at_once`): `line` on stderr and status 128 + SIGINT, at once."""
+    """A SIGINT, SIGTERM or SIGHUP handler (run_cli's `at_once`): `line` on stderr and status 128 + N, at once
+    (after a SIGHUP, output meant for the terminal that is gone goes nowhere)."""
+    if signum == signal.SIGHUP:
+        detach_from_terminal()
     end_now(line, 128 + signum)
 
 
@@ -319,10 +328,11 @@ def reader_gone() -> int:
 def end_now(line: str, status: int) -> None:
     """Say `line` on stderr and end the process with `status` at once, with what standard output holds
     flushed but without the interpreter's finalization (nor atexit's functions): for a stop that may have
-    come in the middle of JAX's work. A further Ctrl-C changes nothing."""
+    come in the middle of JAX's work. A further Ctrl-C (or SIGTERM, SIGHUP) changes nothing."""
     import contextlib
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
     for stream in (sys.stdout, sys.stderr):
         # a reader that has gone, a closed stream, a stream the interrupted code was writing to
         with contextlib.suppress(OSError, ValueError, RuntimeError):
