@@ -91,6 +91,7 @@ if __name__ == "__main__":
 
 import math
 import pathlib
+import re
 import time
 from typing import Iterable, Sequence
 
@@ -231,17 +232,37 @@ def run_data(run: rundir.Run, cfg, override: str | None) -> dict[str, shards.Dat
     """The prepared data to score, opened, by source name: --data (name ""), else the directory the run
     trained on (""), or each source of a mixture run; each with the run's tokenizer."""
     recorded = run.record.data()
+    if override is not None and not override.strip():  # (it scored the run's own data, as if --data were not given)
+        raise EvalError("--data is empty: give a prepared data directory, or leave --data out to score the run's own")
     if override is None and isinstance(recorded.get("mixture"), dict):
         return {name: open_scored(run, recorded, str(source.get("dir")) if isinstance(source, dict) else "")
                 for name, source in recorded["mixture"].items()}
-    return {"": open_scored(run, recorded, str(override or recorded.get("dir") or cfg.data.dir
-                                                or data.DEFAULT_DATA_DIR))}
+    return {"": open_scored(run, recorded, str(override or own_location(run, cfg)))}
+
+
+def own_location(run: rundir.Run, cfg) -> str:
+    """Where the run's own (single) corpus is, as it recorded it."""
+    return str(run.record.data().get("dir") or cfg.data.dir or data.DEFAULT_DATA_DIR)
+
+
+def resolved(location: str) -> str:
+    """A data directory's location as it is named in results: a URL as given, a local path made absolute."""
+    return location if storage.is_url(location) else str(pathlib.Path(storage.local_path(location)).resolve())
+
+
+def plot_label(name: str, corpus: str, own: str | None) -> str:
+    """What a perplexity plot's file name and title add for the data scored: a mixture source's name, the
+    directory's own name for --data other than the run's (so that it never replaces the run's own plot), else
+    nothing."""
+    if name or own is None or corpus == resolved(own):
+        return name
+    return "data-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", pathlib.PurePath(corpus.rstrip("/")).name or "data")
 
 
 def open_scored(run: rundir.Run, recorded: dict, location: str) -> shards.DataDir:
     """A text directory to score the run on, opened and checked against the run's tokenizer. A local one is
     named by its absolute path."""
-    location = location if storage.is_url(location) else str(pathlib.Path(storage.local_path(location)).resolve())
+    location = resolved(location)
     try:
         corpus = shards.open_data(location)
     except DataError as e:
@@ -361,7 +382,9 @@ def main(argv=None) -> int:
 
     table, png = None, None
     for name, corpus in (corpora.items() if lengths else ()):  # a mixture run: each source in turn
-        data_dir, plot = str(corpus), f"eval/step{step}-perplexity{'-' + name if name else ''}.png"
+        data_dir = str(corpus)
+        label = plot_label(name, data_dir, None if args.data is None else own_location(run, cfg))
+        plot = f"eval/step{step}-perplexity{'-' + label if label else ''}.png"
         t0 = time.perf_counter()
         new_rows = [{"data": data_dir, "split": args.split, **r} for r in perplexity_table(
             harness.make_scorer(model), corpus, lengths, train_len, split=args.split, batch_tokens=args.batch_tokens,
@@ -386,7 +409,8 @@ def main(argv=None) -> int:
         new = {measured(n) + (n["length"],) for n in new_rows}
         kept = [str(r["length"]) for r in saved["rows"] if measured(r) in written and measured(r) + (r["length"],) not in new]
         others = sum(measured(r) not in written for r in saved["rows"])
-        png = plots.perplexity(series, train_len, f"{run.dir.name} step {step}, {name + ', ' if name else ''}split {args.split!r}")
+        png = plots.perplexity(series, train_len, f"{run.dir.name} step {step}, {name + ', ' if name else ''}"
+                               f"{pathlib.PurePath(data_dir.rstrip('/')).name} split {args.split!r}")
         run.dir.write_bytes(plot, png)
         print(f"-> {run.dir.show(results_name)}: lengths {', '.join(map(str, lengths))} written"
               + (f"; {', '.join(kept)} kept from earlier runs measured the same way" if kept else "")

@@ -437,6 +437,27 @@ def test_cli_writes_table_json_and_plot(run, capsys):
     assert "\r" not in err and "ppl @" not in err  # stderr is no terminal here: no progress bar in it
 
 
+def test_another_corpus_gets_its_own_plot_and_an_empty_data_is_refused(run, corpus, tmp_path, capsys):  # noqa: F811
+    """eval.py --data OTHER draws eval/stepN-perplexity-data-OTHER.png, its title naming that corpus, and leaves
+    the run's own plot as it was (it was overwritten); --data '' is one line (it scored the run's own data)."""
+    run_dir, other = tmp_path / "run", tmp_path / "other"
+    shutil.copytree(run, run_dir, ignore=shutil.ignore_patterns("eval"))
+    shutil.copytree(corpus, other)
+    args = ["--checkpoint", str(run_dir), "--lengths", "32", "--max-tokens", "200"]
+    assert E.main(args) == 0
+    own = (run_dir / "eval" / "step40-perplexity.png").read_bytes()
+    assert E.main([*args, "--data", str(other)]) == 0
+    assert (run_dir / "eval" / "step40-perplexity.png").read_bytes() == own
+    assert (run_dir / "eval" / "step40-perplexity-data-other.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert E.main([*args, "--data", str(corpus)]) == 0  # the run's own data, named: its own plot
+    assert sorted(p.name for p in (run_dir / "eval").glob("*.png")) == ["step40-perplexity-data-other.png",
+                                                                         "step40-perplexity.png"]
+    capsys.readouterr()
+    assert E.cli([*args, "--data", ""]) == 2
+    assert capsys.readouterr().err == ("error: --data is empty: give a prepared data directory, or leave --data out "
+                                       "to score the run's own\n")
+
+
 def test_results_of_several_runs_merge_by_length(run, corpus, tmp_path, capsys):  # noqa: F811
     """A second evaluation of a step adds to eval/stepN.json: a length measured again the same way replaces
     its row; every other row (other lengths, another split, a row that does not record how much it
