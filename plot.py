@@ -50,6 +50,7 @@ def parse_args(argv):
 if __name__ == "__main__":
     errors.parse_before_loading(parse_args)  # --help and argument mistakes: at once, before anything loads
 
+import math
 import os
 import pathlib
 import re
@@ -107,6 +108,9 @@ def main(argv=None) -> int:
     logged = {}
     for name, run, given in zip(names, runs, args.runs):
         rows = run.logged()
+        if not any(math.isfinite(row["loss"]) for row in rows):  # (an empty picture was drawn without a word)
+            raise errors.PlotError(f"{run.dir.show(rundir.METRICS)}: every logged loss is NaN or infinite (a run that "
+                                   f"diverged from its first step): nothing to draw")
         if any(args.x not in row for row in rows):
             raise errors.PlotError(f"--x {args.x}: {run.dir.show(rundir.METRICS)} has rows without {args.x}; "
                                    f"draw it by {'step' if args.x != 'step' else 'tokens'} (--x)")

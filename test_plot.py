@@ -124,6 +124,9 @@ def test_what_cannot_be_drawn_is_one_line(tmp_path, monkeypatch, capsys):
     (tmp_path / "damaged" / "metrics.jsonl").write_text("\n".join([lines[0], "{oops", lines[2]]) + "\n")
     (tmp_path / "old").mkdir()  # rows without tokens
     (tmp_path / "old" / "metrics.jsonl").write_text('{"step": 1, "loss": 6.0}\n')
+    (tmp_path / "nan").mkdir()  # a run that diverged at once
+    (tmp_path / "nan" / "metrics.jsonl").write_text('{"step": 1, "loss": NaN, "tokens": 8}\n{"step": 2, "loss": Infinity, '
+                                                    '"tokens": 16}\n')
     (tmp_path / "notes.png").write_text("my notes\n")
     (tmp_path / "folder.png").mkdir()
     monkeypatch.chdir(tmp_path)
@@ -135,6 +138,8 @@ def test_what_cannot_be_drawn_is_one_line(tmp_path, monkeypatch, capsys):
         (["damaged"], "damaged/metrics.jsonl: line 2 is not JSON; repair or remove it"),
         (["a", "./a"], "./a is given twice; name each run once"),
         (["a", "old", "--x", "tokens"], "--x tokens: old/metrics.jsonl has rows without tokens; draw it by step (--x)"),
+        (["a", "nan"], "nan/metrics.jsonl: every logged loss is NaN or infinite (a run that diverged from its first "
+                       "step): nothing to draw"),
         (["a", "--out", "a.jpg"], "--out must name a .png file, got 'a.jpg'"),
         (["a", "--out", "notes.png"], "notes.png already exists; choose another --out or pass --overwrite to replace it"),
         (["a", "--out", "notes.png", "--overwrite"], "--out notes.png is not a PNG file; --overwrite replaces only a "
@@ -149,6 +154,16 @@ def test_what_cannot_be_drawn_is_one_line(tmp_path, monkeypatch, capsys):
         assert capsys.readouterr().err == f"error: {said}\n", args
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert (tmp_path / "notes.png").read_text() == "my notes\n"
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path, full_disk, capsys):
+    """--out on a file system with no room: one line saying so, and no OUT.png.tmp-PID left beside it."""
+    write_run(tmp_path / "a", 30, 256, 6.0)
+    (full_disk / "filler").write_bytes(b"\0" * (252 * 1024))  # the disk all but full
+    assert plot.cli([str(tmp_path / "a"), "--out", str(full_disk / "loss.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "space" in err.lower(), err
+    assert sorted(p.name for p in full_disk.iterdir()) == ["filler"]
 
 
 def test_the_command_says_a_mistake_in_one_line(tmp_path):

@@ -346,8 +346,12 @@ class RunDir:
                 pid = stale.name.rsplit("-", 1)[-1]
                 if pid.isdigit() and not process_alive(int(pid)):
                     stale.unlink(missing_ok=True)
-            tmp.write_bytes(content)
-            tmp.replace(path)
+            try:
+                tmp.write_bytes(content)
+                tmp.replace(path)
+            except BaseException:  # a full disk, no access: no NAME.tmp-PID left behind (a Ctrl-C neither)
+                tmp.unlink(missing_ok=True)
+                raise
 
         self._do(name, write)
 
