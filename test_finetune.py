@@ -2,6 +2,7 @@
 sample.py) and of forgetful causal masking (attention.attention_mask, train.py's step)."""
 import itertools
 import json
+import shlex
 import os
 import pathlib
 import random
@@ -402,6 +403,14 @@ def test_finetuned_model_reverses_held_out_lists(reversal, tmp_path, capsys):
     assert summary["unigram_entropy"] == pytest.approx(entropy, rel=1e-9)
     assert summary["val_loss_below_unigram"] == pytest.approx(entropy - summary["val_loss"], rel=1e-9)
     assert f"unigram entropy of the completions (the tokens in the loss) {entropy:.4f} nats/token" in done.stdout
+    # its next steps name what works for it: eval.py's perplexity refuses prompt/completion data
+    suggested = next(line for line in done.stdout.splitlines() if "python eval.py" in line)
+    command = shlex.split(suggested.split("#")[0].split("next:")[-1])
+    assert command[:2] == ["python", "eval.py"] and "--no-perplexity" in command, suggested
+    import eval as eval_lib
+    eval_lib.parse_args(command[2:])  # the command line eval.py takes
+    assert eval_lib.cli(["--checkpoint", str(run_dir)]) == 2  # what it suggested before: refused
+    capsys.readouterr()
 
     # sample.py prints the completion alone for a fine-tuned run
     assert sample.cli(["--checkpoint", str(run_dir), "--prompt", held[0]["in_text"], "--temperature", "0",

@@ -11,6 +11,7 @@ import math
 import os
 import pathlib
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -258,7 +259,16 @@ def test_a_start_this_machine_cannot_hold_is_refused_before_anything_is_made(cor
     err = capsys.readouterr().err
     assert err.startswith("error: model 124m with batch 4096 x 1024 needs about ") and err.count("\n") == 1, err
     assert " fits (" in err or "more devices or a smaller model are needed" in err
+    assert err.endswith("(python train.py --plan --device cpu shows this machine's plan)\n"), err  # (it planned an H100)
     assert not run_dir.exists()
+    needs = re.search(r"needs about ([\d.]+) GiB per device, more than the ([\d.]+) GiB", err).groups()
+    assert train.main(["--plan", "--device", "cpu", f"data.dir={corpus}", "model=124m", "training.batch_size=4096",
+                       "training.steps=2"]) == 0
+    shown = capsys.readouterr().out
+    total = re.search(r"  total +([\d.]+) GiB +of ([\d.]+) GiB", shown).groups()
+    assert total[1] == needs[1] and "does not fit" in shown, shown  # this machine's memory, not an H100's 80 GiB
+    # (the plan reads no data: the model's own vocabulary, not the corpus's, so the logits differ a little)
+    assert float(total[0]) == pytest.approx(float(needs[0]), rel=0.02)
 
 
 def test_resume_errors(corpus, tmp_path, capsys):

@@ -44,7 +44,8 @@ def parse_args(argv):
                         help="print the memory per device, FLOPs and step time of this config on --device and stop: "
                              "nothing is read, made or run")
     parser.add_argument("--device", default="H100", help="--plan's target: H100, H200, A100-40, A100-80, a TPU "
-                        "generation or slice (v3, v4-32, v5e-16, v5p-128, v6e-8), or a GPU's memory (24GiB)")
+                        "generation or slice (v3, v4-32, v5e-16, v5p-128, v6e-8), a GPU's memory (24GiB), or cpu "
+                        "(this machine's CPU devices and memory)")
     parser.add_argument("--devices", type=int, default=None,
                         help="--plan's device count (default: the TPU slice's, else 1)")
     parser.add_argument("--mfu", type=float, default=0.4, help="--plan's model FLOP utilisation for the step time")

@@ -103,6 +103,7 @@ from layers import loss as loss_lib
 from tokendata import mixture
 from training import config as config_lib
 from training import step as step_lib
+from training import devices
 from training.devices import GiB, Target, target
 
 # ----------------------------------------------------------------------------------------------
@@ -452,7 +453,8 @@ def check_fits(cfg, dev: Target) -> None:
                 "or a smaller model are needed")
     raise ConfigError(f"model {cfg.model_name} with batch {cfg.training.batch_size} x {cfg.seq_len} needs about "
                       f"{e.total / GiB:.1f} GiB per device, more than the {e.memory / GiB:.1f} GiB of {dev.label}; "
-                      f"{fix} (train.py --plan shows the plan)")
+                      f"{fix} (" + ("python train.py --plan --device cpu shows this machine's plan)" if dev.backend == "cpu"
+                                   else "train.py --plan shows the plan)"))
 
 
 def run(args, new_config: typing.Callable) -> int:
@@ -465,7 +467,13 @@ def run(args, new_config: typing.Callable) -> int:
         raise ConfigError(f"--mfu must be in (0, 1], got {args.mfu}")
     jax.config.update("jax_platforms", "cpu")
     cfg = new_config(args.config, args.overrides)
-    print(report(cfg, target(args.device, args.devices), mfu=args.mfu))
+    if args.device.lower() == "cpu":  # this machine's CPU devices and memory, as a start here is checked
+        if args.devices is not None:
+            raise ConfigError("--device cpu plans for this machine's CPU devices; --devices does not apply")
+        dev = devices.here()
+    else:
+        dev = target(args.device, args.devices)
+    print(report(cfg, dev, mfu=args.mfu))
     return 0
 
 

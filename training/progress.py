@@ -460,9 +460,13 @@ def report(summary: dict) -> str:
            + "\n")
         + f"  checkpoint {summary['checkpoint']}"
         + (f"\n  loss curve {summary['loss_plot']}" if summary.get("loss_plot") else "")
-        + (f"\nnext: python eval.py --checkpoint {run}    # perplexity on the validation split, at 1-8x the context\n"
-           f"      python sample.py --checkpoint {run} --prompt {shlex.quote(summary.get('sample_prompt') or 'The')}\n"
-           f"      python convert_torch.py --checkpoint {run} --format hf "
+        + (("\nnext: " + (f"python eval.py --checkpoint {run} --tasks --no-perplexity    # zero-shot tasks (eval.py's "
+                           f"perplexity is for running text; the loss on completions is above)\n"
+                           if summary.get("unigram_entropy_of", "").startswith("the completions") else
+                           f"python eval.py --checkpoint {run}    # perplexity on the validation split, at 1-8x the "
+                           f"context\n"))
+           + f"      python sample.py --checkpoint {run} --prompt {shlex.quote(summary.get('sample_prompt') or 'The')}\n"
+           + f"      python convert_torch.py --checkpoint {run} --format hf "
            f"--out {shlex.quote('export/' + pathlib.PurePath(run.rstrip('/')).name + '-hf')}    # for transformers"
            if (run := summary.get("run_dir")) else "")
     )
