@@ -21,6 +21,7 @@ import convert_torch
 import eval as eval_lib
 import sample
 import train
+from core import errors
 from store import fingerprints, formats, rundir
 from tokendata import loader, shards
 
@@ -228,3 +229,22 @@ def test_a_fingerprinted_checkpoint_without_its_fingerprints_is_refused(tmp_path
     meta.write_text(json.dumps(text))
     with pytest.raises(rundir.RunError, match=r"^checkpoint 8 in .* is corrupt: its (array fingerprints|metadata|format)"):
         rundir.Run(run).weights.load_params(8)
+
+
+@pytest.mark.parametrize("what", ["a directory", "a link to /dev/zero"])
+def test_a_format_json_that_is_no_file_is_damage(tmp_path, what, capsys):
+    """RUN/format.json that is a directory, or a link to a device: one line naming it as damaged (it was read as
+    absent, so the run passed for one from before format 3), from every reader."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("model: test\n")
+    if what == "a directory":
+        (run / formats.FILE).mkdir()
+    else:
+        (run / formats.FILE).symlink_to("/dev/zero")
+    with pytest.raises(errors.RunError) as e:
+        rundir.Run(run).record.check_format()
+    assert str(e.value) == (f"{run / formats.FILE} is there but is not a file: it is damaged; remove it (or put the "
+                            f"file back) to read the run")
+    assert sample.cli(["--checkpoint", str(run), "--prompt", "a"]) == 2
+    assert "is there but is not a file: it is damaged" in capsys.readouterr().err

@@ -305,6 +305,9 @@ class RunDir:
         """RUN/name, a JSON object, as a dict (None where there is no such file); anything else is a RunError
         in one line."""
         if not self.is_file(name):
+            if self._do(name, self.fs.exists, self._path(name)):  # a directory, a device (a link to /dev/zero)
+                raise RunError(f"{self.show(name)} is there but is not a file: it is damaged; remove it (or put the "
+                               f"file back) to read the run")
             return None
         try:
             recorded = json.loads(self.read_text(name))
