@@ -155,6 +155,8 @@ def test_a_signal_to_one_process_stops_every_process_at_one_step_with_a_checkpoi
     assert [p.returncode for p in procs] == [128 + signal.SIGTERM, 128 + signal.SIGINT], outs
     [saved] = os.listdir(run / "checkpoints")
     assert f"stopped by SIGTERM after step {saved}; checkpoint saved in {run / 'checkpoints' / saved}" in outs[0][0]
+    # the signalled process says its own line too (its only line was JAX's preemption notifier's warning)
+    assert f"process 1 stopped by SIGINT after step {saved} with every process; checkpoint saved in " in outs[1][0]
     assert [r["step"] for r in rows(run)] == list(range(1, int(saved) + 1))  # every step logged, once
 
 
@@ -276,6 +278,7 @@ def test_a_tpu_vm_pod_joins_through_its_metadata_and_stops_together(corpus, tmp_
     assert "(4 devices, 2 process(es))" in outs[0][0]
     [saved] = os.listdir(run / "checkpoints")
     assert f"stopped by SIGTERM after step {saved}" in outs[0][0]
+    assert f"process 1 stopped by SIGTERM after step {saved} with every process" in outs[1][0]  # its own line
     assert [r["step"] for r in rows(run)] == list(range(1, int(saved) + 1))
 
 
