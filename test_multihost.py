@@ -194,12 +194,14 @@ def test_two_processes_match_one(corpus, tmp_path):  # noqa: F811
      "JAX_COORDINATOR_ADDRESS=127.0.0.1: not HOST:PORT"),
     ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0",
       "GPT_PEER_TIMEOUT": "2"}, "GPT_PEER_TIMEOUT=2: the seconds a process of several may go without answering"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0",
+      "GPT_JOIN_TIMEOUT": "soon"}, "GPT_JOIN_TIMEOUT=soon: the seconds a process waits for the others to join"),
     ({"SLURM_NTASKS": "abc"}, "SLURM_NTASKS=abc: a launcher's count of processes is a whole number of at least 1"),
     ({"SLURM_NTASKS": "0"}, "SLURM_NTASKS=0: a launcher's count of processes is a whole number of at least 1"),
     ({"OMPI_COMM_WORLD_SIZE": "-2"}, "OMPI_COMM_WORLD_SIZE=-2: a launcher's count of processes is a whole number"),
     ({"TPU_WORKER_HOSTNAMES": ","}, "TPU_WORKER_HOSTNAMES=,: an empty host name among the workers'"),
 ], ids=["no-coordinator", "index-past-count", "negative-count", "unknown-host", "no-port", "peer-timeout",
-        "slurm-abc", "slurm-0", "mpi-negative", "tpu-hosts-empty"])
+        "join-timeout", "slurm-abc", "slurm-0", "mpi-negative", "tpu-hosts-empty"])
 def test_launcher_variables_that_cannot_work_are_one_line(corpus, tmp_path, env, words, monkeypatch, capsys):  # noqa: F811
     """JAX's launch variables half set or impossible: one line naming them before anything is made (a
     process that trained alone, or a JaxRuntimeError traceback, before)."""
@@ -481,3 +483,35 @@ def test_a_signal_during_an_evaluation_on_one_process_stops_both_with_a_checkpoi
     a, b = (rundir.Run(run).weights.load_params() for run in (straight, stopped))
     assert a[1] == b[1] == 40
     jax.tree.map(np.testing.assert_array_equal, a[0], b[0])
+
+
+@pytest.mark.parametrize("ending", ["the limit", "SIGTERM"])
+def test_a_join_whose_coordinator_never_answers_ends_at_its_limit_or_a_signal(corpus, tmp_path, ending):  # noqa: F811
+    """Process 1 of two whose coordinator accepts its connection and never answers (a hung process 0): at
+    GPT_JOIN_TIMEOUT it ends with one line and status 2, or, sent SIGTERM while it waits in the join, at once
+    with the line of a stopped start and 143 (it waited past both, then JAX aborted it with a C++ stack)."""
+    run = tmp_path / "run"
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{silent.getsockname()[1]}", "JAX_NUM_PROCESSES": "2",
+               "JAX_PROCESS_ID": "1", "GPT_JOIN_TIMEOUT": "4" if ending == "the limit" else "120"}
+        with killed_at_exit([run_subprocess(tiny(run, corpus), 1, env_extra=env)]) as (p,):
+            silent.settimeout(120)
+            connection, _ = silent.accept()  # the process is joining now
+            started = time.monotonic()
+            if ending == "SIGTERM":
+                p.send_signal(signal.SIGTERM)
+            out, err = p.communicate(timeout=120)
+            took = time.monotonic() - started
+            connection.close()
+    assert "Traceback" not in err and "Check failure" not in err, err[-2000:]
+    if ending == "the limit":
+        assert p.returncode == 2 and took < 30, (took, err[-2000:])
+        assert last_line(err).startswith("error: JAX_COORDINATOR_ADDRESS=") and last_line(err).endswith(
+            "(process 1 of 2): the processes did not all join within 4 s (the coordinator, process 0, never answered, "
+            "or a process never started): start every process, or allow longer with GPT_JOIN_TIMEOUT=SECONDS"), err
+    else:
+        assert p.returncode == 128 + signal.SIGTERM and took < 15, (took, err[-2000:])
+        assert "stopped by SIGTERM during start-up: nothing trained, nothing saved; nothing was written" in out
+    assert not run.exists()

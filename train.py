@@ -109,7 +109,10 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     """main() without the signal handlers, for the parsed command line `args`: `stop.signal` is set when
     one arrives; the run directory's lock, its checkpoints and its log go into `held`."""
     t_start = time.perf_counter()
-    if multihost.initialize():  # before any other JAX call; a no-op for a single process
+    stop.joining = True  # a signal while the processes join ends this one at once (the join cannot be left)
+    joined = multihost.initialize()
+    stop.joining = False
+    if joined:  # before any other JAX call; a no-op for a single process
         stop.several()  # a stop is agreed between the processes from here on,
         multihost.watch()  # and a failure on any one ends them all
         multihost.at_end(stop.undo_start)

@@ -185,14 +185,29 @@ def initialize() -> bool:
         return False
     global _limit
     _limit = peers.peer_timeout()  # (a bad value: one line, before joining)
+    join = peers.join_timeout()
+    joined = threading.Event()
+
+    def join_limit():  # JAX's own limit aborts the process with a C++ stack trace: this one ends it first
+        if not joined.wait(join):
+            sys.stdout.flush()
+            os.write(2, (f"error: {how.source}: the processes did not all join within {join} s (the coordinator, "
+                         f"process 0, never answered, or a process never started): start every process, or "
+                         f"allow longer with {peers.JOIN_TIMEOUT_ENV}=SECONDS\n").encode())
+            os._exit(2)
+
+    threading.Thread(target=join_limit, name="join-limit", daemon=True).start()
     try:  # JAX's own heartbeat check (which aborts every process) waits past the limit, which ends the run first
         with peers.service_elsewhere(linger=WAIT_FOR_OTHERS + 2 * LAST_LEAVES):
-            jax.distributed.initialize(**how.kwargs, heartbeat_timeout_seconds=peers.jax_heartbeat(_limit))
+            jax.distributed.initialize(**how.kwargs, heartbeat_timeout_seconds=peers.jax_heartbeat(_limit),
+                                       initialization_timeout=join + peers.JAX_SPARE)
     except (ValueError, RuntimeError) as e:  # JAX's detection not seeing the launcher, a coordinator unreachable
         what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ShardingError(f"{how.source} says several processes run, but JAX cannot join them ({what[:300]}): "
                             f"start one train.py per process with the launcher (srun, mpirun), or set "
                             f"JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID") from None
+    finally:
+        joined.set()
     return True
 
 

@@ -56,6 +56,22 @@ def peer_timeout() -> float:
     return limit
 
 
+JOIN_TIMEOUT_ENV = "GPT_JOIN_TIMEOUT"  # seconds, instead of JOIN_TIMEOUT
+JOIN_TIMEOUT = 300  # seconds every process waits for the others to join (JAX's default): a pod's workers boot apart
+
+
+def join_timeout() -> int:
+    """The seconds a process waits for the others (and the coordinator) to join before it ends with one line
+    (JOIN_TIMEOUT, or GPT_JOIN_TIMEOUT=SECONDS); a ShardingError for a value that is no whole number >= 1."""
+    text = os.environ.get(JOIN_TIMEOUT_ENV, "").strip()
+    if not text:
+        return JOIN_TIMEOUT
+    if not (text.isdigit() and int(text) >= 1):
+        raise ShardingError(f"{JOIN_TIMEOUT_ENV}={text}: the seconds a process waits for the others to join, a "
+                            f"whole number of at least 1; unset, {JOIN_TIMEOUT}")
+    return int(text)
+
+
 def jax_heartbeat(limit: float) -> int:
     """JAX's heartbeat timeout for a `limit`: its default, 100 s, or longer than the limit."""
     return max(100, math.ceil(limit) + JAX_SPARE)

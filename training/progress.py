@@ -71,6 +71,7 @@ class Stop:
 
     def __init__(self, expect_several: bool = False):
         self.expect_several = expect_several  # several processes are launched, not yet joined
+        self.joining = False  # ... and are joining now (jax.distributed.initialize, which no signal interrupts)
         self.signal: int | None = None
         self.sync = False  # several processes: a stop is agreed through JAX's preemption sync (`several`)
         self.agreed = False  # ... and has been agreed, at this step
@@ -120,8 +121,8 @@ class Stop:
             if signums and self.starting:
                 if self.sync:  # joined: every process ends its start now
                     self.end_start_everywhere(signums[0])
-                elif not self.expect_several:  # several, not joined yet: `check` ends it once they have
-                    self.end_start(signums[0])
+                elif not self.expect_several or self.joining:  # alone; or joining, which cannot be left but by
+                    self.end_start(signums[0])  # ending (the others' joins end at their limit); else `check` does
 
     def end_start(self, signum: int) -> None:
         """A signal during start-up: undo what the start wrote, say so in one line, end with 128 + N."""
