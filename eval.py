@@ -101,7 +101,7 @@ from tqdm import tqdm
 
 import data
 from core import storage
-from core.errors import DataError, EvalError
+from core.errors import DataError, EvalError, RunError
 from inference import decoding, harness
 from layers import attention as attention_lib
 from store import record, rundir
@@ -234,10 +234,18 @@ def run_data(run: rundir.Run, cfg, override: str | None) -> dict[str, shards.Dat
     recorded = run.record.data()
     if override is not None and not override.strip():  # (it scored the run's own data, as if --data were not given)
         raise EvalError("--data is empty: give a prepared data directory, or leave --data out to score the run's own")
-    if override is None and isinstance(recorded.get("mixture"), dict):
-        return {name: open_scored(run, recorded, str(source.get("dir")) if isinstance(source, dict) else "")
-                for name, source in recorded["mixture"].items()}
-    return {"": open_scored(run, recorded, str(override or own_location(run, cfg)))}
+    try:
+        if override is None and isinstance(recorded.get("mixture"), dict):
+            sources = {name: open_scored(run, recorded, str(source.get("dir")) if isinstance(source, dict) else "")
+                       for name, source in recorded["mixture"].items()}
+            run.record.check_mixture(sources)  # each source the one it trained on, as a resume checks it
+            return sources
+        corpus = open_scored(run, recorded, str(override or own_location(run, cfg)))
+        if override is None:
+            run.record.check_data(corpus)  # the run's own data, unchanged since it trained on it
+        return {"": corpus}
+    except RunError as e:
+        raise EvalError(f"{e} (eval.py scores the run on the data it trained on, or on --data DIR)") from None
 
 
 def own_location(run: rundir.Run, cfg) -> str:

@@ -256,6 +256,25 @@ def test_a_run_killed_and_resumed_is_exact_across_a_stage_change(straight, sourc
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.parametrize("edit", ["a source pointed at another directory", "a fingerprint zeroed"])
+def test_eval_checks_each_source_of_a_mixture_run_as_a_resume_does(straight, sources, tmp_path, capsys, edit):
+    """eval.py on a mixture run whose data.json was edited: one source's dir pointed at another prepared
+    directory, or its content_sha256 zeroed. It scored the other directory under the source's name (status 0);
+    now one line naming the source, as --resume refuses it, and nothing written."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir, ignore=shutil.ignore_patterns("eval"))
+    recorded = json.loads((run_dir / "data.json").read_text())
+    if edit.startswith("a source pointed"):
+        recorded["mixture"]["code"]["dir"] = str(sources / "tiny")
+    else:
+        recorded["mixture"]["code"]["content_sha256"] = "0" * 64
+    (run_dir / "data.json").write_text(json.dumps(recorded))
+    assert E.cli(["--checkpoint", str(run_dir), "--lengths", "32"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data.mixture.code.dir ") and "is not the data this run trained on as 'code'" in err
+    assert err.count("\n") == 1 and not (run_dir / "eval").exists(), err
+
+
 def test_a_resume_that_changes_the_weights_from_its_step_on_is_the_run_that_had_them_from_the_start(
         straight, sources, tmp_path, capsys):
     """A run without stages, stopped after its checkpoint of step 4 and resumed with a stage from step 5
