@@ -8,6 +8,7 @@ import dataclasses
 import pathlib
 import re
 import shutil
+import os
 import subprocess
 import sys
 import time
@@ -365,6 +366,30 @@ def test_cli_errors_are_one_line(runs, capsys, tmp_path):
         rc, out, err = run_cli(capsys, *argv)
         assert rc == 2 and out == "", argv
         assert err.count("\n") == 1 and err.startswith("error: ") and words in err, (argv, err)
+
+
+def test_the_memory_guard_reads_the_processs_own_limit(runs):
+    """Under `ulimit -v` (and likewise a cgroup's limit) a prompt whose prefill fits this machine's memory but
+    not the process's address space is refused in one line naming that limit (it ran out of memory in XLA
+    with RESOURCE_EXHAUSTED and a traceback): the guard takes the smaller of the machine's memory and what
+    the process may still map."""
+    run_dir = runs / "alibi"
+    cfg = rundir.Run(run_dir).record.config().model
+    tokenizer = rundir.Run(run_dir).record.tokenizer()
+    limit = 8_000_000  # KiB of address space: JAX starts, and leaves a few GiB
+    words = "the cat sat on the mat. "
+    per = len(tokenizer.encode(words * 100, add_special_tokens=False).ids) / 100
+    prompt = words * int(14_000 / per)  # a prefill of about 9 GiB: within the machine's memory, past the limit
+    tokens = len(tokenizer.encode(prompt, add_special_tokens=False).ids)
+    needed = decoding.generation_bytes(cfg, 1, tokens, 10)
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert limit * 1024 < needed < physical - 4 * 2**30, (needed, physical)
+    done = subprocess.run(["bash", "-c", f'ulimit -v {limit}; exec "$0" sample.py --checkpoint "$1" --prompt "$2" '
+                           f'--max-new-tokens 10', sys.executable, str(run_dir), prompt],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "of the address space this process may still map (ulimit -v) beside the weights" in done.stderr
 
 
 def test_a_generation_larger_than_memory_is_refused_naming_what_fits(runs, capsys, monkeypatch):

@@ -5,7 +5,6 @@ check that a request's cache and logits fit the device (`check_generation_size`)
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable, Iterator
 
@@ -14,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from core import machine
 from core.errors import SampleError
 from model import DTYPES, GPT, GPTConfig, init_cache, param_count
 
@@ -186,12 +186,13 @@ def generate(model: GPT, prompt, max_new_tokens: int, *, seed: int = 0, temperat
 
 def device_memory() -> tuple[int, str]:
     """(bytes, what they are) one device can hold: its allocator's limit (a GPU's, a TPU's), or on the
-    CPU, which reports none, this machine's physical memory."""
+    CPU, which reports none, what this process may use of the machine's memory (core/machine.py: the
+    physical memory, or less under `ulimit -v` or a cgroup's limit)."""
     device = jax.devices()[0]
     limit = ((device.memory_stats() if hasattr(device, "memory_stats") else None) or {}).get("bytes_limit")
     if limit:
         return int(limit), f"the {device.device_kind} device's memory"
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine's memory"
+    return machine.memory()
 
 
 SCORE_COPIES = 3  # float32 (B, H, T0, L) arrays the prefill's attention holds at once: scores, exponentials, softmax
