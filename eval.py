@@ -406,6 +406,7 @@ def main(argv=None) -> int:
                   f"{r['ppl']:>10.3f}  {scored(r)}")
         saved = run.write_results(results_name, "perplexity",
                               lambda section: merge_perplexity(section, new_rows, train_len))
+        SAVED.append(f"the perplexity of {name or data_dir} in {run.dir.show(results_name)}")
         # the plot and wandb show every series of this data and split (as it is now), earlier runs' included,
         # one line per amount of data
         same_data = (data_dir, args.split, split_tokens)
@@ -436,6 +437,7 @@ def main(argv=None) -> int:
         for column, value in harness.task_table(tasks):
             print(f"{column:<32} {value:>10.4f}")
         saved = run.write_results(results_name, "tasks", lambda section: {**(section or {}), **tasks})
+        SAVED.append(f"the tasks' results in {run.dir.show(results_name)}")
         kept = sorted(set(saved) - set(tasks))
         print(f"-> {run.dir.show(results_name)}: {', '.join(sorted(tasks))} written"
               + (f"; {', '.join(kept)} kept from earlier runs" if kept else ""))
@@ -445,9 +447,18 @@ def main(argv=None) -> int:
     return 0
 
 
+SAVED: list[str] = []  # what this evaluation has written so far, for the line of a stop
+
+
+def saved_so_far() -> str:
+    """What a stop's line adds: the results already saved (each written whole, as soon as complete)."""
+    return "; saved before it: " + ", ".join(SAVED) if SAVED else "; no results were saved yet"
+
+
 def cli(argv=None) -> int:
     """main() with user errors as one `error: ...` line on stderr and exit status 2."""
-    return errors.run_cli(main, argv, at_once=True)  # nothing to undo: a Ctrl-C ends it where it stands
+    # nothing to undo: a Ctrl-C ends it where it stands, saying which results were saved
+    return errors.run_cli(main, argv, at_once=True, so_far=saved_so_far)
 
 
 if __name__ == "__main__":

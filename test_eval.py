@@ -458,6 +458,39 @@ def test_another_corpus_gets_its_own_plot_and_an_empty_data_is_refused(run, corp
                                        "to score the run's own\n")
 
 
+@pytest.mark.parametrize("when", ["after the perplexity was saved", "before anything was saved"])
+def test_a_stop_says_which_results_were_saved(run, tmp_path, when):
+    """python eval.py stopped by Ctrl-C (a hook sends it as the perplexity's plot is drawn, its results written,
+    or as the model loads): its line says which results it had saved and where (it said `error: interrupted` alone),
+    status 130, and what it says was saved is in the results file."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(run, run_dir, ignore=shutil.ignore_patterns("eval"))
+    hook = ("import os, runpy, signal, sys\n"
+            "from store import rundir, weights\n"
+            + ("from training import plots\n"  # drawn once the results are written
+               "draw = plots.perplexity\n"
+               "def hooked(*a, **k):\n"
+               "    os.kill(os.getpid(), signal.SIGINT)\n"
+               "    return draw(*a, **k)\n"
+               "plots.perplexity = hooked\n" if when.startswith("after") else
+               "load = weights.Weights.load_model\n"
+               "def hooked(self, *a, **k):\n"
+               "    os.kill(os.getpid(), signal.SIGINT)\n"
+               "    return load(self, *a, **k)\n"
+               "weights.Weights.load_model = hooked\n")
+            + "sys.argv[0] = 'eval.py'\nrunpy.run_path('eval.py', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", hook, "--checkpoint", str(run_dir), "--lengths", "32,64",
+                           "--max-tokens", "200"], cwd=pathlib.Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    if when.startswith("after"):
+        results = run_dir / "eval" / "step40.json"
+        assert last == (f"error: interrupted; saved before it: the perplexity of "
+                        f"{json.loads(results.read_text())['perplexity']['rows'][0]['data']} in {results}"), last
+    else:
+        assert last == "error: interrupted; no results were saved yet", last
+
+
 def test_results_of_several_runs_merge_by_length(run, corpus, tmp_path, capsys):  # noqa: F811
     """A second evaluation of a step adds to eval/stepN.json: a length measured again the same way replaces
     its row; every other row (other lengths, another split, a row that does not record how much it

@@ -229,7 +229,7 @@ def parse_before_loading(parse_args: Callable[[Sequence[str]], object]) -> None:
 
 
 def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None, *,
-        interrupted: str = "interrupted", at_once: bool = False) -> int:
+        interrupted: str = "interrupted", at_once: bool = False, so_far: Callable[[], str] | None = None) -> int:
     """main(argv), with a UserError as one `error: ...` line on stderr and its exit status, a
     KeyboardInterrupt as `error: <interrupted>` and 130 (see `describe`), and standard output whose
     reader has gone (`python sample.py ... | head`) as a quiet 141 (`reader_gone`).
@@ -249,11 +249,11 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
     try:
         # the defaults, after stop_at_once_while_loading (unless it keeps signals for the command to agree on)
         if threading.current_thread() is threading.main_thread() and _deferred is None:
-            signal.signal(signal.SIGINT, functools.partial(stop_now, f"error: {interrupted}")
+            signal.signal(signal.SIGINT, functools.partial(stop_now, f"error: {interrupted}", so_far)
                           if _program and at_once else signal.default_int_handler)
             for other in (signal.SIGTERM, signal.SIGHUP):  # (the loading's line, "while starting", is wrong now)
-                signal.signal(other, functools.partial(stop_now, f"error: stopped by {signal.Signals(other).name}")
-                              if _program and at_once else signal.SIG_DFL)
+                signal.signal(other, functools.partial(stop_now, f"error: stopped by {signal.Signals(other).name}",
+                                                       so_far) if _program and at_once else signal.SIG_DFL)
         ours = sys.unraisablehook = functools.partial(redeliver_interrupt, previous_hook)
         status = main(argv)
         sys.stdout.flush()  # a reader that has gone is found here, not at the interpreter's exit
@@ -275,12 +275,13 @@ def run_cli(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | N
             sys.unraisablehook = previous_hook
 
 
-def stop_now(line: str, signum: int, frame) -> None:
-    """A SIGINT, SIGTERM or SIGHUP handler (run_cli's `at_once`): `line` on stderr and status 128 + N, at once
-    (after a SIGHUP, output meant for the terminal that is gone goes nowhere)."""
+def stop_now(line: str, so_far: Callable[[], str] | None, signum: int, frame) -> None:
+    """A SIGINT, SIGTERM or SIGHUP handler (run_cli's `at_once`): `line` on stderr, with what `so_far` says
+    the command had done (e.g. which results it saved), and status 128 + N, at once (after a SIGHUP,
+    output meant for the terminal that is gone goes nowhere)."""
     if signum == signal.SIGHUP:
         detach_from_terminal()
-    end_now(line, 128 + signum)
+    end_now(line + (so_far() if so_far is not None else ""), 128 + signum)
 
 
 def redeliver_interrupt(previous_hook, unraisable) -> None:
