@@ -515,3 +515,32 @@ def test_a_join_whose_coordinator_never_answers_ends_at_its_limit_or_a_signal(co
         assert p.returncode == 128 + signal.SIGTERM and took < 15, (took, err[-2000:])
         assert "stopped by SIGTERM during start-up: nothing trained, nothing saved; nothing was written" in out
     assert not run.exists()
+
+
+def test_the_jax_internals_the_coordination_service_uses_are_there():
+    """peers.service_elsewhere reaches into JAX (jax._src.distributed._jax and jaxlib's
+    get_distributed_runtime_service): this fails when a JAX moves them, so that the fallback below (JAX's own
+    service, in process 0) is then known to be what runs."""
+    assert peers.internals_here()
+
+
+def test_without_those_internals_two_processes_train_and_end_together(corpus, tmp_path):  # noqa: F811
+    """The fallback, for a JAX without those internals (peers told so in both processes): JAX's own coordination
+    service runs in process 0, the two processes train and save together, and a Ctrl-C to one still stops both
+    at one step with its checkpoint and each process's line."""
+    run = tmp_path / "run"
+    hide = ("from training import peers\n"  # as peers finds a JAX without them (JAX's own code still has its own)
+            "peers.internals_here = lambda: False\n")
+    long_run = tiny(run, corpus, "training.steps=100000", "checkpoint.every=100000", "training.eval_every=100000")
+    port = free_port()
+    launch = lambda i: {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",  # noqa: E731
+                        "JAX_PROCESS_ID": str(i)}
+    procs = [run_subprocess(long_run, 2, env_extra=launch(i), python=injected(hide)) for i in range(2)]
+    with killed_at_exit(procs):
+        training(run, procs)
+        procs[1].send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM, 128 + signal.SIGINT], outs
+    [saved] = os.listdir(run / "checkpoints")
+    assert f"stopped by SIGTERM after step {saved}; checkpoint saved in " in outs[0][0]
+    assert f"process 1 stopped by SIGINT after step {saved} with every process" in outs[1][0]

@@ -526,6 +526,14 @@ def test_old_checkpoints_leave_by_one_rename(tmp_path, monkeypatch):
     assert sorted(p.name for p in ckpt.iterdir()) == ["2"]
 
 
+def test_checkpoints_are_kept_by_orbaxs_preservation_policy():
+    """checkpoint.keep reaches this orbax as a preservation policy (LatestN), not its deprecated max_to_keep; this
+    fails when an orbax moves them, so that the fallback (max_to_keep) is then known to be what runs. The
+    rotation itself is the test above's."""
+    assert checkpoints.keeping(ocp, 3) == {"preservation_policy": ocp.checkpoint_managers.LatestN(n=3)}
+    assert checkpoints.keeping(ocp, None) == {}  # every checkpoint kept
+
+
 def test_resume_with_another_model_names_the_keys_and_changes_nothing(finished_run, tmp_path, capsys):
     run_dir = tmp_path / "other"
     shutil.copytree(finished_run, run_dir)

@@ -253,10 +253,12 @@ class Saver(Checkpoints):
         _small_arrays_written_whole()
         return ocp.CheckpointManager(
             self.dir,
-            options=ocp.CheckpointManagerOptions(max_to_keep=self.keep, enable_async_checkpointing=self.async_save,
+            options=ocp.CheckpointManagerOptions(enable_async_checkpointing=self.async_save,
                                                  todelete_subdir=DELETING,  # object stores delete in place
+                                                 # (its replacement, atomicity_options, takes no class of ours:
+                                                 # the fence needs this one)
                                                  temporary_path_class=fenced_commit(self.run.check_fence)
-                                                 if self.run.remote else None),
+                                                 if self.run.remote else None, **keeping(ocp, self.keep)),
             item_handlers=ocp.StandardCheckpointHandler(),  # so that a checkpoint's tree can be read before restoring
         )
 
@@ -418,6 +420,16 @@ class Saver(Checkpoints):
                     if n not in taken)
         self.run.move(f"{CHECKPOINTS}/{step}", f"{DAMAGED}/{name}")
         return name
+
+
+def keeping(ocp, keep: int | None) -> dict:
+    """CheckpointManagerOptions' arguments that keep the newest `keep` checkpoints (None: all): a
+    preservation policy (LatestN) where the installed orbax has them, else its older max_to_keep."""
+    policies = getattr(ocp, "checkpoint_managers", None)
+    fields = getattr(ocp.CheckpointManagerOptions, "__dataclass_fields__", {})
+    if hasattr(policies, "LatestN") and "preservation_policy" in fields:
+        return {"preservation_policy": policies.LatestN(n=keep)} if keep is not None else {}
+    return {"max_to_keep": keep}
 
 
 def fenced_commit(fence):

@@ -252,16 +252,30 @@ class Service:
         self.child.wait()
 
 
+def internals_here() -> bool:
+    """Whether this JAX has the internals service_elsewhere uses (else JAX's own service runs, in process 0)."""
+    try:
+        from jax._src import distributed
+        from jaxlib import _jax
+    except ImportError:
+        return False
+    return (hasattr(getattr(distributed, "_jax", None), "get_distributed_runtime_service")
+            and hasattr(_jax, "get_distributed_runtime_service"))
+
+
 @contextlib.contextmanager
 def service_elsewhere(linger: float):
     """While jax.distributed.initialize runs: process 0 starts its coordination service as a `Service` that
-    outlives it by `linger` seconds (a JAX without the internals this relies on starts its own)."""
-    from jax._src import distributed
-
-    jaxlib = getattr(distributed, "_jax", None)
-    if not hasattr(jaxlib, "get_distributed_runtime_service"):
+    outlives it by `linger` seconds. This reaches into JAX's internals (jax._src.distributed's `_jax`, and
+    jaxlib's get_distributed_runtime_service in the child); a JAX without them starts its own service, in
+    process 0 (`internals_here` says which: the suite runs both): every ending still has its one line,
+    except that a process 0 killed outright takes the service with it, and JAX aborts the others."""
+    if not internals_here():
         yield
         return
+    from jax._src import distributed
+
+    jaxlib = distributed._jax
 
     class WithService:
         get_distributed_runtime_service = functools.partial(Service, linger=linger)
