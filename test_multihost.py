@@ -160,10 +160,12 @@ def test_a_signal_to_one_process_stops_every_process_at_one_step_with_a_checkpoi
     assert [r["step"] for r in rows(run)] == list(range(1, int(saved) + 1))  # every step logged, once
 
 
-def test_two_processes_match_one(corpus, tmp_path):  # noqa: F811
-    """2 processes x 4 CPU devices (gloo) train, save and resume with the losses of 1 process x 8 devices."""
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_two_processes_match_one(corpus, tmp_path, optimizer):  # noqa: F811
+    """2 processes x 4 CPU devices (gloo) train, save and resume with the losses of 1 process x 8 devices, with
+    either optimizer (Muon's momentum sharded over both processes' devices at ZeRO stage 3)."""
     args = ("training.steps=5", "checkpoint.every=5", "training.eval_every=5", "sharding.zero_stage=3",
-            "sharding.fsdp=2", "training.batch_size=16")
+            "sharding.fsdp=2", "training.batch_size=16", f"training.optimizer={optimizer}")
     single, multi = tmp_path / "single", tmp_path / "multi"
     # the reference: the same save at 5 and resume to 7 (the schedule's length changes with steps)
     assert train.main(tiny(single, corpus, *args)) == 0

@@ -58,9 +58,10 @@ def corpus(tmp_path_factory):
 
 
 def tiny(run_dir, corpus, *extra):
-    """Arguments for a few-second run of the `test` model size."""
+    """Arguments for a few-second run of the `test` model size, with AdamW: the loop's mechanics as every run
+    before Muon had them (test_muon.py runs Muon's, with training.optimizer=muon, as the default job has it)."""
     return [
-        f"run_dir={run_dir}", f"data.dir={corpus}", "model=test",
+        f"run_dir={run_dir}", f"data.dir={corpus}", "model=test", "training.optimizer=adamw",
         "training.steps=8", "training.batch_size=8", "training.seq_len=32", "training.warmup_steps=2",
         "training.lr=1e-2", "training.min_lr=1e-3", "training.log_every=1", "training.eval_every=4",
         "training.eval_windows=16", "checkpoint.every=4", "checkpoint.keep=5", *extra,
