@@ -619,7 +619,7 @@ def test_weight_decay_mask():
 
 
 def test_config_overrides_and_round_trip(tmp_path):
-    cfg = config.load_config(overrides=["training.lr=3e-4", "model=test", "model.N=3", "seed=7",
+    cfg = config.load_config(overrides=["training.lr=3e-4", "training.min_lr=3e-5", "model=test", "model.N=3", "seed=7",
                                         "training.grad_clip=null", "wandb.mode=offline"])
     assert cfg.training.lr == 3e-4 and cfg.training.grad_clip is None and cfg.seed == 7
     assert (cfg.model_name, cfg.model.N, cfg.model.embedding_dim) == ("test", 3, 32)
@@ -855,7 +855,8 @@ def test_a_schedule_that_cannot_be_is_one_line(corpus, tmp_path, capsys):
         assert train.cli(tiny(tmp_path / "run", corpus, *extra)) == 2
         assert capsys.readouterr().err == f"error: {said}\n"
         assert not (tmp_path / "run").exists()
-    assert config.load_config(overrides=["training.schedule=constant", "training.lr=1e-4"]).training.min_lr == 3e-4
+    default_min = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())["training"]["min_lr"]  # above 1e-4
+    assert config.load_config(overrides=["training.schedule=constant", "training.lr=1e-4"]).training.min_lr == default_min
 
 
 def test_a_wsd_run_continues_its_schedule_over_more_steps(corpus, tmp_path, capsys):
