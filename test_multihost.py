@@ -55,17 +55,20 @@ def finish(procs, timeout=300):
     return outs
 
 
-def two_processes(train_args, devices=2, env=None, failing=None):
+def two_processes(train_args, devices=2, env=None, failing=None, every=None):
     """Two train.py processes joined as one job (JAX_COORDINATOR_ADDRESS on a free port), `devices` CPU
     devices each; `train_args`: their arguments, or a function of the process index giving them; `env`:
     more variables, or a function of the index giving them. `failing`: (index, code) runs `code` in that
-    process before train.py (see `injected`)."""
+    process before train.py (see `injected`); `every`: code run so in both."""
+    if every is not None:
+        python = lambda i: injected(every)  # noqa: E731
+    else:
+        python = lambda i: injected(failing[1]) if failing and failing[0] == i else ("train.py",)  # noqa: E731
     port = free_port()
     launch = lambda i: {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",  # noqa: E731
                         "JAX_PROCESS_ID": str(i)}
     return [run_subprocess(train_args(i) if callable(train_args) else train_args, devices,
-                           env_extra=env(i) if callable(env) else {**launch(i), **(env or {})},
-                           python=injected(failing[1]) if failing and failing[0] == i else ("train.py",))
+                           env_extra=env(i) if callable(env) else {**launch(i), **(env or {})}, python=python(i))
             for i in range(2)]
 
 
@@ -141,14 +144,19 @@ def test_a_signal_to_one_process_during_start_up_ends_every_process(corpus, tmp_
     assert not run.exists()
 
 
-def test_a_signal_to_one_process_stops_every_process_at_one_step_with_a_checkpoint(corpus, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("service", ["JAX's internals", "the fallback"])
+def test_a_signal_to_one_process_stops_every_process_at_one_step_with_a_checkpoint(corpus, tmp_path,  # noqa: F811
+                                                                                  service):
     """Ctrl-C reaching one process of two (a pod's workers signalled unevenly): both stop after the same
     step, which all agreed on through JAX's preemption sync, with one checkpoint of it, instead of the
     other process waiting for ever in the collective save. The signalled process ends with 130, the other
-    with 143 (the preemption notice it was sent), and process 0 says where the checkpoint is."""
+    with 143 (the preemption notice it was sent), and process 0 says where the checkpoint is. The same with
+    the fallback for a JAX without the internals peers.service_elsewhere uses (peers told so in both
+    processes): JAX's own coordination service, in process 0."""
     run = tmp_path / "run"
     long_run = tiny(run, corpus, "training.steps=100000", "checkpoint.every=100000", "training.eval_every=100000")
-    with killed_at_exit(two_processes(long_run)) as procs:
+    fallback = "from training import peers\npeers.internals_here = lambda: False" if service == "the fallback" else None
+    with killed_at_exit(two_processes(long_run, every=fallback)) as procs:
         training(run, procs)
         procs[1].send_signal(signal.SIGINT)
         outs = [p.communicate(timeout=120) for p in procs]
@@ -521,28 +529,6 @@ def test_a_join_whose_coordinator_never_answers_ends_at_its_limit_or_a_signal(co
 
 def test_the_jax_internals_the_coordination_service_uses_are_there():
     """peers.service_elsewhere reaches into JAX (jax._src.distributed._jax and jaxlib's
-    get_distributed_runtime_service): this fails when a JAX moves them, so that the fallback below (JAX's own
-    service, in process 0) is then known to be what runs."""
+    get_distributed_runtime_service): this fails when a JAX moves them, so that the fallback (JAX's own
+    service, in process 0; run by the signal test above) is then known to be what runs."""
     assert peers.internals_here()
-
-
-def test_without_those_internals_two_processes_train_and_end_together(corpus, tmp_path):  # noqa: F811
-    """The fallback, for a JAX without those internals (peers told so in both processes): JAX's own coordination
-    service runs in process 0, the two processes train and save together, and a Ctrl-C to one still stops both
-    at one step with its checkpoint and each process's line."""
-    run = tmp_path / "run"
-    hide = ("from training import peers\n"  # as peers finds a JAX without them (JAX's own code still has its own)
-            "peers.internals_here = lambda: False\n")
-    long_run = tiny(run, corpus, "training.steps=100000", "checkpoint.every=100000", "training.eval_every=100000")
-    port = free_port()
-    launch = lambda i: {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",  # noqa: E731
-                        "JAX_PROCESS_ID": str(i)}
-    procs = [run_subprocess(long_run, 2, env_extra=launch(i), python=injected(hide)) for i in range(2)]
-    with killed_at_exit(procs):
-        training(run, procs)
-        procs[1].send_signal(signal.SIGINT)
-        outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [128 + signal.SIGTERM, 128 + signal.SIGINT], outs
-    [saved] = os.listdir(run / "checkpoints")
-    assert f"stopped by SIGTERM after step {saved}; checkpoint saved in " in outs[0][0]
-    assert f"process 1 stopped by SIGINT after step {saved} with every process" in outs[1][0]
