@@ -78,7 +78,7 @@ def step_times(args) -> dict[str, list[float]]:
     from training import config as config_lib
     from training import step as step_lib
 
-    built, states = {}, {}
+    built, states, batches = {}, {}, {}
     for optimizer in OPTIMIZERS:
         cfg = config_lib.load_config(overrides=[o for o in overrides(args, optimizer, 0, args.steps)
                                                 if not o.startswith("training.steps=")])
@@ -87,14 +87,14 @@ def step_times(args) -> dict[str, list[float]]:
         built[optimizer] = step_lib.build(cfg.model, t, mesh, sh.zero_stage, cfg.seed)
         states[optimizer] = built[optimizer].init()
         tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (t.batch_size, cfg.seq_len + 1))
-        batch = jax.device_put(tokens.astype(np.int32), built[optimizer].batch_sharding)
+        batches[optimizer] = jax.device_put(tokens.astype(np.int32), built[optimizer].batch_sharding)
     times = {o: [] for o in OPTIMIZERS}
     for round_ in range(args.time_rounds + 1):  # the first round compiles and warms up
         for optimizer in OPTIMIZERS:
             state = states[optimizer]
             started = time.perf_counter()
             for _ in range(args.time_steps):
-                state, metrics = built[optimizer].train_step(state, batch)
+                state, metrics = built[optimizer].train_step(state, batches[optimizer])
             jax.block_until_ready(metrics)
             states[optimizer] = state
             if round_:

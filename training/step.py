@@ -138,17 +138,18 @@ def make_optimizer(t, axes=None):
     clip = optax.clip_by_global_norm(t.grad_clip) if t.grad_clip else optax.identity()
     adamw = optax.adamw(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
                         mask=lambda p: decay_mask(p, t.decay_embeddings))
+    from optax.contrib import MuonDimensionNumbers, muon
+
+    is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731
     dims = muon_dimensions(axes) if t.optimizer == "muon" and axes is not None else None
-    if dims is None or all(d is None for d in jax.tree.leaves(dims, is_leaf=lambda x: x is None or isinstance(x, tuple))):
+    if dims is None or all(d is None for d in jax.tree.leaves(dims, is_leaf=is_dims)):
         return optax.chain(clip, adamw), schedule  # (a LoRA run: adapters alone, AdamW's)
-    is_dims = lambda x: x is None or type(x).__name__ == "MuonDimensionNumbers"  # noqa: E731
     labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims, is_leaf=is_dims)
     by_path = {jax.tree_util.keystr(p): d for p, d in jax.tree_util.tree_flatten_with_path(dims, is_leaf=is_dims)[0]}
 
     def muon_dims(params):  # the matrices' dimension numbers, in the tree optax.partition hands Muon
         return jax.tree_util.tree_map_with_path(lambda p, _: by_path[jax.tree_util.keystr(p)], params)
 
-    from optax.contrib import muon
     muon_tx = muon(schedule, beta=t.muon_momentum, nesterov=True, weight_decay=t.weight_decay,
                    consistent_rms=t.muon_rms, muon_weight_dimension_numbers=muon_dims)
     return optax.chain(clip, optax.partition({"muon": muon_tx, "adamw": adamw}, labels)), schedule
