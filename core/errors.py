@@ -74,6 +74,10 @@ class SampleError(UserError):
     """A user-caused problem with a sampling request; str(e) is one line."""
 
 
+class ServeError(UserError):
+    """A user-caused problem starting serve.py (a port in use, a run directory, a size); str(e) is one line."""
+
+
 class Interrupted(UserError):
     """A Ctrl-C (or SIGTERM, SIGHUP: `signum`) that stopped a command's work part-way, after it put out what it
     had (sample.py's samples so far); str(e) is one line saying where it stopped. Exit status 128 + the
