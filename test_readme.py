@@ -6,7 +6,7 @@ Each command line (backslash continuations joined, comments dropped, `&&`, `||`,
 redirections split off, leading `NAME=value` settings dropped) is checked by what it runs:
 
     python SCRIPT.py ARGS   the script exists and its own parser accepts ARGS, without running the
-                            work: train.py, data.py, eval.py, sample.py, convert_torch.py, plot.py
+                            work: train.py, data.py, eval.py, sample.py, serve.py, convert_torch.py, plot.py
                             and gcs_emulator.py by their parse_args (before JAX loads), bench.py by its
                             main with the benchmarks replaced; train.py's config with its overrides is
                             loaded too (a renamed key fails), and `train.py --plan` runs for real
@@ -23,6 +23,7 @@ undocumented placeholder, which fails.
 import ast
 import contextlib
 import io
+import json
 import os
 import pathlib
 import re
@@ -57,6 +58,8 @@ PLACEHOLDERS = {
     "pairs.jsonl": "/tmp/readme-corpus/pairs.jsonl",  # your prompt/completion pairs
 }
 CAPITAL_WORDS = {"DOCKER"}  # words in capitals that are real values (Beam's environment_type), not placeholders
+SERVED = "http://127.0.0.1:8000"  # serve.py's default address
+SERVED_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize", "/detokenize"}
 EXTERNAL = {"pip", "pytest", "git", "gcloud", "srun", "nohup", "cd",  # tools checked no further (but what they run)
             "hf"}  # huggingface_hub's command (hf download)
 PYTHONS = {"python", "python3", ".venv/bin/python"}
@@ -193,6 +196,16 @@ class Checker:
             self.command(rest, line)
         elif prog == "nohup":
             self.command(args, line)
+        elif prog == "curl":  # a request to serve.py at its default address (test_serve.py sends it for real)
+            url = next(a for a in args if a.startswith("http"))
+            assert url.startswith(SERVED), f"{line}: not serve.py's default address {SERVED}"
+            assert url.removeprefix(SERVED) in SERVED_PATHS, f"{line}: serve.py has no {url.removeprefix(SERVED)}"
+            if "-d" in args:
+                json.loads(args[args.index("-d") + 1])
+        elif prog == "lm_eval":  # lm-eval's own command, pointed at serve.py
+            assert args[args.index("--model") + 1] == "local-completions", line
+            model_args = dict(kv.split("=", 1) for kv in args[args.index("--model_args") + 1].split(","))
+            assert model_args["base_url"] == SERVED + "/v1/completions" and model_args["tokenizer_backend"] == "remote"
         else:
             assert prog in EXTERNAL, f"{line}: {prog} is neither checked here nor an allowed external tool"
 
@@ -237,6 +250,11 @@ class Checker:
 
         sample.parse_args(args)
 
+    def script_serve(self, args, line):
+        import serve
+
+        serve.parse_args(args)
+
     def script_convert_torch(self, args, line):
         import convert_torch
 
@@ -275,7 +293,7 @@ class Checker:
 
 def test_the_reader_reads_the_readme():
     """The helpers find what the README plainly holds (guards the tests below against checking nothing)."""
-    assert len(BASH_LINES) > 40 and sum(lang == "python" for lang, _ in BLOCKS) == 2
+    assert len(BASH_LINES) > 40 and sum(lang == "python" for lang, _ in BLOCKS) == 3
     assert commands("A=1 B=2 python x.py --k 'a b' > log 2>&1 && git pull || true &") == [
         ["python", "x.py", "--k", "a b"], ["git", "pull"], ["true"]]
     assert anchor("Fine-tuning on prompt/completion pairs") == "fine-tuning-on-promptcompletion-pairs"
@@ -563,7 +581,8 @@ def test_an_undocumented_placeholder_or_tool_fails(monkeypatch):
     """The checker refuses what it cannot vouch for, so a new README command needs a check here."""
     checker = Checker(monkeypatch)
     for line, message in [("python data.py --out gs://NEWBUCKET/x", "look like placeholders"),
-                          ("curl https://example.com", "neither checked here nor an allowed"),
+                          ("curl https://example.com", "not serve.py's default address"),
+                          ("cargo build", "neither checked here nor an allowed"),
                           ("python train.py training.no_such_key=1", "no_such_key"),
                           ("python sample.py --checkpoint runs/x", "prompt"),
                           ("bench/gpu.sh OUT warp", "unknown to bench/gpu.sh")]:

@@ -329,6 +329,37 @@ def test_lm_eval_local_completions_equals_the_in_process_adapter(served, learned
 
 
 # ----------------------------------------------------------------------------------------------
+# The README's journey, as written
+
+
+def test_the_readme_serving_commands_and_snippet(learned, tmp_path, capsys):
+    """The README's curl line and its openai snippet against a server of the run named as the README's run is
+    (`default`), at a free port in place of 8000."""
+    from test_readme import SERVED, TEXT, blocks, command_lines
+
+    section = TEXT.split("## Serving")[1].split("\n## ")[0]
+    run_dir = tmp_path / "default"
+    run_dir.symlink_to(learned)
+    proc, url = start(run_dir)
+    try:
+        (curl,) = [line for lang, body in blocks(section) if lang == "bash" for line in command_lines(body)
+                   if line.startswith("curl")]
+        done = subprocess.run(curl.replace(SERVED, url), shell=True, capture_output=True, text=True, timeout=60)
+        reply = json.loads(done.stdout)
+        valid_completion(reply)
+        (snippet,) = [body for lang, body in blocks(section) if lang == "python"]
+        capsys.readouterr()
+        exec(compile(snippet.replace(SERVED, url), "README.md's serving snippet", "exec"), {"__name__": "snippet"})
+        printed = capsys.readouterr().out
+        assert printed.startswith(reply["choices"][0]["text"] + "\n")  # the same greedy completion, then the chat
+        assert len(printed) > len(reply["choices"][0]["text"]) + 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 143
+
+
+# ----------------------------------------------------------------------------------------------
 # Start-up and signals
 
 

@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent
 # other, except train.py, which nothing imports.
 LAYERS = {"core": 0, "layers": 1, "sharding": 1, "tokendata": 1, "model": 2, "training": 3, "inference": 3,
           "store": 4, "interop": 4, "benchmarks": 5}
-ENTRY = {"data", "train", "eval", "sample", "convert_torch", "bench", "gcs_emulator", "plot"}
+ENTRY = {"data", "train", "eval", "sample", "serve", "convert_torch", "bench", "gcs_emulator", "plot"}
 TOP = 6
 
 
