@@ -7,8 +7,10 @@
     python bench.py attention [--impls xla,cudnn,pallas,pallas:128x64x8] [--batch B] [--seq T] [--heads H]
                               [--head-dim D]
     python bench.py recipe [--seeds 0,1,2] [--steps 600] [--adamw-steps 900,1200] [--model SIZE]
+    python bench.py serve [--checkpoint runs/default] [--requests 16] [--max-tokens 100] [--clients 1,4,16]
 
-`recipe` (bench_recipe.py) trains the default job with AdamW and with Muon: validation curves over seeds, the
+`serve` (bench_serve.py) times serve.py with 1, 4 and 16 clients at once against one at a time and against
+sample.py, and the first token of a stream. `recipe` (bench_recipe.py) trains the default job with AdamW and with Muon: validation curves over seeds, the
 steps AdamW needs to reach Muon's loss, and the two steps' times alternated. `train` is in bench_train.py (its profile in bench_profile.py) and `attention` in bench_attention.py: tokens/s, MFU and peak memory of train.py's step,
 with the same model in PyTorch (and GPT2LMHeadModel for learned positions) on the same device and
 batch; and the attention implementations alone (error against the reference, compiled temporary
@@ -358,6 +360,16 @@ def bench_recipe(args, argv: list[str]) -> int:
     return 0
 
 
+def bench_serve(args, argv: list[str]) -> int:
+    """serve.py's tokens/s with clients at once (bench_serve.py), recorded under --out."""
+    from benchmarks import bench_serve as serve_lib
+    results, rows, summary = serve_lib.run(args)
+    _print_rows(rows)
+    path = _record("serve", pathlib.Path(args.out), argv, results, summary, TRAIN_LIBRARIES)
+    print(f"\n-> {path}, {pathlib.Path(args.out) / 'RESULTS.md'}")
+    return 0
+
+
 def _print_rows(rows: list[tuple[str, str]]) -> None:
     width = max(len(label) for label, _ in rows)
     print()
@@ -461,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
                             "equal loss, step time", description="See bench_recipe.py's docstring.")
     recipe_lib.add_arguments(p)
     p.set_defaults(run=bench_recipe)
+
+    from benchmarks import bench_serve as serve_lib  # light: JAX and httpx load when it runs
+    p = commands.add_parser("serve", help="serve.py: tokens/s with 1, 4, 16 clients at once against one at a time",
+                            description="See bench_serve.py's docstring.")
+    serve_lib.add_arguments(p)
+    p.set_defaults(run=bench_serve)
     args = parser.parse_args(argv)
     try:
         return args.run(args, argv)
