@@ -79,9 +79,10 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
                 began = time.perf_counter()
                 with c.stream("POST", url + "/completions", json={"prompt": f"a {i}", "max_tokens": 8,
                                                                   "stream": True}) as s:
-                    next(x for x in s.iter_lines() if x)
+                    lines = s.iter_lines()
+                    next(x for x in lines if x)
                     firsts.append(time.perf_counter() - began)
-                    for _ in s.iter_lines():
+                    for _ in lines:
                         pass
     finally:
         proc.terminate()
