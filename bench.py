@@ -350,24 +350,23 @@ def bench_attention(args, argv: list[str]) -> int:
     return _bench_step("attention", args, argv)
 
 
-def bench_recipe(args, argv: list[str]) -> int:
-    """What a step buys with AdamW and with Muon (bench_recipe.py), recorded under --out."""
-    from benchmarks import bench_recipe as recipe_lib
-    results, rows, summary = recipe_lib.run(args)
-    _print_rows(rows)
-    path = _record("recipe", pathlib.Path(args.out), argv, results, summary, TRAIN_LIBRARIES)
-    print(f"\n-> {path}, {pathlib.Path(args.out) / 'RESULTS.md'}")
-    return 0
+def _bench_of(name: str, doc: str):
+    """The subcommand that runs benchmarks/bench_<name>.py's run(args) and records what it returns under --out."""
+    def bench(args, argv: list[str]) -> int:
+        import importlib
+
+        results, rows, summary = importlib.import_module(f"benchmarks.bench_{name}").run(args)
+        _print_rows(rows)
+        path = _record(name, pathlib.Path(args.out), argv, results, summary, TRAIN_LIBRARIES)
+        print(f"\n-> {path}, {pathlib.Path(args.out) / 'RESULTS.md'}")
+        return 0
+
+    bench.__doc__ = doc
+    return bench
 
 
-def bench_serve(args, argv: list[str]) -> int:
-    """serve.py's tokens/s with clients at once (bench_serve.py), recorded under --out."""
-    from benchmarks import bench_serve as serve_lib
-    results, rows, summary = serve_lib.run(args)
-    _print_rows(rows)
-    path = _record("serve", pathlib.Path(args.out), argv, results, summary, TRAIN_LIBRARIES)
-    print(f"\n-> {path}, {pathlib.Path(args.out) / 'RESULTS.md'}")
-    return 0
+bench_recipe = _bench_of("recipe", "What a step buys with AdamW and with Muon (bench_recipe.py), recorded under --out.")
+bench_serve = _bench_of("serve", "serve.py's tokens/s with clients at once (bench_serve.py), recorded under --out.")
 
 
 def _print_rows(rows: list[tuple[str, str]]) -> None:

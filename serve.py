@@ -106,9 +106,8 @@ def main(argv=None) -> int:
     sock = bind(args.host, args.port)
     import jax
     import uvicorn
-    from flax import nnx  # noqa: F401  (loaded with the model)
 
-    from inference import batching, decoding, openai_api
+    from inference import batching, openai_api
     from store import rundir
     from tokendata import shards
 
@@ -140,7 +139,7 @@ def main(argv=None) -> int:
     engine.start()
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=GRACE_SECONDS,
                             lifespan="off")
-    uv = Stoppable(config, engine, server)
+    uv = server_class()(config, engine, server)
     asyncio.run(uv.serve(sockets=[sock]))
     if uv.signum is None:
         return 0
@@ -206,10 +205,6 @@ def server_class():
             self.should_exit = True
 
     return Stoppable
-
-
-def Stoppable(config, engine, server):  # noqa: N802  (uvicorn is imported when the server starts)
-    return server_class()(config, engine, server)
 
 
 def cli(argv=None) -> int:

@@ -76,8 +76,6 @@ class Sequence:
     top: int = 0
     echo: bool = False
     cancelled: bool = False
-    slot: int | None = None
-    generated: int = 0
 
 
 class Engine:
@@ -319,7 +317,6 @@ class Engine:
 
     def _admit(self, seq: Sequence, slot: int) -> None:
         """Prefill seq's prompt into its slot, deliver its first token (and the prompt's logprobs)."""
-        seq.slot = slot
         T0 = len(seq.prompt)
         bucket = self.bucket(T0)
         tokens = np.zeros((1, bucket), np.int32)
@@ -337,7 +334,6 @@ class Engine:
             self._free(slot)
             return
         token = int(token)
-        seq.generated = 1
         if token != self.eot:
             seq.deliver(("tokens", [token], [float(lp)], np.asarray(top_ids)[None, :seq.top],
                          np.asarray(top_lp)[None, :seq.top]))
@@ -382,7 +378,6 @@ class Engine:
                 ended_by_eot = self.done[slot] and int(self.token[slot]) == self.eot
                 new -= int(bool(ended_by_eot and new))  # the end-of-text token itself is no text
                 if new:
-                    seq.generated += new
                     seq.deliver(("tokens", [int(t) for t in out[:new, slot]], [float(x) for x in lp[:new, slot]],
                                  top_ids[:new, slot, :seq.top], top_lp[:new, slot, :seq.top]))
                 if self.done[slot]:
