@@ -5,6 +5,8 @@
     python data.py --runner beam --beam-option runner=FlinkRunner ... --input ... --out ... --tokenizer tok.json
     python data.py --format prompt_completion --input pairs.jsonl --out data/pairs --tokenizer RUN_DIR --seq-len 1024
                                                     # fine-tuning pairs with a loss mask: see finetune_data.py
+    python data.py --format preference --input prefs.jsonl --out data/prefs --tokenizer RUN_DIR --seq-len 512
+                                                    # prompt/chosen/rejected pairs for DPO: preference_data.py
     python data.py --verify data/web                # every file's size and sha256 against index.json
 
 What a data directory holds is shards.py's (the format, the index, verification); how batches are
@@ -52,7 +54,7 @@ from typing import Callable, Iterator
 
 from core import outputs, storage
 from core.errors import DataError
-from tokendata import corpus, finetune_data, shard_writer, shards
+from tokendata import corpus, finetune_data, preference_data, shard_writer, shards
 from tokendata.corpus import default_corpus_files
 
 DEFAULT_DATA_DIR = pathlib.Path(__file__).resolve().parent / "data" / "pystdlib"
@@ -319,12 +321,16 @@ def parse_args(argv: list[str] | None):
                                                         "index.json (sizes, sha256) and exit: 0 intact, 2 not")
     fine = parser.add_argument_group("prompt/completion fine-tuning data (--format prompt_completion, "
                                       "see finetune_data.py; --tokenizer may name a run directory)")
-    fine.add_argument("--format", choices=("text", "prompt_completion"), default="text",
-                      help="text: documents for pre-training; prompt_completion: JSON Lines pairs with a loss mask")
+    fine.add_argument("--format", choices=("text", "prompt_completion", "preference"), default="text",
+                      help="text: documents for pre-training; prompt_completion: JSON Lines pairs with a loss mask; "
+                           "preference: JSON Lines prompt/chosen/rejected pairs for training.objective=dpo")
     fine.add_argument("--in-field", default="in_text", help="JSON field of the prompt")
     fine.add_argument("--out-field", default="out_text", help="JSON field of the completion")
     fine.add_argument("--seq-len", type=int, help="training context: longer examples lose prompt tokens "
-                                                   "from the left (required with prompt_completion)")
+                                                   "from the left (required with prompt_completion and preference)")
+    fine.add_argument("--prompt-field", default="prompt", help="preference: JSON field of the prompt")
+    fine.add_argument("--chosen-field", default="chosen", help="preference: JSON field of the preferred response")
+    fine.add_argument("--rejected-field", default="rejected", help="preference: JSON field of the other response")
     return parser.parse_args(argv)
 
 
@@ -337,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers is not None and args.workers < 1:  # 0 or -3 must not read as "the default" or as 1
         raise DataError(f"--workers must be >= 1 (default: the {usable_cpus()} CPUs this process may use), "
                         f"got {args.workers}")
-    if args.seq_len is not None and args.format != "prompt_completion":
-        raise DataError("--seq-len is for --format prompt_completion (examples fitted to the training context); "
+    if args.seq_len is not None and args.format == "text":
+        raise DataError("--seq-len is for --format prompt_completion and preference (examples fitted to the training "
+                        "context); "
                         "text is one stream, cut into windows of training.seq_len when training")
     if args.out is not None:  # file:///x is the local directory /x, for writers as for readers
         args.out = storage.local_path(args.out)
@@ -357,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             raise DataError(summary)
         print(summary)
         return 0
+    if args.format == "preference":
+        return _prepare_preference(args, start)
     if args.format == "prompt_completion":
         if args.runner != "local":
             raise DataError("--format prompt_completion runs in this process only (no --runner beam)")
@@ -410,6 +419,29 @@ def main(argv: list[str] | None = None) -> int:
              if index["skipped_empty"] else "")
           + f", {time.perf_counter() - start:.1f}s -> {out}")
     _say_vocab_shortfall(index)
+    return 0
+
+
+def _prepare_preference(args, start: float) -> int:
+    """data.py --format preference: the pairs prepared, and one line of what was kept and skipped."""
+    if args.runner != "local":
+        raise DataError("--format preference runs in this process only (no --runner beam)")
+    if not args.input or not args.out or not args.seq_len:
+        raise DataError("--format preference needs --input, --out, --seq-len and --tokenizer")
+    if args.vocab_size is not None:
+        raise DataError("--format preference takes the tuned model's tokenizer (--tokenizer), not --vocab-size")
+    index = preference_data.prepare(args.input, args.out, seq_len=args.seq_len, tokenizer=args.tokenizer,
+                                    prompt_field=args.prompt_field, chosen_field=args.chosen_field,
+                                    rejected_field=args.rejected_field,
+                                    val_fraction=0.05 if args.val_fraction is None else args.val_fraction,
+                                    shard_tokens=args.shard_tokens, overwrite=args.overwrite)
+    train_split, val_split = index["splits"]["train"], index["splits"]["val"]
+    print(f"{index['pairs']:,} pairs (train {train_split['pairs']:,}, val {val_split['pairs']:,}{_extra(index)}), "
+          f"{index['tokens']:,} tokens; {index['truncated_prompts']} prompts truncated from the left, "
+          f"{index['truncated_responses']} pairs with responses truncated from the right (--seq-len {args.seq_len}); "
+          f"skipped: {index['empty']} pairs with an empty response, {index['identical']} with the same response "
+          f"twice, {index['skipped_records']} invalid records{_skipped_names(index, args.out)}; "
+          f"{time.perf_counter() - start:.1f}s -> {args.out}")
     return 0
 
 

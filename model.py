@@ -53,6 +53,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from layers import fp8
@@ -522,6 +523,14 @@ class GPT(nnx.Module):
             weight, bias = self.head_weights()
             return chunked_cross_entropy(h, weight, bias, targets, weights, vocab_size=cfg.vocab_size, chunk=chunk,
                                          dtype=DTYPES[cfg.dtype])
+
+    def token_logps(self, tokens: jax.Array, targets: jax.Array, *, dropout_key: jax.Array | None = None,
+                    mask: Masking | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
+        """float32 (B, T): the log-probability of each target under the logits of `__call__` (the padded
+        vocabulary's logits are PADDED_LOGIT, so the softmax is the real vocabulary's), through the whole logits."""
+        logits = self(tokens, dropout_key=dropout_key, mask=mask, segment_ids=segment_ids).astype(jnp.float32)
+        with jax.named_scope("loss"):
+            return -optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
     def decode(self, tokens: jax.Array, cache: dict, pos) -> tuple[jax.Array, dict]:
         """Logits for tokens (B, T) at positions pos..pos+T-1, given a KV cache of the pos tokens before.

@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     import jax
     import uvicorn
 
+    from core import chat
     from inference import batching, openai_api
     from store import rundir
     from tokendata import shards
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
         raise ServeError(f"--context {context} exceeds block_size {cfg.block_size} of this learned-position model")
     check_fits(cfg, args.slots, context)
     eot_id = shards.eot_id_of(tokenizer)
-    template = run.dir.read_bytes(CHAT_TEMPLATE).decode() if run.dir.is_file(CHAT_TEMPLATE) else None
+    template = run.dir.read_bytes(chat.CHAT_TEMPLATE).decode() if run.dir.is_file(chat.CHAT_TEMPLATE) else None
     model, step = run.weights.load_model(args.step)
     engine = batching.Engine(model, cfg, slots=args.slots, context=context, eot_id=eot_id, max_queue=args.max_queue)
     compiled = engine.warm_up()
@@ -149,7 +150,6 @@ def main(argv=None) -> int:
     raise errors.Interrupted(f"{how}: the server at {url} stopped{ended}", uv.signum)
 
 
-CHAT_TEMPLATE = "chat_template.jinja"  # a run's chat template (a model imported from transformers brings its own)
 GRACE_SECONDS = 5  # how long a stopping server waits for its replies to go out
 
 

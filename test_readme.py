@@ -37,6 +37,8 @@ import urllib.request
 
 import pytest
 
+from test_train import corpus  # noqa: F401  (a fixture)
+
 REPO = pathlib.Path(__file__).resolve().parent
 README = REPO / "README.md"
 
@@ -274,7 +276,7 @@ class Checker:
         import bench
 
         ran = []
-        for name in ("bench_data", "bench_train", "bench_attention", "bench_recipe", "bench_serve"):
+        for name in ("bench_data", "bench_train", "bench_attention", "bench_recipe", "bench_serve", "bench_dpo"):
             self.monkeypatch.setattr(bench, name, lambda parsed, argv, name=name: ran.append(name) or 0)
         assert bench.main(args) == 0 and ran == ["bench_" + args[0]], line
 
@@ -293,7 +295,7 @@ class Checker:
 
 def test_the_reader_reads_the_readme():
     """The helpers find what the README plainly holds (guards the tests below against checking nothing)."""
-    assert len(BASH_LINES) > 40 and sum(lang == "python" for lang, _ in BLOCKS) == 3
+    assert len(BASH_LINES) > 40 and sum(lang == "python" for lang, _ in BLOCKS) == 4
     assert commands("A=1 B=2 python x.py --k 'a b' > log 2>&1 && git pull || true &") == [
         ["python", "x.py", "--k", "a b"], ["git", "pull"], ["true"]]
     assert anchor("Fine-tuning on prompt/completion pairs") == "fine-tuning-on-promptcompletion-pairs"
@@ -588,3 +590,18 @@ def test_an_undocumented_placeholder_or_tool_fails(monkeypatch):
                           ("bench/gpu.sh OUT warp", "unknown to bench/gpu.sh")]:
         with pytest.raises(Exception, match=message):
             checker.line(line)
+
+
+def test_the_preference_snippet_writes_pairs_that_prepare(corpus, tmp_path, monkeypatch):  # noqa: F811
+    """The Preference tuning journey's snippet, run as written (in a scratch directory): pairs of this Python's
+    stdlib lines that data.py --format preference prepares, every one kept."""
+    from tokendata import preference_data
+
+    (snippet,) = [body for lang, body in BLOCKS if lang == "python" and "prefs.jsonl" in body]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "README.md", "exec"), {})
+    records = [json.loads(line) for line in (tmp_path / "prefs.jsonl").read_text().splitlines()]
+    assert len(records) == 2000 and all(r["prompt"].endswith(" =") and r["chosen"].startswith(" ") for r in records)
+    index = preference_data.prepare([str(tmp_path / "prefs.jsonl")], tmp_path / "prefs", seq_len=128,
+                                    tokenizer=str(corpus / "tokenizer.json"), progress=False)
+    assert index["pairs"] + index["identical"] == 2000 and index["identical"] < 100 and index["skipped_records"] == 0

@@ -77,6 +77,7 @@ from store import record, rundir
 from tokendata import loader, mixture, shards
 from training import config as config_lib
 from training import devices, plan, progress
+from training import dpo_reference
 from training import step as step_lib
 
 
@@ -185,6 +186,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
             sources = {name: shards.open_data(source.dir) for name, source in cfg.data.mixture.items()}
             mixture.check_sources(sources)
         corpus = next(iter(sources.values()))  # the tokenizer, vocabulary and kind of every source
+        check_objective(cfg, corpus, stages)
         if args.resume:
             run_dir.record.check_data(corpus) if stages is None else run_dir.record.check_mixture(sources)
         if cfg.model.vocab_size != corpus.vocab_size:
@@ -217,7 +219,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
                 raise DataError(f"data.mixture.{name}: {e}") from None
         # its model must be this one: checked before anything is written, unless a full fine-tune's resume
         # restores a checkpoint (init_from is read no more: it may have moved or gone)
-        if t.init_from and not (args.resume and t.lora is None and run_dir.checkpoints.steps()):
+        reads_init = t.lora is not None or (t.objective == "dpo" and not t.dpo_settings.precompute_reference)
+        if t.init_from and not (args.resume and not reads_init and run_dir.checkpoints.steps()):
             rundir.check_init_from(t.init_from, cfg.model, corpus, resume=args.resume)
         return sources, train_loader, val
 
@@ -236,6 +239,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     fns = step_lib.build(mcfg, t, mesh, sh.zero_stage, cfg.seed)
     say(fns.description, flush=True)
     frozen = ()  # LoRA: the frozen base, an argument of every step beside the adapters' state
+    reference = None  # DPO with training.dpo.precompute_reference: the reference's log-probabilities of every pair
     if t.lora is not None:  # loaded once; a resume checks that it is the base the run records
         base_params, base_record = run_dir.weights.frozen_base(t.init_from, check=args.resume,
                                                                point_at="--resume training.init_from=DIR")
@@ -245,6 +249,11 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         say(f"base {t.init_from} (checkpoint {base_record['step']}) frozen; {adapters / 1e6:.3f}M adapter "
             f"parameters trained" + (" with AdamW (training.optimizer=muon trains a full run's block matrices; "
                                      "adapters are not those)" if t.optimizer == "muon" else ""))
+
+    if fns.frozen_kind == "reference":  # DPO: the reference model, init_from's, frozen beside the policy
+        frozen = (rundir.load_init_params(t.init_from, fns.state_sharding["params"]),)
+        say(f"reference {t.init_from}: frozen, its log-probabilities computed in each step "
+            f"(training.dpo.precompute_reference=true computes them once, at the start)")
 
     # ------------------------------------------------------------------------------------------
     # Run directory: the effective config and a reference to the data, once every check has passed.
@@ -265,7 +274,13 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
                     run_dir.weights.save_lora_base(base_record)
 
     def place_batch(local_rows):
-        """A batch (an array, or a dict of arrays with rows first) onto the devices."""
+        """A batch (an array, or a dict of arrays with rows first) onto the devices; a pair batch's pair ids stay
+        here (with a precomputed reference, its log-probabilities of those pairs go instead)."""
+        if isinstance(local_rows, dict) and "pairs" in local_rows:
+            local_rows = dict(local_rows)
+            pairs = local_rows.pop("pairs")
+            if reference is not None and "ref" not in local_rows:
+                local_rows["ref"] = reference.of(pairs)
         return jax.tree.map(lambda x: sharding_lib.place_batch(x, mesh, x.shape[0] * rows_count), local_rows)
 
     def process_slice(global_rows: np.ndarray) -> np.ndarray:
@@ -279,8 +294,11 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         totals = {}
         for name, (sample, *_) in val.items():
             sums = [fns.eval_step(params, place_batch(jax.tree.map(process_slice, batch)), *frozen) for batch in sample]
-            totals[name] = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)  # (loss sum, tokens)
-        loss = float(sum(s for s, _ in totals.values()) / sum(n for _, n in totals.values()))
+            totals[name] = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)  # (loss sum, tokens[, ...])
+        loss = float(sum(s[0] for s in totals.values()) / sum(s[1] for s in totals.values()))
+        if t.objective == "dpo":  # the pairs' DPO loss and reward accuracy (no perplexity: not a token loss)
+            (loss_sum, pairs, right), = totals.values()
+            return {"val_loss": loss, "val_rewards/accuracies": float(right / pairs)}
         out = {"val_loss": loss, "val_ppl": progress.perplexity(loss)}
         if stages is not None:
             for name, (loss_sum, n) in totals.items():
@@ -299,7 +317,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         start_step = int(state["step"])
         tokens_before = ckpts.tokens(last_ckpt)  # (None: saved before tokens were kept)
         if tokens_before is None:
-            tokens_before = start_step * saved.training.batch_size * saved.seq_len
+            tokens_before = start_step * saved.tokens_per_step
         if problem := config_lib.mixture_change(saved.data, cfg.data, start_step):
             raise RunError(problem)
         if changes := run_dir.record.resume_changes(saved, cfg):
@@ -325,6 +343,15 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
             say(rundir.init_from_line(t.init_from))
         start_step, tokens_before = 0, 0
     stop.check()  # before the first step: nothing to save
+    if t.objective == "dpo" and t.dpo_settings.precompute_reference:
+        reference = dpo_reference.Precomputed.for_run(
+            run_dir, fns, train_loader, corpus, frozen=frozen, init_params=None if start_step or t.lora is not None
+            else state["params"], place_batch=place_batch,
+            load_reference=lambda: rundir.load_init_params(t.init_from, fns.state_sharding["params"]), process_slice=process_slice,
+            batch_size=t.batch_size, seq_len=seq_len, batching=cfg.data.batching, say=say, stop=stop,
+            is_main=is_main)
+        val = {name: (reference.fill(sample), *rest) for name, (sample, *rest) in val.items()}
+    stop.check()
 
     # ------------------------------------------------------------------------------------------
     # Logging: metrics.jsonl continues after the restored step; W&B keeps its run id in the run dir
@@ -341,7 +368,9 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     wandb_run = run_dir.start_wandb(cfg) if is_main and cfg.wandb.mode != "disabled" else None
     n_params = model_lib.param_count(mcfg)
     say(f"model {cfg.model_name}: {n_params / 1e6:.2f}M parameters, context {seq_len}; "
-        f"{t.steps} steps of {t.batch_size * seq_len} tokens; run dir {run_dir}"
+        f"{t.steps} steps of {cfg.tokens_per_step} tokens"
+        + (f" ({t.batch_size} rows of preference pairs, chosen and rejected)" if t.objective == "dpo" else "")
+        + f"; run dir {run_dir}"
         + (f"; resuming from step {start_step}" if args.resume else ""), flush=True)
 
     # ------------------------------------------------------------------------------------------
@@ -416,6 +445,22 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
     say(progress.report(summary))
     multihost.finished()
     return 0
+
+
+def check_objective(cfg, corpus, stages) -> None:
+    """training.objective against the data: DPO trains on preference pairs (one directory), and only DPO does."""
+    t = cfg.training
+    if t.objective == "dpo":
+        if stages is not None:
+            raise DataError("training.objective=dpo reads one directory of preference pairs (data.dir), not a "
+                            "data.mixture")
+        if not corpus.is_preference:
+            raise DataError(f"training.objective=dpo trains on preference pairs, and {corpus} is "
+                            f"{corpus.kind.replace('_', '/')} data: prepare prompt/chosen/rejected pairs with "
+                            f"python data.py --format preference --tokenizer {t.init_from} ... and set data.dir")
+    elif corpus.is_preference:
+        raise DataError(f"{corpus} holds preference pairs (prompt, chosen, rejected): train on them with "
+                        f"training.objective=dpo training.init_from=RUN_DIR (the model they tune)")
 
 
 def cli(argv=None) -> int:

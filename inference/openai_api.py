@@ -28,11 +28,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from core import chat
 from inference.batching import TOP_MAX, Engine, Sequence
+from core.chat import PLAIN_STOP, plain_template
 
 MAX_N = 128  # the most completions one request may ask for (prompts x n)
 MAX_STOPS = 4  # stop strings a request may give (OpenAI's limit)
-PLAIN_STOP = "\nUser:"  # where a completion in the plain chat template ends: the next turn
 SEED_RANGE = (-2**63, 2**63)
 
 
@@ -133,30 +134,12 @@ def message_text(message: Message, index: int) -> str:
     return "".join(part.text for part in message.content)
 
 
-def plain_template(messages: list[dict]) -> str:
-    """The chat template of a run without one of its own: a system message as it is, then each turn as
-    `User: ...` or `Assistant: ...` on its own line, ending with `Assistant:` for the reply (which ends at
-    the end-of-text token or at the next `\\nUser:`)."""
-    lines = []
-    for m in messages:
-        if m["role"] in ("system", "developer"):
-            lines.append(m["content"] + "\n")
-        else:
-            lines.append(("User: " if m["role"] == "user" else "Assistant: ") + m["content"])
-    return "\n".join(lines) + "\nAssistant:"
-
-
 def compile_template(source: str):
     """A transformers chat template (Jinja) made ready to render, in Jinja's sandbox as transformers does."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
     def raise_exception(message):
         raise APIError(400, f"the chat template refused the messages: {message}", "messages")
 
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
+    return chat.compile_template(source, raise_exception)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -253,8 +253,8 @@ class Record:
         return self.dir.json_object(DATA) or {}
 
     def is_finetuned(self) -> bool:
-        """Whether the run trained on prompt/completion pairs."""
-        return shards.is_prompt_completion(self.data())
+        """Whether the run trained on prompt/completion pairs (or preference pairs: responses to prompts too)."""
+        return shards.is_prompt_completion(self.data()) or shards.is_preference(self.data())
 
     def tokenizer_json(self) -> bytes:
         """The bytes of the run's tokenizer.json, checked against the sha256 data.json records (a run from

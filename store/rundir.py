@@ -122,7 +122,7 @@ class Run:
         as last configured) batch x context, when every row of metrics.jsonl counts exactly its step x that
         (no resume changed the batch or the context). None when a row counts otherwise, or when the log has
         no row to tell by (lost, or unreadable): then nothing fixes them."""
-        per_step = cfg.training.batch_size * cfg.seq_len
+        per_step = cfg.tokens_per_step
         try:
             text = self.dir.read_text(METRICS) if self.dir.is_file(METRICS) else ""
             rows = [row for row, _ in storage.json_lines(text, METRICS)[0]]  # a last line cut off by a kill: left out

@@ -209,6 +209,8 @@ def open_loader(data: shards.DataDir, split: str, seq_len: int, batch_size: int,
                 process_count: int = 1, batching: str = "packing") -> Loader:
     """The loader for the directory's kind: a TextLoader, or a PromptCompletionLoader (with `batching`)."""
     rows = dict(seed=seed, process_index=process_index, process_count=process_count)
+    if data.is_preference:
+        return PreferenceLoader(data, split, seq_len, batch_size, batching=batching, **rows)
     if data.is_prompt_completion:
         return PromptCompletionLoader(data, split, seq_len, batch_size, batching=batching, **rows)
     if batching != "packing" and process_index == 0:  # said, not refused: a run saved with it still resumes
@@ -292,7 +294,7 @@ class Examples:
     def __init__(self, data: shards.DataDir, split: str):
         self.stream = Stream(data, split)  # maps (or names, at a URL) the token shards
         self.index = data.index
-        if not data.is_prompt_completion:
+        if not data.has_masks:
             raise DataError(f"{data} is not prompt/completion data (prepare it with --format prompt_completion)")
         # the loss masks, one byte a token, are read like the tokens; at start every shard of them is
         # read once, a shard at a time (from a URL too, kept nowhere), for the examples' bounds: the
@@ -481,6 +483,11 @@ def validation_sample(data: shards.DataDir, seq_len: int, batch_size: int, max_r
     that pad the last one weigh 0), so evaluation compiles once; each is
     {tokens (B, T+1), weights (B, T)[, segments (B, T)]}."""
     batches = []
+    if data.is_preference:  # rows of pairs; the counts are of sequences' tokens in the loss, both sides
+        rows = pair_rows(data, "val", seq_len, batching)
+        batches = list(eval_pairs(data, "val", seq_len, batch_size, batching=batching, max_rows=max_rows, rows=rows))
+        used = sum(int((b["pairs"] >= 0).any(axis=1).sum()) for b in batches)
+        return batches, used, int(sum(b["weights"].sum() for b in batches)), len(rows[1]) - 1
     if data.is_prompt_completion:
         rows = example_rows(data, "val", seq_len, batching)  # every mask shard read once, for both
         of = len(rows[1]) - 1
@@ -501,3 +508,131 @@ def validation_sample(data: shards.DataDir, seq_len: int, batch_size: int, max_r
     rows = sum(int((batch["weights"].sum(axis=1) > 0).sum()) for batch in batches)
     tokens = int(sum(batch["weights"].sum() for batch in batches))
     return batches, rows, tokens, of
+
+
+# ---------------------------------------------------------------------------------------------
+# Preference pairs (preference_data.py): examples 2j and 2j + 1 are pair j's chosen and rejected sequences
+
+def pair_slots(seq_len: int) -> int:
+    """The most pairs a row of seq_len + 1 tokens holds: each sequence has at least two tokens (a response token
+    and its end-of-text, or two response tokens)."""
+    return (seq_len + 1) // 2
+
+
+def empty_pair_batch(rows: int, seq_len: int) -> dict:
+    """All-zero pair batch arrays: tokens (rows, 2, T+1), weights and segments (rows, 2, T), pairs (rows, K) -1."""
+    return {"tokens": np.zeros((rows, 2, seq_len + 1), np.int32),
+            "weights": np.zeros((rows, 2, seq_len), np.float32),
+            "segments": np.zeros((rows, 2, seq_len), np.int32),
+            "pairs": np.full((rows, pair_slots(seq_len)), -1, np.int64)}
+
+
+def pair_plan(chosen: np.ndarray, rejected: np.ndarray, order: np.ndarray, row_tokens: int,
+               packing: bool) -> np.ndarray:
+    """Row boundaries (R + 1,) into `order` (pair ids): row r holds pairs order[b[r]:b[r + 1]], their chosen
+    sequences in one row of row_tokens and their rejected ones in another, each within it."""
+    if not packing:
+        return np.arange(len(order) + 1, dtype=np.int64)
+    bounds, used_c, used_r = [0], 0, 0
+    for i, (c, r) in enumerate(zip(chosen[order].tolist(), rejected[order].tolist())):
+        if used_c + c > row_tokens or used_r + r > row_tokens:
+            bounds.append(i)
+            used_c = used_r = 0
+        used_c, used_r = used_c + c, used_r + r
+    bounds.append(len(order))
+    return np.asarray(bounds, np.int64)
+
+
+class Pairs:
+    """One split's preference pairs over its Examples: pair j is examples 2j (chosen) and 2j + 1 (rejected)."""
+
+    def __init__(self, data: shards.DataDir, split: str, seq_len: int):
+        if not data.is_preference:
+            raise DataError(f"{data} is not preference data (prepare it with data.py --format preference); "
+                            f"training.objective=dpo trains on prompt/chosen/rejected pairs")
+        self.examples = _checked(data, split, seq_len)
+        if len(self.examples) % 2:
+            raise DataError(f"{data}: split {split!r} holds {len(self.examples)} sequences, not whole pairs; the "
+                            f"loss masks are damaged, prepare the directory again")
+        self.chosen, self.rejected = self.examples.lengths[0::2], self.examples.lengths[1::2]
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+    def batch(self, rows: list, seq_len: int) -> dict:
+        """A batch of len(rows) rows, row i holding the pairs rows[i] (ids): [:, 0] their chosen sequences, [:, 1]
+        their rejected ones, segment k of both sides pair rows[i][k - 1] (`pairs`)."""
+        batch = empty_pair_batch(len(rows), seq_len)
+        ex = self.examples
+        spans = [(int(ex.starts[e]), int(ex.lengths[e])) for pairs in rows for side in (0, 1)
+                 for e in (2 * np.asarray(pairs, np.int64) + side).tolist()]
+        read, masks = iter(ex.stream.read_spans(spans)), iter(ex.masks.read_spans(spans))
+        for i, pairs in enumerate(rows):
+            pairs = np.asarray(pairs, np.int64)
+            for side in (0, 1):
+                ex.fill(2 * pairs + side, read, masks, batch["tokens"][i, side], batch["weights"][i, side],
+                        batch["segments"][i, side])
+            batch["pairs"][i, :len(pairs)] = pairs
+        ex.stream.check(batch["tokens"].reshape(-1, seq_len + 1), lambda: iter(spans))
+        return batch
+
+
+class PreferenceLoader(PromptCompletionLoader):
+    """Batches of preference pairs: {tokens (b, 2, T+1), weights (b, 2, T), segments (b, 2, T), pairs (b, K)}.
+
+    Epoch e takes the pairs in the order permute(., seed, e), packed (whole pairs, the chosen sequences in one
+    row and the rejected ones in its twin, `packing`) or one pair a row (`padding`); `pairs` holds each row's
+    pair ids by segment (-1: none), for a precomputed reference's log-probabilities."""
+
+    def __init__(self, data: shards.DataDir, split: str, seq_len: int, batch_size: int, *, seed: int = 0,
+                 process_index: int = 0, process_count: int = 1, batching: str = "packing"):
+        Loader.__init__(self, seq_len, batch_size, seed=seed, process_index=process_index, process_count=process_count)
+        if batching not in BATCHING:
+            raise DataError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
+        self.pairs = Pairs(data, split, seq_len)
+        self.examples = self.pairs.examples
+        self.index = self.examples.index
+        if self.examples.stream.source.remote:
+            self.prefetch = 2 * REMOTE_GROUP
+        self.packing = batching == "packing"
+        self._epoch_rows: list[int] = []
+        self._plans: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+
+    def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        if e not in self._plans:
+            n = len(self.pairs)
+            order = permute(np.arange(n), n, self.seed, e)
+            self._plans[e] = (order, pair_plan(self.pairs.chosen, self.pairs.rejected, order, self.seq_len + 1,
+                                                self.packing))
+            while len(self._plans) > 3:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(e)
+        return self._plans[e]
+
+    def rows_at(self, g: np.ndarray) -> dict:
+        rows = []
+        for gi in np.asarray(g).tolist():
+            e, r = self._locate(gi)
+            order, bounds = self._epoch(e)
+            rows.append(order[bounds[r]:bounds[r + 1]])
+        return self.pairs.batch(rows, self.seq_len)
+
+
+def pair_rows(data: shards.DataDir, split: str, seq_len: int, batching: str = "packing") -> tuple[Pairs, np.ndarray]:
+    """(the split's Pairs, the bounds of the rows they fill in their own order, as the loader packs them)."""
+    pairs = Pairs(data, split, seq_len)
+    return pairs, pair_plan(pairs.chosen, pairs.rejected, np.arange(len(pairs)), seq_len + 1, batching == "packing")
+
+
+def eval_pairs(data: shards.DataDir, split: str, seq_len: int, batch_size: int, *, batching: str = "packing",
+               max_rows: int | None = None, rows: tuple | None = None) -> Iterator[dict]:
+    """The split's pairs once, in order, batch_size rows a batch (the last one padded with empty rows): every
+    row, or max_rows of them spread evenly over the split."""
+    pairs, bounds = rows if rows is not None else pair_rows(data, split, seq_len, batching)
+    picked = spread(len(bounds) - 1, max_rows).tolist()
+    for first in range(0, len(picked), batch_size):
+        batch = pairs.batch([range(bounds[r], bounds[r + 1]) for r in picked[first:first + batch_size]], seq_len)
+        padded = empty_pair_batch(batch_size, seq_len)
+        for k, v in batch.items():
+            padded[k][: len(v)] = v
+        yield padded

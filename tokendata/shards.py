@@ -16,7 +16,9 @@ Every document is followed by the end-of-text id. A split is one logical token s
 concatenated in order. Prompt/completion data (finetune_data.py) is the same format with
 `kind: "prompt_completion"` and `seq_len` in the index and, per split, `mask_shards`: parallel uint8
 files {split}_mask_NNNNN.bin, one byte per token (PROMPT, COMPLETION, or END for the end-of-text
-token that closes an example).
+token that closes an example). Preference data (preference_data.py) is that format too, with `kind:
+"preference"`: each pair is two examples one after the other, the prompt with its chosen response, then
+the prompt with its rejected one.
 
 Writing is shard_writer.py's (the tokenizer, ShardWriter, the staged directory swapped into place).
 Reading: `open_data` opens a directory once, as a `DataDir` that every reader in the process is handed:
@@ -49,6 +51,8 @@ FORMAT_VERSION = 1
 EOT_TOKEN = "<|endoftext|>"
 EOT_CANDIDATES = (EOT_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
 PROMPT_COMPLETION = "prompt_completion"  # index["kind"] of prompt/completion data; text data has no kind
+PREFERENCE = "preference"  # index["kind"] of preference pairs (prompt, chosen, rejected), with loss masks too
+MASKED_KINDS = (PROMPT_COMPLETION, PREFERENCE)  # the kinds whose splits have loss-mask shards
 ENTROPY_FIELDS = ("unigram_entropy", "loss_unigram_entropy")  # of the index and of each split: numbers or absent
 PROMPT, COMPLETION, END = 0, 1, 2  # loss-mask byte values of prompt/completion data
 BATCHING = ("packing", "padding")  # how the loader fills rows with prompt/completion examples (data.batching)
@@ -90,6 +94,10 @@ def is_prompt_completion(index: dict) -> bool:
     return index.get("kind") == PROMPT_COMPLETION
 
 
+def is_preference(index: dict) -> bool:
+    return index.get("kind") == PREFERENCE
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -100,12 +108,13 @@ def _check_kind(index: dict, path: str) -> None:
     prompt/completion data read as text would train on its prompts, and the masks be ignored."""
     kind, splits = index.get("kind"), index["splits"]
     masked = [name for name, split in splits.items() if "mask_shards" in split]
-    if "kind" in index and kind != PROMPT_COMPLETION:
+    if "kind" in index and kind not in MASKED_KINDS:
         raise DataError(f"{path}: unknown kind {kind!r}: this data.py reads {PROMPT_COMPLETION!r} (prompt/completion "
-                        f"data) or no kind at all (text); prepare the directory again")
-    if kind == PROMPT_COMPLETION and len(masked) < len(splits):
+                        f"data), {PREFERENCE!r} (preference pairs) or no kind at all (text); prepare the directory "
+                        f"again")
+    if kind in MASKED_KINDS and len(masked) < len(splits):
         unmasked = next(name for name in splits if name not in masked)
-        raise DataError(f"{path}: kind {PROMPT_COMPLETION!r}, but split {unmasked!r} has no mask_shards (its loss "
+        raise DataError(f"{path}: kind {kind!r}, but split {unmasked!r} has no mask_shards (its loss "
                         f"masks); prepare the directory again")
     if kind is None and masked:
         raise DataError(f"{path}: split {masked[0]!r} has loss-mask shards (mask_shards) but the index names no "
@@ -349,6 +358,15 @@ class DataDir:
     @property
     def is_prompt_completion(self) -> bool:
         return self.kind == PROMPT_COMPLETION
+
+    @property
+    def is_preference(self) -> bool:
+        return self.kind == PREFERENCE
+
+    @property
+    def has_masks(self) -> bool:
+        """Examples with loss masks (prompt/completion data or preference pairs), not a text stream."""
+        return self.kind in MASKED_KINDS
 
     def show(self, name: str) -> str:
         """How a file of the directory is named in messages."""

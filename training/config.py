@@ -85,6 +85,18 @@ class LoRAConfig:
 
 
 @dataclasses.dataclass
+class DPOConfig:
+    """Direct preference optimisation (Rafailov et al. 2023) on prompt/chosen/rejected pairs: the loss of a pair
+    is -(1 - label_smoothing) log sigmoid(beta * d) - label_smoothing log sigmoid(-beta * d), with d the policy's
+    log-probability ratio to the reference of the chosen response minus that of the rejected one."""
+    beta: float = 0.1  # how far the policy may move from the reference (TRL's beta)
+    label_smoothing: float = 0.0  # the assumed share of flipped preferences (conservative DPO), in [0, 0.5)
+    # the reference's log-probabilities of every pair computed once at the start and kept in the run directory
+    # (RUN/reference_logps.npz), instead of a forward pass of the reference in each step
+    precompute_reference: bool = False
+
+
+@dataclasses.dataclass
 class TrainingConfig:
     steps: int = 3000
     batch_size: int = 32  # global, in sequences
@@ -115,11 +127,21 @@ class TrainingConfig:
     # logits where they fit in 1/8 of a device's memory, else 4096 (loss.resolve_chunk)
     loss_chunk: typing.Union[int, str] = "auto"
     lora: typing.Optional[LoRAConfig] = None  # low-rank adapters on init_from's frozen model; None: train every weight
+    # lm: next-token loss (on the completions of prompt/completion data); dpo: preference pairs against the
+    # reference, init_from's model (training.dpo's settings); a run saved without the key is an lm run
+    objective: str = "lm"
+    dpo: typing.Optional[DPOConfig] = None  # training.objective=dpo's settings; None = DPOConfig's defaults
 
     # (a class attribute, not a field) the learning-rate schedules after the linear warm-up: cosine down to min_lr
     # at `steps`; warm-up, stable, decay (flat at lr, then down to min_lr over the last decay_fraction); flat at lr
     SCHEDULES = ("cosine", "wsd", "constant")
     OPTIMIZERS = ("adamw", "muon")  # (a class attribute too) training.optimizer's values
+    OBJECTIVES = ("lm", "dpo")  # training.objective's values
+
+    @property
+    def dpo_settings(self) -> DPOConfig:
+        """training.dpo, or its defaults where the section is not given."""
+        return self.dpo if self.dpo is not None else DPOConfig()
 
 
 @dataclasses.dataclass
@@ -160,6 +182,15 @@ class Config:
     @property
     def seq_len(self) -> int:
         return self.training.seq_len or self.model.block_size
+
+    @property
+    def sequences_per_row(self) -> int:
+        """Sequences of seq_len a batch row holds: 2 for DPO (a row's chosen side and its rejected side), else 1."""
+        return 2 if self.training.objective == "dpo" else 1
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.training.batch_size * self.sequences_per_row * self.seq_len
 
 
 SECTIONS = {"data": DataConfig, "training": TrainingConfig, "checkpoint": CheckpointConfig,
@@ -508,6 +539,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.layer_norm_epsilon must be a positive number, got {eps}")
     if t.lora is not None:
         check_lora(t.lora, t.init_from, cfg.model)
+    check_dpo(t)
     if cfg.data.batching not in BATCHING:
         raise ConfigError(f"data.batching must be one of {', '.join(BATCHING)}, got {cfg.data.batching!r}")
     check_mixture(cfg.data, t.steps)
@@ -630,6 +662,29 @@ def mixture_change(saved: DataConfig, now: DataConfig, step: int) -> str | None:
                 f"change them from step {step} on with a stage, data.stages=[..., {{step: {step}, weights: "
                 f"{{{', '.join(f'{n}: W' for n in now.mixture)}}}}}]")
     return None
+
+
+def check_dpo(t: TrainingConfig) -> None:
+    """training.objective and training.dpo: DPO needs the model it starts from and compares with (init_from)."""
+    if t.objective not in TrainingConfig.OBJECTIVES:
+        raise ConfigError(f"training.objective must be one of {', '.join(TrainingConfig.OBJECTIVES)}, "
+                          f"got {t.objective!r}")
+    if t.objective != "dpo":
+        if t.dpo is not None:
+            raise ConfigError("training.dpo is set but training.objective is lm: set training.objective=dpo to "
+                              "train on preference pairs, or remove training.dpo")
+        return
+    if not t.init_from:
+        raise ConfigError("training.objective=dpo needs training.init_from: the run directory (or import) whose "
+                          "model the policy starts from and the reference is")
+    d = t.dpo_settings
+    if not (math.isfinite(d.beta) and d.beta > 0):
+        raise ConfigError(f"training.dpo.beta must be a positive number, got {d.beta}")
+    if not 0.0 <= d.label_smoothing < 0.5:
+        raise ConfigError(f"training.dpo.label_smoothing must be in [0, 0.5), got {d.label_smoothing}")
+    if t.fcm_max_ratio:
+        raise ConfigError("training.fcm_max_ratio hides tokens from the policy but not from the reference: it "
+                          "does not apply to training.objective=dpo; set it to 0")
 
 
 def lora_shapes(m: GPTConfig) -> dict[str, tuple[int, int]]:

@@ -229,7 +229,8 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
 
     tp = mesh.shape["tensor"]
     dp = sharding_lib.axis_size(mesh, sharding_lib.BATCH_AXES)
-    B, T = t.batch_size // t.micro_batches // dp, cfg.seq_len  # one device's micro-batch
+    # one device's micro-batch, in sequences (DPO: a row's chosen and rejected sides)
+    B, T = t.batch_size // t.micro_batches // dp * cfg.sequences_per_row, cfg.seq_len
     d, H, K, D, F, N, V = (m.embedding_dim, m.num_head, m.kv_heads, m.head_dim, m.ffn_dim, m.N,
                            m.padded_vocab_size)
     F_in = 2 * F if m.activation == "swiglu" else F  # the MLP's input projections: SwiGLU's gate and up
@@ -318,6 +319,9 @@ def estimate(cfg, dev: Target, state: _State | None = None) -> Estimate:
         terms["ZeRO-3 gathered weights"] = (placed["blocks"] / N + placed["head"] + block_copies
                                             + (placed["head_f32"] * c / 4 if copies else 0))
         notes["ZeRO-3 gathered weights"] = "one block's and the output embedding's"
+    if t.objective == "dpo" and lora is None and not t.dpo_settings.precompute_reference:
+        terms["DPO reference model"] = placed["params"]  # init_from's parameters, frozen, placed as the params are
+        notes["DPO reference model"] = "init_from's weights, float32, frozen (precompute_reference: none)"
     if lora is not None:
         notes["parameters"] = f"float32: the adapters (LoRA rank {lora.rank} on {', '.join(lora.targets)})"
         notes["gradients"] = notes["gradients"].replace("float32", "float32, the adapters'", 1)
@@ -518,10 +522,13 @@ def report(cfg, dev: Target, mfu: float = 0.4) -> str:
         else:
             lines.append("no change of ZeRO stage, micro-batches, remat, tensor parallelism or batch size fits: "
                          "more devices are needed")
-    tokens = t.batch_size * cfg.seq_len
+    tokens = cfg.tokens_per_step
     adapters = None if t.lora is None else sum(x.size for x in jax.tree.leaves(state.abstract["params"]))
     per_token = model_lib.flops_per_token(m, cfg.seq_len, adapters)
     formula = "6N + 6LdT" if adapters is None else "LoRA: 4N + 6LdT + 6 x the adapters"
+    if t.objective == "dpo" and not t.dpo_settings.precompute_reference:  # the reference's forward pass too
+        per_token += model_lib.flops_per_token(m, cfg.seq_len) / 3
+        formula += " + the DPO reference's forward, a third of 6N + 6LdT"
     flops = per_token * tokens
     line = (f"step: {tokens:,} tokens, {flops:.3g} FLOPs ({per_token:.3g} per token, {formula}; remat's "
             f"recomputation not counted)")

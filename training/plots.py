@@ -11,11 +11,23 @@ X_AXES = {"step": "step", "tokens": "tokens trained"}  # what a loss curve may b
 
 def losses(rows: list[dict], title: str) -> bytes:
     """A PNG of the training loss of each logged step and the validation loss of each evaluation, by step
-    (a mixture's: a line for each source too)."""
+    (a mixture's: a line for each source too; a DPO run's: its reward accuracy too, on an axis of its own)."""
     ax = axes()
     draw_losses(ax, rows)
     ax.set_xlabel(X_AXES["step"])
-    ax.set_ylabel("loss (nats per token)")
+    dpo = [r for r in rows if "rewards/accuracies" in r]
+    ax.set_ylabel("DPO loss (nats per pair)" if dpo else "loss (nats per token)")
+    if dpo:  # DPO: the reward accuracy on its own axis, on the right
+        right = ax.twinx()
+        right.plot([r["step"] for r in dpo], [r["rewards/accuracies"] for r in dpo], color="C3", linewidth=1,
+                   alpha=0.6, label="train reward accuracy")
+        val = [r for r in rows if "val_rewards/accuracies" in r]
+        if val:
+            right.plot([r["step"] for r in val], [r["val_rewards/accuracies"] for r in val], color="C3", marker="o",
+                       label="validation reward accuracy")
+        right.set_ylim(0, 1)
+        right.set_ylabel("reward accuracy")
+        right.legend(loc="center right")
     return png(ax, title)
 
 

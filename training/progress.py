@@ -29,6 +29,7 @@ from core import errors
 from core.errors import Diverged
 from tokendata import shards
 from training import devices, plots
+from training import dpo as dpo_lib
 
 
 def perplexity(loss: float) -> float:
@@ -237,7 +238,7 @@ class Steps:
         t = cfg.training
         self.t, self.every_save, self.stop = t, cfg.checkpoint.every, stop
         self.step = self.start_step = start_step
-        self.tokens_before, self.tokens_per_step = tokens_before, t.batch_size * cfg.seq_len
+        self.tokens_before, self.tokens_per_step = tokens_before, cfg.tokens_per_step
         self.flops_per_token = model_lib.flops_per_token(cfg.model, cfg.seq_len)
         self.peak = devices.peak_flops(jax.local_devices()[0].device_kind)
         self.metrics_file, self.wandb_run = metrics_file, wandb_run
@@ -297,6 +298,7 @@ class Steps:
         if s == self.start_step + 1:
             self.mark = (s, now)  # leave start-up and compilation out of tokens/s
         return {"step": s, "loss": loss, "lr": float(metrics["lr"]), "grad_norm": grad_norm,
+                **{k: float(v) for k, v in metrics.items() if k not in ("loss", "lr", "grad_norm")},  # e.g. DPO's
                 "tokens": self.tokens(s), "time_s": self.clock + now - self.t_start,
                 **(self.per_source(s) if self.per_source else {})}
 
@@ -306,6 +308,10 @@ class Steps:
         row.update(val)
         if self.metrics_file is not None:  # process 0 reports; the others' logs stay quiet
             each = [f"{k.split('/', 1)[1]} {v:.4f}" for k, v in val.items() if k.startswith("val_loss/")]
+            if "val_rewards/accuracies" in val:  # DPO
+                self.bar.write(f"step {row['step']}: val DPO loss {val['val_loss']:.4f}, reward accuracy "
+                               f"{val['val_rewards/accuracies']:.1%}")
+                return
             self.bar.write(f"step {row['step']}: val loss {val['val_loss']:.4f}, val ppl {val['val_ppl']:.2f}"
                            + (f" (by source: {', '.join(each)})" if each else ""))
 
@@ -325,6 +331,8 @@ class Steps:
             if self.wandb_run is not None:
                 self.wandb_run.log(row, step=s)
         postfix = {"loss": f"{row['loss']:.3f}"}
+        if "rewards/accuracies" in row:  # DPO: how often the chosen response's reward is the higher
+            postfix["acc"] = f"{row['rewards/accuracies']:.2f}"
         if "tokens_per_s" in row:
             postfix["tok/s"] = f"{row['tokens_per_s']:.0f}"
         if "mfu" in row:
@@ -386,7 +394,8 @@ class Steps:
         """summary.json: where training ended, with the unigram baseline of the tokens the loss counts
         (with prompt/completion data, the completions alone)."""
         completions = shards.is_prompt_completion(index)
-        entropy = index.get("loss_unigram_entropy" if completions else "unigram_entropy")
+        preference = shards.is_preference(index)  # DPO: a preference loss, no token baseline to compare with
+        entropy = None if preference else index.get("loss_unigram_entropy" if completions else "unigram_entropy")
         train_loss = float(np.mean(self.recent_losses)) if self.recent_losses else None
         summary = {
             "steps": self.step,
@@ -403,11 +412,18 @@ class Steps:
             "val_sample_tokens": val_tokens,
             "val_split_windows": val_of,
             "unigram_entropy": entropy,
-            "unigram_entropy_of": "the completions (the tokens in the loss)" if completions else "the corpus",
+            "unigram_entropy_of": "the completions (the tokens in the loss)" if completions else
+            "preference pairs (DPO)" if preference else "the corpus",
             "checkpoint": os.path.join(ckpt_dir, str(self.last_ckpt)) if self.last_ckpt is not None else None,
             "run_dir": str(self.run_dir),
             "loss_plot": self.run_dir.dir.show(self.run_dir.LOSS_PLOT) if self.history else None,
         }
+        if preference:  # the last logged step's DPO metrics, and the validation pairs' reward accuracy
+            last = self.history[-1] if self.history else self.last_row
+            summary["val_ppl"] = summary["train_ppl"] = None  # a preference loss has no perplexity
+            summary["dpo"] = {k: last.get(k) for k in dpo_lib.METRICS}
+            summary["dpo"]["val_rewards/accuracies"] = self.val.get("val_rewards/accuracies",
+                                                                    self.last_row.get("val_rewards/accuracies"))
         if entropy is not None and summary["val_loss"] is not None:
             summary["val_loss_below_unigram"] = entropy - summary["val_loss"]
         if self.per_source:  # a mixture: each source's validation loss, tokens and epochs
@@ -423,9 +439,11 @@ def sample_prompt(tokenizer, batch: dict, eot_id: int, words: int = 4) -> str:
     """A prompt like the run's data, for the next commands, from the first row of the validation sample
     (`batch`): the first example's prompt (prompt/completion data), or the first `words` tokens of the
     first validation document (text: the sample's first window starts the split, and so a document)."""
-    tokens = np.asarray(batch["tokens"][0])
+    tokens, weights = np.asarray(batch["tokens"][0]), np.asarray(batch["weights"][0])
+    if tokens.ndim == 2:  # a pair batch's first row: its chosen side
+        tokens, weights = tokens[0], weights[0]
     if "segments" in batch:  # the first example's prompt: its tokens before the first completion target
-        trained = np.flatnonzero(np.asarray(batch["weights"][0]) > 0)
+        trained = np.flatnonzero(weights > 0)
         prompt = tokens[:trained[0] + 1] if len(trained) else tokens[:words]
     else:
         prompt = tokens[:words]
@@ -435,12 +453,23 @@ def sample_prompt(tokenizer, batch: dict, eot_id: int, words: int = 4) -> str:
 
 def sample_words(summary: dict) -> str:
     """What the validation figures were measured on, in words: the whole split, or a sample spread over it."""
-    rows = "rows of examples" if summary.get("unigram_entropy_of", "").startswith("the completions") else "windows"
+    of_what = summary.get("unigram_entropy_of", "")
+    rows = ("rows of examples" if of_what.startswith("the completions") else "rows of pairs"
+            if of_what.startswith("preference") else "windows")
     n, of, tokens = summary["val_sample_windows"], summary.get("val_split_windows"), summary["val_sample_tokens"]
     if n == of:
         return f"the whole validation split ({n:,} {rows}, {tokens:,} tokens)"
     return (f"{n:,} of the validation split's {of:,} {rows}, spread evenly over it ({tokens:,} tokens; "
             "python eval.py measures the whole split)")
+
+
+def dpo_words(dpo: dict) -> str:
+    """The summary's DPO line: the last step's rewards and the validation pairs' reward accuracy."""
+    fmt = lambda x, spec: "n/a" if x is None else format(x, spec)  # noqa: E731
+    return (f"  DPO (the loss above is the pairs' preference loss; log 2 = 0.6931 at the start): rewards chosen "
+            f"{fmt(dpo['rewards/chosen'], '.4f')}, rejected {fmt(dpo['rewards/rejected'], '.4f')}, margin "
+            f"{fmt(dpo['rewards/margins'], '.4f')}, accuracy {fmt(dpo['rewards/accuracies'], '.2f')} (val "
+            f"{fmt(dpo['val_rewards/accuracies'], '.2f')})\n")
 
 
 def report(summary: dict) -> str:
@@ -455,6 +484,7 @@ def report(summary: dict) -> str:
         + ("".join(f"  {name}: val loss {fmt(each['val_loss'], '.4f')} (ppl {fmt(each['val_ppl'], '.2f')}), "
                    f"{each['tokens'] / 1e6:.2f}M tokens, {each['epochs']:.2f} epochs\n"
                    for name, each in summary["sources"].items()) if summary.get("sources") else
+           dpo_words(summary["dpo"]) if summary.get("dpo") else
            f"  unigram entropy of {summary.get('unigram_entropy_of', 'the corpus')} "
            f"{fmt(summary['unigram_entropy'], '.4f')} nats/token"
            + (f"; the val loss is {abs(gap):.3f} nats {'below' if gap >= 0 else 'above'} it" if gap is not None else "")
@@ -463,7 +493,8 @@ def report(summary: dict) -> str:
         + (f"\n  loss curve {summary['loss_plot']}" if summary.get("loss_plot") else "")
         + (("\nnext: " + (f"python eval.py --checkpoint {run} --tasks --no-perplexity    # zero-shot tasks (eval.py's "
                            f"perplexity is for running text; the loss on completions is above)\n"
-                           if summary.get("unigram_entropy_of", "").startswith("the completions") else
+                           if summary.get("unigram_entropy_of", "").startswith(("the completions", "preference"))
+                           else
                            f"python eval.py --checkpoint {run}    # perplexity on the validation split, at 1-8x the "
                            f"context\n"))
            + f"      python sample.py --checkpoint {run} --prompt {shlex.quote(summary.get('sample_prompt') or 'The')}\n"

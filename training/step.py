@@ -34,6 +34,7 @@ from layers import attention as attention_lib
 from layers import logical_axes
 from layers import lora as lora_lib
 from layers import loss as loss_lib
+from training import dpo as dpo_lib
 
 # the keys of a config.TrainingConfig that the learning rate of a step depends on
 SCHEDULE_KEYS = ("steps", "schedule", "lr", "min_lr", "warmup_steps", "decay_fraction")
@@ -210,13 +211,49 @@ def make_init_state(mcfg: model_lib.GPTConfig, tx, lora=None):
     return init_state
 
 
+def make_token_logps(mcfg: model_lib.GPTConfig, lora=None):
+    """token_logps(params, tokens (B, T+1), dropout_key=None, **masking) -> float32 (B, T): each next token's
+    log-probability under the model of the pure dict `params` (model.GPT.token_logps), traced inside jit."""
+    abstract_model = nnx.eval_shape(lambda: model_lib.GPT(mcfg, lora=lora, rngs=nnx.Rngs(0)))
+    graphdef, abstract_vars = nnx.split(abstract_model)
+
+    def token_logps(params, tokens, dropout_key=None, **masking):
+        variables = jax.tree.map(lambda v: v, abstract_vars)
+        nnx.replace_by_pure_dict(variables, params)
+        return nnx.merge(graphdef, variables).token_logps(tokens[:, :-1], tokens[:, 1:], dropout_key=dropout_key,
+                                                          **masking)
+
+    return token_logps
+
+
+def lm_objective(loss_fn, fcm_max_ratio: float = 0.0, joined=None):
+    """objective(params, rows, dropout_key, frozen, fcm_key=None) -> (summed next-token loss, {"n": tokens counted})
+    for make_train_step, from a `make_loss` function; `joined(params, frozen)` the full parameters (LoRA)."""
+    masked_loss = make_masked_loss(loss_fn, fcm_max_ratio)
+
+    def objective(params, rows, dropout_key, frozen, fcm_key=None):
+        rows = rows if isinstance(rows, dict) else {"tokens": rows}  # plain tokens without FCM get no mask
+        full = params if joined is None else joined(params, frozen)
+        loss, n = masked_loss(full, rows, dropout_key, fcm_key)
+        return loss * n, {"n": n}
+
+    objective.sums = ("n",)  # the names of the sums it returns beside the loss
+    return objective
+
+
 def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activations=None, fcm_max_ratio: float = 0.0,
-                    schedule: Callable | None = None):
+                    schedule: Callable | None = None, objective=None):
     """train_step(state, batch) -> (state, {"loss", "grad_norm"}, and "lr" given the `schedule`), to be
     jitted by the caller; `loss_fn` is a `make_loss` function. The learning rate the update used comes
     back with the metrics, so that logging it asks the device for nothing more. For LoRA,
     train_step(state, batch, base): the loss sees base and adapters (state["params"]) joined, and only
     the adapters get gradients and updates.
+
+    `objective(params, rows, dropout_key, frozen) -> (summed loss, {"n": count, other sums})`, whose
+    attribute `sums` names those sums, replaces the
+    next-token loss (lm_objective) where given, e.g. DPO's (dpo.make_objective), with train_step(state,
+    batch, frozen): the loss is the sum over the batch divided by the summed count, and every other sum is
+    a metric, divided by it too.
 
     Gradient accumulation over `micro_batches` pieces in a scan. `grad_sharding` (a pytree of
     shardings like the params, or None) constrains the gradients: at ZeRO stages 2 and 3 the
@@ -225,46 +262,45 @@ def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activat
     a share of past keys is masked. The loss is the mean over counted tokens of the whole batch.
     """
     M = micro_batches
-    masked_loss = make_masked_loss(loss_fn, fcm_max_ratio)
+    if objective is None:
+        objective = lm_objective(loss_fn, fcm_max_ratio, joined=lambda p, base: p if base is None
+                                 else lora_lib.join(base, p))
+    fcm = fcm_max_ratio > 0
 
     def constrain_grads(grads):
         return grads if grad_sharding is None else jax.lax.with_sharding_constraint(grads, grad_sharding)
 
-    def train_step(state, batch, base=None):
+    def train_step(state, batch, frozen=None):
         if activations is None:
-            return _train_step(state, batch, base)
+            return _train_step(state, batch, frozen)
         with logical_axes.activation_sharding(activations):
-            return _train_step(state, batch, base)
+            return _train_step(state, batch, frozen)
 
-    def _train_step(state, batch, base):
+    def _train_step(state, batch, frozen):
         params = state["params"]
-        joined = (lambda p: p) if base is None else (lambda p: lora_lib.join(base, p))  # noqa: E731
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
         # micro-batch i takes rows i, i+M, i+2M, ...: every device's contiguous block of rows
         # splits into M pieces in place, so each micro-batch spans all data-parallel devices
         micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1), batch)  # (M, B/M, ...)
 
-        def token_loss_sum(p, rows, i):
-            """rows: tokens (b, T+1), or a prompt/completion dict {tokens, weights, segments}; plain tokens
-            without FCM get no mask (attention_mask gives none)."""
-            rows = rows if isinstance(rows, dict) else {"tokens": rows}
+        def summed(p, rows, i):
             # FCM's key: fold_in(key, M + i) differs from every micro-batch's dropout key
-            fcm_key = jax.random.fold_in(key, M + i) if fcm_max_ratio > 0 else None
-            loss, n = masked_loss(joined(p), rows, jax.random.fold_in(key, i), fcm_key)
-            return loss * n, n
+            extra = {"fcm_key": jax.random.fold_in(key, M + i)} if fcm else {}
+            return objective(p, rows, jax.random.fold_in(key, i), frozen, **extra)
 
         def accumulate(carry, xs):
-            grads, loss_sum, n_sum = carry
-            i, tokens = xs
-            (loss, n), g = jax.value_and_grad(token_loss_sum, has_aux=True)(params, tokens, i)
+            grads, loss_sum, sums = carry
+            i, rows = xs
+            (loss, aux), g = jax.value_and_grad(summed, has_aux=True)(params, rows, i)
             grads = constrain_grads(jax.tree.map(jnp.add, grads, constrain_grads(g)))
-            return (grads, loss_sum + loss, n_sum + n), None
+            return (grads, loss_sum + loss, jax.tree.map(jnp.add, sums, aux)), None
 
         zeros = (constrain_grads(jax.tree.map(jnp.zeros_like, params)), jnp.zeros((), jnp.float32),
-                 jnp.zeros((), jnp.float32))
-        (grads, loss_sum, n), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(M), micro))
+                 {k: jnp.zeros((), jnp.float32) for k in objective.sums})
+        (grads, loss_sum, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(M), micro))
+        n = sums["n"]
         with jax.named_scope("optimizer"):  # a profile's name for what follows the gradients
-            grads = jax.tree.map(lambda g: g / n, grads)  # mean over every token of the batch
+            grads = jax.tree.map(lambda g: g / n, grads)  # mean over every token (or pair) of the batch
             grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))  # before clipping
             updates, opt_state = tx.update(grads, state["opt_state"], params)
             new_params = optax.apply_updates(params, updates)
@@ -274,7 +310,8 @@ def make_train_step(loss_fn, tx, micro_batches: int, grad_sharding=None, activat
             "step": state["step"] + 1,
             "rng": state["rng"],
         }
-        metrics = {"loss": loss_sum / n, "grad_norm": grad_norm}
+        metrics = {"loss": loss_sum / n, "grad_norm": grad_norm,
+                   **{k: v / jnp.maximum(n, 1.0) for k, v in sums.items() if k != "n"}}
         if schedule is not None:
             metrics["lr"] = schedule(state["step"])
         return new_state, metrics
@@ -340,6 +377,11 @@ class Built:
     # LoRA only: the frozen base's shapes and dtypes (training.lora.base_dtype), and its shardings
     abstract_base: dict | None = None
     base_sharding: dict | None = None
+    # what the steps' third argument is: None, "base" (LoRA's frozen base) or "reference" (DPO's frozen copy of
+    # init_from's model, where its log-probabilities are computed in each step)
+    frozen_kind: str | None = None
+    # DPO: (LoRA's base or the reference's params, pair batch) -> the reference's (B, 2, K) log-probabilities
+    reference_step: Callable | None = None
 
     def place_base(self, params: dict) -> dict:
         """The base model's parameters (numpy, float32: weights.Weights.load_params's) in their dtypes, placed."""
@@ -392,18 +434,47 @@ def _build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int) -> Bu
     batch_sharding = sharding_lib.batch_sharding(mesh)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     activations = sharding_lib.activation_rules(mesh)
+    objective = reference_step = None
+    frozen_kind = None if lora is None else "base"
+    if t.objective == "dpo":  # the reference: LoRA's base with its adapters off, else a frozen copy (or precomputed)
+        dpo = t.dpo_settings
+        token_logps = make_token_logps(mcfg, lora)
+        if lora is not None:
+            joined = lambda p, base: lora_lib.join(base, p)  # noqa: E731
+            reference_of = lambda p, base: lora_lib.join(base, jax.tree.map(jnp.zeros_like, p))  # noqa: E731
+        else:
+            joined = lambda p, _: p  # noqa: E731
+            reference_of = lambda _, reference: reference  # noqa: E731
+            if not dpo.precompute_reference:  # the reference's parameters, placed as the params are
+                frozen, frozen_kind = (state_sharding["params"],), "reference"
+        objective = dpo_lib.make_objective(token_logps, dpo, joined, reference_of)
+        adapters = abstract_state["params"]
+
+        @functools.partial(jax.jit, in_shardings=(frozen[0] if frozen else state_sharding["params"], batch_sharding),
+                           out_shardings=replicated)
+        def reference_step(weights, batch):
+            """The reference's (B, 2, K) log-probabilities of a pair batch (precompute_reference): `weights` is
+            LoRA's base, or else the reference's own parameters."""
+            with logical_axes.activation_sharding(activations):
+                if lora is not None:
+                    weights = lora_lib.join(weights, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), adapters))
+                return dpo_lib.sequence_logps(token_logps, weights, batch)[0]
     # gradient accumulation over micro-batches inside one jitted, state-donating step; at ZeRO stages
     # 2 and 3 the gradients' shardings make the data-parallel reduction a reduce-scatter
     train_step = make_train_step(loss_fn, tx, t.micro_batches, grad_sharding, activations,
-                                 fcm_max_ratio=t.fcm_max_ratio, schedule=schedule)
+                                 fcm_max_ratio=t.fcm_max_ratio, schedule=schedule, objective=objective)
     masked_loss = make_masked_loss(loss_fn)  # validation: no FCM
 
     @functools.partial(jax.jit, in_shardings=(state_sharding["params"], batch_sharding, *frozen),
                        out_shardings=replicated)
-    def eval_step(params, batch, base=None):
-        """Summed loss and count of a validation batch: no dropout, no FCM; segments kept apart."""
+    def eval_step(params, batch, frozen=None):
+        """Summed loss and count of a validation batch: no dropout, no FCM; segments kept apart. DPO: the
+        summed loss, the pairs, and the summed reward accuracy."""
         with logical_axes.activation_sharding(activations):
-            loss, n = masked_loss(params if base is None else lora_lib.join(base, params), batch)
+            if objective is not None:
+                loss, sums = objective(params, batch, None, frozen)
+                return jnp.stack([loss, sums["n"], sums["rewards/accuracies"]])
+            loss, n = masked_loss(params if frozen is None else lora_lib.join(frozen, params), batch)
         return loss * n, n
 
     # the initial state's program runs once: on the CPU compiled without LLVM's optimisations, which take
@@ -424,6 +495,7 @@ def _build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int) -> Bu
         description=sharding_lib.describe(abstract_state, state_sharding, mesh, zero_stage, fallbacks)
         + ("" if lora is None else "\n" + describe_base(abstract_base, base_sharding, mesh, lora)),
         loss_chunk=chunk, abstract_base=abstract_base, base_sharding=base_sharding,
+        frozen_kind=frozen_kind, reference_step=reference_step,
     )
 
 
