@@ -440,3 +440,18 @@ def test_a_resume_with_the_reference_in_the_step_is_exact(setup, tmp_path):
     trained = lambda run: [{k: v for k, v in deterministic(r).items() if not k.startswith("val_")}  # noqa: E731
                            for r in rows(run)]  # (the shorter run evaluated at its own last step, 2)
     assert trained(tmp_path / "a") == trained(tmp_path / "b")
+
+
+def test_two_processes_train_as_one(setup, precomputed, tmp_path):
+    """2 processes x 4 CPU devices with a precomputed reference (each computes its rows' share, process 0
+    writes the table): the steps of 1 process x 8 devices."""
+    from test_multihost import finish, two_processes
+    run, args = precomputed
+    multi = tmp_path / "multi"
+    outs = finish(two_processes(without(args, "run_dir") + [f"run_dir={multi}"], devices=4))
+    assert "2 process(es)" in outs[0][0]
+    np.testing.assert_array_equal(np.load(multi / dpo_reference.REFERENCE_FILE)["train"],
+                                  np.load(run / dpo_reference.REFERENCE_FILE)["train"])
+    for a, b in zip(rows(run), rows(multi)):
+        for key in ("loss", *dpo_lib.METRICS):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
