@@ -177,6 +177,24 @@ def test_resume_is_exact(finished_run, corpus, tmp_path, capsys):
         np.testing.assert_array_equal(x, y)
 
 
+
+def test_a_checkpointed_steps_row_cut_off_comes_back_from_its_checkpoint(finished_run, tmp_path, capsys):
+    """The row of the checkpoint's own step cut off in the log (a kill or a full disk during its write): the resume
+    puts it back from the checkpoint, which holds it, and the log goes on without a gap."""
+    cut = tmp_path / "cut"
+    shutil.copytree(finished_run, cut)
+    shutil.rmtree(cut / "checkpoints" / "8")
+    lines = (cut / "metrics.jsonl").read_text().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if json.loads(line)["step"] == 4)
+    (cut / "metrics.jsonl").write_text("".join(lines[:at]) + lines[at][: len(lines[at]) // 2])
+    assert train.main(["--resume", f"run_dir={cut}"]) == 0
+    said = capsys.readouterr().out
+    assert "its last line was cut off" in said and "step 4's row was missing; put back from its checkpoint" in said
+    straight, resumed = rows(finished_run), rows(cut)
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert resumed[3] == straight[3]  # the very row, timings too
+    assert [deterministic(r) for r in resumed] == [deterministic(r) for r in straight]
+
 def test_a_start_and_a_resume_read_the_data_directorys_index_and_tokenizer_once(corpus, tmp_path):
     """The data directory is opened once per process and handed to whatever reads it (the run record, the
     loaders, the summary): `python train.py` and `python train.py --resume` each open index.json and

@@ -365,6 +365,12 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
                     run_dir.weights.save_lora_base(base_record)
         if metrics_file.torn is not None:
             say(f"{run_dir.dir.show(rundir.METRICS)}: its last line was cut off (a stop during its write); dropped it")
+        logged = metrics_file.rows[-1]["step"] if metrics_file.rows else 0
+        if args.resume and last_ckpt is not None and logged < start_step and (row := ckpts.row(start_step)):
+            metrics_file.append(row)  # the restored step's row, lost from the log (cut off, or the log lost)
+            metrics_file.rows.append(row)
+            say(f"{run_dir.dir.show(rundir.METRICS)}: step {start_step}'s row was missing; put back from its "
+                f"checkpoint")
     wandb_run = run_dir.start_wandb(cfg) if is_main and cfg.wandb.mode != "disabled" else None
     n_params = model_lib.param_count(mcfg)
     say(f"model {cfg.model_name}: {n_params / 1e6:.2f}M parameters, context {seq_len}; "
@@ -392,7 +398,8 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
             steps.log(steps.read())
         steps.check_finite(fns.all_finite(state["params"]))
         steps.flush()  # the log holds this step's row before its checkpoint can exist
-        ckpts.save(steps.step, state, tokens=steps.tokens(steps.step))
+        row = steps.last_row if steps.last_row.get("step") == steps.step else None  # (process 0's; None elsewhere)
+        ckpts.save(steps.step, state, tokens=steps.tokens(steps.step), row=row)
         steps.saved()
 
     # closed in reverse: the last save completes, even on an error (but one of one process among several)

@@ -153,6 +153,14 @@ class Checkpoints:
         tokens = self.custom_metadata(step).get(fingerprints_lib.TOKENS)
         return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= step else None
 
+    def row(self, step: int) -> dict | None:
+        """The metrics row checkpoint `step` was saved with (None: saved before rows were kept, or unreadable)."""
+        try:
+            row = self.custom_metadata(step).get(fingerprints_lib.ROW)
+        except (OSError, ValueError):
+            return None
+        return row if isinstance(row, dict) and row.get("step") == step else None
+
     def custom_metadata(self, step: int) -> dict:
         """Checkpoint `step`'s own metadata as this project writes it: the custom part of its
         _CHECKPOINT_METADATA, which orbax writes into every checkpoint (a format 1 one's is empty). A file
@@ -273,10 +281,10 @@ class Saver(Checkpoints):
             super().close()
         self.purge_deleted()
 
-    def save(self, step: int, state, tokens: int | None = None) -> None:
+    def save(self, step: int, state, tokens: int | None = None, row: dict | None = None) -> None:
         """Save `state` as checkpoint `step` (asynchronously if so opened), with the fingerprint of every
-        array and the `tokens` trained so far in its metadata; then finish deleting the checkpoints that
-        rotation retired. The save before it must have completed: a RunError if it did not."""
+        array, the `tokens` trained so far and the step's metrics `row` in its metadata; then finish deleting
+        the checkpoints that rotation retired. The save before it must have completed: a RunError if it did not."""
         import orbax.checkpoint as ocp
 
         mngr = self.manager()
@@ -286,7 +294,7 @@ class Saver(Checkpoints):
         SAVE_ERRORS.messages.clear()  # what is reported from here on is this save's
         try:
             mngr.save(step, args=ocp.args.StandardSave(state), force=True,
-                      custom_metadata=fingerprints_lib.metadata(state, tokens))
+                      custom_metadata=fingerprints_lib.metadata(state, tokens, row))
         except Exception as e:  # a synchronous save that failed
             SAVE_ERRORS.messages.append(str(e))
             self.wait()

@@ -25,6 +25,7 @@ from store import formats
 
 FINGERPRINTS = "fingerprints"  # the key of a checkpoint's custom metadata that holds them
 TOKENS = "tokens"  # ... and the one of the tokens trained up to it (context and batch may change on resume)
+ROW = "row"  # ... and the step's row of metrics.jsonl, which a resume puts back where the log lost it
 METADATA = "#metadata"  # the fingerprint, among the arrays', of the rest of the metadata (format, tokens)
 
 
@@ -78,10 +79,12 @@ def _fingerprint_fn():
     return jax.jit(lambda leaves: [one(x) for x in leaves])
 
 
-def metadata(state, tokens: int | None) -> dict:
+def metadata(state, tokens: int | None, row: dict | None = None) -> dict:
     """The custom metadata a checkpoint of `state` is saved with: this code's format, the tokens trained up
-    to it, and the fingerprints of every array and of that metadata itself (METADATA)."""
-    custom = {**formats.record(), **({TOKENS: int(tokens)} if tokens is not None else {})}
+    to it, the step's metrics row (`row`), and the fingerprints of every array and of that metadata itself
+    (METADATA)."""
+    custom = {**formats.record(), **({TOKENS: int(tokens)} if tokens is not None else {}),
+              **({ROW: row} if row is not None else {})}
     return {**custom, FINGERPRINTS: {**fingerprints(state), METADATA: metadata_fingerprint(custom)}}
 
 
