@@ -43,7 +43,7 @@ MIN_BUCKET = 16  # the shortest padded prompt; buckets double up to the context
 
 
 def cache_bytes(cfg: GPTConfig, slots: int, context: int) -> int:
-    """The KV cache's bytes: keys and values, (slots, context, K, D) a layer, in the compute dtype."""
+    """The KV cache's bytes: keys and values, (slots, K, context, D) a layer, in the compute dtype."""
     return 2 * cfg.N * slots * context * cfg.kv_heads * cfg.head_dim * np.dtype(DTYPES[cfg.dtype]).itemsize
 
 
@@ -178,10 +178,6 @@ class Engine:
         keys = jax.random.wrap_key_data(key_data)
         k = TOP_MAX if tops else 1
 
-        def one(tok, p, ks, vs):  # one slot's decode step: its token at its position, its own cache rows
-            logits, c = model.decode(tok[None, None], {"k": tuple(x[None] for x in ks), "v": tuple(x[None] for x in vs)}, p)
-            return logits[0, 0], tuple(x[0] for x in c["k"]), tuple(x[0] for x in c["v"])
-
         def pick(logits, count):
             token, logp = self._pick(logits, keys, count, temp, top_p)
             chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
@@ -195,13 +191,14 @@ class Engine:
             return (c["i"] < steps) & ~jnp.all(c["done"])
 
         def body(c):
-            logits, ks, vs = jax.vmap(one)(c["token"], c["pos"], c["rows"]["k"], c["rows"]["v"])
-            new, lp, top_ids, top_lp = pick(logits, c["count"])
+            # every slot's token at its own position (model.decode with a position a row), reading its own rows
+            logits, rows = model.decode(c["token"][:, None], c["rows"], c["pos"])
+            new, lp, top_ids, top_lp = pick(logits[:, 0], c["count"])
             live = ~c["done"]
             new = jnp.where(live, new, c["token"])
             count = c["count"] + live
             i = c["i"]
-            return {"i": i + 1, "rows": {"k": ks, "v": vs},
+            return {"i": i + 1, "rows": rows,
                     "token": new, "pos": c["pos"] + live, "count": count,
                     "done": c["done"] | (live & ((new == self.eot) | (count >= limit))),
                     "out": c["out"].at[i].set(new), "lp": c["lp"].at[i].set(lp),
