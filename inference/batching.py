@@ -65,8 +65,9 @@ class Sequence:
     (`echo`). `deliver(event)` is called from the engine's thread with each event, in order:
     ("prompt", logprobs (T0,) float32 with NaN first, top ids (T0, top), top logprobs) when echo,
     ("tokens", ids, logprobs, top ids (n, top), top logprobs (n, top)) for each run of new tokens (never the
-    end-of-text token), ("end", "stop" | "length") after its end-of-text token or max_tokens, or ("error",
-    message) when the engine stops under it. A cancelled one gets nothing more."""
+    end-of-text token; the logprobs NaN unless `logprobs` or `top`), ("end", "stop" | "length") after its
+    end-of-text token or max_tokens, or ("error", message) when the engine stops under it. A cancelled one gets
+    nothing more."""
     prompt: list[int]
     max_tokens: int
     deliver: Callable[[tuple], None]
@@ -75,6 +76,7 @@ class Sequence:
     seed: int = 0
     top: int = 0
     echo: bool = False
+    logprobs: bool = True  # whether it wants its new tokens' logprobs (a decode step computes them only if some slot does)
     cancelled: bool = False
 
 
@@ -110,19 +112,22 @@ class Engine:
         self.step_seconds = 1e-3  # one decode step's time, measured as chunks run
         self.room = device_memory()[0] - weight_bytes(cfg) - cache_bytes(cfg, slots, context)  # for a prefill
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("tops",), donate_argnums=1)
-        self._chunk = jax.jit(self._chunk_fn, static_argnames=("width", "tops"), donate_argnums=1)
+        self._chunk = jax.jit(self._chunk_fn, static_argnames=("width", "tops", "logprobs"), donate_argnums=1)
 
     # -- the device programs ---------------------------------------------------------------------
 
-    def _pick(self, logits, keys, counts, temp, top_p):
+    def _pick(self, logits, keys, counts, temp, top_p, logprobs: bool = True):
         """The next token of each row (W,) int32 from float32 logits (W, V_padded), each row with its own
         temperature (0: greedy), top-p and key (folded with `counts`, the index of the token drawn), and the
-        rows' log-softmax over the real vocabulary (W, V_padded). The sampling's work (the draws, the sort
-        for top-p) runs only when some row needs it."""
+        rows' log-softmax over the real vocabulary (W, V_padded; None unless `logprobs`). The sampling's work
+        (the draws, the sort for top-p) runs only when some row needs it."""
         ids = jnp.arange(logits.shape[-1])
         logits = jnp.where(ids < self.cfg.vocab_size, logits, -jnp.inf)
-        logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True) if logprobs else None
+        # argmax's token (the first of the largest logits) from two plain reductions: XLA's CPU argmax, one
+        # reduction over (value, index) pairs, took as long as the output head's product at 16 slots
+        best = jnp.max(logits, axis=-1, keepdims=True)
+        greedy = jnp.min(jnp.where(logits == best, ids, logits.shape[-1] - 1), axis=-1).astype(jnp.int32)
 
         def nucleus(scaled):
             ordered = -jnp.sort(-scaled, axis=-1)
@@ -169,18 +174,20 @@ class Engine:
         return cache, token, logp[token], top_ids, top_lp, picked, prompt_top_ids, prompt_top_lp
 
     def _chunk_fn(self, state, cache, token, pos, count, limit, done, temp, top_p, key_data, steps, *, width: int,
-                  tops: bool):
+                  tops: bool, logprobs: bool = True):
         """Up to `steps` decode steps of the first `width` slots (each slot at its own position), stopping early
-        when every one has ended. Returns (cache, new tokens (CHUNK_MAX, width), their logprobs, top ids and
-        logprobs (CHUNK_MAX, width, TOP_MAX or 1), steps run, and the slots' token, pos, count, done after)."""
+        when every one has ended. Returns (cache, new tokens (CHUNK_MAX, width), their logprobs (NaN unless
+        `logprobs` or `tops`), top ids and logprobs (CHUNK_MAX, width, TOP_MAX or 1), steps run, and the slots'
+        token, pos, count, done after)."""
         model = nnx.merge(self.graphdef, state)
         rows = {name: tuple(c[:width] for c in cache[name]) for name in cache}
         keys = jax.random.wrap_key_data(key_data)
         k = TOP_MAX if tops else 1
 
         def pick(logits, count):
-            token, logp = self._pick(logits, keys, count, temp, top_p)
-            chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+            token, logp = self._pick(logits, keys, count, temp, top_p, logprobs or tops)
+            chosen = (jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0] if logp is not None
+                      else jnp.full(token.shape, jnp.nan))
             if tops:
                 top_lp, top_ids = jax.lax.top_k(logp, k)
             else:
@@ -224,16 +231,17 @@ class Engine:
         return min(b, self.context)
 
     def warm_up(self, tops: bool = False) -> float:
-        """Compile now, before any request: the prefill of the shortest bucket and the chunk of every width
-        (with the top alternatives too when `tops`). Returns the seconds taken."""
+        """Compile now, before any request: the prefill of the shortest bucket and the chunk of every width,
+        with and without the new tokens' logprobs (with the top alternatives too when `tops`). Returns the
+        seconds taken."""
         began = time.perf_counter()
-        for with_tops in sorted({False, tops}):
+        for with_tops, logprobs in [(False, False), (False, True)] + [(True, True)] * tops:
             self._admit(Sequence([0], 1, lambda event: None, temperature=0.0, top=TOP_MAX if with_tops else 0), 0)
             for width in self.widths:  # every slot ended: each compiles, none runs a step
                 w = slice(0, width)
                 self.cache, *_ = self._chunk(self.state, self.cache, self.token[w], self.pos[w], self.count[w],
                                              self.limit[w], self.done[w], self.temp[w], self.top_p[w], self.keys[w],
-                                             np.int32(1), width=width, tops=with_tops)
+                                             np.int32(1), width=width, tops=with_tops, logprobs=logprobs)
         jax.block_until_ready(self.cache)
         return time.perf_counter() - began
 
@@ -350,12 +358,13 @@ class Engine:
         last = used[-1]
         width = next(w for w in self.widths if w > last)
         tops = any(s is not None and s.top for s in self.seqs[:width])
+        logprobs = any(s is not None and s.logprobs for s in self.seqs[:width])
         steps = int(min(CHUNK_MAX, max(1, CHUNK_SECONDS / self.step_seconds)))
         w = slice(0, width)
         began = time.perf_counter()
         (self.cache, out, lp, top_ids, top_lp, ran, token, pos, count, done) = self._chunk(
             self.state, self.cache, self.token[w], self.pos[w], self.count[w], self.limit[w], self.done[w],
-            self.temp[w], self.top_p[w], self.keys[w], np.int32(steps), width=width, tops=tops)
+            self.temp[w], self.top_p[w], self.keys[w], np.int32(steps), width=width, tops=tops, logprobs=logprobs)
         ran = int(ran)  # waits for the chunk
         if ran:
             self.step_seconds = 0.7 * self.step_seconds + 0.3 * (time.perf_counter() - began) / ran
