@@ -5,7 +5,7 @@ completion of one prompt) waits in a queue until a slot is free; its prompt is t
 slot's row in one call (padded on the right to a length bucket, 16, 32, ... up to the context: the
 padding's keys lie beyond the prompt, where the slot's own tokens overwrite them before any query sees
 them), which also draws its first token. From then on every decode step advances every active slot by
-one token, each at its own position (the model's decode, vmapped over the slots), drawing each slot's
+one token, each at its own position (one call of the model's decode over the slots, a position a row), drawing each slot's
 next token with that slot's own settings (temperature, top-p, its own key folded with the token's index).
 A step runs only the first `width` slots (1, 4, 16, ...: the smallest that holds every active one; slots
 are given lowest first), so a lone request pays for one row, not sixteen.
