@@ -5,9 +5,9 @@ completion of one prompt) waits in a queue until a slot is free; its prompt is t
 slot's row in one call (padded on the right to a length bucket, 16, 32, ... up to the context: the
 padding's keys lie beyond the prompt, where the slot's own tokens overwrite them before any query sees
 them), which also draws its first token. From then on every decode step advances every active slot by
-one token, each at its own position (one call of the model's decode over the slots, a position a row), drawing each slot's
-next token with that slot's own settings (temperature, top-p, its own key folded with the token's index).
-A step runs only the first `width` slots (1, 4, 16, ...: the smallest that holds every active one; slots
+one token, each at its own position (one call of the model's decode over the slots, a position a row),
+drawing each slot's next token with that slot's own settings (temperature, top-p, its own key folded with
+the token's index). A step runs only the first `width` slots (1, 4, 16, ...: the smallest that holds every active one; slots
 are given lowest first), so a lone request pays for one row, not sixteen.
 
 The steps run a chunk at a time on the device (a while_loop of up to CHUNK_MAX steps, sized to take about
@@ -76,7 +76,7 @@ class Sequence:
     seed: int = 0
     top: int = 0
     echo: bool = False
-    logprobs: bool = True  # whether it wants its new tokens' logprobs (a decode step computes them only if some slot does)
+    logprobs: bool = True  # whether it wants its new tokens' logprobs (a step computes them only if a slot does)
     cancelled: bool = False
 
 

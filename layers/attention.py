@@ -132,9 +132,9 @@ def apply_rotary(x: jax.Array, rope: tuple[jax.Array, jax.Array], interleaved: b
 
 def _attend(q, k, v, q_pos, k_pos, cfg, dropout_key=None, mask=None, heads_first: bool = False) -> jax.Array:
     """The reference attention: queries q (B, Tq, H, D) at positions q_pos (Tq,) (or (B, Tq): each row's
-    own), keys and values (B, Tk, K, D) at k_pos (Tk,), or (B, K, Tk, D) with `heads_first` (the KV cache's layout); query i
-    sees key j iff j <= i (and, with a `Masking`, where its segment ids match), with -slope * (i - j)
-    under ALiBi. Query head h reads key/value head h // (H / K)."""
+    own), keys and values (B, Tk, K, D) at k_pos (Tk,), or (B, K, Tk, D) with `heads_first` (the KV cache's
+    layout); query i sees key j iff j <= i (and, with a `Masking`, where its segment ids match), with
+    -slope * (i - j) under ALiBi. Query head h reads key/value head h // (H / K)."""
     B, Tq, H, D = q.shape
     K, Tk = (k.shape[1], k.shape[2]) if heads_first else (k.shape[2], k.shape[1])
     kv = "bksd" if heads_first else "bskd"
