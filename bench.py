@@ -114,14 +114,15 @@ def _record(name: str, out: pathlib.Path, argv: list[str], results: dict, summar
               "| date | benchmark | machine | command | results | file |",
               "| --- | --- | --- | --- | --- | --- |"]
     lines = table.read_text().splitlines() if table.exists() else header
-    if header[-1] not in lines:
+    # the table is the one under this header row: other tables' separators may look like its own
+    if not any(a == header[-2] and b == header[-1] for a, b in zip(lines, lines[1:])):
         raise BenchError(f"{table} has no results table; move it aside and run again")
     where = (f"{results['device_kind']}" if results.get("platform") == "gpu"
              else f"{machine['cpu']}, {machine['usable_cores']} cores")  # the device that was measured
     flags = os.environ.get("XLA_FLAGS")  # they change what is measured: shown with the command
     shown = f"XLA_FLAGS={shlex.quote(flags)} {command}" if flags else command
     row = f"| {now:%Y-%m-%d %H:%M} | {name} | {machine['host']}: {where} | `{shown}` | {summary} | {path.name} |"
-    at = lines.index(header[-1]) + 1
+    at = next(i for i in range(len(lines) - 1) if lines[i] == header[-2] and lines[i + 1] == header[-1]) + 2
     table.write_text("\n".join(lines[:at] + [row] + lines[at:]) + "\n")
     return path
 

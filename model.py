@@ -331,13 +331,22 @@ class Attention(nnx.Module):
             return self.out(y, _fold(lora_key, 2))  # (B, T, d)
 
     def decode(self, x: jax.Array, rope, k_cache: jax.Array, v_cache: jax.Array, pos: jax.Array):
-        """Attention of x (B, T, d) at positions pos..pos+T-1 over a cache (B, L, K, D) of earlier keys.
+        """Attention of x (B, T, d) at positions pos..pos+T-1 over a cache (B, K, L, D) of earlier keys; pos a
+        scalar, or (B,): each row at its own position.
 
         Writes this input's keys and values into the caches at pos and returns (y (B, T, d), k_cache, v_cache).
         """
         q, k, v = self.qkv(x, rope)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, pos, 0, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, pos, 0, 0))
+        if pos.ndim == 0:  # one block of positions for every row: (B, K, T, D) into the cache's layout
+            k, v = (jnp.swapaxes(a, 1, 2).astype(k_cache.dtype) for a in (k, v))
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k, (0, 0, pos, 0))
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v, (0, 0, pos, 0))
+        else:  # row b's T tokens at pos[b]..: a scatter, in place, of (B, T, K, D) at [b, :, pos[b] + t]
+            rows, at = jnp.arange(x.shape[0])[:, None], pos[:, None] + jnp.arange(x.shape[1])  # (B, 1), (B, T)
+            k_cache = k_cache.at[rows, :, at].set(k.astype(k_cache.dtype), indices_are_sorted=True,
+                                                  unique_indices=True, mode="promise_in_bounds")
+            v_cache = v_cache.at[rows, :, at].set(v.astype(v_cache.dtype), indices_are_sorted=True,
+                                                  unique_indices=True, mode="promise_in_bounds")
         y = cached_attention(q, k_cache, v_cache, pos, self.cfg)  # (B, T, H, D)
         return self.out(y), k_cache, v_cache
 
@@ -466,7 +475,8 @@ class GPT(nnx.Module):
             return logical_constraint(self.ln_f(x), ("batch", "length", "embed"))  # (B, T, d)
 
     def _embed(self, tokens: jax.Array, pos, length: int, segment_ids=None) -> jax.Array:
-        """Embeddings of tokens (B, T) at positions pos..pos+T-1, in the compute dtype: (B, T, d).
+        """Embeddings of tokens (B, T) at positions pos..pos+T-1 (pos a scalar, or (B,): each row's own), in the
+        compute dtype: (B, T, d).
 
         `length` is how far the sequence reaches; a learned-position model refuses more than block_size.
         With segment_ids (B, T), learned positions count from each segment's start instead.
@@ -480,7 +490,9 @@ class GPT(nnx.Module):
                     f"model; only ALiBi and rotary models run beyond their training context"
                 )
             offset = cfg.position_offset
-            if segment_ids is None:  # (T, d) over the batch
+            if jnp.ndim(pos) == 1:  # each row at its own position pos[b] (B,): (B, T, d)
+                x = x + jnp.take(self.wpe[...], pos[:, None] + jnp.arange(tokens.shape[1]) + offset, axis=0)
+            elif segment_ids is None:  # (T, d) over the batch
                 x = x + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos + offset, tokens.shape[1])
             else:
                 x = x + jnp.take(self.wpe[...], segment_positions(segment_ids) + offset, axis=0)  # (B, T, d)
@@ -533,17 +545,18 @@ class GPT(nnx.Module):
             return -optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
     def decode(self, tokens: jax.Array, cache: dict, pos) -> tuple[jax.Array, dict]:
-        """Logits for tokens (B, T) at positions pos..pos+T-1, given a KV cache of the pos tokens before.
+        """Logits for tokens (B, T) at positions pos..pos+T-1, given a KV cache of the pos tokens before; pos a
+        scalar, or (B,) int: row b's tokens at pos[b]..pos[b]+T-1, each row on its own (serve.py's slots).
 
-        `cache` is `init_cache(...)` or a previous decode's: {"k", "v"}: N arrays (B, L, K, D), one a layer. Returns
+        `cache` is `init_cache(...)` or a previous decode's: {"k", "v"}: N arrays (B, K, L, D), one a layer. Returns
         (float32 logits (B, T, V_padded), the cache with these tokens' keys and values at pos..pos+T-1).
         The caller keeps pos + T <= L (nothing is checked on traced positions). Prefill a prompt with
         one call at pos 0, then feed one token per call: the logits equal `__call__`'s on the whole
         sequence at those positions. No dropout.
         """
         pos = jnp.asarray(pos, jnp.int32)
-        x = self._embed(tokens, pos, cache["k"][0].shape[1])  # the cache's length bounds the positions
-        rope = rotary_angles(self.config, pos + jnp.arange(tokens.shape[1]))
+        x = self._embed(tokens, pos, cache["k"][0].shape[2])  # the cache's length bounds the positions
+        rope = rotary_angles(self.config, pos[..., None] + jnp.arange(tokens.shape[1]))  # (T,) or (B, T) positions
         ks, vs = [], []
         for block, k, v in zip(self.blocks, cache["k"], cache["v"]):  # each layer's own arrays, updated in place
             x, k, v = block.decode(x, rope, k, v, pos)
@@ -565,11 +578,13 @@ def adapted_kernels(config: GPTConfig, lora) -> dict:
 
 
 def init_cache(config: GPTConfig, batch: int, max_len: int) -> dict:
-    """An empty KV cache for `GPT.decode`: {"k", "v"}: a tuple of N zero arrays (batch, max_len, K, D), one a
+    """An empty KV cache for `GPT.decode`: {"k", "v"}: a tuple of N zero arrays (batch, K, max_len, D), one a
     layer, in the compute dtype, K the key/value heads (num_kv_head). One array a layer, not one (N, ...) array:
     each step writes its keys into each layer's own buffer in place, where slicing a layer out of one stacked
-    array and setting it back copied the whole cache several times a token (4.4x slower at 6,000 positions)."""
-    shape = (batch, max_len, config.kv_heads, config.head_dim)
+    array and setting it back copied the whole cache several times a token (4.4x slower at 6,000 positions).
+    Heads before positions: the layout attention's batched products over (batch, head) read without a copy
+    (attention.cached_attention)."""
+    shape = (batch, config.kv_heads, max_len, config.head_dim)
     dtype = DTYPES[config.dtype]
     return {name: tuple(jnp.zeros(shape, dtype) for _ in range(config.N)) for name in ("k", "v")}
 

@@ -490,3 +490,17 @@ def test_bench_recipe_reads_its_runs_into_the_three_figures(tmp_path, capsys, mo
     assert bench_recipe.steps_to_reach(2.9, {600: 3.4, 900: 3.2, 1200: 3.05}) is None  # beyond the longest run
     assert bench.cli(["recipe", "--steps", "600", "--adamw-steps", "500"]) == 2
     assert capsys.readouterr().err.strip().endswith("every --adamw-steps longer than --steps")
+
+
+def test_a_record_goes_under_the_results_header_not_another_tables_separator(tmp_path):
+    """A row is put under the results table's own header, even when a table of as many columns comes first
+    (its separator line is the same text)."""
+    other = ["# Benchmark results", "", "| a | b | c | d | e | f |", "| --- | --- | --- | --- | --- | --- |",
+             "| 1 | 2 | 3 | 4 | 5 | 6 |", ""]
+    results = ["| date | benchmark | machine | command | results | file |", "| --- | --- | --- | --- | --- | --- |",
+               "| old | row | . | . | . | . |"]
+    (tmp_path / "RESULTS.md").write_text("\n".join(other + results) + "\n")
+    path = bench._record("demo", tmp_path, ["demo"], {}, "a summary")
+    lines = (tmp_path / "RESULTS.md").read_text().splitlines()
+    assert lines[:len(other) + 2] == other + results[:2]
+    assert lines[len(other) + 2].endswith(f"| a summary | {path.name} |") and lines[len(other) + 3] == results[2]

@@ -141,6 +141,26 @@ def test_echo_logprobs_are_the_models_log_softmax(served, client, model):
     assert reply.choices[0].text.startswith("a dog jumped over the lazy cat")
 
 
+def test_logprobs_zero_gives_each_new_tokens_logprob_under_the_model(served, client, model):
+    """logprobs=0: no alternatives, but each generated token's logprob, the model's log-softmax computed here
+    over the prompt and the completion; a completion without logprobs has none."""
+    ids = post(served, "/tokenize", {"prompt": "the cat ran"}).json()["tokens"]
+    reply = client.completions.create(model="learned", prompt=ids, max_tokens=6, temperature=0, logprobs=0)
+    lp = reply.choices[0].logprobs
+    n = len(lp.token_logprobs)
+    assert n == reply.usage.completion_tokens and all(not t for t in lp.top_logprobs or [{}])
+    seq, expected = list(ids), []  # greedy by recomputation here, each token's log-softmax beside it
+    for _ in range(n):
+        logits = np.asarray(model(jnp.asarray([seq]))[0, -1], np.float64)[:model.config.vocab_size]
+        logp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+        seq.append(int(logp.argmax()))
+        expected.append(logp.max())
+    assert reply.choices[0].text == post(served, "/detokenize", {"tokens": seq[len(ids):]}).json()["prompt"]
+    np.testing.assert_allclose(lp.token_logprobs, expected, atol=1e-5)
+    plain = client.completions.create(model="learned", prompt=ids, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == reply.choices[0].text
+
+
 def test_streaming_equals_whole_and_chat_streams(served, client):
     whole = client.completions.create(model="learned", prompt="the", max_tokens=20, temperature=0)
     parts = list(client.completions.create(model="learned", prompt="the", max_tokens=20, temperature=0, stream=True,

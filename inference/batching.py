@@ -5,9 +5,9 @@ completion of one prompt) waits in a queue until a slot is free; its prompt is t
 slot's row in one call (padded on the right to a length bucket, 16, 32, ... up to the context: the
 padding's keys lie beyond the prompt, where the slot's own tokens overwrite them before any query sees
 them), which also draws its first token. From then on every decode step advances every active slot by
-one token, each at its own position (the model's decode, vmapped over the slots), drawing each slot's
-next token with that slot's own settings (temperature, top-p, its own key folded with the token's index).
-A step runs only the first `width` slots (1, 4, 16, ...: the smallest that holds every active one; slots
+one token, each at its own position (one call of the model's decode over the slots, a position a row),
+drawing each slot's next token with that slot's own settings (temperature, top-p, its own key folded with
+the token's index). A step runs only the first `width` slots (1, 4, 16, ...: the smallest that holds every active one; slots
 are given lowest first), so a lone request pays for one row, not sixteen.
 
 The steps run a chunk at a time on the device (a while_loop of up to CHUNK_MAX steps, sized to take about
@@ -43,7 +43,7 @@ MIN_BUCKET = 16  # the shortest padded prompt; buckets double up to the context
 
 
 def cache_bytes(cfg: GPTConfig, slots: int, context: int) -> int:
-    """The KV cache's bytes: keys and values, (slots, context, K, D) a layer, in the compute dtype."""
+    """The KV cache's bytes: keys and values, (slots, K, context, D) a layer, in the compute dtype."""
     return 2 * cfg.N * slots * context * cfg.kv_heads * cfg.head_dim * np.dtype(DTYPES[cfg.dtype]).itemsize
 
 
@@ -65,8 +65,9 @@ class Sequence:
     (`echo`). `deliver(event)` is called from the engine's thread with each event, in order:
     ("prompt", logprobs (T0,) float32 with NaN first, top ids (T0, top), top logprobs) when echo,
     ("tokens", ids, logprobs, top ids (n, top), top logprobs (n, top)) for each run of new tokens (never the
-    end-of-text token), ("end", "stop" | "length") after its end-of-text token or max_tokens, or ("error",
-    message) when the engine stops under it. A cancelled one gets nothing more."""
+    end-of-text token; the logprobs NaN unless `logprobs` or `top`), ("end", "stop" | "length") after its
+    end-of-text token or max_tokens, or ("error", message) when the engine stops under it. A cancelled one gets
+    nothing more."""
     prompt: list[int]
     max_tokens: int
     deliver: Callable[[tuple], None]
@@ -75,6 +76,7 @@ class Sequence:
     seed: int = 0
     top: int = 0
     echo: bool = False
+    logprobs: bool = True  # whether it wants its new tokens' logprobs (a step computes them only if a slot does)
     cancelled: bool = False
 
 
@@ -110,19 +112,22 @@ class Engine:
         self.step_seconds = 1e-3  # one decode step's time, measured as chunks run
         self.room = device_memory()[0] - weight_bytes(cfg) - cache_bytes(cfg, slots, context)  # for a prefill
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("tops",), donate_argnums=1)
-        self._chunk = jax.jit(self._chunk_fn, static_argnames=("width", "tops"), donate_argnums=1)
+        self._chunk = jax.jit(self._chunk_fn, static_argnames=("width", "tops", "logprobs"), donate_argnums=1)
 
     # -- the device programs ---------------------------------------------------------------------
 
-    def _pick(self, logits, keys, counts, temp, top_p):
+    def _pick(self, logits, keys, counts, temp, top_p, logprobs: bool = True):
         """The next token of each row (W,) int32 from float32 logits (W, V_padded), each row with its own
         temperature (0: greedy), top-p and key (folded with `counts`, the index of the token drawn), and the
-        rows' log-softmax over the real vocabulary (W, V_padded). The sampling's work (the draws, the sort
-        for top-p) runs only when some row needs it."""
+        rows' log-softmax over the real vocabulary (W, V_padded; None unless `logprobs`). The sampling's work
+        (the draws, the sort for top-p) runs only when some row needs it."""
         ids = jnp.arange(logits.shape[-1])
         logits = jnp.where(ids < self.cfg.vocab_size, logits, -jnp.inf)
-        logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True) if logprobs else None
+        # argmax's token (the first of the largest logits) from two plain reductions: XLA's CPU argmax, one
+        # reduction over (value, index) pairs, took as long as the output head's product at 16 slots
+        best = jnp.max(logits, axis=-1, keepdims=True)
+        greedy = jnp.min(jnp.where(logits == best, ids, logits.shape[-1] - 1), axis=-1).astype(jnp.int32)
 
         def nucleus(scaled):
             ordered = -jnp.sort(-scaled, axis=-1)
@@ -169,22 +174,20 @@ class Engine:
         return cache, token, logp[token], top_ids, top_lp, picked, prompt_top_ids, prompt_top_lp
 
     def _chunk_fn(self, state, cache, token, pos, count, limit, done, temp, top_p, key_data, steps, *, width: int,
-                  tops: bool):
+                  tops: bool, logprobs: bool = True):
         """Up to `steps` decode steps of the first `width` slots (each slot at its own position), stopping early
-        when every one has ended. Returns (cache, new tokens (CHUNK_MAX, width), their logprobs, top ids and
-        logprobs (CHUNK_MAX, width, TOP_MAX or 1), steps run, and the slots' token, pos, count, done after)."""
+        when every one has ended. Returns (cache, new tokens (CHUNK_MAX, width), their logprobs (NaN unless
+        `logprobs` or `tops`), top ids and logprobs (CHUNK_MAX, width, TOP_MAX or 1), steps run, and the slots'
+        token, pos, count, done after)."""
         model = nnx.merge(self.graphdef, state)
         rows = {name: tuple(c[:width] for c in cache[name]) for name in cache}
         keys = jax.random.wrap_key_data(key_data)
         k = TOP_MAX if tops else 1
 
-        def one(tok, p, ks, vs):  # one slot's decode step: its token at its position, its own cache rows
-            logits, c = model.decode(tok[None, None], {"k": tuple(x[None] for x in ks), "v": tuple(x[None] for x in vs)}, p)
-            return logits[0, 0], tuple(x[0] for x in c["k"]), tuple(x[0] for x in c["v"])
-
         def pick(logits, count):
-            token, logp = self._pick(logits, keys, count, temp, top_p)
-            chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+            token, logp = self._pick(logits, keys, count, temp, top_p, logprobs or tops)
+            chosen = (jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0] if logp is not None
+                      else jnp.full(token.shape, jnp.nan))
             if tops:
                 top_lp, top_ids = jax.lax.top_k(logp, k)
             else:
@@ -195,13 +198,14 @@ class Engine:
             return (c["i"] < steps) & ~jnp.all(c["done"])
 
         def body(c):
-            logits, ks, vs = jax.vmap(one)(c["token"], c["pos"], c["rows"]["k"], c["rows"]["v"])
-            new, lp, top_ids, top_lp = pick(logits, c["count"])
+            # every slot's token at its own position (model.decode with a position a row), reading its own rows
+            logits, rows = model.decode(c["token"][:, None], c["rows"], c["pos"])
+            new, lp, top_ids, top_lp = pick(logits[:, 0], c["count"])
             live = ~c["done"]
             new = jnp.where(live, new, c["token"])
             count = c["count"] + live
             i = c["i"]
-            return {"i": i + 1, "rows": {"k": ks, "v": vs},
+            return {"i": i + 1, "rows": rows,
                     "token": new, "pos": c["pos"] + live, "count": count,
                     "done": c["done"] | (live & ((new == self.eot) | (count >= limit))),
                     "out": c["out"].at[i].set(new), "lp": c["lp"].at[i].set(lp),
@@ -227,16 +231,17 @@ class Engine:
         return min(b, self.context)
 
     def warm_up(self, tops: bool = False) -> float:
-        """Compile now, before any request: the prefill of the shortest bucket and the chunk of every width
-        (with the top alternatives too when `tops`). Returns the seconds taken."""
+        """Compile now, before any request: the prefill of the shortest bucket and the chunk of every width,
+        with and without the new tokens' logprobs (with the top alternatives too when `tops`). Returns the
+        seconds taken."""
         began = time.perf_counter()
-        for with_tops in sorted({False, tops}):
+        for with_tops, logprobs in [(False, False), (False, True)] + [(True, True)] * tops:
             self._admit(Sequence([0], 1, lambda event: None, temperature=0.0, top=TOP_MAX if with_tops else 0), 0)
             for width in self.widths:  # every slot ended: each compiles, none runs a step
                 w = slice(0, width)
                 self.cache, *_ = self._chunk(self.state, self.cache, self.token[w], self.pos[w], self.count[w],
                                              self.limit[w], self.done[w], self.temp[w], self.top_p[w], self.keys[w],
-                                             np.int32(1), width=width, tops=with_tops)
+                                             np.int32(1), width=width, tops=with_tops, logprobs=logprobs)
         jax.block_until_ready(self.cache)
         return time.perf_counter() - began
 
@@ -353,12 +358,13 @@ class Engine:
         last = used[-1]
         width = next(w for w in self.widths if w > last)
         tops = any(s is not None and s.top for s in self.seqs[:width])
+        logprobs = any(s is not None and s.logprobs for s in self.seqs[:width])
         steps = int(min(CHUNK_MAX, max(1, CHUNK_SECONDS / self.step_seconds)))
         w = slice(0, width)
         began = time.perf_counter()
         (self.cache, out, lp, top_ids, top_lp, ran, token, pos, count, done) = self._chunk(
             self.state, self.cache, self.token[w], self.pos[w], self.count[w], self.limit[w], self.done[w],
-            self.temp[w], self.top_p[w], self.keys[w], np.int32(steps), width=width, tops=tops)
+            self.temp[w], self.top_p[w], self.keys[w], np.int32(steps), width=width, tops=tops, logprobs=logprobs)
         ran = int(ran)  # waits for the chunk
         if ran:
             self.step_seconds = 0.7 * self.step_seconds + 0.3 * (time.perf_counter() - began) / ran

@@ -84,7 +84,7 @@ class Generation:
             """The prefill and the first new token: the loop's carry at step 1."""
             model = nnx.merge(graphdef, state)
             B, T0 = prompt.shape
-            cache = init_cache(cfg, B, T0 + max_new_tokens - 1)  # {k, v}: N x (B, L, K, D)
+            cache = init_cache(cfg, B, T0 + max_new_tokens - 1)  # {k, v}: N x (B, K, L, D)
             logits, cache = model.decode(prompt, cache, 0)  # prefill: (B, T0, V_padded)
             token = pick(logits[:, -1], jax.random.fold_in(key, 0))  # (B,)
             out = jnp.full((B, max_new_tokens), fill, jnp.int32).at[:, 0].set(token)
@@ -94,7 +94,7 @@ class Generation:
             """The loop from the carry's step up to step `until` (traced: one compilation for every chunk),
             max_new_tokens, or until every row is done."""
             model = nnx.merge(graphdef, state)
-            T0 = carry["cache"]["k"][0].shape[1] - max_new_tokens + 1
+            T0 = carry["cache"]["k"][0].shape[2] - max_new_tokens + 1
             until = jnp.minimum(until, max_new_tokens)
 
             def cond(c):
@@ -205,7 +205,7 @@ def generation_bytes(cfg: GPTConfig, samples: int, prompt: int, new: int) -> int
     itemsize s: the larger of its two phases, each with the new tokens (B, new) int32.
 
     The prefill, one call over the whole prompt:
-    - the KV cache it fills: 2 x (N, B, L, K, D) x s;
+    - the KV cache it fills: 2 x (N, B, K, L, D) x s;
     - its attention, one layer at a time: SCORE_COPIES x (B, H, T0, L) float32 (the reference attention's
       scores, their exponentials and probabilities);
     - its other activations: (B, T0) x (3 d + (H + 2K) D + 2 F) x s (the residual stream and its norm,

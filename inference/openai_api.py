@@ -390,7 +390,7 @@ class Server:
                 index = len(choices)
                 seq = Sequence(ids, most, lambda e, i=index: loop.call_soon_threadsafe(events.put_nowait, (i, e)),
                                temperature=settings["temperature"], top_p=settings["top_p"],
-                               seed=settings["seed"] + j, top=logprobs or 0, echo=echo)
+                               seed=settings["seed"] + j, top=logprobs or 0, echo=echo, logprobs=logprobs is not None)
                 choices.append(Choice(self, seq, index, settings["stops"], logprobs, ids if echo else None))
         for c in choices:
             if not self.engine.submit(c.seq):

@@ -81,14 +81,16 @@ def alibi_bias(n_head: int, q_len: int, k_len: int) -> jax.Array:
 
 
 def alibi_bias_at(n_head: int, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
-    """-slope * (i - j) for query positions i (Tq,) and key positions j (Tk,), float32 (n_head, Tq, Tk).
+    """-slope * (i - j) for query positions i (Tq,) and key positions j (Tk,), float32 (n_head, Tq, Tk);
+    for query positions (B, Tq), each row's own (a batch of sequences each at its own position), (B, n_head,
+    Tq, Tk).
 
     The positions may be traced, e.g. a decode step's queries at pos..pos+Tq-1 against a whole cache.
     """
-    i = q_pos[:, None]  # (Tq, 1) absolute query positions
+    i = q_pos[..., :, None]  # ([B,] Tq, 1) absolute query positions
     j = k_pos[None, :]  # (1, Tk)
-    distance = (i - j).astype(jnp.float32)  # (Tq, Tk); negative above the diagonal, masked anyway
-    return -jnp.asarray(alibi_slopes(n_head))[:, None, None] * distance  # (H, Tq, Tk)
+    distance = (i - j).astype(jnp.float32)[..., None, :, :]  # ([B,] 1, Tq, Tk); negative above the diagonal, masked
+    return -jnp.asarray(alibi_slopes(n_head))[:, None, None] * distance  # ([B,] H, Tq, Tk)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,23 +98,25 @@ def alibi_bias_at(n_head: int, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
 
 
 def rotary_angles(cfg, positions: jax.Array) -> tuple[jax.Array, jax.Array] | None:
-    """(cos, sin) float32 (T, rotary_dim/2) of the angles p * base^(-2i/rotary_dim) at positions p (T,);
-    None without rotary embeddings. Computed once per forward pass and shared by every layer."""
+    """(cos, sin) float32 (T, rotary_dim/2) of the angles p * base^(-2i/rotary_dim) at positions p (T,), or
+    (B, T, rotary_dim/2) at positions (B, T), each row's own; None without rotary embeddings. Computed once per
+    forward pass and shared by every layer."""
     if not cfg.rotary_dim:
         return None
     exponents = jnp.arange(0, cfg.rotary_dim, 2, dtype=jnp.float32) / cfg.rotary_dim
     inv_freq = 1.0 / (jnp.float32(cfg.rotary_base) ** exponents)  # (rotary_dim/2,)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, rotary_dim/2)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # ([B,] T, rotary_dim/2)
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rotary(x: jax.Array, rope: tuple[jax.Array, jax.Array], interleaved: bool) -> jax.Array:
-    """Rotate the first rotary_dim dims of every head of x (B, T, H, D) by the angles of `rope`, in float32.
+    """Rotate the first rotary_dim dims of every head of x (B, T, H, D) by the angles of `rope` (T or B, T
+    positions: `rotary_angles`), in float32.
 
     Dim pairs (a, b) turn into (a cos - b sin, b cos + a sin): pairs (2i, 2i+1) when interleaved
     (GPT-J), (i, i + rotary_dim/2) otherwise (GPT-NeoX, LLaMA). The other dims pass unchanged.
     """
-    cos, sin = (r[None, :, None, :] for r in rope)  # (1, T, 1, rotary_dim/2)
+    cos, sin = (r[..., None, :] if r.ndim == 3 else r[None, :, None, :] for r in rope)  # (1 or B, T, 1, rotary_dim/2)
     half = cos.shape[-1]
     xf = x.astype(jnp.float32)
     rot, rest = xf[..., : 2 * half], xf[..., 2 * half:]
@@ -126,24 +130,29 @@ def apply_rotary(x: jax.Array, rope: tuple[jax.Array, jax.Array], interleaved: b
 # The reference attention (`xla`), with grouped-query heads
 
 
-def _attend(q, k, v, q_pos, k_pos, cfg, dropout_key=None, mask=None) -> jax.Array:
-    """The reference attention: queries q (B, Tq, H, D) at positions q_pos (Tq,), keys and values
-    (B, Tk, K, D) at k_pos (Tk,); query i sees key j iff j <= i (and, with a `Masking`, where its
-    segment ids match), with -slope * (i - j) under ALiBi. Query head h reads key/value head h // (H / K)."""
+def _attend(q, k, v, q_pos, k_pos, cfg, dropout_key=None, mask=None, heads_first: bool = False) -> jax.Array:
+    """The reference attention: queries q (B, Tq, H, D) at positions q_pos (Tq,) (or (B, Tq): each row's
+    own), keys and values (B, Tk, K, D) at k_pos (Tk,), or (B, K, Tk, D) with `heads_first` (the KV cache's
+    layout); query i sees key j iff j <= i (and, with a `Masking`, where its segment ids match), with
+    -slope * (i - j) under ALiBi. Query head h reads key/value head h // (H / K)."""
     B, Tq, H, D = q.shape
-    K, Tk = k.shape[2], k.shape[1]
+    K, Tk = (k.shape[1], k.shape[2]) if heads_first else (k.shape[2], k.shape[1])
+    kv = "bksd" if heads_first else "bskd"
     qg = q.reshape(B, Tq, K, H // K, D)  # the query heads in groups, one per key/value head
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)  # (B, K, G, Tq, Tk)
+    scores = jnp.einsum(f"bqkgd,{kv}->bkgqs", qg, k, preferred_element_type=jnp.float32)  # (B, K, G, Tq, Tk)
     scores = scores.reshape(B, H, Tq, Tk) * (1.0 / math.sqrt(D))
     if cfg.alibi_attn:
-        scores = scores + alibi_bias_at(H, q_pos, k_pos)[None]  # (1, H, Tq, Tk)
-    causal = k_pos[None, :] <= q_pos[:, None]  # (Tq, Tk)
+        bias = alibi_bias_at(H, q_pos, k_pos)
+        scores = scores + (bias if q_pos.ndim == 2 else bias[None])  # (1 or B, H, Tq, Tk)
+    causal = k_pos[None, :] <= q_pos[..., :, None]  # ([B,] Tq, Tk)
+    if q_pos.ndim == 2:
+        causal = causal[:, None]  # (B, 1, Tq, Tk)
     if mask is not None:
         causal = (causal[None] & mask.dense())[:, None]  # (B, 1, Tq, Tk)
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)  # float32, always: a bf16 softmax destabilises training
     probs = dropout(probs, cfg.dropout, dropout_key).astype(v.dtype).reshape(B, K, H // K, Tq, Tk)
-    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(B, Tq, H, D)
+    return jnp.einsum(f"bkgqs,{kv}->bqkgd", probs, v).reshape(B, Tq, H, D)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
@@ -421,13 +430,17 @@ def attention_here(cfg, requested: str | None = None):
 
 
 def cached_attention(q, k_cache, v_cache, pos, cfg) -> jax.Array:
-    """Attention of queries q (B, T, H, D) at positions pos..pos+T-1 over caches (B, L, K, D) -> (B, T, H, D).
+    """Attention of queries q (B, T, H, D) at positions pos..pos+T-1 over caches (B, K, L, D) -> (B, T, H, D);
+    pos a scalar, or (B,): each row at its own position.
 
     Cache slots at and beyond pos + T (still empty) are never seen. The `xla` implementation's
-    float32 scores and softmax, whatever `cfg.attention` says.
+    float32 scores and softmax, whatever `cfg.attention` says. The cache's layout, heads before
+    positions, is the one the batched products over (batch, head) read as it is: with positions
+    first, XLA's CPU dot copied the whole cache into this layout every step.
     """
-    T, L = q.shape[1], k_cache.shape[1]
-    y = _attend(q, k_cache.astype(q.dtype), v_cache, pos + jnp.arange(T), jnp.arange(L), cfg)
+    T, L = q.shape[1], k_cache.shape[2]
+    q_pos = jnp.asarray(pos)[..., None] + jnp.arange(T)  # (T,) or (B, T)
+    y = _attend(q, k_cache.astype(q.dtype), v_cache, q_pos, jnp.arange(L), cfg, heads_first=True)
     return y.astype(q.dtype)
 
 
