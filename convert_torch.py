@@ -175,6 +175,24 @@ def _torch_load_reason(e: Exception) -> str:
     return first.split(". ")[0][:200]
 
 
+def read_chat_template(hf_dir: pathlib.Path) -> str | None:
+    """The chat template a transformers directory carries: its chat_template.jinja, else tokenizer_config.json's
+    `chat_template` (a string, or a list of named templates: the one named "default"), else None."""
+    from core import chat
+
+    if (hf_dir / chat.CHAT_TEMPLATE).is_file():
+        return (hf_dir / chat.CHAT_TEMPLATE).read_text(encoding="utf-8")
+    path = hf_dir / "tokenizer_config.json"
+    try:
+        template = json.loads(path.read_text(encoding="utf-8")).get("chat_template") if path.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise ConvertError(f"{path} is not readable JSON ({storage.one_line(e)}); fix it or remove it") from None
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template.strip() else None
+
+
 def read_hf_tokenizer(hf_dir: pathlib.Path):
     """The tokenizer of a transformers directory, checked to load: the path of its tokenizer.json (copied as it
     is), else a byte-level BPE tokenizers.Tokenizer built from vocab.json and merges.txt, else None."""
@@ -366,7 +384,8 @@ def fetch_hf_dir(url: str, scratch: pathlib.Path) -> pathlib.Path:
 
 def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
     """A transformers directory (GPT-2, BLOOM, GPT-J, GPT-NeoX, OPT, LLaMA, or our own hf export) -> a run directory
-    with config.yaml, tokenizer.json (when the directory has a tokenizer) and a step-0 checkpoint of params.
+    with config.yaml, tokenizer.json (when the directory has a tokenizer), chat_template.jinja (when it has a chat
+    template) and a step-0 checkpoint of params.
     A directory at a URL (gs://...) is copied into a temporary local directory first, and named by its
     URL in what is said of it."""
     if storage.is_url(hf_dir):
@@ -388,6 +407,7 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
         raise ConvertError(f"{hf_dir / CONFIG_NAME} is not readable JSON ({e})") from None
     c, layout = config_from_hf(meta, str(hf_dir / CONFIG_NAME))
     tokenizer = read_hf_tokenizer(hf_dir)  # before anything is written: a broken one stops the import
+    template = read_chat_template(hf_dir)  # serve.py's chat requests and data.py's conversations render with it
     tensors = read_hf_tensors(hf_dir)
     wte_key, lm_key = embedding_key(layout), head_key(layout)
     if c.tie_embeddings and lm_key in tensors:  # saved by some versions; must equal the tied embedding
@@ -414,6 +434,9 @@ def import_hf(hf_dir, out, overwrite: bool = False) -> dict:
             shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
         elif tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER_NAME))
+        if template is not None:
+            from core import chat
+            (tmp / chat.CHAT_TEMPLATE).write_text(template, encoding="utf-8")
         try:
             run.weights.save_params(params, step=0)  # a failed write (a full disk) is a RunError with the reason
         except Exception as e:  # said of --out, not of the staging directory's checkpoint

@@ -455,3 +455,19 @@ def test_two_processes_train_as_one(setup, precomputed, tmp_path):
     for a, b in zip(rows(run), rows(multi)):
         for key in ("loss", *dpo_lib.METRICS):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
+def test_an_imported_chat_template_goes_on_to_the_tuned_run(setup, tmp_path):
+    from core import chat
+    root, _, _, _, prefs = setup
+    shutil.copytree(root / "hf", tmp_path / "hf")
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    hf_tokenizer(root / "base").save_pretrained(tmp_path / "hf")  # tokenizer_config.json, as transformers writes it
+    shutil.copyfile(root / "hf" / "tokenizer.json", tmp_path / "hf" / "tokenizer.json")  # the data's, byte for byte
+    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    (tmp_path / "hf" / chat.CHAT_TEMPLATE).unlink(missing_ok=True)
+    ct.import_hf(tmp_path / "hf", tmp_path / "base")
+    assert (tmp_path / "base" / chat.CHAT_TEMPLATE).read_text() == template
+    assert train.main(dpo_args(tmp_path / "run", prefs, tmp_path / "base", "training.steps=1")) == 0
+    assert (tmp_path / "run" / chat.CHAT_TEMPLATE).read_text() == template

@@ -70,7 +70,7 @@ import numpy as np
 import data
 import model as model_lib
 import sharding as sharding_lib
-from core import storage
+from core import chat, storage
 from core.errors import DataError, RunError
 from layers import attention as attention_lib
 from store import record, rundir
@@ -272,6 +272,10 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
                                                                         stages))
                 if t.lora is not None:
                     run_dir.weights.save_lora_base(base_record)
+                if t.init_from:  # the model's chat template (an import's) goes on with it: serve.py reads it
+                    source = storage.RunDir(t.init_from)
+                    if source.is_file(chat.CHAT_TEMPLATE):
+                        run_dir.dir.write_bytes(chat.CHAT_TEMPLATE, source.read_bytes(chat.CHAT_TEMPLATE))
 
     def place_batch(local_rows):
         """A batch (an array, or a dict of arrays with rows first) onto the devices; a pair batch's pair ids stay
