@@ -385,6 +385,9 @@ def test_the_plan_of_a_mixture_gives_each_stages_shares_and_each_sources_tokens(
                        "data.mixture.a.weight=3", f"data.mixture.b.dir={tmp_path / 'none-b'}", "training.steps=128",
                        "data.stages=[{step: 64, weights: {a: 0, b: 2}}]"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-3:] == ["data mixture from step 0: a 75.0%, b 25.0%", "data mixture from step 64: a 0.0%, b 100.0%",
-                          f"over 128 steps: a {768 * 128:,} tokens, b {1280 * 128:,} tokens"]
+    assert lines[-5:-2] == ["data mixture from step 0: a 75.0%, b 25.0%", "data mixture from step 64: a 0.0%, b 100.0%",
+                            f"over 128 steps: a {768 * 128:,} tokens, b {1280 * 128:,} tokens"]
+    # the directories do not exist: each is said (the tokens are the weights' share; a run refuses them)
+    assert lines[-2:] == [f"note: data.mixture.{n}.dir {tmp_path / f'none-{n}'} is not a prepared data directory (no "
+                          f"index.json): its tokens above are the weights' share only; a run refuses it" for n in "ab"]
     assert list(tmp_path.iterdir()) == []

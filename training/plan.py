@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import typing
 
 import jax
@@ -97,6 +98,7 @@ import numpy as np
 
 import model as model_lib
 import sharding as sharding_lib
+from core import storage
 from core.errors import ConfigError
 from layers import attention as attention_lib
 from layers import loss as loss_lib
@@ -545,4 +547,9 @@ def report(cfg, dev: Target, mfu: float = 0.4) -> str:
         lines += mixture.share_lines(names, schedule, stages)
         taken = schedule.taken(t.steps * t.batch_size).tolist()
         lines.append(f"over {t.steps} steps: " + ", ".join(f"{n} {k * cfg.seq_len:,} tokens" for n, k in zip(names, taken)))
+        for name, source in cfg.data.mixture.items():  # the plan reads no data, but a missing directory is said
+            if source.dir and not storage.is_url(source.dir) and not os.path.isfile(os.path.join(source.dir,
+                                                                                                 "index.json")):
+                lines.append(f"note: data.mixture.{name}.dir {source.dir} is not a prepared data directory (no "
+                             f"index.json): its tokens above are the weights' share only; a run refuses it")
     return "\n".join(lines)
