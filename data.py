@@ -318,7 +318,9 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--beam-option", action="append", default=[], metavar="KEY=VALUE",
                         help="a Beam pipeline option, e.g. runner=DataflowRunner; repeatable")
     parser.add_argument("--verify", metavar="DIR", help="check every file of a prepared directory against its "
-                                                        "index.json (sizes, sha256) and exit: 0 intact, 2 not")
+                                                        "index.json (sizes, sha256: every byte) and exit: 0 intact, "
+                                                        "2 not; a resume or eval.py checks sizes and a sample of "
+                                                        "each shard's bytes only")
     fine = parser.add_argument_group("prompt/completion fine-tuning data (--format prompt_completion, "
                                       "see finetune_data.py; --tokenizer may name a run directory)")
     fine.add_argument("--format", choices=("text", "prompt_completion", "preference"), default="text",

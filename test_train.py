@@ -792,6 +792,17 @@ def test_a_resume_or_init_from_on_other_data_is_refused(finished_run, corpus, tm
         err = capsys.readouterr().err
         assert err.startswith(f"error: data.dir {data_dir} ") and words in err and err.count("\n") == 1, err
         assert files_of(run_dir) == files  # nothing rewritten
+    # a byte of a shard changed in place (index.json kept): caught by the sample of its bytes index.json records
+    flipped = tmp_path / "flipped"
+    shutil.copytree(corpus, flipped)
+    with open(flipped / "train_00000.bin", "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 1]))
+    assert train.cli(["--resume", f"run_dir={run_dir}", f"data.dir={flipped}", "training.steps=12"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train_00000.bin no longer match" in err and "python data.py --verify" in err
+    assert files_of(run_dir) == files
     assert train.main(["--resume", f"run_dir={run_dir}", f"data.dir={same}", "training.steps=12"]) == 0
     assert json.loads((run_dir / "data.json").read_text()) == json.loads(files[run_dir / "data.json"])
     assert train.cli([*tiny(tmp_path / "new", other_bpe), f"training.init_from={finished_run}"]) == 2

@@ -191,6 +191,7 @@ class Record:
                            f"(training.init_from={self})")
         elif recorded.get("tokenizer_sha256") and recorded["tokenizer_sha256"] != data.tokenizer_sha256:
             raise RunError(f"{start} was tokenized with another tokenizer than the one {self.dir.show(DATA)} records; {fix}")
+        check_samples(data, start, fix)
         if str(recorded.get("dir")).rstrip("/") != str(data) or not isinstance(recorded.get("versions"), dict):
             return
         now = data.versions or {}
@@ -237,6 +238,7 @@ class Record:
                 raise RunError(f"data.mixture.{name}.dir {data} is not the data this run trained on as {name!r}: "
                                f"its content differs from what {self.dir.show(DATA)} records (prepared again, or "
                                f"other data); point it at {was.get('dir') if isinstance(was, dict) else 'that data'}")
+            check_samples(data, f"data.mixture.{name}.dir {data}", "point it at the data this run trained on")
             if was.get("dir") == str(data) and isinstance(was.get("versions"), dict):
                 now = data.versions or {}
                 changed = sorted(f for f, v in was["versions"].items() if now.get(f) != v)
@@ -281,3 +283,13 @@ class Record:
         except Exception as e:  # a damaged file
             reason = storage.one_line(e)
             raise RunError(f"cannot load {self.dir.show(TOKENIZER)}: {reason}") from None
+
+
+def check_samples(data: shards.DataDir, start: str, fix: str) -> None:
+    """A RunError when a local shard's sampled blocks changed since preparation (shards.changed_samples)."""
+    changed = shards.changed_samples(data)
+    if changed:
+        raise RunError(f"{start} changed since it was prepared: {changed[0]}"
+                       + (f" and {len(changed) - 1} more shards" if len(changed) > 1 else "")
+                       + f" no longer match the sample of their bytes index.json records (python data.py --verify "
+                       f"{data} reads every byte); restore the data, or prepare it again and {fix}")

@@ -23,6 +23,7 @@ import numpy as np
 
 from core import outputs, storage
 from core.errors import DataError
+from tokendata import shards
 from tokendata.shards import EOT_TOKEN, eot_id_of, load_tokenizer_file
 
 CHUNK_BYTES = 1 << 20  # text per encode_batch call: large enough to amortise, small enough to bound memory
@@ -117,6 +118,17 @@ def encode_texts(tokenizer, texts: list[str], eot: int, vocab_size: int, dtype: 
 # ---------------------------------------------------------------------------------------------
 # Writing
 
+def sampled_sha256(path: pathlib.Path) -> str:
+    """shards.sampled_sha256 of a local file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        blocks = []
+        for start in shards.sample_starts(size):
+            f.seek(start)
+            blocks.append(f.read(shards.SAMPLE_BYTES))
+    return shards.sampled_sha256(blocks)
+
+
 class ShardWriter:
     """Appends tokens of one split to fixed-size shards, counting the documents that end in each.
 
@@ -158,6 +170,8 @@ class ShardWriter:
             self.file.close()
             self.file = None
             self.shards[-1]["sha256"] = self.hash.hexdigest()  # checked when a remote copy is fetched
+            # a few of its blocks' hash, which a start checks cheaply (a resume, eval.py: shards.changed_samples)
+            self.shards[-1]["sampled"] = sampled_sha256(self.directory / self.shards[-1]["file"])
 
     def summary(self) -> dict:
         return split_summary(self.shards, self.counts, self.bytes)
