@@ -47,6 +47,9 @@ BETA = 0.1
 LR = 5e-3
 STEPS = 3
 TRAIN_PAIRS = 8  # one batch: every step sees every training pair, as TRL's single batch does
+# the transformers model's chat template (its tokenizer_config.json's), which the import brings into the run
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}"
+            "<assistant>{% endif %}")
 
 
 def phrase(rng, low, high):
@@ -81,6 +84,7 @@ def setup(corpus, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("dpo")
     hf = random_hf("llama", root / "hf", seed=1, negative_logits=True)
     shutil.copyfile(corpus / "tokenizer.json", root / "hf" / "tokenizer.json")
+    (root / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     ct.import_hf(root / "hf", root / "base")
     records = make_pairs(root / "pairs.jsonl", 0.25)
     assert data.main(["--format", "preference", "--input", str(root / "pairs.jsonl"), "--out", str(root / "prefs"),
@@ -413,14 +417,11 @@ def test_conversations_render_with_the_plain_or_the_runs_template(setup, tmp_pat
     tok = shards.load_tokenizer_file(base / "tokenizer.json")
     eot = shards.eot_id_of(tok)
     enc = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
-    shutil.copytree(base, tmp_path / "templated")
-    (tmp_path / "templated" / chat.CHAT_TEMPLATE).write_text(
-        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}"
-        "<assistant>{% endif %}")
+    shutil.copytree(base, tmp_path / "plain", ignore=shutil.ignore_patterns(chat.CHAT_TEMPLATE))
     for source, head, reply in (
-            (base, lambda q: chat.plain_template([{"role": "system", "content": "be brief"},
+            (tmp_path / "plain", lambda q: chat.plain_template([{"role": "system", "content": "be brief"},
                                                   {"role": "user", "content": q}]), lambda a: " " + a),
-            (tmp_path / "templated", lambda q: f"<system>be brief\n<user>{q}\n<assistant>", lambda a: a + "\n")):
+            (base, lambda q: f"<system>be brief\n<user>{q}\n<assistant>", lambda a: a + "\n")):
         out = tmp_path / f"talk-{source.name}"
         preference_data.prepare([str(tmp_path / "talk.jsonl")], out, seq_len=64, tokenizer=str(source),
                                 val_fraction=0, progress=False)
@@ -457,17 +458,9 @@ def test_two_processes_train_as_one(setup, precomputed, tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
 
 
-def test_an_imported_chat_template_goes_on_to_the_tuned_run(setup, tmp_path):
+def test_an_imported_chat_template_goes_on_to_the_tuned_run(setup, precomputed):
     from core import chat
-    root, _, _, _, prefs = setup
-    shutil.copytree(root / "hf", tmp_path / "hf")
-    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
-    hf_tokenizer(root / "base").save_pretrained(tmp_path / "hf")  # tokenizer_config.json, as transformers writes it
-    shutil.copyfile(root / "hf" / "tokenizer.json", tmp_path / "hf" / "tokenizer.json")  # the data's, byte for byte
-    config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
-    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
-    (tmp_path / "hf" / chat.CHAT_TEMPLATE).unlink(missing_ok=True)
-    ct.import_hf(tmp_path / "hf", tmp_path / "base")
-    assert (tmp_path / "base" / chat.CHAT_TEMPLATE).read_text() == template
-    assert train.main(dpo_args(tmp_path / "run", prefs, tmp_path / "base", "training.steps=1")) == 0
-    assert (tmp_path / "run" / chat.CHAT_TEMPLATE).read_text() == template
+    root, base, _, _, _ = setup
+    run, _ = precomputed
+    assert (base / chat.CHAT_TEMPLATE).read_text() == TEMPLATE  # from tokenizer_config.json, as transformers has it
+    assert (run / chat.CHAT_TEMPLATE).read_text() == TEMPLATE  # serve.py renders the tuned run's chats with it
