@@ -155,18 +155,28 @@ def test_the_plan_counts_one_moment_for_muons_matrices():
     assert got["muon"][1].startswith("Muon's momentum of the block matrices")
 
 
-def test_a_muon_run_resumes_exactly_and_refuses_a_switch_of_optimizer(corpus, tmp_path, capsys,  # noqa: F811
-                                                                      monkeypatch):
+STRAIGHT = (*MUON, "training.steps=12", "checkpoint.every=4", "model.dropout=0.1")  # what the stopped runs redo
+
+
+@pytest.fixture(scope="module")
+def muon_straight(corpus, tmp_path_factory):  # noqa: F811
+    """A Muon run trained straight to step 12: what the stopped and killed runs below must end as."""
+    run = tmp_path_factory.mktemp("muon") / "straight"
+    assert train.main(tiny(run, corpus, *STRAIGHT)) == 0
+    return run
+
+
+def test_a_muon_run_resumes_exactly_and_refuses_a_switch_of_optimizer(corpus, muon_straight, tmp_path,  # noqa: F811
+                                                                      capsys, monkeypatch):
     """A Muon run stopped at step 3 (SIGTERM during the step) and resumed ends as the straight run does, bit
     for bit; a resume that names the other optimizer is one line (the checkpoints hold Muon's state), and
     the run is untouched; a fine-tune from it with AdamW starts (a fresh optimizer)."""
     from test_stops import Hook, hook_fns, saved_state
 
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    assert train.main(tiny(straight, corpus, *MUON)) == 0
+    straight, stopped = muon_straight, tmp_path / "stopped"
     with monkeypatch.context() as patched:
         hook_fns(patched, Hook(signal.SIGTERM, lambda calls, *a: calls == 3), "train_step")
-        assert train.main(tiny(stopped, corpus, *MUON, "checkpoint.every=100")) == 128 + signal.SIGTERM
+        assert train.main(tiny(stopped, corpus, *STRAIGHT, "checkpoint.every=100")) == 128 + signal.SIGTERM
     before = {p: p.read_bytes() for p in stopped.rglob("*") if p.is_file()}
     assert train.cli(["--resume", f"run_dir={stopped}", "training.optimizer=adamw"]) == 2
     err = capsys.readouterr().err
@@ -178,7 +188,7 @@ def test_a_muon_run_resumes_exactly_and_refuses_a_switch_of_optimizer(corpus, tm
     rows = lambda run: [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "mfu", "time_s")}  # noqa: E731
                         for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows(stopped) == rows(straight)
-    jax.tree.map(np.testing.assert_array_equal, saved_state(stopped, 8), saved_state(straight, 8))
+    jax.tree.map(np.testing.assert_array_equal, saved_state(stopped, 12), saved_state(straight, 12))
     tuned = tmp_path / "tuned"
     assert train.main(tiny(tuned, corpus, f"training.init_from={straight}", "training.optimizer=adamw",
                            "training.steps=2")) == 0
@@ -195,7 +205,7 @@ def test_an_adamw_run_saved_before_the_key_is_read_as_adamw():
         assert config.from_saved(raw).training.optimizer == "adamw"
 
 
-def test_a_muon_run_killed_during_a_save_resumes_exactly(corpus, tmp_path):  # noqa: F811
+def test_a_muon_run_killed_during_a_save_resumes_exactly(corpus, muon_straight, tmp_path):  # noqa: F811
     """python train.py with Muon, SIGKILLed while its asynchronous save of step 8 is being written (a hook in
     the process says when that save has been handed to orbax), then --resume: it restores the newest
     complete checkpoint and ends at step 12 with the straight run's state and logged steps, bit for bit."""
@@ -206,9 +216,8 @@ def test_a_muon_run_killed_during_a_save_resumes_exactly(corpus, tmp_path):  # n
     from test_stops import saved_state
     from test_train import deterministic, rows
 
-    args = (*MUON, "training.steps=12", "checkpoint.every=4", "model.dropout=0.1")
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    assert train.main(tiny(straight, corpus, *args)) == 0
+    args = STRAIGHT
+    straight, killed = muon_straight, tmp_path / "killed"
     marker = tmp_path / "saving-8"
     hook = ("import pathlib, runpy, sys\n"
             "from store import checkpoints\n"
