@@ -369,6 +369,7 @@ def _bench_of(name: str, doc: str):
 bench_recipe = _bench_of("recipe", "What a step buys with AdamW and with Muon (bench_recipe.py), recorded under --out.")
 bench_serve = _bench_of("serve", "serve.py's tokens/s with clients at once (bench_serve.py), recorded under --out.")
 bench_dpo = _bench_of("dpo", "A DPO step against a prompt/completion step (bench_dpo.py), recorded under --out.")
+bench_mixture = _bench_of("mixture", "A mixture's batch against one source's (bench_mixture.py), recorded under --out.")
 
 
 def _print_rows(rows: list[tuple[str, str]]) -> None:
@@ -480,6 +481,12 @@ def main(argv: list[str] | None = None) -> int:
                             description="See bench_serve.py's docstring.")
     serve_lib.add_arguments(p)
     p.set_defaults(run=bench_serve)
+
+    from benchmarks import bench_mixture as mixture_lib  # light: numpy and the loaders load when it runs
+    p = commands.add_parser("mixture", help="a 3-source mixture's batch against a one-source batch, one core",
+                            description="See bench_mixture.py's docstring.")
+    mixture_lib.add_arguments(p)
+    p.set_defaults(run=bench_mixture)
 
     from benchmarks import bench_dpo as dpo_lib  # light: JAX loads when it runs
     p = commands.add_parser("dpo", help="a DPO step (reference precomputed, or in the step) against a "

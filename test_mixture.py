@@ -398,3 +398,4 @@ def test_a_source_added_on_the_command_line(sources):
         "web": (str(sources / "web"), 3.0), "code": (str(sources / "code"), 1.0)}
     assert config.mixture_stages(cfg.data) == [(0, [3.0, 1.0])]
     assert config.to_dict(config.load_config())["data"] == {"dir": None, "batching": "packing"}  # as before
+

@@ -276,7 +276,8 @@ class Checker:
         import bench
 
         ran = []
-        for name in ("bench_data", "bench_train", "bench_attention", "bench_recipe", "bench_serve", "bench_dpo"):
+        for name in ("bench_data", "bench_train", "bench_attention", "bench_recipe", "bench_serve", "bench_dpo",
+                     "bench_mixture"):
             self.monkeypatch.setattr(bench, name, lambda parsed, argv, name=name: ran.append(name) or 0)
         assert bench.main(args) == 0 and ran == ["bench_" + args[0]], line
 

@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seq", type=int, default=128, help="tokens a sequence (default 128, the default job's)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds, each variant once a round (default 5)")
     p.add_argument("--steps", type=int, default=5, help="steps a variant runs in a round (default 5)")
-    p.add_argument("--out", default="bench", help="where results are recorded (default bench/)")
+    p.add_argument("--out", default=str(ROOT / "bench"), help="where results are recorded (default bench/)")
 
 
 def batches(rng, batch: int, seq: int, vocab: int) -> dict:

@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from core.errors import DataError
-from tokendata.loader import Loader, open_loader
+from tokendata.loader import Loader, TextLoader, open_loader
 from tokendata.permutation import permute
 
 BLOCK = 1024  # sequences a block's exact counts are rounded for: shares within 1/1024 of the weights
@@ -86,19 +86,31 @@ class Schedule:
             self.cache[t, b] = (src, place)
         return self.cache[t, b]
 
+    def blocks(self, g: np.ndarray) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """The blocks the global samples `g` (int64) fall in: [(stage t, block b, where in g, their slots)]."""
+        stage = np.searchsorted(self.starts, g, side="right") - 1
+        off = g - self.starts[stage]
+        block, slot = off // self.block, off % self.block
+        if stage[0] == stage[-1] and block[0] == block[-1]:  # the common case: one block
+            return [(int(stage[0]), int(block[0]), slice(None), slot)]
+        out = []
+        for t, b in sorted(set(zip(stage.tolist(), block.tolist()))):
+            at = (stage == t) & (block == b)
+            out.append((t, b, at, slot[at]))
+        return out
+
+    def block_rows(self, t: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, that source's sequence index) of every slot of block b of stage t."""
+        block_src, place = self.assigned(t, b)
+        return block_src, self.base[t][block_src] + b * self.counts[t][block_src] + place
+
     def locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, that source's sequence index) of each global sample in `g` (int64)."""
         g = np.asarray(g, np.int64)
         src, index = np.empty_like(g), np.empty_like(g)
-        stage = np.searchsorted(self.starts, g, side="right") - 1
-        off = g - self.starts[stage]
-        block, slot = off // self.block, off % self.block
-        for t, b in sorted(set(zip(stage.tolist(), block.tolist()))):
-            at = (stage == t) & (block == b)
-            block_src, place = self.assigned(t, b)
-            s = block_src[slot[at]]
-            src[at] = s
-            index[at] = self.base[t][s] + b * self.counts[t][s] + place[slot[at]]
+        for t, b, at, slot in self.blocks(g):
+            block_src, block_index = self.block_rows(t, b)
+            src[at], index[at] = block_src[slot], block_index[slot]
         return src, index
 
     def taken(self, n: int) -> np.ndarray:
@@ -126,10 +138,20 @@ class Mixture(Loader):
         self.names, self.loaders = list(loaders), list(loaders.values())
         self.schedule = Schedule(stages, batch_size, seed=seed, block=block)
         self.prefetch = max(loader.prefetch for loader in self.loaders)
+        # text sources: the windows of a whole block of samples computed at once (a permutation pass per
+        # source, not one per source and batch) and kept while batches take their rows from it: a batch
+        # then costs about what a one-source batch does, or less
+        self.text = all(type(loader) is TextLoader for loader in self.loaders)
+        if self.text:
+            self.windows = np.asarray([loader.num_windows for loader in self.loaders], np.int64)
+            self.seeds = [loader.seed for loader in self.loaders]
+            self._windows: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def get_batch(self, step: int):
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        if self.text:
+            return self._text_rows(step * self.batch_size + self.rows)
         src, index = self.schedule.locate(step * self.batch_size + self.rows)
         parts = {s: self.loaders[s].rows_at(index[src == s]) for s in np.unique(src).tolist()}
         first = next(iter(parts.values()))
@@ -143,6 +165,45 @@ class Mixture(Loader):
         for s, part in parts.items():
             out[src == s] = part
         return out
+
+    def _text_rows(self, g: np.ndarray) -> np.ndarray:
+        """Text sources' rows of the global samples `g`: each sample's source and window as TextLoader.rows_at
+        gives it, the windows of a whole block computed at once and kept (_block_windows)."""
+        g = np.asarray(g, np.int64)
+        src, windows = np.empty_like(g), np.empty_like(g)
+        for t, b, at, slot in self.schedule.blocks(g):
+            block_src, block_windows = self._block_windows(t, b)
+            src[at], windows[at] = block_src[slot], block_windows[slot]
+        T = self.seq_len
+        out = np.empty((len(g), T + 1), np.int32)
+        rows = list(out)  # each row's view: the sources' reads land in place
+        order = np.argsort(src, kind="stable")
+        bounds = np.searchsorted(src[order], np.arange(len(self.loaders) + 1))
+        groups = [(s, order[a:b]) for s, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())) if b > a]
+        for s, at in groups:
+            self.loaders[s].stream.read_spans([(w * T, T + 1) for w in windows[at].tolist()],
+                                              [rows[i] for i in at.tolist()])
+        first = self.loaders[0].stream  # every source has this vocabulary (one tokenizer): one max for all
+        if out.size and not (out.max() < first.vocab_size and (first.itemsize < 4 or out.min() >= 0)):
+            for s, at in groups:  # then each source's rows, to name the shard
+                picked = windows[at]
+                self.loaders[s].stream.check(out[at], lambda: ((w * T, T + 1) for w in picked.tolist()))
+        return out
+
+    def _block_windows(self, t: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, window) of every slot of block b of stage t: its source's sequence index i is window
+        permute(i % n, n, seed, i // n) of that source (n windows, its own seed), a pass per source."""
+        if (t, b) not in self._windows:
+            src, index = self.schedule.block_rows(t, b)
+            windows = np.empty_like(index)
+            for s, n in enumerate(self.windows.tolist()):  # each source's slots of the block in one pass
+                at = src == s
+                if at.any():
+                    windows[at] = permute(index[at] % n, n, self.seeds[s], index[at] // n)
+            while len(self._windows) >= 4:  # a batch spans a block or two: keep the last few
+                self._windows.pop(next(iter(self._windows)))
+            self._windows[t, b] = (src, windows)
+        return self._windows[t, b]
 
     def taken(self, steps: int) -> dict[str, int]:
         """{source: sequences it gave to the first `steps` steps}."""
