@@ -773,3 +773,23 @@ def test_a_holder_paused_inside_its_save_never_commits_it(journey, gcs_refusals)
     assert first.returncode == 2, err
     assert err.strip().splitlines()[-1].startswith(f"error: this process lost the lease on {run} ("), err[-2000:]
     assert checkpoints(run) == [4, 6]  # nothing of the first's checkpoint 8 counts as saved
+
+
+def test_a_store_that_cannot_be_reached_is_one_line_within_seconds(tmp_path):
+    """No server where the store should be (a closed port: as no network, or a wrong address): plot.py and
+    data.py --verify say so in one line, at once, where the client retried each request with backoff for
+    half a minute and printed its tracebacks first."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}", "GOOGLE_AUTH_TOKEN_FOR_TESTING": "x"}
+    for argv in (["plot.py", "gs://nobucket/run"], ["data.py", "--verify", "gs://nobucket/d"]):
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, *argv], cwd=pathlib.Path(__file__).parent, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and time.monotonic() - started < 30, (argv, done.stderr[-2000:])
+        assert done.stderr.strip().splitlines() == [
+            f"error: {argv[-1]}: cannot reach the store at 127.0.0.1:{port} (Connection refused); check the "
+            f"network, or where STORAGE_EMULATOR_HOST points"], argv

@@ -24,6 +24,7 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import time
 
 from core.errors import RunError, StorageError
@@ -100,6 +101,40 @@ def filesystem(url: str, error=StorageError):
     return fs, path
 
 
+REACH_SECONDS = 10  # how long a store's endpoint may take to accept a connection before it counts as unreachable
+_REACHED: set[tuple[str, int]] = set()
+
+
+def _check_reachable(fs, url: str, error) -> None:
+    """A store whose endpoint does not accept a connection (no network, a wrong emulator address, a host that
+    cannot be found) is one line within REACH_SECONDS, where the client would retry each request for half a
+    minute with backoff, several requests in turn."""
+    import urllib.parse
+
+    location = getattr(fs, "_location", None) or os.environ.get("STORAGE_EMULATOR_HOST") or \
+        "https://storage.googleapis.com"
+    parsed = urllib.parse.urlparse(location if "://" in location else f"http://{location}")
+    host, port = parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
+    if not host or (host, port) in _REACHED:
+        return
+    try:
+        socket.create_connection((host, port), timeout=REACH_SECONDS).close()
+    except OSError as e:
+        reason = "no answer" if isinstance(e, TimeoutError) else (e.strerror or one_line(e))
+        raise error(f"{url}: cannot reach the store at {host}:{port} ({reason}); check the network, or where "
+                    f"STORAGE_EMULATOR_HOST points") from None
+    _REACHED.add((host, port))
+
+
+class _RetryTracebacks(logging.Filter):
+    """gcsfs's own record of a request that failed for good ("... out of retries on exception", "non-retriable
+    exception"), logged with its traceback before the exception reaches the caller, who says it in one line."""
+
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        return not ("out of retries on exception" in message or "non-retriable exception" in message)
+
+
 class _CredentialSearchNotes(logging.Filter):
     """google-auth's notes on its search for default credentials, which gcsfs (and etils, for orbax's files)
     makes when it opens gs:// without a token: "Authentication failed using Compute Engine authentication due
@@ -119,6 +154,9 @@ def _quiet_credential_search() -> None:
     searched = logging.getLogger("google.auth._default")  # named without importing google.auth
     if not any(isinstance(f, _CredentialSearchNotes) for f in searched.filters):
         searched.addFilter(_CredentialSearchNotes())
+    retries = logging.getLogger("gcsfs")
+    if not any(isinstance(f, _RetryTracebacks) for f in retries.filters):
+        retries.addFilter(_RetryTracebacks())
 
 
 def _check_names_a_place(url, error=StorageError) -> None:
@@ -156,6 +194,7 @@ def _check_bucket(fs, url: str, path: str, error) -> None:
     bucket = path.split("/", 1)[0]
     if "gs" not in protocols or not bucket or bucket in _BUCKETS_FOUND:
         return
+    _check_reachable(fs, url, error)
     try:
         fs.ls(bucket, detail=False, max_results=1)  # one request, whatever the bucket holds
     except FileNotFoundError:
