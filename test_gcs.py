@@ -27,7 +27,7 @@ import convert_torch
 import data
 import train
 from conftest import uncached_env
-from core import outputs, storage
+from core import json_log, outputs, storage
 from core.errors import RunError
 from store import rundir, runlock
 from test_train import WORDS, deterministic, tiny
@@ -656,11 +656,11 @@ def test_a_log_upload_after_the_run_was_taken_does_not_replace_the_new_holders(g
     replaces whole) must not put its rows back over those of the process that took the run meanwhile:
     each upload is conditional on the generation the holder wrote last, and a replaced file stops it."""
     run = storage.RunDir(f"{gcs_bucket}/taken")
-    first = storage.JsonLines(run, "metrics.jsonl")
+    first = json_log.JsonLines(run, "metrics.jsonl")
     for step in (1, 2, 3):
         first.append({"step": step})
     first.flush()
-    second = storage.JsonLines(run, "metrics.jsonl", keep=lambda row: row["step"] <= 2)  # resumed from step 2
+    second = json_log.JsonLines(run, "metrics.jsonl", keep=lambda row: row["step"] <= 2)  # resumed from step 2
     second.append({"step": 3, "by": "second"})
     second.flush()
     first.append({"step": 4})
@@ -677,7 +677,7 @@ def test_a_log_upload_retried_or_overtaken_at_start_goes_on(gcs_bucket, monkeypa
     it again (dropping the rows past its step) rather than stop."""
     run = storage.RunDir(f"{gcs_bucket}/retried")
     real_write, real_read = storage.Versions.write_if, storage.Versions.versioned
-    log = storage.JsonLines(run, "metrics.jsonl")
+    log = json_log.JsonLines(run, "metrics.jsonl")
     log.append({"step": 1})
 
     def retried(self, name, content, generation):
@@ -698,7 +698,7 @@ def test_a_log_upload_retried_or_overtaken_at_start_goes_on(gcs_bucket, monkeypa
         return read
 
     monkeypatch.setattr(storage.Versions, "versioned", overtaken)
-    resumed = storage.JsonLines(run, "metrics.jsonl", keep=lambda row: row["step"] <= 2)
+    resumed = json_log.JsonLines(run, "metrics.jsonl", keep=lambda row: row["step"] <= 2)
     resumed.append({"step": 3})
     resumed.flush()
     assert run.read_text("metrics.jsonl") == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'

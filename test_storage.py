@@ -22,7 +22,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 import convert_torch
 import data
 import train
-from core import storage
+from core import json_log, storage
 from store import checkpoints, rundir, runlock
 from test_train import WORDS, deterministic, tiny
 from tokendata import finetune_data, loader, permutation, shards
@@ -277,7 +277,7 @@ def test_metrics_log_in_the_store_matches_the_local_one(bucket, tmp_path, monkey
         run = storage.RunDir(where)
         run.mkdir()
         run.write_text("metrics.jsonl", "".join(json.dumps(r) + "\n" for r in old))
-        log = storage.JsonLines(run, "metrics.jsonl", keep=lambda row: row["step"] <= 3)
+        log = json_log.JsonLines(run, "metrics.jsonl", keep=lambda row: row["step"] <= 3)
         for row in new:
             log.append(row)
         if run.remote:
@@ -288,9 +288,9 @@ def test_metrics_log_in_the_store_matches_the_local_one(bucket, tmp_path, monkey
     expected = "".join(json.dumps(r) + "\n" for r in old[:3] + new)
     assert list(files.values()) == [expected, expected]
 
-    monkeypatch.setattr(storage, "FLUSH_SECONDS", 0.0)  # every append uploads
+    monkeypatch.setattr(json_log, "FLUSH_SECONDS", 0.0)  # every append uploads
     run = storage.RunDir(f"{bucket}/run2")
-    log = storage.JsonLines(run, "metrics.jsonl")
+    log = json_log.JsonLines(run, "metrics.jsonl")
     log.append({"step": 1})
     assert run.read_text("metrics.jsonl") == '{"step": 1}\n'
 

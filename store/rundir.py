@@ -34,7 +34,7 @@ import json
 import pathlib
 import typing
 
-from core import storage
+from core import json_log, storage
 from core.errors import RunError, UserError
 from store import checkpoints as checkpoints_lib
 from store import runlock, weights
@@ -113,9 +113,9 @@ class Run:
     # ------------------------------------------------------------------------------------------
     # Logs
 
-    def metrics(self, start_step: int) -> storage.JsonLines:
+    def metrics(self, start_step: int) -> json_log.JsonLines:
         """metrics.jsonl, continued after `start_step` (the rows of later steps are dropped)."""
-        return storage.JsonLines(self.dir, METRICS, keep=lambda row: row["step"] <= start_step)
+        return json_log.JsonLines(self.dir, METRICS, keep=lambda row: row["step"] <= start_step)
 
     def tokens_per_step(self, cfg: config_lib.Config) -> int | None:
         """The tokens each step of this run has trained so far when its record fixes them: its config's (`cfg`,
@@ -125,7 +125,7 @@ class Run:
         per_step = cfg.tokens_per_step
         try:
             text = self.dir.read_text(METRICS) if self.dir.is_file(METRICS) else ""
-            rows = [row for row, _ in storage.json_lines(text, METRICS)[0]]  # a last line cut off by a kill: left out
+            rows = [row for row, _ in json_log.json_lines(text, METRICS)[0]]  # a last line cut off by a kill: left out
         except (UserError, OSError, UnicodeDecodeError):
             return None
         for row in rows:
@@ -145,7 +145,7 @@ class Run:
             text = self.dir.read_bytes(METRICS).decode()
         except UnicodeDecodeError as e:
             raise RunError(f"{shown} is not UTF-8 text (byte {e.start}): not a log train.py wrote") from None
-        rows = [row for row, _ in storage.json_lines(text, shown)[0]]
+        rows = [row for row, _ in json_log.json_lines(text, shown)[0]]
         for number, row in enumerate(rows, 1):
             if not (isinstance(row, dict) and isinstance(row.get("step"), int)
                     and isinstance(row.get("loss"), (int, float))):

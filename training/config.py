@@ -1,6 +1,6 @@
-"""Typed configuration: YAML in conf/, dotted overrides, validation.
+"""The training's config: its sections (dataclasses), YAML in conf/, its overrides, its rules (validation).
 
-    conf/config.yaml ──yaml.safe_load──> nested dict ──key=value overrides──> Config (dataclasses)
+    conf/config.yaml ──read_yaml──> nested dict ──key=value overrides──> Config (dataclasses)
     Config ──to_dict──> RUN_DIR/config.yaml (model fully resolved; rundir.Run.save_config)
     RUN_DIR/config.yaml ──from_saved──> Config (record.Record.config; the size table is not read)
 
@@ -13,7 +13,10 @@ and convert need nothing but that directory: reading it back (from_saved) never 
 table, which may have changed since the run was made.
 
 Every user mistake (unknown key, wrong type, unknown model size, a missing file) raises
-`ConfigError` with one line that names the problem and the valid choices.
+`ConfigError` with one line that names the problem and the valid choices. The machinery that reads
+typed values from YAML (a field's annotation its check, the dotted overrides into a section, the YAML
+files) is core/typed_config.py's and knows nothing of these sections; this module holds what a
+training config is: its sections and keys, the model sizes, the cross-field rules.
 """
 from __future__ import annotations
 
@@ -22,14 +25,12 @@ import math
 import os
 import pathlib
 import re
-import stat
-import types
 import typing
 
 import yaml
 
 import sharding
-from core import storage
+from core import typed_config as typed
 from core.errors import ConfigError
 from model import GPTConfig
 from tokendata.shards import BATCHING
@@ -197,95 +198,8 @@ SECTIONS = {"data": DataConfig, "training": TrainingConfig, "checkpoint": Checkp
             "sharding": ShardingConfig, "wandb": WandbConfig}
 TOP_LEVEL_KEYS = ("run_dir", "seed", "model", *SECTIONS)
 WANDB_MODES = ("disabled", "offline", "online")
-
-
-# ----------------------------------------------------------------------------------------------
-# Typed values
-
-
-def _fields(cls) -> dict[str, typing.Any]:
-    """Field name -> resolved type annotation (the modules use `from __future__ import annotations`)."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _type_name(tp) -> str:
-    args = typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return f"a mapping of {', '.join(_fields(tp))}"
-    if typing.get_origin(tp) is dict:
-        return f"a mapping of names to {_type_name(args[1])}"
-    if typing.get_origin(tp) is list:
-        return f"a list of {_type_name(args[0])}"
-    if type(None) in args:
-        return " or ".join(_type_name(a) for a in args if a is not type(None)) + " or null"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _check_value(key: str, value, tp):
-    """`value` converted to the field type `tp`, or a ConfigError naming the key and the type."""
-    origin = typing.get_origin(tp)
-    if origin is typing.Union or origin is types.UnionType:
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
-            return _check_value(key, value, inner[0]) if value is not None else _bad(key, value, tp)
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif dataclasses.is_dataclass(tp):  # a nested section, e.g. training.lora
-        return _build(tp, value, key)
-    elif origin is list:
-        (item,) = typing.get_args(tp)
-        if isinstance(value, list):
-            return [_check_value(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
-    elif origin is dict:  # names to values, e.g. data.mixture's sources
-        _, item = typing.get_args(tp)
-        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-            return {k: _check_value(f"{key}.{k}", v, item) for k, v in value.items()}
-    else:
-        return value
-    _bad(key, value, tp)
-
-
-def _bad(key, value, tp):
-    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-
-
-def _mapping(raw, cls, prefix: str) -> dict:
-    """A copy of the section `raw` of dataclass `cls` ({} for an absent one), or a ConfigError naming it."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix} must be a mapping of {', '.join(_fields(cls))}, got {raw!r}")
-    return dict(raw)
-
-
-def _build(cls, raw, prefix: str):
-    """A dataclass `cls` from the mapping `raw`; unknown keys and wrong types are ConfigErrors."""
-    raw = _mapping(raw, cls, prefix)
-    fields = _fields(cls)
-    unknown = [k for k in raw if k not in fields]
-    if unknown:
-        raise ConfigError(f"unknown key {prefix}.{unknown[0]}; valid keys of {prefix}: {', '.join(fields)}")
-    return cls(**{k: _check_value(f"{prefix}.{k}", v, fields[k]) for k, v in raw.items()})
+# the override a mistake in a key's list or mapping shows (typed_config.parse_override), where not the generic one
+OVERRIDE_EXAMPLES = {"data.stages": "'data.stages=[{step: 300, weights: {a: 1, b: 0}}]'"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,7 +212,7 @@ def load_model_sizes(path=None) -> dict[str, dict]:
     if not path.is_file():
         raise ConfigError(f"model size table {path} not found")
     try:
-        sizes = load_yaml(path.read_text()) or {}
+        sizes = typed.load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(sizes, dict):
@@ -329,7 +243,7 @@ def resolve_model(spec, sizes: dict[str, dict]) -> tuple[str, GPTConfig]:
             f"(or a mapping that sets {', '.join(GPTConfig.REQUIRED_FIELDS)})"
         )
     try:
-        model = _build(GPTConfig, {**base, **spec}, "model")
+        model = typed.build(GPTConfig, {**base, **spec}, "model")
     except ValueError as e:  # GPTConfig.__post_init__ checks ranges and choices
         raise ConfigError(str(e)) from None
     return name, model
@@ -339,50 +253,12 @@ def resolve_model(spec, sizes: dict[str, dict]) -> tuple[str, GPTConfig]:
 # Overrides: key=value on the command line
 
 
-def parse_override(text: str, after: str | None = None) -> tuple[list[str], typing.Any]:
-    """`training.lr=3e-4` -> (['training', 'lr'], 3e-4); the value is read as YAML. `after`: the override
-    given after this one, to tell a list or mapping the shell split at its spaces (left unquoted)."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. training.batch_size=64)")
-    try:
-        parsed = yaml.safe_load(value) if value != "" else ""
-    except yaml.YAMLError as e:
-        if value.lstrip().startswith(("[", "{")):  # meant as a list or a mapping
-            example = (f"'{key}=[{{step: 300, weights: {{a: 1, b: 0}}}}]'" if key == "data.stages" else
-                       f"'{key}=[a, b]' or '{key}={{a: 1, b: 2}}'")
-            if after is not None and "=" not in after:
-                raise ConfigError(f"override {text!r} is cut short: the shell split its value at the spaces ({after!r} "
-                                  f"came as the next override); quote the whole override, e.g. {example}") from None
-            mark = getattr(e, "problem_mark", None)
-            where = f" at character {mark.column + 1}" if mark is not None else ""
-            raise ConfigError(f"override {text!r}: its value is not valid YAML{where} "
-                              f"({getattr(e, 'problem', None) or 'unreadable'}); a list or mapping is written in "
-                              f"YAML's flow style, e.g. {example} (commas between the items)") from None
-        parsed = value
-    return key.split("."), parsed
-
-
-def _nested_section(tp):
-    """The dataclass of a field typed as one (or as an optional one), else None."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
-    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
-
-
-def _named_sections(tp):
-    """The dataclass of a field typed as a mapping of names to one (or an optional one), else None."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
-    if len(args) == 1 and typing.get_origin(args[0]) is dict:
-        item = typing.get_args(args[0])[1]
-        return item if dataclasses.is_dataclass(item) else None
-    return None
-
-
 def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
     """A copy of the raw config dict with the dotted overrides applied (checked later by from_dict)."""
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     for i, text in enumerate(overrides):
-        path, value = parse_override(text, overrides[i + 1] if i + 1 < len(overrides) else None)
+        path, value = typed.parse_override(text, overrides[i + 1] if i + 1 < len(overrides) else None,
+                                           OVERRIDE_EXAMPLES)
         top = path[0]
         if top not in TOP_LEVEL_KEYS:
             raise ConfigError(f"unknown key {top!r} in override {text!r}; valid keys: {', '.join(TOP_LEVEL_KEYS)}")
@@ -402,38 +278,7 @@ def apply_overrides(raw: dict, overrides: typing.Sequence[str]) -> dict:
             else:
                 raise ConfigError(f"override {text!r}: model takes one level (model.FIELD=VALUE)")
         elif top in SECTIONS:
-            fields = _fields(SECTIONS[top])
-            named = _named_sections(fields.get(path[1])) if len(path) > 1 else None
-            if named is not None and len(path) in (3, 4):  # data.mixture.NAME=... or data.mixture.NAME.KEY=...
-                section = _mapping(raw.get(top), SECTIONS[top], top)
-                entries = section.get(path[1]) or {}
-                if not isinstance(entries, dict):
-                    raise ConfigError(f"{top}.{path[1]} must be a mapping of names to {_type_name(named)}, "
-                                      f"got {entries!r}")
-                entries = dict(entries)
-                if len(path) == 3:  # the whole entry: a mapping, or null to remove it
-                    if value is None:
-                        entries.pop(path[2], None)
-                    else:
-                        entries[path[2]] = value
-                else:
-                    entries[path[2]] = {**_mapping(entries.get(path[2]), named, f"{top}.{path[1]}.{path[2]}"),
-                                        path[3]: value}
-                section[path[1]] = entries or None
-                raw[top] = section
-                continue
-            nested = _nested_section(fields.get(path[1])) if len(path) > 1 else None
-            # a section the file gives as something else (`training: 5`) is refused, never replaced
-            if len(path) == 3 and nested is not None:  # one key of a nested section: training.lora.rank=16
-                section = _mapping(raw.get(top), SECTIONS[top], top)
-                inner = _mapping(section.get(path[1]), nested, f"{top}.{path[1]}")
-                section[path[1]] = {**inner, path[2]: value}
-                raw[top] = section
-                continue
-            if len(path) != 2:
-                valid = ", ".join(f"{top}.{k}" for k in fields)
-                raise ConfigError(f"override {text!r} must name one key of {top}; valid keys: {valid}")
-            raw[top] = {**_mapping(raw.get(top), SECTIONS[top], top), path[1]: value}
+            typed.set_in_section(raw, SECTIONS[top], path, value, text)
         else:
             if len(path) != 1:
                 raise ConfigError(f"override {text!r}: {top} has no sub-keys")
@@ -452,11 +297,11 @@ def from_dict(raw: dict, *, sizes: dict[str, dict] | None = None) -> Config:
     unknown = [k for k in raw if k not in TOP_LEVEL_KEYS]
     if unknown:
         raise ConfigError(f"unknown key {unknown[0]!r}; valid keys: {', '.join(TOP_LEVEL_KEYS)}")
-    top = _fields(Config)
+    top = typed.fields(Config)
     cfg = Config(
-        run_dir=_check_value("run_dir", raw.get("run_dir", Config.run_dir), top["run_dir"]),
-        seed=_check_value("seed", raw.get("seed", Config.seed), top["seed"]),
-        **{name: _build(cls, raw.get(name), name) for name, cls in SECTIONS.items()},
+        run_dir=typed.check_value("run_dir", raw.get("run_dir", Config.run_dir), top["run_dir"]),
+        seed=typed.check_value("seed", raw.get("seed", Config.seed), top["seed"]),
+        **{name: typed.build(cls, raw.get(name), name) for name, cls in SECTIONS.items()},
     )
     cfg.model_name, cfg.model = resolve_model(raw.get("model", "small"), load_model_sizes() if sizes is None else sizes)
     # paths a user types as `key=~/x`, where the shell leaves the ~ alone: the home directory, as the shell would
@@ -725,72 +570,20 @@ def check_lora(lora: LoRAConfig, init_from: str | None, model: GPTConfig | None 
 
 
 def read_yaml(path) -> dict:
-    path = pathlib.Path(path)
-    if not path.is_file():
-        if storage.link_loop(path):
-            raise ConfigError(f"config file {path}: {storage.LINK_LOOP}: mend the link, or give the YAML file itself")
-        if not path.exists():
-            raise ConfigError(f"config file {path} not found")
-        raise ConfigError(f"config file {path} is not a regular file but {_file_kind(path)}; give a YAML file")
-    try:
-        return parse_yaml(path.read_bytes(), path)
-    except OSError as e:  # unreadable: a permission, an I/O error
-        raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
-
-
-def _file_kind(path: pathlib.Path) -> str:
-    """What a path that exists but is no regular file is, in words (read without opening it: a FIFO
-    would wait for a writer, /dev/zero never end)."""
-    mode = path.stat().st_mode
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-    return next((name for test, name in kinds if test(mode)), "another kind of file")
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load's loader, but a key given twice in one mapping is an error: YAML would keep the last
-    silently (a second `training:` block replacing the first)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, typing.Hashable) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
-                    f"the second would silently replace the first")
-            if isinstance(key, typing.Hashable):
-                seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep)
-
-
-def load_yaml(text: str | bytes):
-    """yaml.safe_load, refusing a key given twice in one mapping (yaml.YAMLError)."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    """The mapping a config file holds, or a ConfigError naming what is wrong with it (typed_config.read_yaml)."""
+    return typed.read_yaml(path, TOP_LEVEL_KEYS)
 
 
 def parse_yaml(text: str | bytes, path) -> dict:
-    """The mapping of a config file's text (bytes: UTF-8 or UTF-16, as YAML allows); `path` names it in
-    errors, among them bytes that are no text (yaml's ReaderError) and a key given twice."""
-    try:
-        raw = load_yaml(text)
-    except yaml.reader.ReaderError as e:  # bytes that are not text, or a control character
-        what = f"byte 0x{e.character:02x}" if isinstance(e.character, int) else f"character {e.character!r}"
-        raise ConfigError(f"{path} is not UTF-8 text ({what} at offset {e.position})") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a mapping with keys {', '.join(TOP_LEVEL_KEYS)}")
-    return raw
+    """The mapping of a config file's text; `path` names it in errors (typed_config.parse_yaml)."""
+    return typed.parse_yaml(text, path, TOP_LEVEL_KEYS)
 
 
 def run_dir_of(path=DEFAULT_CONFIG, overrides: typing.Sequence[str] = ()) -> str:
     """The run_dir that a config file with `overrides` names, the rest unchecked: for --resume, whose
     overrides apply to (and are checked against) the run's own saved config, not this file's."""
     raw = apply_overrides(read_yaml(path), overrides)
-    return _home(_check_value("run_dir", raw.get("run_dir", Config.run_dir), _fields(Config)["run_dir"]))
+    return _home(typed.check_value("run_dir", raw.get("run_dir", Config.run_dir), typed.fields(Config)["run_dir"]))
 
 
 def load_config(path=DEFAULT_CONFIG, overrides: typing.Sequence[str] = (), *, model: dict | None = None) -> Config:
