@@ -369,7 +369,17 @@ def _bench_of(name: str, doc: str):
 bench_recipe = _bench_of("recipe", "What a step buys with AdamW and with Muon (bench_recipe.py), recorded under --out.")
 bench_serve = _bench_of("serve", "serve.py's tokens/s with clients at once (bench_serve.py), recorded under --out.")
 bench_dpo = _bench_of("dpo", "A DPO step against a prompt/completion step (bench_dpo.py), recorded under --out.")
-bench_mixture = _bench_of("mixture", "A mixture's batch against one source's (bench_mixture.py), recorded under --out.")
+
+
+def bench_mixture(args, argv: list[str]) -> int:
+    """A mixture's batch against one source's (bench_mixture.py, handed data.py's preparation), recorded under --out."""
+    from benchmarks import bench_mixture as mixture_bench
+
+    results, rows, summary = mixture_bench.run(args, data.prepare, data.DEFAULT_DATA_DIR)
+    _print_rows(rows)
+    path = _record("mixture", pathlib.Path(args.out), argv, results, summary, ("numpy",))
+    print(f"\n-> {path}, {pathlib.Path(args.out) / 'RESULTS.md'}")
+    return 0
 
 
 def _print_rows(rows: list[tuple[str, str]]) -> None:

@@ -16,10 +16,13 @@ precomputed DPO step within 1.1x of the prompt/completion step, the in-step one 
 """
 from __future__ import annotations
 
+import pathlib
 import statistics
 import time
 
 from core.errors import BenchError
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 VARIANTS = ("prompt/completion", "DPO, precomputed", "DPO, in the step")
 GOALS = {"DPO, precomputed": 1.1, "DPO, in the step": 1.5}

@@ -42,13 +42,14 @@ def rate(loader, start: int, seconds: float) -> tuple[float, int]:
     return (step - start) / (time.perf_counter() - began), step
 
 
-def run(args) -> tuple[dict, list[tuple[str, str]], str]:
-    import data
+def run(args, prepare, default_data_dir: pathlib.Path) -> tuple[dict, list[tuple[str, str]], str]:
+    """(results, rows to print, the RESULTS.md summary); `prepare` is data.py's, `default_data_dir` where the
+    default corpus is prepared (its tokenizer prepares the three sources)."""
     from tokendata import corpus, loader, mixture, shards
 
     if not args.batches or min(args.batches) < 1 or args.seq < 1 or args.rounds < 1 or args.seconds <= 0:
         raise BenchError("--batches, --seq and --rounds must be >= 1 and --seconds positive")
-    tokenizer = data.DEFAULT_DATA_DIR / "tokenizer.json"
+    tokenizer = default_data_dir / "tokenizer.json"
     if not tokenizer.is_file():
         raise BenchError(f"{tokenizer} not found: run `python data.py` (or `python train.py`) first")
     files = corpus.default_corpus_files()
@@ -57,7 +58,7 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
     with tempfile.TemporaryDirectory(prefix="bench-mixture-") as tmp:
         names = ("a", "b", "c")
         for i, name in enumerate(names):
-            data.prepare([str(f) for f in files[i::3]], pathlib.Path(tmp) / name, tokenizer=str(tokenizer),
+            prepare([str(f) for f in files[i::3]], pathlib.Path(tmp) / name, tokenizer=str(tokenizer),
                          val_fraction=0.01, progress=False)
         opened = {name: shards.open_data(pathlib.Path(tmp) / name) for name in names}
         if saved:
