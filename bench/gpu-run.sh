@@ -16,7 +16,7 @@ tar czf "$OUT/gpu.tgz" -C "$WORK" bench logs
 cp "$WORK/logs/summary.txt" "$OUT/summary.txt"
 echo "=== results"
 for log in "$WORK"/logs/*.log; do
-  grep -E "^(cudnn|pallas|splash|dot_product|xla|jax \(ours\)|jax without fp8|fp8 / without|  total |FAILED |[0-9]+ (passed|failed))" "$log" | sed "s|^|$(basename "$log" .log): |" | cut -c1-300
+  grep -E "^(cudnn|pallas|splash|dot_product|xla|jax \(ours\)|jax without fp8|fp8 / without|  total |FAILED |[0-9]+ (passed|failed)|prompt/completion|DPO, |one client|[0-9]+ clients? |sample.py|first token)" "$log" | sed "s|^|$(basename "$log" .log): |" | cut -c1-300
 done
 for log in "$WORK"/logs/p760.log "$WORK"/logs/p124.log; do  # phase mfu's profiles by model part
   [ -f "$log" ] && { echo "=== $(basename "$log" .log)"; grep -A 26 "profile: device busy" "$log" | cut -c1-140; }

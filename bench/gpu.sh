@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of bench/RESULTS.md, in one command per phase, for a machine with one NVIDIA GPU.
 #
-#   bench/gpu.sh OUT PHASE...      phases: env mfu fp8 fp8loss check exact attention train124 packed train760 torch flags profile memory lora
+#   bench/gpu.sh OUT PHASE...      phases: env mfu fp8 fp8loss check exact attention train124 packed train760 muon dpo serve torch flags profile memory lora
 #   (PYTHON=python3 by default: the interpreter that has jax[cuda], torch and transformers)
 #
 # Each phase's benchmarks are recorded by bench.py under OUT/bench (JSON files and a copy of
@@ -35,6 +35,10 @@
 #   packed     the 124m step on fine-tuning batches (4 examples packed a row; and with FCM), beside train124
 #   train760   760m at T = 2048 (B = 8) and at T = 8192 (B = 1)
 #   muon       training.optimizer=muon's step against AdamW's at 124m and 760m (bench.py train --optimizer)
+#   dpo        a DPO step (reference precomputed, and in the step) against a prompt/completion step on the same
+#              tokens, at 124m (bench.py dpo --model 124m)
+#   serve      serve.py on a 124m run made here (one step of train.py on the default corpus, prepared first if
+#              need be): tokens/s with 1 and 16 clients at once against one at a time (bench.py serve)
 #   torch      PyTorch side by side with our step at 124m and 760m (slow: torch.compile)
 #   flags      the step under XLA flags known to matter on Hopper, one set at a time
 #   profile    the kernel's settings at 760m's training shape, and where the step's time goes
@@ -217,6 +221,17 @@ phase_muon() {  # Muon's step against AdamW's at 124m and 760m, alternated (the 
   for opt in adamw muon; do
     bench "t760-$opt" 150 train --model 760m --seq 2048 --batch 8 --optimizer "$opt" $steps
   done
+}
+
+phase_dpo() {  # DPO's step against a prompt/completion step on the same tokens, at 124m
+  bench "dpo-124m" 240 dpo --model 124m --batch 8 --seq 1024 --rounds 3 --steps 3
+}
+
+phase_serve() {  # serve.py's tokens/s at 1 and 16 clients on a 124m run (its weights one step from random)
+  [ -f data/pystdlib/index.json ] || run prepare-default 300 "$PY" data.py
+  run serve-run 240 "$PY" train.py model=124m training.steps=1 training.batch_size=8 training.warmup_steps=0 \
+    checkpoint.every=1 run_dir="$OUT/runs/serve-124m"
+  bench "serve-124m" 300 serve --checkpoint "$OUT/runs/serve-124m" --requests 16 --max-tokens 100 --clients 1,16
 }
 
 phase_torch() {  # PyTorch side by side with our step, at 124m and 760m

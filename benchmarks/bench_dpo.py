@@ -1,9 +1,9 @@
 """`bench.py dpo`: a DPO step against a prompt/completion step on the same tokens.
 
-    python bench.py dpo [--batch 16] [--seq 128] [--rounds 5] [--steps 5]
+    python bench.py dpo [--model NAME] [--batch 16] [--seq 128] [--rounds 5] [--steps 5]
 
-The default job's model (conf/config.yaml), built as train.py builds it (step.build, every device of
-this machine), steps three ways on random tokens, each sequence a prompt (its first half) and a response
+The default job's model (conf/config.yaml; --model a named size of conf/model_config.yaml instead),
+built as train.py builds it (step.build, every device of this machine), steps three ways on random tokens, each sequence a prompt (its first half) and a response
 (the second half, in the loss):
 
   prompt/completion   2 x --batch rows, the next-token loss on the responses
@@ -29,6 +29,7 @@ GOALS = {"DPO, precomputed": 1.1, "DPO, in the step": 1.5}
 
 
 def add_arguments(p) -> None:
+    p.add_argument("--model", help="a named size of conf/model_config.yaml (default: conf/config.yaml's model)")
     p.add_argument("--batch", type=int, default=16, help="rows of pairs (prompt/completion: twice as many rows)")
     p.add_argument("--seq", type=int, default=128, help="tokens a sequence (default 128, the default job's)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds, each variant once a round (default 5)")
@@ -60,7 +61,8 @@ def run(args) -> tuple[dict, list[tuple[str, str]], str]:
 
     if min(args.batch, args.seq, args.rounds, args.steps) < 1:
         raise BenchError("--batch, --seq, --rounds and --steps must be >= 1")
-    common = [f"training.seq_len={args.seq}", "training.init_from=unused"]
+    common = [f"training.seq_len={args.seq}", "training.init_from=unused",
+              *([f"model={args.model}"] if args.model else [])]
     settings = {"prompt/completion": [f"training.batch_size={2 * args.batch}"],
                 "DPO, precomputed": [f"training.batch_size={args.batch}", "training.objective=dpo",
                                      "training.dpo.precompute_reference=true"],
