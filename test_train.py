@@ -792,6 +792,13 @@ def test_a_resume_or_init_from_on_other_data_is_refused(finished_run, corpus, tm
         err = capsys.readouterr().err
         assert err.startswith(f"error: data.dir {data_dir} ") and words in err and err.count("\n") == 1, err
         assert files_of(run_dir) == files  # nothing rewritten
+    # data.json's fingerprint zeroed (an edited copy): damage, not an older run's data.json without one
+    record = json.loads(files[run_dir / "data.json"])
+    (run_dir / "data.json").write_text(json.dumps({**record, "content_sha256": "0" * 64}))
+    assert train.cli(["--resume", f"run_dir={run_dir}", "training.steps=12"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "records a damaged fingerprint of the data" in err
+    (run_dir / "data.json").write_bytes(files[run_dir / "data.json"])
     # a byte of a shard changed in place (index.json kept): caught by the sample of its bytes index.json records
     flipped = tmp_path / "flipped"
     shutil.copytree(corpus, flipped)

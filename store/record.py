@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import typing
 
 import yaml
@@ -181,6 +182,12 @@ class Record:
         ours = self.tokenizer_sha256()
         if ours is not None and ours != data.tokenizer_sha256:
             raise RunError(f"{start} was tokenized with another tokenizer than this run's ({self.dir.show(TOKENIZER)}); {fix}")
+        if "content_sha256" in recorded and not (isinstance(recorded["content_sha256"], str)
+                                                 and re.fullmatch(r"[0-9a-f]{64}", recorded["content_sha256"])
+                                                 and recorded["content_sha256"].strip("0")):
+            raise RunError(f"{self.dir.show(DATA)} records a damaged fingerprint of the data (content_sha256 "
+                           f"{recorded['content_sha256']!r}): {start} cannot be checked against what the run trained "
+                           f"on; restore data.json, or start a new run from it (training.init_from={self})")
         if recorded.get("content_sha256"):
             if recorded["content_sha256"] != shards.content_sha256(data.index):
                 raise RunError(f"{start} is not the data this run trained on: its content differs from what "
