@@ -293,7 +293,8 @@ def test_lora_dpo_keeps_the_base_as_reference(setup, tmp_path):
     assert leaves and all(str(path[-1].key) in ("lora_a", "lora_b") for path, _ in leaves)
 
 
-def test_sample_and_export_read_a_dpo_run(setup, precomputed, tmp_path, capsys):
+def test_sample_eval_and_export_read_a_dpo_run(setup, precomputed, corpus, tmp_path, capsys):  # noqa: F811
+    import eval as eval_lib
     root, base, _, _, prefs = setup
     run, _ = precomputed
     assert ct.main(["--checkpoint", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
@@ -319,6 +320,11 @@ def test_sample_and_export_read_a_dpo_run(setup, precomputed, tmp_path, capsys):
                         "--temperature", "0"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("-" * 10) and printed[1] == tok.decode(out)
+    # eval.py: perplexity on running text of the run's tokenizer; its own data (pairs) is not running text
+    assert errors.run_cli(eval_lib.main, ["--checkpoint", str(run)]) == 2
+    assert "holds preference data, not running text" in capsys.readouterr().err
+    assert eval_lib.main(["--checkpoint", str(run), "--data", str(corpus), "--max-tokens", "512"]) == 0
+    assert "perplexity" in capsys.readouterr().out
 
 
 def without(args, *keys) -> list[str]:
