@@ -27,7 +27,7 @@ def losses(rows: list[dict], title: str) -> bytes:
                        label="validation reward accuracy")
         right.set_ylim(0, 1)
         right.set_ylabel("reward accuracy")
-        right.legend(loc="center right")
+        right.legend(loc="lower left")
     return png(ax, title)
 
 

@@ -492,7 +492,8 @@ def report(summary: dict) -> str:
         + f"  checkpoint {summary['checkpoint']}"
         + (f"\n  loss curve {summary['loss_plot']}" if summary.get("loss_plot") else "")
         + (("\nnext: " + (f"python eval.py --checkpoint {run} --tasks --no-perplexity    # zero-shot tasks (eval.py's "
-                           f"perplexity is for running text; the loss on completions is above)\n"
+                           f"perplexity is for running text; the loss on "
+                           f"{'pairs' if summary.get('dpo') else 'completions'} is above)\n"
                            if summary.get("unigram_entropy_of", "").startswith(("the completions", "preference"))
                            else
                            f"python eval.py --checkpoint {run}    # perplexity on the validation split, at 1-8x the "
