@@ -291,6 +291,20 @@ def test_lora_dpo_keeps_the_base_as_reference(setup, tmp_path):
     state = restore(run, 2)
     leaves = jax.tree_util.tree_flatten_with_path(state["params"])[0]
     assert leaves and all(str(path[-1].key) in ("lora_a", "lora_b") for path, _ in leaves)
+    # its adapters in PEFT's layout, on transformers' base, give the merged run's log-probabilities
+    import peft
+    assert ct.main(["--checkpoint", str(run), "--format", "peft", "--out", str(tmp_path / "adapter")]) == 0
+    tuned = peft.PeftModel.from_pretrained(model, tmp_path / "adapter").eval()
+    cfg, merged, _ = ct.read_run(run)
+    toks = np.asarray([[5, 9, 33, 2, 17, 40, 8]], np.int32)
+    ours = step_lib.make_token_logps(cfg.model)(jax.tree.map(jnp.asarray, merged), jnp.asarray(toks))
+    with torch.no_grad():
+        theirs = torch.log_softmax(tuned(torch.tensor(toks[:, :-1], dtype=torch.long)).logits.double(), -1)
+    want = theirs[0].gather(1, torch.tensor(toks[0, 1:], dtype=torch.long)[:, None])[:, 0].numpy()
+    np.testing.assert_allclose(np.asarray(ours)[0], want, atol=1e-4)
+    _, base_params, _ = ct.read_run(base)
+    before = step_lib.make_token_logps(cfg.model)(jax.tree.map(jnp.asarray, base_params), jnp.asarray(toks))
+    assert float(np.abs(np.asarray(before) - np.asarray(ours)).max()) > 1e-3  # the adapters moved it
 
 
 def test_sample_eval_and_export_read_a_dpo_run(setup, precomputed, corpus, tmp_path, capsys):  # noqa: F811
