@@ -12,7 +12,6 @@
 - every refusal is one line; sample.py and the transformers export read a DPO run like any other.
 """
 import json
-import os
 import pathlib
 import shutil
 import signal
@@ -33,7 +32,6 @@ import sample
 import train
 from core import errors
 from interop import hf_layouts
-from store import rundir
 from test_families import random_hf
 from test_train import corpus, deterministic, restore, rows  # noqa: F401  (corpus is a fixture)
 from tokendata import corpus as corpus_lib

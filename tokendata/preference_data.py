@@ -144,11 +144,8 @@ def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, fields, renderer_of
     """The tokenizer and the shards into tmp, records split by is_val: ({vocab_size, eot_id, dtype}, {split:
     summary}, tally)."""
     from tqdm import tqdm
-    tok = shard_writer.install_tokenizer(tokenizer, tmp)
+    tok = shard_writer.install_tokenizer(tokenizer, tmp)  # with an end-of-text token added where it has none
     eot = shards.eot_id_of(tok)
-    if eot is None:
-        raise DataError(f"--tokenizer {tokenizer}: the tokenizer has no end-of-text token (one of "
-                        f"{', '.join(shards.EOT_CANDIDATES)}), which closes each response")
     renderer = renderer_of(tok.id_to_token(eot))
     vocab = max(tok.get_vocab().values()) + 1
     dtype = shards.dtype_for(vocab)
