@@ -125,18 +125,40 @@ def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, vocab_size: int, in
             flush(split)
     splits = {}
     for split, (tokens, mask) in writers.items():
-        tokens.close()
-        mask.close()
-        summary = tokens.summary()
-        summary["examples"] = summary["documents"]
-        summary["completion_tokens"] = int(mask.counts[COMPLETION] + mask.counts[END])
+        summary = masked_summary(tokens, mask)
         # the unigram baseline of the loss, which counts these tokens only (the completions and their end-of-text)
         summary["loss_unigram_entropy"] = shard_writer.unigram_entropy(in_loss[split])
-        summary["mask_shards"] = mask.shards
         summary.update(truncated=counts[split]["truncated"], skipped=counts[split]["skipped"])
         splits[split] = summary
     return {"vocab_size": vocab, "vocab_size_requested": None if tokenizer is not None else vocab_size,
             "eot_id": eot, "dtype": dtype}, splits, tally
+
+
+def masked_summary(tokens: shard_writer.ShardWriter, mask: shard_writer.ShardWriter) -> dict:
+    """A split's summary from its token and loss-mask writers, both closed here: the tokens' summary with its
+    examples, the tokens in the loss (completions and their closing tokens) and the mask shards."""
+    tokens.close()
+    mask.close()
+    summary = tokens.summary()
+    summary["examples"] = summary["documents"]
+    summary["completion_tokens"] = int(mask.counts[COMPLETION] + mask.counts[END])
+    summary["mask_shards"] = mask.shards
+    return summary
+
+
+def write_holding_out(staged: shard_writer.Staged, write, is_val, val_fraction: float, valid) -> tuple:
+    """`write(is_val)` into the staged directory: (vocab fields, splits, tally, the record held out extra). Where
+    no valid record (`valid(split summary)` counts them) fell below the fraction, it writes again with the
+    lowest-ranked one held out too (corpus.held_out_extra); None where none was."""
+    vocab_fields, splits, bad = write(is_val)
+    assigned = {s: valid(splits[s]) for s in splits}
+    extra = None
+    if assigned["train"] + assigned["val"]:  # (none at all: the caller's error)
+        extra = corpus.held_out_extra(bad, assigned["train"], assigned["val"], val_fraction)
+    if extra is not None:
+        staged.reset()
+        vocab_fields, splits, bad = write(lambda name: name == extra or is_val(name))
+    return vocab_fields, splits, bad, extra
 
 
 def _check_examples(inputs: list[str], splits: dict, bad: corpus.Tally, *, seq_len: int, val_fraction: float,
@@ -190,15 +212,9 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None = Non
     options = dict(tokenizer=tokenizer, vocab_size=vocab_size, in_field=in_field, out_field=out_field,
                    seq_len=seq_len, shard_tokens=shard_tokens, progress=progress)
     with shard_writer.Staged(out, overwrite) as staged:
-        vocab_fields, splits, bad = _write(sources, staged.path, is_val, **options)
-        assigned = {s: splits[s]["examples"] + splits[s]["skipped"] for s in splits}  # valid records
-        extra = None
-        if assigned["train"] + assigned["val"]:  # (none at all: the error below)
-            extra = corpus.held_out_extra(bad, assigned["train"], assigned["val"], val_fraction)
-        if extra is not None:  # no record fell below the fraction: again, with the lowest-ranked one held out
-            staged.reset()
-            vocab_fields, splits, bad = _write(sources, staged.path, lambda name: name == extra or is_val(name),
-                                               **options)
+        vocab_fields, splits, bad, extra = write_holding_out(
+            staged, lambda held: _write(sources, staged.path, held, **options), is_val, val_fraction,
+            lambda split: split["examples"] + split["skipped"])
         total = sum(s["tokens"] for s in splits.values())
         _check_examples(inputs, splits, bad, seq_len=seq_len, val_fraction=val_fraction, out_field=out_field)
         index = {

@@ -543,14 +543,19 @@ def pair_plan(chosen: np.ndarray, rejected: np.ndarray, order: np.ndarray, row_t
     return np.asarray(bounds, np.int64)
 
 
+def _require_preference(data: shards.DataDir) -> None:
+    if not data.is_preference:
+        raise DataError(f"{data} is not preference data (prepare it with data.py --format preference); "
+                        f"training.objective=dpo trains on prompt/chosen/rejected pairs")
+
+
 class Pairs:
     """One split's preference pairs over its Examples: pair j is examples 2j (chosen) and 2j + 1 (rejected)."""
 
-    def __init__(self, data: shards.DataDir, split: str, seq_len: int):
-        if not data.is_preference:
-            raise DataError(f"{data} is not preference data (prepare it with data.py --format preference); "
-                            f"training.objective=dpo trains on prompt/chosen/rejected pairs")
-        self.examples = _checked(data, split, seq_len)
+    def __init__(self, data: shards.DataDir, split: str, seq_len: int, examples: Examples | None = None):
+        """`examples`: the split's Examples, where the caller has read them already (_checked's)."""
+        _require_preference(data)
+        self.examples = examples if examples is not None else _checked(data, split, seq_len)
         if len(self.examples) % 2:
             raise DataError(f"{data}: split {split!r} holds {len(self.examples)} sequences, not whole pairs; the "
                             f"loss masks are damaged, prepare the directory again")
@@ -586,17 +591,10 @@ class PreferenceLoader(PromptCompletionLoader):
 
     def __init__(self, data: shards.DataDir, split: str, seq_len: int, batch_size: int, *, seed: int = 0,
                  process_index: int = 0, process_count: int = 1, batching: str = "packing"):
-        Loader.__init__(self, seq_len, batch_size, seed=seed, process_index=process_index, process_count=process_count)
-        if batching not in BATCHING:
-            raise DataError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
-        self.pairs = Pairs(data, split, seq_len)
-        self.examples = self.pairs.examples
-        self.index = self.examples.index
-        if self.examples.stream.source.remote:
-            self.prefetch = 2 * REMOTE_GROUP
-        self.packing = batching == "packing"
-        self._epoch_rows: list[int] = []
-        self._plans: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+        _require_preference(data)  # before the examples are read
+        super().__init__(data, split, seq_len, batch_size, seed=seed, process_index=process_index,
+                         process_count=process_count, batching=batching)
+        self.pairs = Pairs(data, split, seq_len, self.examples)
 
     def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
         if e not in self._plans:

@@ -35,7 +35,7 @@ import numpy as np
 
 from core.errors import DataError
 from core import chat
-from tokendata import corpus, shard_writer, shards
+from tokendata import corpus, finetune_data, shard_writer, shards
 from tokendata.shards import COMPLETION, END, PROMPT
 
 CHUNK_PAIRS = 2048  # pairs per encode_batch call
@@ -191,12 +191,7 @@ def _write(sources, tmp: pathlib.Path, is_val, *, tokenizer, fields, renderer_of
             flush(split)
     splits = {}
     for split, (tokens, mask) in writers.items():
-        tokens.close()
-        mask.close()
-        summary = tokens.summary()
-        summary["examples"] = summary["documents"]
-        summary["completion_tokens"] = int(mask.counts[COMPLETION] + mask.counts[END])
-        summary["mask_shards"] = mask.shards
+        summary = finetune_data.masked_summary(tokens, mask)
         summary.update(counts[split])
         summary["skipped"] = counts[split]["empty"] + counts[split]["identical"]
         splits[split] = summary
@@ -249,15 +244,9 @@ def prepare(inputs: list[str], out, *, seq_len: int, tokenizer: str | None, prom
     options = dict(tokenizer=tokenizer, fields=fields, renderer_of=renderer_of, seq_len=seq_len,
                    shard_tokens=shard_tokens, progress=progress)
     with shard_writer.Staged(out, overwrite) as staged:
-        vocab_fields, splits, bad = _write(sources, staged.path, is_val, **options)
-        assigned = {s: splits[s]["pairs"] + splits[s]["skipped"] for s in splits}
-        extra = None
-        if assigned["train"] + assigned["val"]:
-            extra = corpus.held_out_extra(bad, assigned["train"], assigned["val"], val_fraction)
-        if extra is not None:  # no record fell below the fraction: again, with the lowest-ranked one held out
-            staged.reset()
-            vocab_fields, splits, bad = _write(sources, staged.path, lambda name: name == extra or is_val(name),
-                                               **options)
+        vocab_fields, splits, bad, extra = finetune_data.write_holding_out(
+            staged, lambda held: _write(sources, staged.path, held, **options), is_val, val_fraction,
+            lambda split: split["pairs"] + split["skipped"])
         _check_pairs(inputs, splits, bad, val_fraction=val_fraction, fields=fields)
         total = sum(s["tokens"] for s in splits.values())
         index = {

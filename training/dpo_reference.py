@@ -49,7 +49,8 @@ class Precomputed:
         computed with `fns.reference_step` over both splits and saved there by process 0. The reference's
         weights: LoRA's base (`frozen`), else `init_params` (the fresh run's params before its first step), else
         `load_reference()`'s (init_from's, loaded)."""
-        expected = {"train": len(train_loader.pairs), "val": len(loader_lib.Pairs(data, "val", seq_len))}
+        splits = {"train": train_loader.pairs, "val": loader_lib.Pairs(data, "val", seq_len)}
+        expected = {split: len(pairs) for split, pairs in splits.items()}
         if run_dir.dir.is_file(REFERENCE_FILE):
             tables = _read(run_dir, data, expected)
             say(f"reference log-probabilities of {expected['train']:,} + {expected['val']:,} pairs read from "
@@ -59,8 +60,7 @@ class Precomputed:
         if weights is None:
             weights = load_reference()
         tables = {}
-        for split in ("train", "val"):
-            pairs = train_loader.pairs if split == "train" else loader_lib.Pairs(data, split, seq_len)
+        for split, pairs in splits.items():
             bounds = loader_lib.pair_plan(pairs.chosen, pairs.rejected, np.arange(len(pairs)), seq_len + 1,
                                            batching == "packing")
             table = np.zeros((len(pairs), 2), np.float32)
