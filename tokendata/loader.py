@@ -112,13 +112,17 @@ class Stream:
         self.read_spans([(int(start), n) for start in starts], list(rows))  # each row written in place
         return rows
 
+    def in_vocabulary(self, tokens: np.ndarray) -> bool:
+        """Whether every id in `tokens` (int32, read from a stream of this vocabulary and dtype) is in it."""
+        return not tokens.size or tokens.max() < self.vocab_size and (self.itemsize < 4 or tokens.min() >= 0)
+
     def check(self, tokens: np.ndarray, spans: Callable[[], Iterable[tuple[int, int]]]) -> None:
         """Raises DataError if an id in `tokens` (int32, read from this stream) is outside the vocabulary.
 
         One max over the batch (and for uint32 shards one min: an id past 2^31 is a negative int32); only
         then are the stream spans (start, length) the batch was read from searched, to name the shard
         file, the token's position in it and the id."""
-        if not tokens.size or tokens.max() < self.vocab_size and (self.itemsize < 4 or tokens.min() >= 0):
+        if self.in_vocabulary(tokens):
             return
         for start, n in spans():
             span = self.read_spans([(start, n)])[0]  # the shards' own dtype: no id wraps

@@ -183,9 +183,9 @@ class Mixture(Loader):
         for s, at in groups:
             self.loaders[s].stream.read_spans([(w * T, T + 1) for w in windows[at].tolist()],
                                               [rows[i] for i in at.tolist()])
-        first = self.loaders[0].stream  # every source has this vocabulary (one tokenizer): one max for all
-        if out.size and not (out.max() < first.vocab_size and (first.itemsize < 4 or out.min() >= 0)):
-            for s, at in groups:  # then each source's rows, to name the shard
+        # every source has one vocabulary (one tokenizer): one max for all, then each source's rows to name it
+        if not self.loaders[0].stream.in_vocabulary(out):
+            for s, at in groups:
                 picked = windows[at]
                 self.loaders[s].stream.check(out[at], lambda: ((w * T, T + 1) for w in picked.tolist()))
         return out

@@ -163,16 +163,27 @@ def make_loss(mcfg: model_lib.GPTConfig, loss_chunk: int = 0, lora=None):
     loss_chunk > 0 the loss of more than loss_chunk tokens is computed loss_chunk tokens at a time
     (`GPT.loss`), never holding the whole float32 logits. abstract_vars holds the parameters' shapes and axis names.
     With `lora` (a config.LoRAConfig) the model carries adapters, and params are base and adapters together."""
+    model_of, abstract_vars = _model_of(mcfg, lora)
+
+    def loss(params, tokens, weights=None, dropout_key=None, **masking):
+        return model_of(params).loss(tokens[:, :-1], tokens[:, 1:], weights, chunk=loss_chunk,
+                                     dropout_key=dropout_key, **masking)
+
+    return loss, abstract_vars
+
+
+def _model_of(mcfg: model_lib.GPTConfig, lora=None):
+    """(model_of, abstract_vars): model_of(params) is the GPT of a pure dict of params (inside jit: no memory of
+    its own); abstract_vars the parameters' shapes and axis names, made without memory."""
     abstract_model = nnx.eval_shape(lambda: model_lib.GPT(mcfg, lora=lora, rngs=nnx.Rngs(0)))
     graphdef, abstract_vars = nnx.split(abstract_model)  # nnx.State of abstract Variables (with axis names)
 
-    def loss(params, tokens, weights=None, dropout_key=None, **masking):
+    def model_of(params):
         variables = jax.tree.map(lambda v: v, abstract_vars)  # fresh Variables to fill
         nnx.replace_by_pure_dict(variables, params)
-        return nnx.merge(graphdef, variables).loss(tokens[:, :-1], tokens[:, 1:], weights, chunk=loss_chunk,
-                                                   dropout_key=dropout_key, **masking)
+        return nnx.merge(graphdef, variables)
 
-    return loss, abstract_vars
+    return model_of, abstract_vars
 
 
 def make_masked_loss(loss_fn, fcm_max_ratio: float = 0.0):
@@ -214,14 +225,10 @@ def make_init_state(mcfg: model_lib.GPTConfig, tx, lora=None):
 def make_token_logps(mcfg: model_lib.GPTConfig, lora=None):
     """token_logps(params, tokens (B, T+1), dropout_key=None, **masking) -> float32 (B, T): each next token's
     log-probability under the model of the pure dict `params` (model.GPT.token_logps), traced inside jit."""
-    abstract_model = nnx.eval_shape(lambda: model_lib.GPT(mcfg, lora=lora, rngs=nnx.Rngs(0)))
-    graphdef, abstract_vars = nnx.split(abstract_model)
+    model_of, _ = _model_of(mcfg, lora)
 
     def token_logps(params, tokens, dropout_key=None, **masking):
-        variables = jax.tree.map(lambda v: v, abstract_vars)
-        nnx.replace_by_pure_dict(variables, params)
-        return nnx.merge(graphdef, variables).token_logps(tokens[:, :-1], tokens[:, 1:], dropout_key=dropout_key,
-                                                          **masking)
+        return model_of(params).token_logps(tokens[:, :-1], tokens[:, 1:], dropout_key=dropout_key, **masking)
 
     return token_logps
 
