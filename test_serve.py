@@ -26,7 +26,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import sample
 import train
-from inference import harness
+from inference import batching, harness
 from store import rundir
 from test_eval import write_tasks
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
@@ -219,6 +219,35 @@ def test_a_completion_beside_fifteen_others_is_the_one_alone(served, client):
     for t in threads:
         t.join()
     assert together == alone
+
+
+def test_prompts_prefilled_together_are_each_the_one_prefilled_alone(learned, model):
+    """Prompts admitted together are prefilled a bucket at a time in one call (here 2 + 1 of 3 prompts, padded
+    to width 4): each one's first token, logprobs, echo and top alternatives, and its slot's cache rows, are
+    the ones it gets prefilled alone; the call's padding row writes no slot."""
+    cfg = rundir.Run(learned).record.config().model
+    prompts = [[5, 9, 2], [7, 1, 4, 4, 3, 8, 2, 6, 11, 3], [3, 3]]  # buckets 8, 16, 8
+    settings = [dict(temperature=0.0, echo=True, top=5), dict(temperature=0.9, seed=3), dict(temperature=0.0)]
+
+    def admitted(groups):
+        engine = batching.Engine(model, cfg, slots=4, context=32, eot_id=None)
+        events = [[] for _ in prompts]
+        for group in groups:
+            engine.admit([(batching.Sequence(prompts[i], 5, events[i].append, **settings[i]), i) for i in group])
+        return events, [np.asarray(c) for name in sorted(engine.cache) for c in engine.cache[name]]
+
+    together, cache = admitted([[0, 1, 2]])
+    alone, cache_alone = admitted([[0], [1], [2]])
+    assert [[e[0] for e in ev] for ev in together] == [["prompt", "tokens"], ["tokens"], ["tokens"]]
+    for ev, ev_alone in zip(together, alone):
+        for e, e_alone in zip(ev, ev_alone, strict=True):
+            assert e[0] == e_alone[0]
+            for x, y in zip(e[1:], e_alone[1:], strict=True):
+                np.testing.assert_allclose(np.asarray(x, float), np.asarray(y, float), rtol=0, atol=1e-6)
+    assert np.isnan(together[0][0][1][0]) and together[0][0][1].shape == (3,)  # the first prompt token has none
+    for c, c_alone in zip(cache, cache_alone, strict=True):
+        np.testing.assert_allclose(c[:3], c_alone[:3], rtol=0, atol=1e-6)
+        assert not np.any(c[3])  # slot 3: no prompt, and the padding row did not write it
 
 
 # ----------------------------------------------------------------------------------------------

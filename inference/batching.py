@@ -2,13 +2,16 @@
 
 The cache holds `slots` rows of `context` positions (model.init_cache). A request (a `Sequence`: one
 completion of one prompt) waits in a queue until a slot is free; its prompt is then prefilled into that
-slot's row in one call (padded on the right to a length bucket, 16, 32, ... up to the context: the
-padding's keys lie beyond the prompt, where the slot's own tokens overwrite them before any query sees
-them), which also draws its first token. From then on every decode step advances every active slot by
-one token, each at its own position (one call of the model's decode over the slots, a position a row),
-drawing each slot's next token with that slot's own settings (temperature, top-p, its own key folded with
-the token's index). A step runs only the first `width` slots (1, 4, 16, ...: the smallest that holds every active one; slots
-are given lowest first), so a lone request pays for one row, not sixteen.
+slot's row (padded on the right to a length bucket, 8, 16, 32, ... up to the context: the padding's keys lie
+beyond the prompt, where the slot's own tokens overwrite them before any query sees them). The prompts
+admitted together are prefilled a bucket at a time, as many in one call as the widest step holds (padded to
+a width with rows that write no slot); requests that arrive during a prefill are admitted before the next
+decode step, so a burst of requests starts decoding together. The prefill also draws each one's first
+token. From then on every decode step advances every active slot by one token, each at its own position (one
+call of the model's decode over the slots, a position a row), drawing each slot's next token with that
+slot's own settings (temperature, top-p, its own key folded with the token's index). A step runs only the
+first `width` slots (1, 4, 16, ...: the smallest that holds every active one; slots are given lowest
+first), so a lone request pays for one row, not sixteen.
 
 The steps run a chunk at a time on the device (a while_loop of up to CHUNK_MAX steps, sized to take about
 CHUNK_SECONDS), and between two chunks the engine's thread hands the new tokens to their requests, frees
@@ -39,7 +42,7 @@ from model import DTYPES, GPTConfig, init_cache
 CHUNK_SECONDS = 0.02  # how long a chunk of decode steps runs: the longest a new request waits to join
 CHUNK_MAX = 64  # the most steps in one chunk
 TOP_MAX = 20  # the most alternatives a token's logprobs list
-MIN_BUCKET = 16  # the shortest padded prompt; buckets double up to the context
+MIN_BUCKET = 8  # the shortest padded prompt; buckets double up to the context
 
 
 def cache_bytes(cfg: GPTConfig, slots: int, context: int) -> int:
@@ -111,7 +114,7 @@ class Engine:
         self.failure: str | None = None
         self.step_seconds = 1e-3  # one decode step's time, measured as chunks run
         self.room = device_memory()[0] - weight_bytes(cfg) - cache_bytes(cfg, slots, context)  # for a prefill
-        self._prefill = jax.jit(self._prefill_fn, static_argnames=("tops",), donate_argnums=1)
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("tops", "echo"), donate_argnums=1)
         self._chunk = jax.jit(self._chunk_fn, static_argnames=("width", "tops", "logprobs"), donate_argnums=1)
 
     # -- the device programs ---------------------------------------------------------------------
@@ -145,33 +148,37 @@ class Engine:
 
         return jax.lax.cond(jnp.any(temp > 0), sampled, lambda: greedy), logp
 
-    def _prefill_fn(self, state, cache, slot, tokens, length, limit, temp, top_p, key_data, *, tops: bool):
-        """The prompt tokens (1, bucket) (its first `length` real) into the slot's rows of the cache, and its
-        first new token. Returns (cache, token, its logprob, top ids, top logprobs, the prompt's logprobs
-        (bucket,), their top ids and logprobs (bucket, TOP_MAX)), the tops (1, 1) when not asked."""
+    def _prefill_fn(self, state, cache, slots, tokens, lengths, temp, top_p, key_data, *, tops: bool, echo: bool):
+        """Prompts (W, bucket) into their slots' rows of the cache, row i's first lengths[i] tokens real (a row
+        whose slot is `self.slots`, past the last, is padding: it reads slot 0's rows and is written nowhere),
+        and each prompt's first new token. Returns (cache, tokens (W,), their logprobs (W,), top ids and logprobs
+        (W, TOP_MAX), the prompts' logprobs (W, bucket), their top ids and logprobs (W, bucket, TOP_MAX)); the tops
+        of size 1 when not `tops`, the prompts' logprobs of width 1 when not `echo`."""
         model = nnx.merge(self.graphdef, state)
-        rows = {name: tuple(jax.lax.dynamic_slice_in_dim(c, slot, 1, 0) for c in cache[name]) for name in cache}
-        logits, rows = model.decode(tokens, rows, 0)  # (1, bucket, V_padded)
-        cache = {name: tuple(jax.lax.dynamic_update_slice_in_dim(c, r, slot, 0) for c, r in zip(cache[name], rows[name]))
+        W = tokens.shape[0]
+        rows = {name: tuple(jnp.take(c, slots, axis=0, mode="clip") for c in cache[name]) for name in cache}
+        logits, rows = model.decode(tokens, rows, 0)  # (W, bucket, V_padded)
+        cache = {name: tuple(c.at[slots].set(r, mode="drop") for c, r in zip(cache[name], rows[name]))
                  for name in cache}
-        last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, 0, keepdims=True)  # (1, V_padded)
-        key = jax.random.wrap_key_data(key_data)[None]
-        token, logp = self._pick(last, key, jnp.zeros(1, jnp.int32), temp[None], top_p[None])
-        token, logp = token[0], logp[0]
-        prompt_logp = jax.nn.log_softmax(jnp.where(jnp.arange(logits.shape[-1]) < self.cfg.vocab_size, logits[0],
-                                                   -jnp.inf))  # (bucket, V_padded)
-        following = jnp.concatenate([tokens[0, 1:], tokens[0, :1]])  # position t predicts token t + 1
-        picked = jnp.take_along_axis(prompt_logp, following[:, None], axis=-1)[:, 0]
-        picked = jnp.concatenate([jnp.full((1,), jnp.nan), picked[:-1]])  # token t's logprob; the first has none
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # (W, V_padded)
+        token, logp = self._pick(last, jax.random.wrap_key_data(key_data), jnp.zeros(W, jnp.int32), temp, top_p)
+        chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(logp, TOP_MAX) if tops else (jnp.zeros((W, 1)), jnp.zeros((W, 1), jnp.int32))
+        if not echo:
+            return cache, token, chosen, top_ids, top_lp, jnp.zeros((W, 1)), jnp.zeros((W, 1, 1), jnp.int32), \
+                jnp.zeros((W, 1, 1))
+        real = jnp.arange(logits.shape[-1]) < self.cfg.vocab_size
+        prompt_logp = jax.nn.log_softmax(jnp.where(real, logits, -jnp.inf))  # (W, bucket, V_padded)
+        following = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)  # position t predicts token t + 1
+        picked = jnp.take_along_axis(prompt_logp, following[..., None], axis=-1)[..., 0]
+        picked = jnp.concatenate([jnp.full((W, 1), jnp.nan), picked[:, :-1]], axis=1)  # the first token has none
         if tops:
-            top_lp, top_ids = jax.lax.top_k(logp, TOP_MAX)
             prompt_top_lp, prompt_top_ids = jax.lax.top_k(prompt_logp, TOP_MAX)
-            prompt_top_lp = jnp.concatenate([prompt_top_lp[-1:] * jnp.nan, prompt_top_lp[:-1]])
-            prompt_top_ids = jnp.concatenate([prompt_top_ids[-1:], prompt_top_ids[:-1]])
+            prompt_top_lp = jnp.concatenate([prompt_top_lp[:, -1:] * jnp.nan, prompt_top_lp[:, :-1]], axis=1)
+            prompt_top_ids = jnp.concatenate([prompt_top_ids[:, -1:], prompt_top_ids[:, :-1]], axis=1)
         else:
-            top_lp, top_ids = jnp.zeros(1), jnp.zeros(1, jnp.int32)
-            prompt_top_lp, prompt_top_ids = jnp.zeros((1, 1)), jnp.zeros((1, 1), jnp.int32)
-        return cache, token, logp[token], top_ids, top_lp, picked, prompt_top_ids, prompt_top_lp
+            prompt_top_lp, prompt_top_ids = jnp.zeros((W, 1, 1)), jnp.zeros((W, 1, 1), jnp.int32)
+        return cache, token, chosen, top_ids, top_lp, picked, prompt_top_ids, prompt_top_lp
 
     def _chunk_fn(self, state, cache, token, pos, count, limit, done, temp, top_p, key_data, steps, *, width: int,
                   tops: bool, logprobs: bool = True):
@@ -231,12 +238,14 @@ class Engine:
         return min(b, self.context)
 
     def warm_up(self, tops: bool = False) -> float:
-        """Compile now, before any request: the prefill of the shortest bucket and the chunk of every width,
-        with and without the new tokens' logprobs (with the top alternatives too when `tops`). Returns the
-        seconds taken."""
+        """Compile now, before any request: the prefill of the shortest bucket for as many prompts at once as each
+        width holds, and the chunk of every width, with and without the new tokens' logprobs (with the top
+        alternatives too when `tops`). Returns the seconds taken."""
         began = time.perf_counter()
         for with_tops, logprobs in [(False, False), (False, True)] + [(True, True)] * tops:
-            self._admit(Sequence([0], 1, lambda event: None, temperature=0.0, top=TOP_MAX if with_tops else 0), 0)
+            for width in self.widths if not with_tops and not logprobs else self.widths[:1]:
+                self.admit([(Sequence([0], 1, lambda event: None, temperature=0.0, top=TOP_MAX if with_tops else 0),
+                              slot) for slot in range(width)])
             for width in self.widths:  # every slot ended: each compiles, none runs a step
                 w = slice(0, width)
                 self.cache, *_ = self._chunk(self.state, self.cache, self.token[w], self.pos[w], self.count[w],
@@ -302,8 +311,11 @@ class Engine:
                             slot = self.seqs.index(None)
                             self.seqs[slot] = seq
                             admitted.append((seq, slot))
-                for seq, slot in admitted:
-                    self._admit(seq, slot)
+                if admitted:
+                    self.admit(admitted)
+                    with self.lock:  # those that arrived during the prefill join before the next chunk
+                        if self.queue and None in self.seqs:
+                            continue
                 if any(s is not None for s in self.seqs):
                     self._run_chunk()
         except Exception as e:  # a bug or the device failing: every request is told, the server says it
@@ -320,35 +332,55 @@ class Engine:
         self.seqs[slot] = None
         self.done[slot], self.token[slot], self.pos[slot], self.count[slot] = True, 0, 0, 0
 
-    def _admit(self, seq: Sequence, slot: int) -> None:
-        """Prefill seq's prompt into its slot, deliver its first token (and the prompt's logprobs)."""
-        T0 = len(seq.prompt)
-        bucket = self.bucket(T0)
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, :T0] = seq.prompt
-        key_data = np.asarray(jax.random.key_data(jax.random.key(seq.seed)))
-        tops = bool(seq.top)
+    def admit(self, admitted: list[tuple[Sequence, int]]) -> None:
+        """Prefill the prompts of the sequences given their slots, those of one bucket together (as many at once as
+        the widest step holds and the device's memory allows), and deliver each one's first token (and its
+        prompt's logprobs)."""
+        by_bucket: dict[int, list[tuple[Sequence, int]]] = {}
+        for seq, slot in admitted:
+            by_bucket.setdefault(self.bucket(len(seq.prompt)), []).append((seq, slot))
+        for bucket, group in by_bucket.items():
+            most = max(1, min(self.widths[-1], self.room // max(1, prefill_bytes(self.cfg, bucket, self.context))))
+            for start in range(0, len(group), most):
+                self._prefill_group(group[start:start + most], bucket)
+
+    def _prefill_group(self, group: list[tuple[Sequence, int]], bucket: int) -> None:
+        width = next((w for w in self.widths if w >= len(group)), len(group))
+        tokens = np.zeros((width, bucket), np.int32)
+        lengths = np.ones(width, np.int32)
+        slots = np.full(width, self.slots, np.int32)  # the rows past the group's: padding, written nowhere
+        temp, top_p = np.zeros(width, np.float32), np.ones(width, np.float32)
+        key_data = np.zeros((width,) + self.keys.shape[1:], np.uint32)
+        for i, (seq, slot) in enumerate(group):
+            tokens[i, :len(seq.prompt)] = seq.prompt
+            lengths[i], slots[i], temp[i], top_p[i] = len(seq.prompt), slot, seq.temperature, seq.top_p
+            key_data[i] = np.asarray(jax.random.key_data(jax.random.key(seq.seed)))
+        tops, echo = any(seq.top for seq, _ in group), any(seq.echo for seq, _ in group)
         self.cache, token, lp, top_ids, top_lp, prompt_lp, prompt_top_ids, prompt_top_lp = self._prefill(
-            self.state, self.cache, np.int32(slot), tokens, np.int32(T0), np.int32(seq.max_tokens),
-            np.float32(seq.temperature), np.float32(seq.top_p), key_data, tops=tops)
-        if seq.echo:
-            seq.deliver(("prompt", np.asarray(prompt_lp)[:T0], np.asarray(prompt_top_ids)[:T0, :seq.top],
-                         np.asarray(prompt_top_lp)[:T0, :seq.top]))
-        if seq.max_tokens == 0:  # echo alone: the prompt's logprobs, nothing generated
-            seq.deliver(("end", "length"))
-            self._free(slot)
-            return
-        token = int(token)
-        if token != self.eot:
-            seq.deliver(("tokens", [token], [float(lp)], np.asarray(top_ids)[None, :seq.top],
-                         np.asarray(top_lp)[None, :seq.top]))
-        if token == self.eot or seq.max_tokens <= 1:
-            seq.deliver(("end", "stop" if token == self.eot else "length"))
-            self._free(slot)
-            return
-        self.token[slot], self.pos[slot], self.count[slot], self.limit[slot] = token, T0, 1, seq.max_tokens
-        self.done[slot], self.temp[slot], self.top_p[slot] = False, seq.temperature, seq.top_p
-        self.keys[slot] = key_data
+            self.state, self.cache, slots, tokens, lengths, temp, top_p, key_data, tops=tops, echo=echo)
+        token, lp, top_ids, top_lp = np.asarray(token), np.asarray(lp), np.asarray(top_ids), np.asarray(top_lp)
+        if echo:
+            prompt_lp, prompt_top_ids, prompt_top_lp = (np.asarray(prompt_lp), np.asarray(prompt_top_ids),
+                                                        np.asarray(prompt_top_lp))
+        for i, (seq, slot) in enumerate(group):
+            T0 = len(seq.prompt)
+            if seq.echo:
+                seq.deliver(("prompt", prompt_lp[i, :T0], prompt_top_ids[i, :T0, :seq.top],
+                             prompt_top_lp[i, :T0, :seq.top]))
+            if seq.max_tokens == 0:  # echo alone: the prompt's logprobs, nothing generated
+                seq.deliver(("end", "length"))
+                self._free(slot)
+                continue
+            first = int(token[i])
+            if first != self.eot:
+                seq.deliver(("tokens", [first], [float(lp[i])], top_ids[i][None, :seq.top], top_lp[i][None, :seq.top]))
+            if first == self.eot or seq.max_tokens <= 1:
+                seq.deliver(("end", "stop" if first == self.eot else "length"))
+                self._free(slot)
+                continue
+            self.token[slot], self.pos[slot], self.count[slot], self.limit[slot] = first, T0, 1, seq.max_tokens
+            self.done[slot], self.temp[slot], self.top_p[slot] = False, seq.temperature, seq.top_p
+            self.keys[slot] = key_data[i]
 
     def _run_chunk(self) -> None:
         """One chunk of decode steps over the slots in use; each active request gets its new tokens."""
