@@ -355,6 +355,26 @@ def test_an_epoch_visits_every_window_once(prepared):
     assert not np.array_equal(rows[:n], rows[n:2 * n])  # reshuffled each epoch
 
 
+def test_rows_read_by_gather_are_the_streams_slices(prepared, tmp_path):
+    """Stream.read_rows: the rows inside one shard gathered together, those across a shard's end piece by
+    piece, a one-shard stream in one gather: each row the concatenated shards' slice."""
+    out, docs = prepared
+    one = tmp_path / "one"
+    write_text_files(tmp_path / "corpus", docs[:20])
+    prep([tmp_path / "corpus" / "*.txt"], one, shard_tokens=10**6)
+    for directory, shard_count in [(out, None), (one, 1)]:
+        data = shards.open_data(directory)
+        stream, expected = loader.Stream(data, "train"), split_stream(directory, "train")
+        assert shard_count is None and len(stream.shards) > 3 or len(stream.shards) == shard_count
+        n = 40
+        starts = np.random.default_rng(0).integers(0, len(expected) - n, 300)
+        ends = [e - 7 for e in stream.starts[1:-1] if e - 7 + n <= len(expected)]
+        starts[:len(ends)] = ends  # across a shard's end
+        rows = stream.read_rows(starts, n)
+        assert rows.dtype == np.int32 and rows.shape == (300, n)
+        np.testing.assert_array_equal(rows, np.stack([expected[s:s + n] for s in starts]))
+
+
 def test_fresh_loaders_agree_and_seeds_differ(prepared):
     out, _ = prepared
     a, b = loader.TextLoader(shards.open_data(out), "train", 32, 4, seed=1), loader.TextLoader(shards.open_data(out), "train", 32, 4, seed=1)

@@ -70,7 +70,8 @@ class Stream:
                 self.names.append(shard["file"])
                 self.starts.append(self.starts[-1] + int(shard["tokens"]))
                 if not self.source.remote:
-                    self.shards.append(self.source.memmap(shard["file"], self.dtype, int(shard["tokens"])))
+                    # a plain array over the memory map: indexing it skips np.memmap's per-result wrapping
+                    self.shards.append(np.asarray(self.source.memmap(shard["file"], self.dtype, int(shard["tokens"]))))
         self.files = [self.source.show(name) for name in self.names]
         self.tokens = self.starts[-1]
 
@@ -108,8 +109,29 @@ class Stream:
 
     def read_rows(self, starts, n: int) -> np.ndarray:
         """int32 (len(starts), n): row i = stream[starts[i] : starts[i] + n]."""
-        rows = np.empty((len(starts), n), np.int32)
-        self.read_spans([(int(start), n) for start in starts], list(rows))  # each row written in place
+        return self.gather(starts, n).astype(np.int32, copy=False)
+
+    def gather(self, starts, n: int) -> np.ndarray:
+        """(len(starts), n) in the shards' dtype: row i = stream[starts[i] : starts[i] + n]. Locally the rows
+        that lie in one shard are read in one gather from its memory map; a row across a shard's end, and every
+        row from a URL, through read_spans."""
+        starts = np.asarray(starts, np.int64)
+        offsets = np.arange(n)
+        if len(self.shards) == 1 and not self.source.remote:  # a start past the shard's end: an IndexError
+            return self.shards[0][starts[:, None] + offsets]
+        rows = np.empty((len(starts), n), self.dtype)
+        if self.source.remote or not len(starts):
+            self.read_spans([(start, n) for start in starts.tolist()], list(rows))  # each row written in place
+            return rows
+        edges = np.asarray(self.starts, np.int64)
+        shard = np.searchsorted(edges, starts, side="right") - 1
+        pos = starts - edges[shard]
+        inside = pos + n <= edges[shard + 1] - edges[shard]
+        for i in np.unique(shard[inside]).tolist():
+            at = np.flatnonzero(inside & (shard == i))
+            rows[at] = self.shards[i][pos[at, None] + offsets]
+        across = np.flatnonzero(~inside).tolist()
+        self.read_spans([(int(starts[k]), n) for k in across], [rows[k] for k in across])
         return rows
 
     def in_vocabulary(self, tokens: np.ndarray) -> bool:

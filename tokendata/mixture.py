@@ -31,6 +31,7 @@ from tokendata.loader import Loader, TextLoader, open_loader
 from tokendata.permutation import permute
 
 BLOCK = 1024  # sequences a block's exact counts are rounded for: shares within 1/1024 of the weights
+WINDOW_BLOCKS = 8  # blocks whose text windows are computed together
 
 
 def apportion(weights: list[float], k: int) -> list[int]:
@@ -74,16 +75,22 @@ class Schedule:
 
     def assigned(self, t: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, place among that source's slots so far) of every slot p of block b of stage t: slot p
-        takes the source whose range holds permute(p); a source's sequences are taken in slot order."""
+        takes the source whose range holds permute(p); a source's sequences are taken in slot order. The
+        WINDOW_BLOCKS blocks from b's group on are computed together (one permutation pass) and kept."""
         if (t, b) not in self.cache:
-            q = permute(np.arange(self.block), self.block, self.keys[t], b).astype(np.int64)
-            src = np.searchsorted(self.slots[t], q, side="right") - 1
-            order = np.argsort(src, kind="stable")  # by source, each in slot order
-            place = np.empty(self.block, np.int64)
-            place[order] = np.arange(self.block) - np.searchsorted(src[order], src[order], side="left")
-            while len(self.cache) >= 8:  # a batch spans a block or two: keep the last few
+            first, k, size = b - b % WINDOW_BLOCKS, WINDOW_BLOCKS, self.block
+            epochs = np.repeat(np.arange(first, first + k, dtype=np.uint64), size)
+            q = permute(np.tile(np.arange(size), k), size, self.keys[t], epochs).astype(np.int64)
+            src = (np.searchsorted(self.slots[t], q, side="right") - 1).reshape(k, size)
+            place = np.empty((k, size), np.int64)
+            for s, count in enumerate(self.counts[t].tolist()):  # each source's slots, in slot order
+                if count:
+                    mine = src == s
+                    place[mine] = (np.cumsum(mine, axis=1) - 1)[mine]
+            while len(self.cache) >= 2 * WINDOW_BLOCKS:  # a batch spans a group or two: keep the last two
                 self.cache.pop(next(iter(self.cache)))
-            self.cache[t, b] = (src, place)
+            for i in range(k):
+                self.cache[t, first + i] = (src[i], place[i])
         return self.cache[t, b]
 
     def blocks(self, g: np.ndarray) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
@@ -176,13 +183,10 @@ class Mixture(Loader):
             src[at], windows[at] = block_src[slot], block_windows[slot]
         T = self.seq_len
         out = np.empty((len(g), T + 1), np.int32)
-        rows = list(out)  # each row's view: the sources' reads land in place
-        order = np.argsort(src, kind="stable")
-        bounds = np.searchsorted(src[order], np.arange(len(self.loaders) + 1))
-        groups = [(s, order[a:b]) for s, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())) if b > a]
-        for s, at in groups:
-            self.loaders[s].stream.read_spans([(w * T, T + 1) for w in windows[at].tolist()],
-                                              [rows[i] for i in at.tolist()])
+        starts = windows * T
+        groups = [(s, at) for s in range(len(self.loaders)) if len(at := np.flatnonzero(src == s))]
+        for s, at in groups:  # each source's rows read together
+            out[at] = self.loaders[s].stream.gather(starts[at], T + 1)
         # every source has one vocabulary (one tokenizer): one max for all, then each source's rows to name it
         if not self.loaders[0].stream.in_vocabulary(out):
             for s, at in groups:
@@ -192,17 +196,24 @@ class Mixture(Loader):
 
     def _block_windows(self, t: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, window) of every slot of block b of stage t: its source's sequence index i is window
-        permute(i % n, n, seed, i // n) of that source (n windows, its own seed), a pass per source."""
+        permute(i % n, n, seed, i // n) of that source (n windows, its own seed). The WINDOW_BLOCKS blocks from
+        b's group on are computed together, a pass per source for all of them (a pass's cost is mostly its
+        cycle walking's last few rounds, the same for 300 indices as for 1,200), and kept."""
         if (t, b) not in self._windows:
-            src, index = self.schedule.block_rows(t, b)
+            first = b - b % WINDOW_BLOCKS
+            group = [self.schedule.block_rows(t, c) for c in range(first, first + WINDOW_BLOCKS)]
+            src = np.concatenate([g[0] for g in group])
+            index = np.concatenate([g[1] for g in group])
             windows = np.empty_like(index)
-            for s, n in enumerate(self.windows.tolist()):  # each source's slots of the block in one pass
+            for s, n in enumerate(self.windows.tolist()):
                 at = src == s
                 if at.any():
                     windows[at] = permute(index[at] % n, n, self.seeds[s], index[at] // n)
-            while len(self._windows) >= 4:  # a batch spans a block or two: keep the last few
+            while len(self._windows) >= 2 * WINDOW_BLOCKS:  # a batch spans a group or two: keep the last two
                 self._windows.pop(next(iter(self._windows)))
-            self._windows[t, b] = (src, windows)
+            size = self.schedule.block
+            for k, c in enumerate(range(first, first + WINDOW_BLOCKS)):
+                self._windows[t, c] = (src[k * size:(k + 1) * size], windows[k * size:(k + 1) * size])
         return self._windows[t, b]
 
     def taken(self, steps: int) -> dict[str, int]:

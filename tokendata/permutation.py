@@ -66,20 +66,18 @@ def permute(indices: np.ndarray, n: int, seed: int, epoch) -> np.ndarray:
                 lo = lo ^ (_mix64(hi ^ round_key) & lo_mask)
         return (hi << shift) | lo
 
-    # a batch spans one epoch, or two at an epoch's end: one pass per epoch, with that epoch's keys
+    # a batch spans one epoch, or two at an epoch's end: one epoch's keys are scalars, several epochs' keys
+    # arrays of each element's epoch's keys (the same arithmetic, element by element, in one pass)
     first = int(epoch.flat[0]) if x.size else 0
-    groups = [(first, None)] if (epoch == first).all() else \
-        [(int(e), epoch == e) for e in np.unique(epoch)]
-    for e, where in groups:
-        keys = _round_keys(int(seed), e)
-        y = x if where is None else x[where]
-        y = rounds(y, keys)
-        outside = y >= limit
-        while outside.any():  # 2^bits < 2n, so on average fewer than two walks
-            y[outside] = rounds(y[outside], keys)
-            outside = y >= limit
-        if where is None:
-            x = y
-        else:
-            x[where] = y
+    if (epoch == first).all():
+        keys = _round_keys(int(seed), first)
+    else:
+        epochs, which = np.unique(epoch, return_inverse=True)
+        table = np.asarray([[int(k) for k in _round_keys(int(seed), int(e))] for e in epochs], np.uint64)
+        keys = tuple(table[:, r][which.ravel()].reshape(x.shape) for r in range(FEISTEL_ROUNDS))
+    x = rounds(x, keys)
+    outside = x >= limit
+    while outside.any():  # 2^bits < 2n, so on average fewer than two walks
+        x[outside] = rounds(x[outside], tuple(k if k.ndim == 0 else k[outside] for k in keys))
+        outside = x >= limit
     return x.astype(np.int64)
