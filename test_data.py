@@ -339,6 +339,17 @@ def test_permutation_is_a_bijection_that_changes_with_the_epoch(n):
         assert not np.array_equal(first, np.arange(n))
 
 
+@pytest.mark.parametrize("n", [1, 3, 1024, 4097])
+def test_permutation_of_many_epochs_at_once_is_each_epochs_own(n):
+    """Positions of several epochs in one call (each element with its epoch's keys) give what each epoch's
+    own call gives, element by element."""
+    rng = np.random.default_rng(n)
+    positions, epochs = rng.integers(0, n, 3000), rng.integers(0, 6, 3000)
+    together = permutation.permute(positions, n, seed=11, epoch=epochs)
+    each = [int(permutation.permute(np.array([p]), n, seed=11, epoch=int(e))[0]) for p, e in zip(positions, epochs)]
+    assert together.tolist() == each
+
+
 def test_an_epoch_visits_every_window_once(prepared):
     out, _ = prepared
     seq_len, batch = 16, 6
