@@ -68,7 +68,7 @@ def test_an_old_run_resumes_with_the_losses_it_would_have_had(old_run, capsys):
     for key in ("loss", "lr", "grad_norm"):  # the same numbers up to the last bits of another CPU
         np.testing.assert_allclose([r[key] for r in got], [r[key] for r in reference], rtol=1e-5, err_msg=key)
     assert [r["tokens"] for r in got] == [r["tokens"] for r in reference]
-    assert json.loads((run / formats.FILE).read_text()) == formats.record()
+    assert json.loads((run / formats.FILE).read_text()) == {**formats.record(), "checkpoints_after": 4}  # resumed at 4
     with rundir.Run(run).checkpoints.read() as saved:
         assert fingerprints.checkpoint_format(saved.custom_metadata(8)) == formats.FORMAT
         assert saved.tokens(8) == reference[-1]["tokens"]
@@ -229,6 +229,47 @@ def test_a_fingerprinted_checkpoint_without_its_fingerprints_is_refused(tmp_path
     meta.write_text(json.dumps(text))
     with pytest.raises(rundir.RunError, match=r"^checkpoint 8 in .* is corrupt: its (array fingerprints|metadata|format)"):
         rundir.Run(run).weights.load_params(8)
+
+
+@pytest.mark.parametrize("evidence", ["a checkpoint before it", "format.json", "none"])
+def test_an_emptied_metadata_is_not_read_as_format_1(tmp_path, evidence, capsys):
+    """A checkpoint whose custom metadata was emptied looks like a format 1 one, which has none. It is refused
+    as corrupt when the run shows it was not written so: a checkpoint before it carries fingerprints, or
+    RUN/format.json says every checkpoint after an earlier step records its format. With neither (a lone
+    checkpoint in a run without format.json) it is read as format 1 is, unverified, with the line saying so."""
+    run = tmp_path / "run"
+    run.mkdir()
+    state = {"params": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, "step": np.asarray(8, np.int32)}
+    with rundir.Run(run).checkpoints.write() as saver:
+        if evidence == "a checkpoint before it":
+            saver.save(4, {**state, "step": np.asarray(4, np.int32)}, tokens=512)
+        saver.save(8, state, tokens=1024)
+    if evidence == "format.json":
+        (run / formats.FILE).write_text(json.dumps(formats.run_record(0, None)))
+    meta = run / "checkpoints" / "8" / "_CHECKPOINT_METADATA"
+    text = json.loads(meta.read_text())
+    text["custom_metadata"] = {}
+    meta.write_text(json.dumps(text))
+    if evidence == "none":
+        np.testing.assert_array_equal(rundir.Run(run).weights.load_params(8)[0]["w"], state["params"]["w"])
+        assert "was written before checkpoints carried fingerprints (format 1" in capsys.readouterr().err
+        return
+    why = "checkpoint 4 before it carries fingerprints" if evidence != "format.json" else \
+        "the run's format.json says every checkpoint after step 0 records its format"
+    with pytest.raises(rundir.RunError, match=r"^checkpoint 8 in .* is corrupt: its metadata \(_CHECKPOINT_METADATA\) "
+                                              r"holds nothing of this project's, .*" + why):
+        rundir.Run(run).weights.load_params(8)
+    if evidence == "a checkpoint before it":  # the one before still reads
+        assert rundir.Run(run).weights.load_params(4)[0]["w"].shape == (2, 3)
+
+
+def test_format_json_keeps_the_first_step_its_checkpoints_record_their_format_after():
+    assert formats.run_record(0, None) == {**formats.record(), "checkpoints_after": 0}
+    assert formats.run_record(300, None)["checkpoints_after"] == 300  # an older run resumed at 300
+    assert formats.run_record(900, formats.run_record(300, None))["checkpoints_after"] == 300
+    assert formats.run_record(900, formats.record())["checkpoints_after"] == 900  # a record without the step
+    assert formats.checkpoints_after({"checkpoints_after": -1}) is None
+    assert formats.checkpoints_after({"checkpoints_after": True}) is None
 
 
 @pytest.mark.parametrize("what", ["a directory", "a link to /dev/zero"])

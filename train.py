@@ -364,7 +364,7 @@ def run(args, stop: progress.Stop, held: contextlib.ExitStack) -> int:
         with stop.writing:
             metrics_file = held.enter_context(contextlib.closing(run_dir.metrics(start_step)))
             if args.resume:  # restored and its log read: the effective config (with this command's overrides) is the run's
-                run_dir.record.save_config(cfg)
+                run_dir.record.save_config(cfg, start_step)
                 if t.lora is not None:  # the base as loaded now (where it lies, if it moved)
                     run_dir.weights.save_lora_base(base_record)
         if metrics_file.torn is not None:

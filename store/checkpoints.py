@@ -78,7 +78,7 @@ class RunCheckpoints:
                     raise ValueError("it is not among the complete checkpoints there ("
                                      + (", ".join(map(str, steps)) or "none") + ")")
                 custom = saved.custom_metadata(step)
-                number = fingerprints_lib.checkpoint_format(custom)
+                number = saved.format_of(step, custom)
                 problem = fingerprints_lib.metadata_problem(custom, number)
                 tree = saved_tree(saved.manager(), step)
                 problem = problem or ("its description of the arrays (_METADATA) is missing or unreadable"
@@ -178,6 +178,35 @@ class Checkpoints:
             raise ValueError(f"its metadata ({STEP_METADATA}) has no custom metadata, as every checkpoint has")
         return custom
 
+    def format_of(self, step: int, custom: dict) -> int:
+        """The format checkpoint `step` was written in, from its metadata `custom` (fingerprints.checkpoint_format),
+        the run's record checked where the metadata holds nothing of this project's, as only a format 1
+        checkpoint's does: a checkpoint saved after one that carries fingerprints, or after the step from which
+        RUN/format.json says the run's checkpoints record their format, was not written so; its metadata was
+        emptied (a ValueError saying so)."""
+        number = fingerprints_lib.checkpoint_format(custom)
+        if number != 1:
+            return number
+        emptied = ("its metadata (_CHECKPOINT_METADATA) holds nothing of this project's, as only a checkpoint "
+                   f"from before {formats.SINCE[2]} (format 1) does, but ")
+        try:
+            after = formats.checkpoints_after(self.run.json_object(formats.FILE) or {})
+        except Exception:  # a damaged record: the checkpoints before this one still tell
+            after = None
+        if after is not None and step > after:
+            raise ValueError(emptied + f"the run's {formats.FILE} says every checkpoint after step {after} records its "
+                             "format: the metadata was emptied or damaged")
+        for earlier in sorted((s for s in self.steps() if s < step), reverse=True):
+            try:
+                other = fingerprints_lib.checkpoint_format(self.custom_metadata(earlier))
+            except ValueError:
+                continue
+            if other > 1:
+                raise ValueError(emptied + f"checkpoint {earlier} before it carries fingerprints (format {other}): the "
+                                 "metadata was emptied or damaged")
+            break  # a format 1 checkpoint before it: a run from before fingerprints
+        return number
+
     def load(self, step: int | None = None) -> tuple[dict, int]:
         """(state, step) of a checkpoint, the last one by default, as saved (dict keys as strings), its
         fingerprints checked: for readers, which have no abstract state to restore into."""
@@ -199,7 +228,7 @@ class Checkpoints:
         if newer:
             raise RunError(newer)
         try:
-            number = fingerprints_lib.checkpoint_format(custom)
+            number = self.format_of(step, custom)
         except ValueError as e:
             raise RunError(f"checkpoint {step} in {self.dir} is corrupt: {e}") from None
         try:
@@ -375,7 +404,7 @@ class Saver(Checkpoints):
             if newer:  # not damage: moved nowhere
                 raise RunError(newer)
             try:
-                number = fingerprints_lib.checkpoint_format(custom)
+                number = self.format_of(step, custom)
             except ValueError as e:
                 damaged.append((step, str(e)))
                 continue

@@ -121,12 +121,16 @@ class Record:
                                                   if drawn else "")
                 + "; a resume with the saved settings continues it exactly")
 
-    def save_config(self, cfg: config_lib.Config) -> str:
+    def save_config(self, cfg: config_lib.Config, step: int = 0) -> str:
         """Write config.yaml at once (a crash never leaves half a config), and format.json: the run is
-        written in this code's format from now on (a resumed older run included). Returns how the config
-        is named."""
+        written in this code's format from now on (a resumed older run included: its checkpoints after
+        `step`, the step it resumes at). Returns how the config is named."""
         header = "# The effective config of this run (written by train.py); `python train.py --resume` reads it.\n"
-        self.dir.write_text(formats.FILE, json.dumps(formats.record()) + "\n")
+        try:
+            recorded = self.dir.json_object(formats.FILE)
+        except Exception:  # damaged: written anew
+            recorded = None
+        self.dir.write_text(formats.FILE, json.dumps(formats.run_record(step, recorded)) + "\n")
         self.dir.write_text(CONFIG, header + yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))
         return self.dir.show(CONFIG)
 
