@@ -66,7 +66,7 @@ def parse_args(argv):
         raise errors.SampleError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.num_samples < 1:
         raise errors.SampleError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if not -2**63 <= args.seed < 2**63:  # jax.random.key takes a 64-bit integer
+    if not -2**63 <= args.seed < 2**63:  # core/seeds.py's key_of takes a 64-bit integer
         raise errors.SampleError(f"--seed must be a 64-bit integer (between -2**63 and 2**63 - 1), got {args.seed}")
     if args.prompt == "":
         raise errors.SampleError("--prompt is empty; give some text to continue")
@@ -105,6 +105,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from core import seeds
 from core.errors import Interrupted, SampleError
 from inference.decoding import check_generation_size, make_generate, truncate
 from store import rundir
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
 
     graphdef, state = nnx.split(model)
     prompt = jnp.asarray(np.tile(np.asarray(prompt_ids, np.int32), (args.num_samples, 1)))  # (M, T0)
-    key = jax.random.key(args.seed)
+    key = seeds.key_of(args.seed)
     generation = make_generate(graphdef, cfg, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                                top_p=args.top_p, eot_id=eot_id)
     t0 = time.perf_counter()

@@ -22,6 +22,7 @@ from flax import nnx
 import model as M
 import sample
 import train
+from core import seeds
 from inference import decoding
 from layers import attention as A
 from layers import loss as loss_lib
@@ -284,6 +285,21 @@ def test_top_k_1_is_greedy_and_seeds_are_reproducible():
     np.testing.assert_array_equal(a, b)
     assert (a != c).any()
     assert len({tuple(row) for row in a}) > 1  # the samples of one batch differ from each other
+
+
+def test_seeds_that_differ_above_32_bits_give_other_keys():
+    """jax.random.key keeps a Python int's low 32 bits (64-bit integers off): seeds 7 and 2**32 + 7 were one
+    key, so one set of samples (and of initial weights, and dropout). seeds.key_of keeps JAX's own key where
+    JAX takes the seed whole (runs and samples made with those seeds unchanged) and gives every other 64-bit
+    seed its own."""
+    data = lambda key: tuple(np.asarray(jax.random.key_data(key)).tolist())  # noqa: E731
+    for s in (0, 7, 2**31, 2**32 - 1, -5, -2**31):
+        assert data(seeds.key_of(s)) == data(jax.random.key(s))
+    wide = [7, 2**32 + 7, 2**40 + 7, 2**63 - 1, -2**31 - 1, -2**40 + 7, -2**63]
+    assert len({data(seeds.key_of(s)) for s in wide}) == len(wide)
+    m = sharp_model(TINY, seed=8)
+    prompt = np.tile(prompts(1, 4, seed=9), (4, 1))
+    assert (decoding.generate(m, prompt, 20, seed=7) != decoding.generate(m, prompt, 20, seed=2**32 + 7)).any()
 
 
 def test_generation_stops_at_end_of_text():

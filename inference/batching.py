@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from core import seeds
 from inference.decoding import SCORE_COPIES, device_memory, weight_bytes
 from model import DTYPES, GPTConfig, init_cache
 
@@ -354,7 +355,7 @@ class Engine:
         for i, (seq, slot) in enumerate(group):
             tokens[i, :len(seq.prompt)] = seq.prompt
             lengths[i], slots[i], temp[i], top_p[i] = len(seq.prompt), slot, seq.temperature, seq.top_p
-            key_data[i] = np.asarray(jax.random.key_data(jax.random.key(seq.seed)))
+            key_data[i] = np.asarray(jax.random.key_data(seeds.key_of(seq.seed)))
         tops, echo = any(seq.top for seq, _ in group), any(seq.echo for seq, _ in group)
         self.cache, token, lp, top_ids, top_lp, prompt_lp, prompt_top_ids, prompt_top_lp = self._prefill(
             self.state, self.cache, slots, tokens, lengths, temp, top_p, key_data, tops=tops, echo=echo)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from core import machine
+from core import machine, seeds
 from core.errors import SampleError
 from model import DTYPES, GPT, GPTConfig, init_cache, param_count
 
@@ -180,7 +180,7 @@ def generate(model: GPT, prompt, max_new_tokens: int, *, seed: int = 0, temperat
     graphdef, state = nnx.split(model)
     fn = make_generate(graphdef, model.config, max_new_tokens, temperature=temperature, top_k=top_k,
                        top_p=top_p, eot_id=eot_id)
-    out, _ = fn(state, jnp.asarray(prompt, jnp.int32), jax.random.key(seed))
+    out, _ = fn(state, jnp.asarray(prompt, jnp.int32), seeds.key_of(seed))
     return np.asarray(out)
 
 

@@ -329,7 +329,7 @@ def from_saved(raw: dict) -> Config:
 def validate(cfg: Config) -> None:
     """Cross-field checks that a single type check cannot make."""
     t = cfg.training
-    if not -2**63 <= cfg.seed < 2**63:  # JAX's keys and the loader's permutation take a 64-bit seed
+    if not -2**63 <= cfg.seed < 2**63:  # core/seeds.py's keys and the loader's permutation take a 64-bit seed
         raise ConfigError(f"seed must be a 64-bit integer (between -2**63 and 2**63 - 1), got {cfg.seed}")
     # counts the step computes with (as int32 on the device): at least 1, below 2**31
     for section, key in [("training", k) for k in ("steps", "batch_size", "micro_batches", "log_every",

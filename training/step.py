@@ -30,6 +30,7 @@ from flax import nnx
 
 import model as model_lib
 import sharding as sharding_lib
+from core import seeds
 from layers import attention as attention_lib
 from layers import logical_axes
 from layers import lora as lora_lib
@@ -429,7 +430,7 @@ def _build(mcfg: model_lib.GPTConfig, t, mesh, zero_stage: int, seed: int) -> Bu
     loss_fn, abstract_vars = make_loss(mcfg, chunk * dp, lora)
     abstract_state, axes = state_shapes(mcfg, t, abstract_vars)
     tx, schedule = make_optimizer(t, axes)
-    init_key, train_key = jax.random.split(jax.random.key(seed))
+    init_key, train_key = jax.random.split(seeds.key_of(seed))
     init_state = make_init_state(mcfg, tx, lora)
     state_sharding, grad_sharding, fallbacks = sharding_lib.state_shardings(abstract_state, axes, mesh, zero_stage)
     abstract_base = base_sharding = None
