@@ -376,7 +376,7 @@ def test_rows_read_by_gather_are_the_streams_slices(prepared, tmp_path):
     for directory, shard_count in [(out, None), (one, 1)]:
         data = shards.open_data(directory)
         stream, expected = loader.Stream(data, "train"), split_stream(directory, "train")
-        assert shard_count is None and len(stream.shards) > 3 or len(stream.shards) == shard_count
+        assert len(stream.shards) > 3 if shard_count is None else len(stream.shards) == shard_count
         n = 40
         starts = np.random.default_rng(0).integers(0, len(expected) - n, 300)
         ends = [e - 7 for e in stream.starts[1:-1] if e - 7 + n <= len(expected)]

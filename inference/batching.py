@@ -231,6 +231,10 @@ class Engine:
         """Whether a prompt of `length` tokens can be prefilled beside the weights and the cache."""
         return prefill_bytes(self.cfg, self.bucket(length), self.context) <= self.room
 
+    def width_for(self, rows: int) -> int:
+        """The narrowest step width (a prefill's or a decode step's) that holds `rows` rows."""
+        return next(w for w in self.widths if w >= rows)
+
     def bucket(self, length: int) -> int:
         """The padded length a prompt of `length` tokens is prefilled at."""
         b = MIN_BUCKET
@@ -346,7 +350,7 @@ class Engine:
                 self._prefill_group(group[start:start + most], bucket)
 
     def _prefill_group(self, group: list[tuple[Sequence, int]], bucket: int) -> None:
-        width = next((w for w in self.widths if w >= len(group)), len(group))
+        width = self.width_for(len(group))
         tokens = np.zeros((width, bucket), np.int32)
         lengths = np.ones(width, np.int32)
         slots = np.full(width, self.slots, np.int32)  # the rows past the group's: padding, written nowhere
@@ -388,8 +392,7 @@ class Engine:
         used = [i for i, s in enumerate(self.seqs) if s is not None]
         if not used:
             return
-        last = used[-1]
-        width = next(w for w in self.widths if w > last)
+        width = self.width_for(used[-1] + 1)
         tops = any(s is not None and s.top for s in self.seqs[:width])
         logprobs = any(s is not None and s.logprobs for s in self.seqs[:width])
         steps = int(min(CHUNK_MAX, max(1, CHUNK_SECONDS / self.step_seconds)))

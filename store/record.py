@@ -128,7 +128,7 @@ class Record:
         header = "# The effective config of this run (written by train.py); `python train.py --resume` reads it.\n"
         try:
             recorded = self.dir.json_object(formats.FILE)
-        except Exception:  # damaged: written anew
+        except RunError:  # damaged: written anew
             recorded = None
         self.dir.write_text(formats.FILE, json.dumps(formats.run_record(step, recorded)) + "\n")
         self.dir.write_text(CONFIG, header + yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))

@@ -120,7 +120,7 @@ class Stream:
         if len(self.shards) == 1 and not self.source.remote:  # a start past the shard's end: an IndexError
             return self.shards[0][starts[:, None] + offsets]
         rows = np.empty((len(starts), n), self.dtype)
-        if self.source.remote or not len(starts):
+        if self.source.remote:
             self.read_spans([(start, n) for start in starts.tolist()], list(rows))  # each row written in place
             return rows
         edges = np.asarray(self.starts, np.int64)

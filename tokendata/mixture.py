@@ -31,7 +31,7 @@ from tokendata.loader import Loader, TextLoader, open_loader
 from tokendata.permutation import permute
 
 BLOCK = 1024  # sequences a block's exact counts are rounded for: shares within 1/1024 of the weights
-WINDOW_BLOCKS = 8  # blocks whose text windows are computed together
+GROUP_BLOCKS = 8  # blocks whose slots (and text windows) are computed together, in one pass
 
 
 def apportion(weights: list[float], k: int) -> list[int]:
@@ -76,9 +76,10 @@ class Schedule:
     def assigned(self, t: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, place among that source's slots so far) of every slot p of block b of stage t: slot p
         takes the source whose range holds permute(p); a source's sequences are taken in slot order. The
-        WINDOW_BLOCKS blocks from b's group on are computed together (one permutation pass) and kept."""
-        if (t, b) not in self.cache:
-            first, k, size = b - b % WINDOW_BLOCKS, WINDOW_BLOCKS, self.block
+        GROUP_BLOCKS blocks of b's group are computed together (one permutation pass) and kept."""
+        first = b - b % GROUP_BLOCKS
+        if (t, first) not in self.cache:
+            k, size = GROUP_BLOCKS, self.block
             epochs = np.repeat(np.arange(first, first + k, dtype=np.uint64), size)
             q = permute(np.tile(np.arange(size), k), size, self.keys[t], epochs).astype(np.int64)
             src = (np.searchsorted(self.slots[t], q, side="right") - 1).reshape(k, size)
@@ -87,11 +88,11 @@ class Schedule:
                 if count:
                     mine = src == s
                     place[mine] = (np.cumsum(mine, axis=1) - 1)[mine]
-            while len(self.cache) >= 2 * WINDOW_BLOCKS:  # a batch spans a group or two: keep the last two
+            while len(self.cache) >= 2:  # a batch spans a group or two: keep the last two
                 self.cache.pop(next(iter(self.cache)))
-            for i in range(k):
-                self.cache[t, first + i] = (src[i], place[i])
-        return self.cache[t, b]
+            self.cache[t, first] = (src, place)
+        src, place = self.cache[t, first]
+        return src[b - first], place[b - first]
 
     def blocks(self, g: np.ndarray) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
         """The blocks the global samples `g` (int64) fall in: [(stage t, block b, where in g, their slots)]."""
@@ -196,25 +197,23 @@ class Mixture(Loader):
 
     def _block_windows(self, t: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, window) of every slot of block b of stage t: its source's sequence index i is window
-        permute(i % n, n, seed, i // n) of that source (n windows, its own seed). The WINDOW_BLOCKS blocks from
-        b's group on are computed together, a pass per source for all of them (a pass's cost is mostly its
-        cycle walking's last few rounds, the same for 300 indices as for 1,200), and kept."""
-        if (t, b) not in self._windows:
-            first = b - b % WINDOW_BLOCKS
-            group = [self.schedule.block_rows(t, c) for c in range(first, first + WINDOW_BLOCKS)]
-            src = np.concatenate([g[0] for g in group])
-            index = np.concatenate([g[1] for g in group])
+        permute(i % n, n, seed, i // n) of that source (n windows, its own seed). The GROUP_BLOCKS blocks of
+        b's group are computed together, a pass per source for all of them (a pass's cost is mostly its cycle
+        walking's last few rounds, the same for 300 indices as for 2,400), and kept."""
+        first = b - b % GROUP_BLOCKS
+        if (t, first) not in self._windows:
+            rows = [self.schedule.block_rows(t, c) for c in range(first, first + GROUP_BLOCKS)]
+            src, index = np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
             windows = np.empty_like(index)
             for s, n in enumerate(self.windows.tolist()):
                 at = src == s
                 if at.any():
                     windows[at] = permute(index[at] % n, n, self.seeds[s], index[at] // n)
-            while len(self._windows) >= 2 * WINDOW_BLOCKS:  # a batch spans a group or two: keep the last two
+            while len(self._windows) >= 2:  # a batch spans a group or two: keep the last two
                 self._windows.pop(next(iter(self._windows)))
-            size = self.schedule.block
-            for k, c in enumerate(range(first, first + WINDOW_BLOCKS)):
-                self._windows[t, c] = (src[k * size:(k + 1) * size], windows[k * size:(k + 1) * size])
-        return self._windows[t, b]
+            self._windows[t, first] = (src, windows)
+        src, windows = self._windows[t, first]
+        return src[b - first], windows[b - first]
 
     def taken(self, steps: int) -> dict[str, int]:
         """{source: sequences it gave to the first `steps` steps}."""
