@@ -208,6 +208,7 @@ class Checker:
             assert args[args.index("--model") + 1] == "local-completions", line
             model_args = dict(kv.split("=", 1) for kv in args[args.index("--model_args") + 1].split(","))
             assert model_args["base_url"] == SERVED + "/v1/completions" and model_args["tokenizer_backend"] == "remote"
+            assert "max_length" in model_args, f"{line}: lm-eval's default max_length (2048) is past the context"
         else:
             assert prog in EXTERNAL, f"{line}: {prog} is neither checked here nor an allowed external tool"
 

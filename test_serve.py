@@ -132,9 +132,10 @@ def test_echo_logprobs_are_the_models_log_softmax(served, client, model):
     expected = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
         -1, keepdims=True)
     np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], expected[np.arange(len(ids) - 1), ids[1:]], atol=1e-5)
-    for t in range(1, len(ids)):  # the three most likely tokens at each prompt position, with their logprobs
-        top = sorted(expected[t - 1])[-3:]
-        np.testing.assert_allclose(sorted(lp.top_logprobs[t].values()), top, atol=1e-5)
+    for t in range(1, len(ids)):  # the three most likely tokens at each prompt position, and the prompt's own token
+        top = set(np.argsort(expected[t - 1])[-3:]) | {ids[t]}
+        np.testing.assert_allclose(sorted(lp.top_logprobs[t].values()), sorted(expected[t - 1][list(top)]), atol=1e-5)
+        assert lp.top_logprobs[t][lp.tokens[t]] == pytest.approx(lp.token_logprobs[t], abs=1e-6)
     # the generated tokens' logprobs continue the same distribution: greedy picks each position's top token
     for t in range(len(ids), len(ids) + 3):
         assert lp.token_logprobs[t] == pytest.approx(max(lp.top_logprobs[t].values()), abs=1e-6)
@@ -148,7 +149,8 @@ def test_logprobs_zero_gives_each_new_tokens_logprob_under_the_model(served, cli
     reply = client.completions.create(model="learned", prompt=ids, max_tokens=6, temperature=0, logprobs=0)
     lp = reply.choices[0].logprobs
     n = len(lp.token_logprobs)
-    assert n == reply.usage.completion_tokens and all(not t for t in lp.top_logprobs or [{}])
+    assert n == reply.usage.completion_tokens  # no alternatives: only the chosen token, as OpenAI's logprobs=0
+    assert lp.top_logprobs == [{t: x} for t, x in zip(lp.tokens, lp.token_logprobs)]
     seq, expected = list(ids), []  # greedy by recomputation here, each token's log-softmax beside it
     for _ in range(n):
         logits = np.asarray(model(jnp.asarray([seq]))[0, -1], np.float64)[:model.config.vocab_size]
@@ -159,6 +161,20 @@ def test_logprobs_zero_gives_each_new_tokens_logprob_under_the_model(served, cli
     np.testing.assert_allclose(lp.token_logprobs, expected, atol=1e-5)
     plain = client.completions.create(model="learned", prompt=ids, max_tokens=6, temperature=0)
     assert plain.choices[0].logprobs is None and plain.choices[0].text == reply.choices[0].text
+    # with echo: the prompt's tokens too, alone (max_tokens 0) and streamed
+    echoed = client.completions.create(model="learned", prompt=ids, max_tokens=2, temperature=0, logprobs=0, echo=True)
+    lp = echoed.choices[0].logprobs
+    assert lp.tokens[len(ids):] == reply.choices[0].logprobs.tokens[:2] and lp.top_logprobs[0] is None
+    assert lp.top_logprobs[1:] == [{t: x} for t, x in zip(lp.tokens[1:], lp.token_logprobs[1:])]
+    alone = client.completions.create(model="learned", prompt=ids, max_tokens=0, logprobs=0, echo=True)
+    parts = list(client.completions.create(model="learned", prompt=ids, max_tokens=0, logprobs=0, echo=True,
+                                           stream=True))
+    for reply in (alone, *parts):
+        valid_completion(reply.model_dump())
+    assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
+    assert "".join(c.text for r in parts for c in r.choices) == alone.choices[0].text
+    assert [t for r in parts for c in r.choices if c.logprobs for t in c.logprobs.tokens] == lp.tokens[:len(ids)]
+    assert [c.finish_reason for r in parts for c in r.choices if c.finish_reason] == ["length"]
 
 
 def test_streaming_equals_whole_and_chat_streams(served, client):
@@ -197,6 +213,12 @@ def test_n_seed_and_stop(served, client):
     stop = text[len(text) // 2: len(text) // 2 + 2]
     cut = client.completions.create(model="learned", prompt="the", max_tokens=30, temperature=0, stop=[stop])
     assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    # usage counts the tokens generated until the stop string was whole, not the rest of the engine's chunk
+    pieces = client.completions.create(model="learned", prompt="the", max_tokens=30, temperature=0,
+                                       logprobs=0).choices[0].logprobs.tokens  # each token's text (ASCII here)
+    assert "".join(pieces) == text
+    whole = next(k for k in range(1, len(pieces) + 1) if stop in "".join(pieces[:k]))
+    assert cut.usage.completion_tokens == whole < free.usage.completion_tokens
     streamed = client.completions.create(model="learned", prompt="the", max_tokens=30, temperature=0, stop=stop,
                                          stream=True)
     assert "".join(c.text for p in streamed for c in p.choices) == cut.choices[0].text
@@ -278,6 +300,11 @@ BAD = [
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
     ("/detokenize", {"tokens": [10**7]}, 400, "tokens"),
+    ("/v1/completions", b'{"prompt": "abc \\ud800", "max_tokens": 2}', 400, "prompt"),  # a lone surrogate
+    ("/v1/completions", b'{"prompt": ["a", "\\udc00"]}', 400, "prompt[1]"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', 400,
+     "messages[0].content"),
+    ("/tokenize", b'{"prompt": "\\ud83d"}', 400, "prompt"),
     ("/nowhere", {}, 404, None),
 ]
 
@@ -456,3 +483,109 @@ def test_port_in_use_and_not_a_run_are_one_line(learned, tmp_path):
                            "0"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         f"error: run directory {tmp_path / 'none'} not found"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The server's parts in this process: a failed engine, the queue, a client gone, a token's bytes
+
+
+@pytest.fixture(scope="module")
+def parts(learned, model):
+    """A Server over an Engine that is not started (nothing compiled), and the run's tokenizer."""
+    from inference import openai_api
+
+    cfg = rundir.Run(learned).record.config().model
+    tokenizer = rundir.Run(learned).record.tokenizer()
+
+    def make(slots=2, max_queue=4):
+        engine = batching.Engine(model, cfg, slots=slots, context=32, eot_id=None, max_queue=max_queue)
+        return openai_api.Server(engine, tokenizer, name="learned", step=40, vocab_size=cfg.vocab_size, context=32,
+                                 learned_positions=True, eot_id=None)
+    return make, tokenizer
+
+
+def test_a_failed_engine_is_a_503_and_health_says_so(parts):
+    from starlette.testclient import TestClient
+
+    from inference import openai_api
+
+    server = parts[0]()
+    server.engine.failure = "generation failed: RuntimeError: the device is gone"  # as Engine._loop leaves it
+    with TestClient(openai_api.make_app(server)) as http:
+        reply = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "generation_failed"
+        assert "the device is gone" in reply.json()["error"]["message"]
+        health = http.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+
+
+def test_a_cancelled_completion_gives_up_its_place_in_the_queue(parts):
+    engine = parts[0](max_queue=2).engine
+    engine.running = True  # takes submissions; no thread runs them
+    seqs = [batching.Sequence([1, 2], 4, lambda e: None) for _ in range(2)]
+    assert all(engine.submit(s) for s in seqs) and not engine.submit(batching.Sequence([1], 1, lambda e: None))
+    engine.cancel(seqs[0])
+    assert engine.waiting() == 1 and engine.submit(batching.Sequence([1], 1, lambda e: None))
+
+
+def test_a_client_gone_is_seen_while_tokens_keep_coming(parts, monkeypatch):
+    """A non-streamed completion whose client went away is cancelled within the poll's time even though its
+    tokens arrive far more often than that."""
+    import asyncio
+
+    from inference import openai_api
+
+    monkeypatch.setattr(openai_api, "DISCONNECT_POLL", 0.05)
+    server = parts[0]()
+    cancelled = []
+    monkeypatch.setattr(server.engine, "cancel", cancelled.append)
+
+    class Gone:
+        async def is_disconnected(self):
+            return True
+
+    async def scenario():
+        seq = batching.Sequence([1], 10**6, lambda e: None)
+        choice = openai_api.Choice(server, seq, 0, [], None, None)
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def flow():  # a token every millisecond, for ever
+            while True:
+                events.put_nowait((0, ("tokens", [3], [float("nan")], np.zeros((1, 0)), np.zeros((1, 0)))))
+                await asyncio.sleep(0.001)
+
+        feeder = asyncio.ensure_future(flow())
+        try:
+            await asyncio.wait_for(server.wait_all(Gone(), [choice], events), 5)
+        finally:
+            feeder.cancel()
+        return seq
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(scenario())
+    assert len(cancelled) == 1
+
+
+def test_a_tokens_bytes_are_its_own(parts, tmp_path):
+    """Chat logprobs' `bytes`: a byte-level token's own bytes (the piece of a character its byte, not the
+    replacement character's), so that a completion's tokens' bytes join into its text's UTF-8; the same for a
+    byte-fallback tokenizer's <0xNN> tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    from inference import openai_api
+
+    server = parts[0]()
+    text = "caf\u00e9 \u2713 \u00fcber \U0001f600"
+    ids = server.encode(text, "prompt")
+    assert any("\ufffd" in server.piece(i) for i in ids)  # some token holds part of a character
+    assert b"".join(bytes(server.token_bytes(i)) for i in ids) == text.encode()
+
+    vocab = {"<unk>": 0, "\u2581": 1, "a": 2, "b": 3, **{f"<0x{b:02X}>": 4 + b for b in range(256)}}
+    fallback = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    fallback.normalizer = normalizers.Replace(" ", "\u2581")
+    fallback.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    other = openai_api.Server(server.engine, fallback, name="x", step=0, vocab_size=len(vocab), context=32,
+                              learned_positions=True, eot_id=None)
+    ids = other.encode(" ab\u00e9", "prompt")
+    assert ids == [1, 2, 3, 4 + 0xC3, 4 + 0xA9]  # é as its two bytes' tokens
+    assert b"".join(bytes(other.token_bytes(i)) for i in ids) == " ab\u00e9".encode()

@@ -136,7 +136,8 @@ class Engine:
         def nucleus(scaled):
             ordered = -jnp.sort(-scaled, axis=-1)
             probs = jax.nn.softmax(ordered, axis=-1)
-            keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]  # the most likely token always stays
+            first = jnp.arange(ordered.shape[-1]) == 0  # the most likely token always stays (a top-p that the
+            keep = ((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]) | first  # device flushes to 0 too)
             threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
             return jnp.where((top_p[:, None] < 1) & (scaled < threshold), -jnp.inf, scaled)
 
@@ -272,6 +273,8 @@ class Engine:
     def cancel(self, seq: Sequence) -> None:
         with self.lock:
             seq.cancelled = True
+            if seq in self.queue:  # a waiting one gives up its place at once
+                self.queue.remove(seq)
             self.lock.notify()
 
     def active(self) -> int:
@@ -369,9 +372,10 @@ class Engine:
                                                         np.asarray(prompt_top_lp))
         for i, (seq, slot) in enumerate(group):
             T0 = len(seq.prompt)
-            if seq.echo:
-                seq.deliver(("prompt", prompt_lp[i, :T0], prompt_top_ids[i, :T0, :seq.top],
-                             prompt_top_lp[i, :T0, :seq.top]))
+            if seq.echo:  # (T0, top) alternatives: none when no prompt of the group asked for them
+                seq.deliver(("prompt", prompt_lp[i, :T0],
+                             prompt_top_ids[i, :T0, :seq.top] if tops else np.zeros((T0, 0), np.int32),
+                             prompt_top_lp[i, :T0, :seq.top] if tops else np.zeros((T0, 0), np.float32)))
             if seq.max_tokens == 0:  # echo alone: the prompt's logprobs, nothing generated
                 seq.deliver(("end", "length"))
                 self._free(slot)

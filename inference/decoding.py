@@ -44,7 +44,7 @@ def sample_logits(logits: jax.Array, key: jax.Array, *, vocab_size: int, tempera
         ordered = -jnp.sort(-logits, axis=-1)  # (B, V) descending
         probs = jax.nn.softmax(ordered, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above each
-        keep = before < top_p  # the most likely token always stays
+        keep = (before < top_p) | (jnp.arange(ordered.shape[-1]) == 0)  # the most likely token always stays
         threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)  # (B, 1)
         logits = jnp.where(logits < threshold, -jnp.inf, logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

@@ -129,9 +129,17 @@ def message_text(message: Message, index: int) -> str:
                        f"messages[{index}].role")
     if message.content is None:
         return ""
-    if isinstance(message.content, str):
-        return message.content
-    return "".join(part.text for part in message.content)
+    text = message.content if isinstance(message.content, str) else "".join(part.text for part in message.content)
+    return valid_text(text, f"messages[{index}].content")
+
+
+def valid_text(text: str, param: str) -> str:
+    """The text, or a 400 when it is not Unicode the tokenizer can take (a lone surrogate, as JSON's "\\ud800")."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param}: not valid Unicode text ({e.reason} at character {e.start})", param) from None
+    return text
 
 
 def compile_template(source: str):
@@ -146,6 +154,23 @@ def compile_template(source: str):
 # One completion on its way: tokens in, text and logprobs out
 
 
+def pairs(ids, lps) -> list[tuple[int, float]]:
+    """A token's alternatives from the engine's arrays: [(id, logprob), ...], most likely first."""
+    return [(int(i), float(lp)) for i, lp in zip(ids, lps)]
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters (GPT-2's scheme) to the bytes they stand for: the printable bytes stand for
+    themselves, every other byte for the character 256 + its rank among them."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(others)}}
+
+
+BYTE_OF_CHAR = byte_level_alphabet()
+
+
 class Choice:
     """A Sequence's events turned into its text: `update` takes the tokens that arrived and returns the new
     text that is certain (and the logprobs of the tokens it released); `finish` ends it."""
@@ -155,7 +180,7 @@ class Choice:
         self.server, self.seq, self.index, self.stops, self.want = server, seq, index, stops, logprobs
         self.ids: list[int] = []
         self.lps: list[float | None] = []
-        self.tops: list[dict | None] = []
+        self.tops: list[list | None] = []  # each token's alternatives, [(id, logprob), ...] most likely first
         self.offsets: list[int] = []  # each generated token's end in the text (with logprobs only)
         self.text = ""  # the completion's text so far, up to any stop string
         self.sent = 0  # characters of text already handed out
@@ -163,7 +188,7 @@ class Choice:
         self.finish_reason: str | None = None
         self.cut = False  # whether a stop string ended it
         self.error: str | None = None
-        self.prefix = server.decode(echo_ids) if echo_ids is not None else ""
+        self.prefix = server.decode(echo_ids, special=True) if echo_ids is not None else ""  # the prompt as sent
         self.echo_ids = echo_ids
         self.prompt_lps: list | None = None
 
@@ -172,7 +197,7 @@ class Choice:
         if kind == "prompt":
             _, lps, top_ids, top_lps = event
             self.prompt_lps = [None if np.isnan(x) else float(x) for x in lps]
-            self.prompt_tops = [None if i == 0 else self.server.top_dict(top_ids[i], top_lps[i])
+            self.prompt_tops = [None if i == 0 else pairs(top_ids[i], top_lps[i])
                                 for i in range(len(lps))] if self.want is not None else None
         elif kind == "tokens":
             _, ids, lps, top_ids, top_lps = event
@@ -181,7 +206,7 @@ class Choice:
             for j, token in enumerate(ids):
                 self.ids.append(token)
                 self.lps.append(lps[j])
-                self.tops.append(self.server.top_dict(top_ids[j], top_lps[j]) if self.want is not None else None)
+                self.tops.append(pairs(top_ids[j], top_lps[j]) if self.want is not None else None)
                 if self.want is not None:
                     self.offsets.append(len(self.server.decode(self.ids)))
             self.text = self.server.decode(self.ids)
@@ -193,9 +218,16 @@ class Choice:
             self.error = event[1]
 
     def _find_stop(self) -> None:
-        found = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
+        found = [(at, len(s)) for at, s in ((self.text.find(s, max(0, self.sent - len(s))), s) for s in self.stops)
+                 if at >= 0]
         if found:
-            self.text = self.text[:min(found)]
+            at, length = min(found)
+            # the completion's tokens are those generated until the stop string was whole (what `usage` counts):
+            # the rest of the engine's chunk came after its end
+            whole = next(k for k in range(1, len(self.ids) + 1) if len(self.server.decode(self.ids[:k])) >= at + length)
+            for kept in (self.ids, self.lps, self.tops, self.offsets):
+                del kept[whole:]
+            self.text = self.text[:at]
             self.finish_reason, self.cut = "stop", True
             self.server.engine.cancel(self.seq)
 
@@ -240,33 +272,34 @@ class Choice:
         if self.want is None:
             return None
         tokens, lps, tops, offsets = [], [], [], []
-        base = 0
+        server = self.server
         if with_prompt and self.echo_ids is not None:
-            pieces = [self.server.piece(t) for t in self.echo_ids]
-            at = 0
-            for i, piece in enumerate(pieces):
-                tokens.append(piece)
-                offsets.append(at)
-                at += len(piece)
+            # each prompt token's offset: the length of the prompt's text before it (as `prefix` decodes it)
+            before = [0] + [len(t) for t in server.tokenizer.decode_batch(
+                [self.echo_ids[:i] for i in range(1, len(self.echo_ids))], skip_special_tokens=False)]
+            for i, token in enumerate(self.echo_ids):
+                tokens.append(server.piece(token))
+                offsets.append(before[i])
                 lps.append(self.prompt_lps[i] if self.prompt_lps else None)
-                tops.append(self.prompt_tops[i] if self.prompt_lps and self.prompt_tops else None)
-            base = len(self.prefix)
+                tops.append(server.top_dict(self.prompt_tops[i], token, lps[-1])
+                            if self.prompt_lps and self.prompt_tops and self.prompt_tops[i] is not None else None)
+        base = len(self.prefix)  # generated text follows the echoed prompt, in every chunk of a stream
         for i in range(first, first + count):
-            tokens.append(self.server.piece(self.ids[i]))
+            tokens.append(server.piece(self.ids[i]))
             offsets.append(base + (self.offsets[i - 1] if i else 0))
             lps.append(self.lps[i])
-            tops.append(self.tops[i])
+            tops.append(server.top_dict(self.tops[i], self.ids[i], self.lps[i]))
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
     def chat_logprobs(self, first: int, count: int) -> dict | None:
         if self.want is None:
             return None
-        content = []
+        content, server = [], self.server
         for i in range(first, first + count):
-            piece = self.server.piece(self.ids[i])
-            content.append({"token": piece, "logprob": self.lps[i], "bytes": list(piece.encode()),
-                            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
-                                             for t, lp in (self.tops[i] or {}).items()]})
+            content.append({"token": server.piece(self.ids[i]), "logprob": self.lps[i],
+                            "bytes": server.token_bytes(self.ids[i]),
+                            "top_logprobs": [{"token": server.piece(t), "logprob": lp, "bytes": server.token_bytes(t)}
+                                             for t, lp in self.tops[i] or ()]})
         return {"content": content}
 
 
@@ -287,11 +320,15 @@ class Server:
         self.template = compile_template(chat_template) if chat_template else None
         self.created = int(time.time())
         self.stopping: str | None = None
+        decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        self.byte_level, self.byte_fallback = "ByteLevel" in kinds, "ByteFallback" in kinds
+        self.special = {t for t, added in tokenizer.get_added_tokens_decoder().items() if added.special}
 
     # -- tokens -------------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, param: str) -> list[int]:
+        return self.tokenizer.encode(valid_text(text, param), add_special_tokens=False).ids
 
     def decode(self, ids, special: bool = False) -> str:
         """Text of token ids: special tokens left out (as sample.py prints), or kept (`special`: /detokenize)."""
@@ -301,11 +338,29 @@ class Server:
         """One token's own text, for logprobs (a special token as itself)."""
         return self.decode([token], special=True)
 
-    def top_dict(self, ids, lps) -> dict:
+    def top_dict(self, alternatives: list, chosen: int, chosen_lp: float | None) -> dict:
+        """The completions API's top_logprobs of one token: its alternatives' text to logprob, and the chosen token
+        too when it is not among them (as OpenAI's: up to logprobs + 1 entries; tokens of the same text once)."""
         top: dict[str, float] = {}
-        for i, lp in zip(ids, lps):
-            top.setdefault(self.piece(i), float(lp))
+        for i, lp in alternatives:
+            top.setdefault(self.piece(i), lp)
+        if chosen_lp is not None and not any(i == chosen for i, _ in alternatives):
+            top.setdefault(self.piece(chosen), chosen_lp)
         return top
+
+    def token_bytes(self, token: int) -> list[int]:
+        """A token's own bytes (chat logprobs' `bytes`): a byte-level token's bytes, so that the piece of a character
+        has its byte rather than the replacement character's three."""
+        raw = self.tokenizer.id_to_token(token)
+        if raw is not None and token not in self.special:
+            if self.byte_level and all(c in BYTE_OF_CHAR for c in raw):
+                return [BYTE_OF_CHAR[c] for c in raw]
+            if self.byte_fallback and len(raw) == 6 and raw.startswith("<0x") and raw.endswith(">"):
+                try:
+                    return [int(raw[3:5], 16)]
+                except ValueError:
+                    pass
+        return list(self.piece(token).encode())
 
     def token_text(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.tokenizer.id_to_token(token_id)
@@ -378,6 +433,7 @@ class Server:
         """Queue every completion; returns their Choices and the queue their events arrive on."""
         if self.stopping:
             raise APIError(503, f"the server is stopping ({self.stopping})", None, "server_stopping", "server_error")
+        self.check_engine()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         choices: list[Choice] = []
@@ -396,9 +452,16 @@ class Server:
             if not self.engine.submit(c.seq):
                 for other in choices:
                     self.engine.cancel(other.seq)
+                self.check_engine()
                 raise APIError(429, "the server's queue is full: try again shortly", None, "queue_full",
                                "rate_limit_error")
         return choices, events
+
+    def check_engine(self) -> None:
+        """A 503 once generation has failed (the device, or a bug): nothing more can be generated until a restart."""
+        if self.engine.failure is not None:
+            raise APIError(503, f"{self.engine.failure}; restart the server", None, "generation_failed",
+                           "server_error")
 
     def cancel(self, choices: list[Choice]) -> None:
         for c in choices:
@@ -407,16 +470,19 @@ class Server:
 
     async def wait_all(self, request: Request, choices: list[Choice], events: asyncio.Queue) -> None:
         """Until every choice has ended; a client that went away cancels them all."""
+        looked = time.monotonic()
         try:
             while not all(c.ended for c in choices):
                 try:
                     index, event = await asyncio.wait_for(events.get(), DISCONNECT_POLL)
+                    if not choices[index].ended:
+                        choices[index].on(event)
                 except asyncio.TimeoutError:
+                    pass
+                if time.monotonic() - looked >= DISCONNECT_POLL:  # however often tokens come
+                    looked = time.monotonic()
                     if await request.is_disconnected():
-                        raise asyncio.CancelledError from None
-                    continue
-                if not choices[index].ended:
-                    choices[index].on(event)
+                        raise asyncio.CancelledError
         finally:
             self.cancel(choices)
 
@@ -518,8 +584,12 @@ def make_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "stopping" if server.stopping else "ok", "model": server.name, "step": server.step,
-                "slots": server.engine.slots, "active": server.engine.active(), "waiting": server.engine.waiting()}
+        engine = server.engine
+        body = {"status": "stopping" if server.stopping else "ok", "model": server.name, "step": server.step,
+                "slots": engine.slots, "active": engine.active(), "waiting": engine.waiting()}
+        if engine.failure is not None:  # 503, so that a supervisor's probe restarts it
+            return JSONResponse({**body, "status": "failed", "error": engine.failure}, 503)
+        return body
 
     @app.get("/v1/models")
     async def models():
@@ -543,7 +613,9 @@ def make_app(server: Server) -> FastAPI:
         if (r.prompt is None) == (r.messages is None):
             raise APIError(400, "give either prompt (text) or messages", "prompt")
         text = r.prompt if r.prompt is not None else render_chat(server, r.messages)
-        tokens = server.encode(text) if not r.add_special_tokens else server.tokenizer.encode(text).ids
+        param = "prompt" if r.prompt is not None else "messages"
+        tokens = (server.encode(text, param) if not r.add_special_tokens else
+                  server.tokenizer.encode(valid_text(text, param)).ids)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": server.context}
 
     @app.post("/detokenize")
@@ -564,8 +636,6 @@ def make_app(server: Server) -> FastAPI:
         if r.logprobs is not None and not 0 <= r.logprobs <= TOP_MAX:
             raise APIError(400, f"logprobs must be between 0 and {TOP_MAX}, got {r.logprobs}", "logprobs")
         most = server.check_max_tokens(r.max_tokens, 16, "max_tokens", allow_zero=bool(r.echo))
-        if most == 0 and r.stream:
-            raise APIError(400, "max_tokens 0 (echo alone) cannot be streamed", "max_tokens")
         for ids in prompts:
             server.check_length(len(ids), most)
         choices, events = await server.run(request, prompts, settings, [most] * len(prompts), r.logprobs,
@@ -596,7 +666,7 @@ def make_app(server: Server) -> FastAPI:
         if not r.messages:
             raise APIError(400, "messages is empty", "messages")
         text = render_chat(server, r.messages)
-        ids = server.encode(text)
+        ids = server.encode(text, "messages")
         if not ids:
             raise APIError(400, "the messages render to no tokens", "messages")
         settings = server.sampling(r, 1)
@@ -647,7 +717,7 @@ def completion_prompts(server: Server, prompt) -> list[list[int]]:
         prompt = [prompt]
     out = []
     for i, p in enumerate(prompt):
-        ids = server.encode(p) if isinstance(p, str) else list(p)
+        ids = server.encode(p, "prompt" if len(prompt) == 1 else f"prompt[{i}]") if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, f"prompt{'' if len(prompt) == 1 else f'[{i}]'} is empty: give at least one token",
                            "prompt")
