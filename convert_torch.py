@@ -129,6 +129,7 @@ TOKENIZER_NAME = "tokenizer.json"
 FINE_TUNING = "training.steps=500 training.lr=1e-4 training.min_lr=1e-5 training.warmup_steps=50"
 LORA_TUNING = "training.steps=500 training.lr=1e-3 training.min_lr=1e-4 training.warmup_steps=50"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # PEFT's file names
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"  # what AutoTokenizer reads beside tokenizer.json
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,10 +265,26 @@ def _is_adapter(directory: pathlib.Path) -> bool:
     return isinstance(meta, dict) and meta.get("peft_type") == "LORA"
 
 
-_OURS = {  # what --overwrite may replace, besides an empty directory
-    "export": (_is_export, f"an export of convert_torch.py (a {CONFIG_NAME} with gpt_jax)"),
-    "adapter": (_is_adapter, f"a LoRA adapter (an {ADAPTER_CONFIG} of peft_type LORA)"),
-    "import": (lambda directory: (directory / "config.yaml").is_file(), "a run directory (one with config.yaml)"),
+def _imported(entry: pathlib.Path) -> bool:
+    """Whether an entry of a run directory is one an import writes: nothing a training of it added (its
+    metrics, its checkpoints after step 0)."""
+    from core.chat import CHAT_TEMPLATE
+    from store.checkpoints import CHECKPOINTS
+    from store.formats import FILE
+    from store.runlock import LOCK
+
+    if entry.name == CHECKPOINTS and entry.is_dir():
+        return all(step.name == "0" for step in entry.iterdir())
+    return entry.is_file() and entry.name in (record.CONFIG, FILE, TOKENIZER_NAME, CHAT_TEMPLATE, LOCK)
+
+
+_OURS = {  # what --overwrite may replace, besides an empty directory, and the entries such an output has
+    "export": (_is_export, f"an export of convert_torch.py (a {CONFIG_NAME} with gpt_jax)",
+               lambda e: e.is_file() and e.name in (CONFIG_NAME, WEIGHTS_NAME, TOKENIZER_NAME, HF_TOKENIZER_CONFIG)),
+    "adapter": (_is_adapter, f"a LoRA adapter (an {ADAPTER_CONFIG} of peft_type LORA)",
+                lambda e: e.is_file() and e.name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)),
+    "import": (lambda directory: (directory / record.CONFIG).is_file(),
+               "a run directory (one with config.yaml)", _imported),
 }
 
 
@@ -286,8 +303,8 @@ def _check_out(out, source, overwrite: bool, kind: str = "export") -> pathlib.Pa
         if relation:
             raise ConvertError(f"--out {out} {relation} the source directory {source}; choose an --out outside "
                                f"it (nothing was written or deleted)")
-    ours, what = _OURS[kind]
-    out = outputs.check_out(out, overwrite, ours=ours, what=what, hidden=True, error=ConvertError)
+    ours, what, made = _OURS[kind]
+    out = outputs.check_out(out, overwrite, ours=ours, what=what, hidden=True, error=ConvertError, made=made)
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConvertError(f"{out} already exists; choose another --out or pass --overwrite")
     return out
@@ -322,7 +339,7 @@ def export(params: dict, gpt_config, out, fmt: str = "torch", tokenizer=None, ov
                 # the training context, for every layout: the length lm-eval's HF backend scores windows of
                 # when config.json names none (BLOOM's), and eval.py's adapter's default; ALiBi and rotary
                 # models still run on longer inputs
-                (tmp / "tokenizer_config.json").write_text(json.dumps(
+                (tmp / HF_TOKENIZER_CONFIG).write_text(json.dumps(
                     {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": c.block_size,
                      "add_prefix_space": False, **special}, indent=2) + "\n")
         staged.commit()

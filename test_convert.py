@@ -482,6 +482,23 @@ def test_overwrite_replaces_only_the_tools_own_output(gpt2_runs, tmp_path, capsy
     ]:
         one_error_line(capsys, ct.cli(convert_argv(kind, gpt2_runs, out, "--overwrite")), words)
     assert tree(tmp_path) == before
+    # its own kind of output holding anything else (a user's notes, a training's metrics and checkpoints): refused,
+    # naming what replacing it would delete
+    (export / "README.md").write_text("my notes")
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "checkpoints" / "500").mkdir()
+    before = tree(tmp_path)
+    for kind, out, words in [
+        ("export", export, f"--out {export} is an export of convert_torch.py (a config.json with gpt_jax) but also "
+                           "holds README.md, which --overwrite would delete"),
+        ("import", run, f"--out {run} is a run directory (one with config.yaml) but also holds checkpoints/, "
+                        "metrics.jsonl, which --overwrite would delete"),
+    ]:
+        one_error_line(capsys, ct.cli(convert_argv(kind, gpt2_runs, out, "--overwrite")), words)
+    assert tree(tmp_path) == before and (run / "checkpoints" / "500").is_dir()
+    (export / "README.md").unlink()
+    (run / "metrics.jsonl").unlink()
+    (run / "checkpoints" / "500").rmdir()
     # its own kind of output is replaced: run-b's export over run-a's, gpt2-b's import over run-a's copy
     assert ct.cli(convert_argv("export", gpt2_runs, export, "--overwrite")) == 0
     assert ct.cli(convert_argv("import", gpt2_runs, run, "--overwrite")) == 0

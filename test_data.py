@@ -943,6 +943,15 @@ def test_overwrite_replaces_only_a_data_directory_or_an_empty_one(big_inputs, tm
     status = data.cli(writer_argv("text", big_inputs, mine, "--overwrite"))
     one_error_line(capsys, status, f"--out {mine} holds figures/, thesis.tex and is not a data directory")
     assert (mine / "thesis.tex").read_text() == "years of work"
+    # a data directory that also holds something else (notes, a second data directory inside): refused, naming it
+    assert data.cli(writer_argv("text", big_inputs, tmp_path / "prepared")) == 0
+    assert data.cli(writer_argv("text", big_inputs, tmp_path / "prepared" / "inner")) == 0
+    (tmp_path / "prepared" / "NOTES.txt").write_text("where the corpus came from")
+    before = tree(tmp_path / "prepared")
+    one_error_line(capsys, data.cli(writer_argv("text", big_inputs, tmp_path / "prepared", "--overwrite")),
+                   f"--out {tmp_path / 'prepared'} is a data directory (one with index.json) but also holds NOTES.txt, "
+                   "inner/, which --overwrite would delete")
+    assert tree(tmp_path / "prepared") == before
     (tmp_path / "file").write_text("a file")
     one_error_line(capsys, data.cli(writer_argv("text", big_inputs, tmp_path / "file", "--overwrite")),
                    "is a file, not a directory")
@@ -950,7 +959,7 @@ def test_overwrite_replaces_only_a_data_directory_or_an_empty_one(big_inputs, tm
     assert data.cli(writer_argv("prompt_completion", big_inputs, tmp_path / "empty", "--overwrite")) == 0
     assert data.cli(writer_argv("text", big_inputs, tmp_path / "empty", "--overwrite")) == 0  # a data directory
     assert shards.open_data(tmp_path / "empty").index.get("kind") is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "mine"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "mine", "prepared"]
 
 
 PLACES = {  # where --out goes: (out, extra arguments, the words its one error line holds)

@@ -134,13 +134,17 @@ def _listing(directory: pathlib.Path, shown: int = 3) -> str:
 
 
 def check_out(out, overwrite: bool, *, ours: Callable[[pathlib.Path], bool], what: str, hidden: bool = False,
-              error: type[UserError] = StorageError) -> pathlib.Path:
+              error: type[UserError] = StorageError,
+              made: Callable[[pathlib.Path], bool] | None = None) -> pathlib.Path:
     """Whether a writer may put a directory at --out `out`, before anything is written; raises `error`.
 
     Never: an empty --out, a path that is not UTF-8 text, the current directory or a directory holding it
     (`/` included), the home directory, a path under a regular file, a file or a symbolic link. With
     --overwrite an existing --out is replaced only if it is empty or `ours(out)` (the writer's own kind of
-    output, `what`: "a data directory (one with index.json)"); otherwise the error names what is in it.
+    output, `what`: "a data directory (one with index.json)"); otherwise the error names what is in it. With
+    `made` (a local --out; whether an entry of such an output is one its writer makes), an output that also
+    holds anything else (a user's notes, a second data directory, a trained run's checkpoints) is refused
+    too, naming those entries: replacing it would delete them.
     Leftovers of dead writers into `out` are settled first (settle_leftovers). Whether an existing --out
     needs --overwrite is the caller's rule.
 
@@ -180,6 +184,13 @@ def check_out(out, overwrite: bool, *, ours: Callable[[pathlib.Path], bool], wha
         if overwrite and out.is_dir() and any(out.iterdir()) and not ours(out):
             raise error(f"--out {shown} holds {_listing(out)} and is not {what}; --overwrite replaces only "
                         f"such a directory or an empty one: {untouched}")
+        others = sorted(e.name + ("/" if e.is_dir() else "") for e in out.iterdir()
+                        if not made(e)) if overwrite and made is not None and out.is_dir() else []
+        if others:
+            more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+            raise error(f"--out {shown} is {what} but also holds {', '.join(others[:3])}{more}, which "
+                        f"--overwrite would delete: move {'it' if len(others) == 1 else 'them'} out first, or "
+                        f"{untouched}")
     except OSError as e:  # a directory on the way that cannot be read
         raise error(f"--out {shown}: {e.strerror or one_line(e)}" + (f" ({e.filename})" if e.filename else "")) \
             from None

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 from typing import Callable, Iterable, Iterator
 
@@ -192,6 +193,13 @@ def unigram_entropy(counts: np.ndarray) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def made_here(entry: pathlib.Path) -> bool:
+    """Whether an entry of a data directory is one data.py writes: index.json, tokenizer.json and the shards
+    (SPLIT_00000.bin, SPLIT_mask_00000.bin)."""
+    return entry.is_file() and (entry.name in ("index.json", "tokenizer.json")
+                                or re.fullmatch(r"[a-z]+(_mask)?_\d{5,}\.bin", entry.name) is not None)
+
+
 def check_out(out, overwrite: bool, inputs: list[str]) -> pathlib.Path:
     """A data directory may be written at `out` (outputs.check_out's rules): new, or with --overwrite an
     existing data directory (one with index.json) or empty directory, holding no input (--overwrite must
@@ -204,7 +212,7 @@ def check_out(out, overwrite: bool, inputs: list[str]) -> pathlib.Path:
         raise DataError(f"--out {shown} is not UTF-8 text (byte 0x{ord(str(out)[e.start]) & 0xFF:02x} at "
                         f"{e.start}): the tokenizer library writes only UTF-8 paths; choose another --out") from None
     out = outputs.check_out(out, overwrite, ours=lambda d: (d / "index.json").is_file(),
-                            what="a data directory (one with index.json)", error=DataError)
+                            what="a data directory (one with index.json)", error=DataError, made=made_here)
     if out.exists() and not overwrite:
         raise DataError(f"{out} exists; pass --overwrite to replace it")
     for location in inputs:
