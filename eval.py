@@ -30,6 +30,7 @@ logits exceed the device's memory) end in one `error: ...` line on stderr and ex
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -79,6 +80,15 @@ def parse_args(argv):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise errors.EvalError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.limit is not None and not (math.isfinite(args.limit) and args.limit > 0
+                                       and (args.limit < 1 or args.limit == int(args.limit))):
+        raise errors.EvalError(f"--limit must be a count of examples (1, 2, ...) or a fraction between 0 and 1, got "
+                               f"{args.limit:g}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise errors.EvalError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
+    if args.lengths is not None and not args.lengths.strip():
+        raise errors.EvalError("--lengths is empty: give lengths like 1x,2x or 512, or leave it out for "
+                               f"{DEFAULT_LENGTHS}")
     if args.no_perplexity and args.tasks is None:
         raise errors.EvalError("--no-perplexity without --tasks leaves nothing to evaluate")
     if args.include_path is not None and not os.path.isdir(args.include_path):
@@ -89,7 +99,6 @@ def parse_args(argv):
 if __name__ == "__main__":
     errors.parse_before_loading(parse_args)  # --help and argument mistakes: at once, before JAX loads
 
-import math
 import pathlib
 import re
 import time
@@ -119,7 +128,7 @@ def parse_lengths(text: str, train_len: int) -> list[int]:
         item = item.strip().lower()
         try:
             value = round(float(item[:-1]) * train_len) if item.endswith("x") else int(item)
-        except ValueError:
+        except (ValueError, OverflowError):  # not a number, or inf / nan
             raise EvalError(f"--lengths item {item!r} is neither a multiple like 2x nor a token count") from None
         if value < 1:
             raise EvalError(f"--lengths item {item!r} gives {value} tokens; lengths must be positive")
@@ -359,7 +368,7 @@ def main(argv=None) -> int:
         for corpus in corpora.values():
             if args.split not in corpus.splits:  # before the model loads, not in the middle of a progress bar
                 raise EvalError(f"{corpus}: no split {args.split!r} (has: {', '.join(corpus.splits)})")
-        lengths = parse_lengths(args.lengths or DEFAULT_LENGTHS, train_len)
+        lengths = parse_lengths(DEFAULT_LENGTHS if args.lengths is None else args.lengths, train_len)
         if model_cfg.max_length is not None and lengths[-1] > model_cfg.max_length:
             if args.lengths is not None:
                 raise EvalError(f"length {lengths[-1]} exceeds block_size {model_cfg.block_size}: a learned-position "

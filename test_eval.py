@@ -621,8 +621,17 @@ def test_learned_positions_stop_at_block_size(learned_run, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--checkpoint", "{missing}"], "not found"),
-    (["--checkpoint", "{run}", "--tasks", "no_such_task_xyz"], "unknown task 'no_such_task_xyz'"),
+    # (with an --include-path, as offline with an empty dataset cache the data's absence is said first)
+    (["--checkpoint", "{run}", "--tasks", "no_such_task_xyz", "--include-path", "{here}"],
+     "unknown task 'no_such_task_xyz'"),
     (["--checkpoint", "{run}", "--lengths", "2y"], "--lengths item '2y'"),
+    (["--checkpoint", "{run}", "--lengths", "infx"], "--lengths item 'infx' is neither"),
+    (["--checkpoint", "{run}", "--lengths", ""], "--lengths is empty"),
+    (["--checkpoint", "{run}", "--tasks", "x", "--limit", "-1"], "--limit must be a count of examples"),
+    (["--checkpoint", "{run}", "--tasks", "x", "--limit", "0"], "--limit must be a count of examples"),
+    (["--checkpoint", "{run}", "--tasks", "x", "--limit", "nan"], "or a fraction between 0 and 1, got nan"),
+    (["--checkpoint", "{run}", "--tasks", "x", "--limit", "1.5"], "got 1.5"),
+    (["--checkpoint", "{run}", "--tasks", "x", "--num-fewshot", "-2"], "--num-fewshot must be >= 0, got -2"),
     (["--checkpoint", "{run}", "--step", "7"], "no checkpoint for step 7"),
     (["--checkpoint", "{run}", "--no-perplexity"], "nothing to evaluate"),
     (["--checkpoint", "{run}", "--include-path", "{missing}", "--tasks", "x", "--no-perplexity"], "not a directory"),
@@ -638,7 +647,7 @@ def test_learned_positions_stop_at_block_size(learned_run, capsys):
                                                                "scoring batch's logits alone take"),
 ])
 def test_user_errors_are_one_line(run, tmp_path, capsys, argv, message):
-    argv = [a.format(run=run, missing=tmp_path / "missing") for a in argv]
+    argv = [a.format(run=run, missing=tmp_path / "missing", here=tmp_path) for a in argv]
     assert E.cli(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and message in err[-1]
