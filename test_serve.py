@@ -140,6 +140,17 @@ def test_echo_logprobs_are_the_models_log_softmax(served, client, model):
     for t in range(len(ids), len(ids) + 3):
         assert lp.token_logprobs[t] == pytest.approx(max(lp.top_logprobs[t].values()), abs=1e-6)
     assert reply.choices[0].text.startswith("a dog jumped over the lazy cat")
+    # text_offset: each token's start in the returned text, for a prompt with a character split over tokens and
+    # a special token (the echo is the prompt as sent), in order, the completion's first at the prompt's end
+    eot = post(served, "/tokenize", {"prompt": "<|endoftext|>"}).json()["tokens"]
+    ids = eot + post(served, "/tokenize", {"prompt": "caf\u00e9 au lait"}).json()["tokens"]
+    reply = client.completions.create(model="learned", prompt=ids, max_tokens=3, temperature=0, logprobs=1, echo=True)
+    text, offsets = reply.choices[0].text, reply.choices[0].logprobs.text_offset
+    sent = post(served, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert sent == "<|endoftext|>caf\u00e9 au lait" and text.startswith(sent)
+    assert "\ufffd" in reply.choices[0].logprobs.tokens[:len(ids)]  # a token holds part of a character
+    assert offsets == sorted(offsets) and offsets[-1] < len(text) and offsets[len(ids)] == len(sent)
+    assert [text[a:b] for a, b in zip(offsets, offsets[1:len(ids)])][:2] == ["<|endoftext|>", "c"]
 
 
 def test_logprobs_zero_gives_each_new_tokens_logprob_under_the_model(served, client, model):

@@ -29,7 +29,7 @@ import signal
 import sys
 import tempfile
 import threading
-from typing import Callable
+from typing import Callable, Iterable
 
 from core.errors import STOP_SIGNALS, StorageError, UserError, detach_from_terminal
 from core.storage import check_writable, filesystem, is_url, one_line, os_problem, process_alive
@@ -127,8 +127,8 @@ def _file_in_the_way(path: pathlib.Path) -> pathlib.Path | None:
     return None
 
 
-def _listing(directory: pathlib.Path, shown: int = 3) -> str:
-    names = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
+def _listing(entries: Iterable[pathlib.Path], shown: int = 3) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in entries)
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
 
@@ -182,15 +182,12 @@ def check_out(out, overwrite: bool, *, ours: Callable[[pathlib.Path], bool], wha
             raise error(f"--out {shown} is a file, not a directory; {untouched}")
         settle_leftovers(out, hidden)
         if overwrite and out.is_dir() and any(out.iterdir()) and not ours(out):
-            raise error(f"--out {shown} holds {_listing(out)} and is not {what}; --overwrite replaces only "
-                        f"such a directory or an empty one: {untouched}")
-        others = sorted(e.name + ("/" if e.is_dir() else "") for e in out.iterdir()
-                        if not made(e)) if overwrite and made is not None and out.is_dir() else []
+            raise error(f"--out {shown} holds {_listing(out.iterdir())} and is not {what}; --overwrite replaces "
+                        f"only such a directory or an empty one: {untouched}")
+        others = [e for e in out.iterdir() if not made(e)] if overwrite and made and out.is_dir() else []
         if others:
-            more = f" and {len(others) - 3} more" if len(others) > 3 else ""
-            raise error(f"--out {shown} is {what} but also holds {', '.join(others[:3])}{more}, which "
-                        f"--overwrite would delete: move {'it' if len(others) == 1 else 'them'} out first, or "
-                        f"{untouched}")
+            raise error(f"--out {shown} is {what} but also holds {_listing(others)}, which --overwrite would "
+                        f"delete: move {'it' if len(others) == 1 else 'them'} out first, or {untouched}")
     except OSError as e:  # a directory on the way that cannot be read
         raise error(f"--out {shown}: {e.strerror or one_line(e)}" + (f" ({e.filename})" if e.filename else "")) \
             from None

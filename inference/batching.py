@@ -155,7 +155,7 @@ class Engine:
         whose slot is `self.slots`, past the last, is padding: it reads slot 0's rows and is written nowhere),
         and each prompt's first new token. Returns (cache, tokens (W,), their logprobs (W,), top ids and logprobs
         (W, TOP_MAX), the prompts' logprobs (W, bucket), their top ids and logprobs (W, bucket, TOP_MAX)); the tops
-        of size 1 when not `tops`, the prompts' logprobs of width 1 when not `echo`."""
+        of size 1 when not `tops` (the prompts' of size 0), the prompts' logprobs of width 1 when not `echo`."""
         model = nnx.merge(self.graphdef, state)
         W = tokens.shape[0]
         rows = {name: tuple(jnp.take(c, slots, axis=0, mode="clip") for c in cache[name]) for name in cache}
@@ -178,8 +178,9 @@ class Engine:
             prompt_top_lp, prompt_top_ids = jax.lax.top_k(prompt_logp, TOP_MAX)
             prompt_top_lp = jnp.concatenate([prompt_top_lp[:, -1:] * jnp.nan, prompt_top_lp[:, :-1]], axis=1)
             prompt_top_ids = jnp.concatenate([prompt_top_ids[:, -1:], prompt_top_ids[:, :-1]], axis=1)
-        else:
-            prompt_top_lp, prompt_top_ids = jnp.zeros((W, 1, 1)), jnp.zeros((W, 1, 1), jnp.int32)
+        else:  # no alternatives: (W, bucket, 0), so that a prompt's (T0, top) slice of them is (T0, 0)
+            none = (W, tokens.shape[1], 0)
+            prompt_top_lp, prompt_top_ids = jnp.zeros(none), jnp.zeros(none, jnp.int32)
         return cache, token, chosen, top_ids, top_lp, picked, prompt_top_ids, prompt_top_lp
 
     def _chunk_fn(self, state, cache, token, pos, count, limit, done, temp, top_p, key_data, steps, *, width: int,
@@ -372,10 +373,9 @@ class Engine:
                                                         np.asarray(prompt_top_lp))
         for i, (seq, slot) in enumerate(group):
             T0 = len(seq.prompt)
-            if seq.echo:  # (T0, top) alternatives: none when no prompt of the group asked for them
-                seq.deliver(("prompt", prompt_lp[i, :T0],
-                             prompt_top_ids[i, :T0, :seq.top] if tops else np.zeros((T0, 0), np.int32),
-                             prompt_top_lp[i, :T0, :seq.top] if tops else np.zeros((T0, 0), np.float32)))
+            if seq.echo:
+                seq.deliver(("prompt", prompt_lp[i, :T0], prompt_top_ids[i, :T0, :seq.top],
+                             prompt_top_lp[i, :T0, :seq.top]))
             if seq.max_tokens == 0:  # echo alone: the prompt's logprobs, nothing generated
                 seq.deliver(("end", "length"))
                 self._free(slot)
